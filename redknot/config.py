@@ -1,0 +1,171 @@
+"""The one configuration of a redknot server. CLI flags and config-file keys derive from it.
+
+Every field is reachable as ``--redknot-<field>`` on ``sglang.launch_server`` (underscores
+become dashes), as a key of the JSON/YAML file given by ``--redknot-config FILE``, and as a
+``redknot_<field>`` keyword of ``sgl.Engine``. Flags override file values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from redknot.headmap import HeadMap, HeadMapError, ModelShape
+
+KERNEL_CHOICES = ("auto", "triton")
+
+
+class RedknotConfigError(ValueError):
+    """An option value that cannot work; the message says what to change."""
+
+
+def _opt(help: str, **kw) -> Any:
+    return field(metadata={"help": help}, **kw)
+
+
+@dataclass(frozen=True)
+class RedknotConfig:
+    head_map: Optional[str] = _opt(
+        "Path of the head-class map (JSON) made for the served model by redknot-profile.",
+        default=None,
+    )
+    all_global: bool = _opt(
+        "Treat every KV head as global: the exact dense computation (no map needed).",
+        default=False,
+    )
+    window: Optional[int] = _opt(
+        "Local heads' window in tokens (overrides the map's value).", default=None
+    )
+    sink: Optional[int] = _opt(
+        "Local heads' sink tokens (overrides the map's value).", default=None
+    )
+    kernel: str = _opt(
+        "Attention kernels: 'auto' sends dense-equivalent work to FlashInfer and the rest to "
+        "redknot's Triton kernels; 'triton' runs redknot's Triton kernels for everything.",
+        default="auto",
+    )
+
+    def __post_init__(self) -> None:
+        if self.head_map is not None and self.all_global:
+            raise RedknotConfigError(
+                "--redknot-head-map and --redknot-all-global exclude each other: "
+                "give a map, or ask for every head global, not both"
+            )
+        if self.head_map is None and not self.all_global:
+            raise RedknotConfigError(
+                "--attention-backend redknot needs a head map: pass --redknot-head-map PATH "
+                "(made by redknot-profile; shipped maps are in configs/heads/) or "
+                "--redknot-all-global for the exact dense computation"
+            )
+        if self.kernel not in KERNEL_CHOICES:
+            raise RedknotConfigError(
+                f"--redknot-kernel {self.kernel!r} is not one of {', '.join(KERNEL_CHOICES)}"
+            )
+        for name in ("window", "sink"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (name == "window")):
+                raise RedknotConfigError(
+                    f"--redknot-{name} must be an integer >= {int(name == 'window')}, "
+                    f"got {value!r}"
+                )
+
+    # ---- construction ------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str) -> "RedknotConfig":
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise RedknotConfigError(
+                f"{source}: unknown redknot option(s) {unknown}; "
+                f"known options are {cls.field_names()}"
+            )
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}
+        clean = {}
+        for name, value in values.items():
+            if value is None:
+                continue
+            want_int = "int" in hints[name]
+            want_bool = hints[name] == "bool"
+            if want_bool and not isinstance(value, bool):
+                raise RedknotConfigError(f"{source}: {name} must be true or false, got {value!r}")
+            if want_int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise RedknotConfigError(f"{source}: {name} must be an integer, got {value!r}")
+            clean[name] = value
+        return cls(**clean)
+
+    @classmethod
+    def from_file(cls, path: str) -> dict:
+        """Read a config file into a dict of options (validated when merged)."""
+        p = Path(path)
+        if not p.is_file():
+            raise RedknotConfigError(f"redknot config file {path!r} does not exist")
+        text = p.read_text()
+        try:
+            if p.suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as e:  # noqa: BLE001 - any parse error is a user error here
+            raise RedknotConfigError(f"redknot config file {path!r} is not valid: {e}") from e
+        if not isinstance(data, dict):
+            raise RedknotConfigError(f"redknot config file {path!r} must hold a mapping")
+        if data.get("head_map") and not Path(data["head_map"]).is_absolute():
+            data["head_map"] = str((p.parent / data["head_map"]).resolve())
+        return data
+
+    @classmethod
+    def merge(
+        cls, file_path: Optional[str], overrides: Mapping[str, Any]
+    ) -> "RedknotConfig":
+        """File values, then explicitly given overrides (``None`` means not given)."""
+        values: dict = cls.from_file(file_path) if file_path else {}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        source = f"redknot options (file {file_path!r} and flags)" if file_path else "redknot flags"
+        return cls.from_mapping(values, source=source)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RedknotConfig":
+        return cls.from_mapping(json.loads(text), source="REDKNOT_RESOLVED_CONFIG")
+
+    # ---- the head map this configuration serves --------------------------------------------
+
+    def resolve_head_map(
+        self,
+        model: ModelShape,
+        *,
+        tp_size: int = 1,
+        context_len: Optional[int] = None,
+        model_name: str = "",
+    ) -> HeadMap:
+        """The validated head map for ``model``; raises ``HeadMapError`` if it does not fit."""
+        if self.all_global:
+            hm = HeadMap.every_head_global(model, model_name=model_name)
+            window = self.window if self.window is not None else hm.window
+            sink = self.sink if self.sink is not None else hm.sink
+            hm = dataclasses.replace(hm, window=window, sink=sink)
+        else:
+            hm = HeadMap.load(self.head_map)
+            if self.window is not None or self.sink is not None:
+                hm = dataclasses.replace(
+                    hm,
+                    window=hm.window if self.window is None else self.window,
+                    sink=hm.sink if self.sink is None else self.sink,
+                )
+        source = "the all-global map" if self.all_global else f"head map {self.head_map!r}"
+        hm.validate_against(model, tp_size=tp_size, context_len=context_len, source=source)
+        return hm
+
+
+__all__ = ["KERNEL_CHOICES", "HeadMapError", "RedknotConfig", "RedknotConfigError"]

@@ -1,0 +1,34 @@
+"""Environment variables read by redknot. Declared here and read nowhere else.
+
+| variable                   | meaning                                                                |
+| -------------------------- | ---------------------------------------------------------------------- |
+| REDKNOT_RESOLVED_CONFIG    | JSON of the validated ``RedknotConfig``, set by the launcher process   |
+|                            | so that every spawned scheduler process serves the same configuration. |
+| REDKNOT_CONFIG             | path of a redknot config file, used when no ``--redknot-config`` flag  |
+|                            | is given (for ``sgl.Engine`` users who cannot pass CLI flags).         |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class _EnvVar:
+    name: str
+
+    def get(self) -> Optional[str]:
+        value = os.environ.get(self.name)
+        return value if value else None
+
+    def set(self, value: str) -> None:
+        os.environ[self.name] = value
+
+    def clear(self) -> None:
+        os.environ.pop(self.name, None)
+
+
+REDKNOT_RESOLVED_CONFIG = _EnvVar("REDKNOT_RESOLVED_CONFIG")
+REDKNOT_CONFIG = _EnvVar("REDKNOT_CONFIG")
