@@ -1,0 +1,164 @@
+"""The SGLang plugin: every registration and hook redknot makes in SGLang lives here.
+
+Written against SGLang 0.5.17 (``redknot.SGLANG_VERSION``); any other version is refused.
+SGLang runs :func:`register` (the ``sglang.srt.plugins`` entry point) in the launching process
+and again in every scheduler process, then applies the registered hooks. SGLang only logs a
+plugin or hook failure, so redknot records what went wrong and :func:`verify` (called when the
+backend is built, and by the tests) turns it into an error that stops the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from redknot import SGLANG_VERSION
+from redknot.integration import server_args as sa_hooks
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = sa_hooks.BACKEND_NAME
+
+
+@dataclass(frozen=True)
+class Hook:
+    target: str
+    kind: str  # a sglang HookType name
+    fn: Callable
+
+
+def _after_add_cli_args(result, parser):
+    sa_hooks.add_cli_flags(parser)
+
+
+def _around_from_cli_args(original, cls, args):
+    sa_hooks.take_cli_options(args)
+    return original(cls, args)
+
+
+def _before_init(self, *args, **kwargs):
+    return (self, *args), sa_hooks.take_engine_options(kwargs)
+
+
+def _after_post_init(result, self):
+    sa_hooks.resolve(self)
+
+
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+HOOKS: tuple[Hook, ...] = (
+    Hook(f"{_SERVER_ARGS}.add_cli_args", "AFTER", _after_add_cli_args),
+    Hook(f"{_SERVER_ARGS}.from_cli_args", "AROUND", _around_from_cli_args),
+    Hook(f"{_SERVER_ARGS}.__init__", "BEFORE", _before_init),
+    Hook(f"{_SERVER_ARGS}.__post_init__", "AFTER", _after_post_init),
+)
+
+# What went wrong while registering in this process; empty when all is well.
+_failures: list[str] = []
+_registered = False
+
+
+def _check_sglang_version() -> None:
+    import sglang
+
+    if sglang.__version__ != SGLANG_VERSION:
+        raise RuntimeError(
+            f"redknot {__import__('redknot').__version__} is built for sglang=={SGLANG_VERSION}, "
+            f"found sglang=={sglang.__version__}: install sglang=={SGLANG_VERSION}"
+        )
+
+
+def create_attention_backend(model_runner: Any):
+    """Factory registered as SGLang attention backend ``redknot``."""
+    verify()
+    from redknot.attention.backend import RedknotAttnBackend
+
+    return RedknotAttnBackend(model_runner, sa_hooks.published_config())
+
+
+def create_tree_cache(ctx: Any):
+    """Factory registered as SGLang radix-cache backend ``redknot``: exact-prefix reuse."""
+    verify()
+    from redknot.segcache.factory import create_tree_cache as create
+
+    return create(ctx)
+
+
+def register() -> None:
+    """Entry point of the ``sglang.srt.plugins`` group. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    try:
+        _check_sglang_version()
+        _register_all()
+    except Exception as e:  # SGLang would only log it; keep it for verify()
+        _failures.append(f"{type(e).__name__}: {e}")
+        logger.error("redknot plugin failed to register: %s", e)
+
+
+def _register_all() -> None:
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if ATTENTION_BACKENDS.get(BACKEND_NAME) is not create_attention_backend:
+        register_attention_backend(BACKEND_NAME)(create_attention_backend)
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, create_tree_cache)
+    for hook in HOOKS:
+        HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
+
+
+def _hook_applied(target: str, fn: Callable) -> bool:
+    """True when ``fn`` is part of the wrapper chain now installed at ``target``."""
+    owner_path, attr = target.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+    current = getattr(current, "__func__", current)  # classmethod / staticmethod
+    seen = 0
+    while current is not None and seen < 32:
+        cells = getattr(current, "__closure__", None) or ()
+        if any(getattr(c, "cell_contents", None) is fn for c in cells):
+            return True
+        current, seen = getattr(current, "__wrapped__", None), seen + 1
+    return False
+
+
+def verify() -> None:
+    """Raise unless every redknot registration and hook is in effect in this process."""
+    problems = list(_failures)
+    if not _registered:
+        problems.append("the redknot plugin never ran in this process")
+    else:
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+        from sglang.srt.mem_cache.registry import get_radix_cache_factory
+        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+        if ATTENTION_BACKENDS.get(BACKEND_NAME) is not create_attention_backend:
+            problems.append("attention backend 'redknot' is not registered")
+        if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+            problems.append("'redknot' is not a --attention-backend choice")
+        if get_radix_cache_factory(BACKEND_NAME) is not create_tree_cache:
+            problems.append("radix-cache backend 'redknot' is not registered")
+        problems += [
+            f"hook on {h.target} is not applied" for h in HOOKS if not _hook_applied(h.target, h.fn)
+        ]
+    if problems:
+        raise RuntimeError(
+            "redknot is not correctly installed in SGLang: "
+            + "; ".join(problems)
+            + f". redknot needs sglang=={SGLANG_VERSION} with its plugin loader "
+            "(sglang.srt.plugins); see the SGLang log for the original error."
+        )

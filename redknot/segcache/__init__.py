@@ -1,0 +1,1 @@
+"""The prefix/segment cache redknot registers as SGLang radix-cache backend ``redknot``."""

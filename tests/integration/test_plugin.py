@@ -1,0 +1,80 @@
+"""The SGLang plugin: entry point, registrations, hook verification, spawned processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from importlib.metadata import entry_points
+
+import pytest
+
+
+def test_entry_point_is_declared_in_sglang_plugin_group():
+    eps = {ep.name: ep for ep in entry_points(group="sglang.srt.plugins")}
+    assert "redknot" in eps
+    from redknot.integration.plugin import register
+
+    assert eps["redknot"].load() is register
+
+
+def test_plugin_registers_backend_cache_and_cli_choice(sglang_plugins):
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    sglang_plugins.verify()
+    assert ATTENTION_BACKENDS["redknot"] is sglang_plugins.create_attention_backend
+    assert "redknot" in ATTENTION_BACKEND_CHOICES
+    assert get_radix_cache_factory("redknot") is sglang_plugins.create_tree_cache
+
+
+def test_verify_fails_loudly_when_a_hook_is_missing(sglang_plugins):
+    from sglang.srt.server_args import ServerArgs
+
+    patched = ServerArgs.__post_init__
+    ServerArgs.__post_init__ = patched.__wrapped__  # as if SGLang had failed to apply it
+    try:
+        with pytest.raises(RuntimeError, match=r"hook on .*__post_init__ is not applied"):
+            sglang_plugins.verify()
+    finally:
+        ServerArgs.__post_init__ = patched
+    sglang_plugins.verify()
+
+
+def test_register_is_idempotent(sglang_plugins):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    before = {k: len(v) for k, v in HookRegistry._hooks.items()}
+    sglang_plugins.register()
+    assert {k: len(v) for k, v in HookRegistry._hooks.items()} == before
+
+
+def _scheduler_like_process(queue):
+    # What run_scheduler_process does first: load the plugins, then build the backend
+    # from the configuration the launcher published.
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from redknot.integration import plugin, server_args
+
+    try:
+        plugin.verify()
+        queue.put(("ok", server_args.published_config().to_json()))
+    except Exception as e:  # report to the parent, which asserts
+        queue.put(("error", repr(e)))
+
+
+def test_spawned_process_sees_plugin_and_published_config(sglang_plugins, llama_dir):
+    from sglang.srt.server_args import prepare_server_args
+
+    prepare_server_args(
+        ["--model-path", str(llama_dir), "--load-format", "dummy", "--device", "cpu",
+         "--attention-backend", "redknot", "--redknot-all-global", "--redknot-window", "128"]
+    )
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_scheduler_like_process, args=(queue,))
+    proc.start()
+    status, payload = queue.get(timeout=300)
+    proc.join(timeout=60)
+    assert status == "ok", payload
+    assert '"all_global": true' in payload and '"window": 128' in payload
