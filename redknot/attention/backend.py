@@ -1,0 +1,161 @@
+"""``--attention-backend redknot``: head-class attention for SGLang.
+
+Every (layer, KV head) is global (attends every earlier token) or local (attends its sink and
+its recent window), as the head map says. Two execution paths, chosen once at startup:
+
+- ``dense``: when every head is global and ``--redknot-kernel auto``, the computation is exactly
+  dense attention and is dispatched to SGLang's FlashInfer backend, the fastest dense kernels on
+  the GPU machine.
+- ``segpaged``: redknot's SegPagedAttention kernels (one launch per layer over all requests and
+  all KV heads, local rows limited to sink + window), used for every map with local heads and
+  for all maps under ``--redknot-kernel triton``.
+
+Planning happens once per batch (``init_forward_metadata*``); ``forward_extend`` and
+``forward_decode`` only write KV and launch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from redknot.config import RedknotConfig
+from redknot.headmap import ModelShape
+from redknot.pool.layout import HeadLayout
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def _check_model(model_runner: ModelRunner) -> None:
+    mc = model_runner.model_config
+    problems = []
+    if model_runner.use_mla_backend:
+        problems.append("MLA attention (DeepSeek-style) has no KV heads to classify")
+    if model_runner.is_hybrid_swa:
+        problems.append("the model already mixes sliding-window and full layers")
+    if model_runner.sliding_window_size is not None:
+        problems.append("the model has its own sliding-window attention")
+    if mc.is_encoder_decoder or mc.is_multimodal:
+        problems.append("encoder-decoder and multimodal models are not supported")
+    if mc.head_dim not in (64, 128):
+        problems.append(f"head_dim {mc.head_dim} is not supported (64 or 128)")
+    if problems:
+        archs = ",".join(mc.hf_config.architectures or ["?"])
+        raise ValueError(f"--attention-backend redknot cannot serve {archs}: " + "; ".join(problems))
+
+
+class RedknotAttnBackend(AttentionBackend):
+    """SGLang attention backend applying a head-class map."""
+
+    def __init__(self, model_runner: ModelRunner, config: RedknotConfig):
+        super().__init__()
+        _check_model(model_runner)
+        from sglang.srt.runtime_context import get_parallel
+
+        mc = model_runner.model_config
+        tp_size, tp_rank = get_parallel().attn_tp_size, get_parallel().attn_tp_rank
+        head_map = config.resolve_head_map(
+            ModelShape.from_hf_config(mc.hf_config), tp_size=tp_size, context_len=mc.context_len
+        )
+        self.config = config
+        self.layout = HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=tp_rank)
+        expected = (mc.get_num_kv_heads(tp_size), mc.num_attention_heads // tp_size)
+        if expected != (self.layout.num_kv_heads, self.layout.num_q_heads):
+            raise ValueError(
+                f"rank {tp_rank} serves {expected[0]} KV / {expected[1]} query heads but the "
+                f"head map slice has {self.layout.num_kv_heads} / {self.layout.num_q_heads}"
+            )
+        self.dense: Optional[AttentionBackend] = None
+        self.segpaged = None
+        if self.layout.all_global and config.kernel == "auto":
+            from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+            self.dense = FlashInferAttnBackend(
+                model_runner, init_new_workspace=model_runner.init_new_workspace
+            )
+            self.path = "dense"
+        else:
+            from redknot.attention.segpaged_runner import SegPagedRunner
+
+            self.segpaged = SegPagedRunner.from_model_runner(model_runner, self.layout)
+            self.path = "segpaged"
+        logger.info(
+            "redknot backend (TP rank %d/%d): %s path, %d global / %d local KV heads per rank",
+            tp_rank,
+            tp_size,
+            self.path,
+            sum(self.layout.num_global(i) for i in range(self.layout.num_layers)),
+            sum(self.layout.num_local(i) for i in range(self.layout.num_layers)),
+        )
+
+    # ---- planning: once per batch ------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch):
+        if self.dense is not None:
+            return self.dense.init_forward_metadata(forward_batch)
+        self.segpaged.plan(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        if self.dense is not None:
+            return self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+        self.segpaged.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+        if self.dense is not None:
+            return self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
+        self.segpaged.plan(forward_batch, for_graph=True)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        if self.dense is not None:
+            return self.dense.init_forward_metadata_in_graph(forward_batch)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        if self.dense is not None:
+            return self.dense.get_cuda_graph_seq_len_fill_value()
+        return 1
+
+    def on_after_cuda_graph_warmup(self):
+        if self.dense is not None:
+            return self.dense.on_after_cuda_graph_warmup()
+
+    # ---- running: once per layer ------------------------------------------------------------
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ):
+        if self.dense is not None:
+            return self.dense.forward_extend(
+                q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
+            )
+        return self.segpaged.extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ):
+        if self.dense is not None:
+            return self.dense.forward_decode(
+                q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
+            )
+        return self.segpaged.decode(q, k, v, layer, forward_batch, save_kv_cache)
