@@ -1,0 +1,210 @@
+"""SegPagedAttention extend (chunked prefill over a cached prefix): plan once per batch on the
+host, run once per layer.
+
+>>> plan = plan_extend(geo, req_pool_indices_gpu, extend_prefix_lens_cpu, extend_seq_lens_cpu)
+>>> for layer in range(num_layers):
+...     run_extend(plan, q, k_new, v_new, kg[layer], vg[layer], kl[layer], vl[layer],
+...                req_to_token, heads[layer], sm_scale, out=out)
+
+Request ``b`` has ``P_b`` cached keys (positions ``< P_b``, read from the stores) and ``E_b`` new
+tokens at positions ``P_b .. P_b + E_b - 1`` (rows ``qo_indptr[b] ..`` of ``q``, ``k_new``,
+``v_new``). In ``ring`` mode the local store must still hold the sink and the last ``window``
+positions before ``P_b`` when ``run_extend`` reads it: write the new tokens into the ring after
+the layer's attention, or size the ring for them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from redknot.kernels.decode import check_store
+from redknot.kernels.geometry import LayerHeads, SegGeometry
+from redknot.kernels.triton.common import upcast_dots
+from redknot.kernels.triton.extend import segpaged_extend_kernel
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Tuning of the extend kernel (constants of the launch, not of the semantics)."""
+
+    block_m: int = 128  # query rows per tile: (tokens x query heads of one KV head)
+    block_n: int = 64  # keys per inner-loop block
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def block_q(self, group_size: int) -> int:
+        """New tokens per tile."""
+        assert self.block_m % group_size == 0 and self.block_m // group_size >= 1
+        return self.block_m // group_size
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    geometry: SegGeometry
+    config: ExtendConfig
+    num_tokens: int  # T = sum of extend lengths
+    req_pool_indices_gpu: torch.Tensor  # [B] int32/int64
+    prefix_lens_cpu: torch.Tensor  # [B] int32, cached keys per request (P_b)
+    qo_indptr_cpu: torch.Tensor  # [B + 1] int32, new tokens of request b: rows qo_indptr[b]..
+    tile_req_cpu: torch.Tensor  # [NT] int32, request of each query tile
+    tile_start_cpu: torch.Tensor  # [NT] int32, first new-token index of the tile in its request
+    prefix_lens_gpu: torch.Tensor  # [B] int32
+    qo_indptr_gpu: torch.Tensor  # [B + 1] int32
+    tile_req_gpu: torch.Tensor  # [NT] int32
+    tile_start_gpu: torch.Tensor  # [NT] int32
+    extra: dict = field(default_factory=dict)  # per-backend state (see redknot.kernels.flashinfer)
+
+    def __post_init__(self) -> None:
+        B = self.batch_size
+        assert self.req_pool_indices_gpu.shape == (B,)
+        assert self.prefix_lens_cpu.shape == (B,) and self.qo_indptr_cpu.shape == (B + 1,)
+        assert int(self.qo_indptr_cpu[-1]) == self.num_tokens
+        assert bool((self.qo_indptr_cpu[1:] >= self.qo_indptr_cpu[:-1]).all())
+        assert bool((self.prefix_lens_cpu >= 0).all())
+        assert self.tile_req_cpu.shape == self.tile_start_cpu.shape
+        for name in ("prefix_lens_gpu", "qo_indptr_gpu", "tile_req_gpu", "tile_start_gpu"):
+            t = getattr(self, name)
+            assert t.dtype == torch.int32 and t.device == self.req_pool_indices_gpu.device, name
+
+    @property
+    def batch_size(self) -> int:
+        return self.prefix_lens_cpu.shape[0]
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_req_cpu.shape[0]
+
+
+def plan_extend(
+    geo: SegGeometry,
+    req_pool_indices_gpu: torch.Tensor,
+    prefix_lens_cpu: Sequence[int] | torch.Tensor,
+    extend_lens_cpu: Sequence[int] | torch.Tensor,
+    *,
+    config: ExtendConfig = ExtendConfig(),
+) -> ExtendPlan:
+    """Plan an extend batch: query tiles of ``config.block_q(group_size)`` new tokens, the
+    tiles with the most keys to visit first (they finish last otherwise)."""
+    device = req_pool_indices_gpu.device
+    prefix = torch.as_tensor(prefix_lens_cpu, dtype=torch.int64).cpu()
+    lens = torch.as_tensor(extend_lens_cpu, dtype=torch.int64).cpu()
+    assert prefix.shape == lens.shape and prefix.dim() == 1, (prefix.shape, lens.shape)
+    assert bool((lens >= 0).all()), "extend lengths must be >= 0"
+    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=indptr[1:])
+
+    bq = config.block_q(geo.group_size)
+    tiles = [
+        (int(p) + t0 + bq, b, t0)
+        for b, (p, e) in enumerate(zip(prefix.tolist(), lens.tolist()))
+        for t0 in range(0, e, bq)
+    ]
+    tiles.sort(key=lambda x: -x[0])
+    tile_req = torch.tensor([t[1] for t in tiles], dtype=torch.int32)
+    tile_start = torch.tensor([t[2] for t in tiles], dtype=torch.int32)
+    prefix32, indptr32 = prefix.to(torch.int32), indptr.to(torch.int32)
+    return ExtendPlan(
+        geometry=geo,
+        config=config,
+        num_tokens=int(indptr[-1]),
+        req_pool_indices_gpu=req_pool_indices_gpu,
+        prefix_lens_cpu=prefix32,
+        qo_indptr_cpu=indptr32,
+        tile_req_cpu=tile_req,
+        tile_start_cpu=tile_start,
+        prefix_lens_gpu=_to_device(prefix32, device),
+        qo_indptr_gpu=_to_device(indptr32, device),
+        tile_req_gpu=_to_device(tile_req, device),
+        tile_start_gpu=_to_device(tile_start, device),
+    )
+
+
+def run_extend(
+    plan: ExtendPlan,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_global: torch.Tensor,
+    v_global: torch.Tensor,
+    k_local: torch.Tensor,
+    v_local: torch.Tensor,
+    req_to_token: torch.Tensor,
+    heads: LayerHeads,
+    sm_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    skip_global: bool = False,
+) -> torch.Tensor:
+    """Causal extend attention of one layer.
+
+    Parameters
+    ----------
+    q : [T, Hq, D] fp16/bf16, new tokens ragged by the plan's ``qo_indptr``.
+    k_new, v_new : [T, H_kv, D], the new tokens' keys and values for every rank-local KV head.
+    k_global, v_global : [S_g, G_l, D] global store (any small tensor if G_l = 0).
+    k_local, v_local : [S_l, L_l, D] local store (any small tensor if L_l = 0).
+    req_to_token : [R, max_ctx] int32.
+    heads : the layer's head tables.
+    out : [T, Hq, D] like ``q`` (allocated if None).
+    lse : optional [T, Hq] float32, filled with the natural-log log-sum-exp.
+    skip_global : leave the query heads of global KV heads untouched (another kernel fills
+        them, see ``redknot.kernels.flashinfer``).
+
+    Returns
+    -------
+    out : [T, Hq, D]
+    """
+    geo, cfg = plan.geometry, plan.config
+    T, Hq, D = q.shape
+    assert T == plan.num_tokens and Hq == geo.num_q_heads and D == geo.head_dim, q.shape
+    assert q.dtype in _DTYPES and q.stride(2) == 1, (q.dtype, q.stride())
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        assert t.shape == (T, geo.num_kv_heads, D), f"{name}: {t.shape}"
+        assert t.dtype == q.dtype and t.device == q.device and t.stride(2) == 1, name
+    assert q.device == plan.qo_indptr_gpu.device, (q.device, plan.qo_indptr_gpu.device)
+    assert heads.num_kv_heads == geo.num_kv_heads and heads.device == q.device
+    check_store("k_global", k_global, q, heads.num_global)
+    check_store("v_global", v_global, q, heads.num_global)
+    check_store("k_local", k_local, q, heads.num_local)
+    check_store("v_local", v_local, q, heads.num_local)
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    if lse is not None:
+        assert lse.shape == (T, Hq) and lse.dtype == torch.float32 and lse.stride(1) == 1
+
+    first_slot = heads.num_global if skip_global else 0
+    num_slots = geo.num_kv_heads - first_slot
+    if plan.num_tiles == 0 or num_slots == 0:
+        return out
+    lse_arg = lse if lse is not None else out
+    segpaged_extend_kernel[(plan.num_tiles, num_slots)](
+        q, k_new, v_new, k_global, v_global, k_local, v_local,
+        req_to_token, plan.req_pool_indices_gpu, plan.prefix_lens_gpu, plan.qo_indptr_gpu,
+        plan.tile_req_gpu, plan.tile_start_gpu,
+        heads.is_local_gpu, heads.column_gpu, heads.order_gpu, out, lse_arg,
+        sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, first_slot,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
+        k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1),
+        k_local.stride(0), k_local.stride(1), v_local.stride(0), v_local.stride(1),
+        req_to_token.stride(0),
+        GRP=geo.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+        RING=geo.ring, WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,196 @@
+"""SegPagedAttention decode kernels: split-K attention of one new token per request over every
+(request, KV head) row of a layer, then a merge of the splits.
+
+Grid of ``segpaged_decode_kernel``: ``(NUM_SPLITS, B, H_kv)``; program ``(s, b, j)`` serves KV
+head ``h = order[j]`` (global heads first, so the long rows start first) of request ``b`` and
+all ``GRP`` query heads of that KV head, reading each key once.
+
+A row's visible keys, numbered ``v = 0 .. cnt - 1`` (``n = seq_lens[b]``):
+
+| row    | ``v`` -> position                                   | ``cnt``             |
+| ------ | --------------------------------------------------- | ------------------- |
+| global | ``v``                                               | ``n``               |
+| local  | ``v`` if ``v < ns`` else ``ws + v - ns``, with      | ``ns + n - ws``     |
+|        | ``ns = min(sink, n)``, ``ws = max(n - window, ns)`` |                     |
+
+Split ``s`` takes ``v`` in ``[s * chunk, (s + 1) * chunk)`` with ``chunk`` from
+``split_chunk``; ``nvalid = cdiv(cnt, chunk)`` splits hold keys. A row with ``nvalid <= 1``
+is finished by its split 0 (written to ``Out``); other rows write partial outputs and base-2
+log-sum-exps that ``segpaged_decode_merge_kernel`` (grid ``(B, H_kv)``) combines.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton.common import NO_KEY_MAX, mma, softmax_step
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def visible_span(n, is_local, sink, window):
+    """``(ns, ws, cnt)`` of the module table for a row of ``n`` keys."""
+    n = tl.maximum(n, 0)
+    ns_local = tl.minimum(sink, n)
+    ws_local = tl.maximum(n - window, ns_local)
+    ns = tl.where(is_local != 0, ns_local, n)
+    ws = tl.where(is_local != 0, ws_local, n)
+    return ns, ws, ns + n - ws
+
+
+@triton.jit
+def split_chunk(cnt, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Keys per split: ``cnt / NUM_SPLITS`` rounded up to blocks, at least ``MIN_CHUNK``."""
+    chunk = tl.cdiv(tl.cdiv(cnt, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return tl.maximum(chunk, MIN_CHUNK)
+
+
+@triton.jit
+def segpaged_decode_kernel(
+    Q, K_g, V_g, K_l, V_l,
+    Req_to_token, Req_pool_indices, Seq_lens,
+    Is_local, Column, Order,
+    Out, Lse, Part_o, Part_lse,
+    qk_scale, sink, window, ring_len,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_lse_b,
+    stride_kgs, stride_kgh, stride_vgs, stride_vgh,
+    stride_kls, stride_klh, stride_vls, stride_vlh,
+    stride_r2t, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    GRP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    RING: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.load(Order + tl.program_id(2))
+    is_local = tl.load(Is_local + h)
+    col = tl.load(Column + h)
+    n = tl.load(Seq_lens + b).to(tl.int32)
+    req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+
+    ns, ws, cnt = visible_span(n, is_local, sink, window)
+    chunk = split_chunk(cnt, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, cnt)
+    if (split == 0) | (lo < cnt):
+        rows = tl.arange(0, BLOCK_H)
+        row_ok = rows < GRP
+        head = h * GRP + rows
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(
+            Q + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        if is_local != 0:
+            K = K_l + col * stride_klh
+            V = V_l + col * stride_vlh
+        else:
+            K = K_g + col * stride_kgh
+            V = V_g + col * stride_vgh
+        stride_ks = tl.where(is_local != 0, stride_kls, stride_kgs).to(tl.int64)
+        stride_vs = tl.where(is_local != 0, stride_vls, stride_vgs).to(tl.int64)
+
+        m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + NO_KEY_MAX
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        for start in tl.range(lo, hi, BLOCK_N):
+            v_idx = start + tl.arange(0, BLOCK_N)
+            valid = v_idx < hi
+            pos = tl.where(v_idx < ns, v_idx, ws + v_idx - ns)
+            table_mask = valid
+            if RING:
+                table_mask = valid & (is_local == 0)
+            slot = tl.load(Req_to_token + req_row * stride_r2t + pos, mask=table_mask, other=0)
+            slot = slot.to(tl.int64)
+            if RING:
+                in_ring = tl.where(pos < sink, pos, sink + (pos - sink) % (ring_len - sink))
+                slot = tl.where(is_local != 0, req_row * ring_len + in_ring, slot)
+            k = tl.load(K + slot[:, None] * stride_ks + d[None, :], mask=valid[:, None], other=0.0)
+            qk = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), UPCAST) * qk_scale
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            v = tl.load(V + slot[:, None] * stride_vs + d[None, :], mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = softmax_step(qk, m_i, l_i, acc, v, q.dtype, UPCAST)
+
+        nvalid = tl.cdiv(cnt, chunk)
+        safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / safe_l[:, None]
+        lse2 = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
+        if nvalid <= 1:
+            tl.store(
+                Out + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :],
+                o.to(Out.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
+            if WRITE_LSE:
+                tl.store(Lse + b.to(tl.int64) * stride_lse_b + head, lse2 * LN2, mask=row_ok)
+        else:
+            part = b.to(tl.int64) * stride_pob + head * stride_poh + split * stride_pos
+            tl.store(Part_o + part[:, None] + d[None, :], o, mask=row_ok[:, None])
+            tl.store(
+                Part_lse + b.to(tl.int64) * stride_plb + head * stride_plh + split,
+                lse2,
+                mask=row_ok,
+            )
+
+
+@triton.jit
+def segpaged_decode_merge_kernel(
+    Seq_lens, Is_local, Out, Lse, Part_o, Part_lse,
+    sink, window,
+    stride_ob, stride_oh, stride_lse_b,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    GRP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(Seq_lens + b).to(tl.int32)
+    _, _, cnt = visible_span(n, tl.load(Is_local + h), sink, window)
+    nvalid = tl.cdiv(cnt, split_chunk(cnt, NUM_SPLITS, BLOCK_N, MIN_CHUNK))
+    if nvalid > 1:
+        rows = tl.arange(0, BLOCK_H)
+        row_ok = rows < GRP
+        head = h * GRP + rows
+        d = tl.arange(0, HEAD_DIM)
+        splits = tl.arange(0, SPLITS_P2)
+        lse_base = Part_lse + b.to(tl.int64) * stride_plb + head * stride_plh
+        lse_all = tl.load(
+            lse_base[:, None] + splits[None, :],
+            mask=row_ok[:, None] & (splits < nvalid)[None, :],
+            other=float("-inf"),
+        )
+        m = tl.max(lse_all, 1)
+        m = tl.where(row_ok, m, 0.0)
+        denom = tl.sum(tl.math.exp2(lse_all - m[:, None]), 1)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        part = Part_o + b.to(tl.int64) * stride_pob + head * stride_poh
+        for s in range(nvalid):
+            w = tl.math.exp2(tl.load(lse_base + s, mask=row_ok, other=0.0) - m)
+            o_s = tl.load(
+                part[:, None] + s * stride_pos + d[None, :], mask=row_ok[:, None], other=0.0
+            )
+            acc += w[:, None] * o_s
+        denom = tl.where(row_ok, denom, 1.0)
+        tl.store(
+            Out + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :],
+            (acc / denom[:, None]).to(Out.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+        if WRITE_LSE:
+            lse = (m + tl.math.log2(denom)) * LN2
+            tl.store(Lse + b.to(tl.int64) * stride_lse_b + head, lse, mask=row_ok)

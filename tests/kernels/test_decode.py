@@ -1,0 +1,157 @@
+"""SegPagedAttention decode against the PyTorch reference.
+
+On the CPU the kernels run under ``TRITON_INTERPRET=1`` (see conftest.py) at small shapes with
+small blocks, so that splits, partial blocks and sink/window edges all occur. GPU tests use the
+Llama-3.1-8B attention shape and the default tuning.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redknot.kernels.decode import DecodeConfig, DecodeWorkspace, plan_decode, run_decode
+from redknot.kernels.reference import decode_reference
+
+from .segpaged_data import make_batch, make_geometry
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, in the interpreter
+
+SMALL = DecodeConfig(block_n=16, min_chunk=16)
+SINK, WINDOW = 4, 19
+# key counts: a padded row (0), a single key, < sink + window, just above it, not a multiple
+# of the block, long enough for several splits
+SEQ_LENS = [0, 1, 9, 24, 45, 150]
+
+CASES = [  # classes, group size, head_dim, dtype, local mode
+    ("GLLG", 1, 64, torch.float16, "token_table"),
+    ("LGLL", 4, 128, torch.bfloat16, "ring"),
+    ("LLLL", 8, 64, torch.bfloat16, "token_table"),  # no global head
+    ("GGGG", 4, 64, torch.float16, "token_table"),  # no local head
+    ("LLLG", 8, 128, torch.float16, "ring"),
+    ("LLGL", 1, 128, torch.bfloat16, "ring"),
+]
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = 2e-2 if out.dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _run_case(classes, grp, dim, dtype, mode, seq_lens, num_splits, device, config, seed=0):
+    geo, layout = make_geometry(classes, grp, dim, SINK, WINDOW, mode)
+    batch, _, _ = make_batch(geo, layout, seq_lens, dtype, device, seed=seed)
+    B = len(seq_lens)
+    g = torch.Generator().manual_seed(seed + 1)
+    # q as a strided view of a wider projection output, as SGLang passes it
+    qkv = torch.randn(B, geo.num_q_heads + 2, dim, generator=g).to(dtype).to(device)
+    q = qkv[:, : geo.num_q_heads]
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+    ws = DecodeWorkspace(geo, max_batch_size=B + 3, max_splits=16, device=device)
+    plan = plan_decode(
+        geo, ws, seq_lens_t.to(device), batch.req_pool_indices, seq_lens_cpu=seq_lens_t,
+        num_splits=num_splits, config=config,
+    )  # fmt: skip
+    lse = torch.empty(B, geo.num_q_heads, device=device)
+    out = run_decode(
+        plan, q, batch.k_global, batch.v_global, batch.k_local, batch.v_local,
+        batch.req_to_token, batch.heads, 0.125, lse=lse,
+    )  # fmt: skip
+    ref_out, ref_lse = decode_reference(
+        q, batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token,
+        batch.req_pool_indices, seq_lens_t, batch.heads, geo, 0.125,
+    )  # fmt: skip
+    return out, lse, ref_out, ref_lse
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("classes,grp,dim,dtype,mode", CASES)
+def test_decode_matches_reference(classes, grp, dim, dtype, mode, num_splits):
+    out, lse, ref_out, ref_lse = _run_case(
+        classes, grp, dim, dtype, mode, SEQ_LENS, num_splits, "cpu", SMALL
+    )
+    assert torch.isfinite(out.float()).all()
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()  # the padded row
+
+
+def test_decode_split_count_from_lengths():
+    """With ``num_splits`` chosen from the lengths (as outside CUDA graphs)."""
+    out, lse, ref_out, ref_lse = _run_case(
+        "GLLL", 4, 64, torch.float16, "ring", [3, 200, 77], None, "cpu", SMALL
+    )
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_decode_ring_and_token_table_agree():
+    """The same keys stored in a ring or in a token table give the same attention."""
+    outs = [
+        _run_case("LGLL", 4, 64, torch.float16, mode, [1, 30, 61], 3, "cpu", SMALL)[0]
+        for mode in ("token_table", "ring")
+    ]
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+def test_decode_plan_checks_workspace():
+    geo, _ = make_geometry("GL", 4, 64, SINK, WINDOW, "token_table")
+    ws = DecodeWorkspace(geo, max_batch_size=2, max_splits=4, device="cpu")
+    lens = torch.tensor([5, 6, 7])
+    with pytest.raises(AssertionError):
+        plan_decode(geo, ws, lens, torch.arange(3), num_splits=2)
+    with pytest.raises(AssertionError):
+        plan_decode(geo, ws, lens[:2], torch.arange(2), num_splits=8)
+
+
+# ---- GPU: real shapes -------------------------------------------------------------------------
+
+LLAMA = "GLLLLLLL"  # 8 KV heads, 1 global; 32 query heads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["token_table", "ring"])
+@pytest.mark.parametrize("classes", [LLAMA, "GLGLGGLL", "LLLLLLLL", "GGGGGGGG"])
+def test_decode_gpu_llama_shape(classes, mode):
+    lens = [1, 300, 4097, 32768, 20011]
+    out, lse, ref_out, ref_lse = _run_case(
+        classes, 4, 128, torch.bfloat16, mode, lens, None, "cuda", DecodeConfig()
+    )
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_decode_gpu_cuda_graph_replay():
+    """Capture once for a batch size with fixed splits; replay with other lengths, including
+    padded rows, by refilling the static buffers."""
+    geo, layout = make_geometry(LLAMA, 4, 128, 64, 256, "ring", ring_extra=64)
+    B, dev = 8, "cuda"
+    full = [9000, 17, 1, 320, 321, 4000, 12000, 65]
+    batch, _, _ = make_batch(geo, layout, full, torch.bfloat16, dev, seed=3)
+    ws = DecodeWorkspace(geo, max_batch_size=B, max_splits=64, device=dev)
+    seq_lens = torch.tensor(full, dtype=torch.int64, device=dev)
+    rows = batch.req_pool_indices.clone()
+    q = torch.randn(B, geo.num_q_heads, 128, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    plan = plan_decode(geo, ws, seq_lens, rows, num_splits=16)
+    args = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
+
+    def step():
+        run_decode(plan, q, *args, batch.heads, 0.088, out=out)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in (full, [5000, 17, 0, 0, 321, 1, 12000, 64], [1] * B):
+        seq_lens.copy_(torch.tensor(lens, device=dev))
+        q.copy_(torch.randn_like(q))
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = decode_reference(
+            q, *args, rows, torch.tensor(lens), batch.heads, geo, 0.088
+        )  # fmt: skip
+        _close(out, ref)

@@ -1,0 +1,136 @@
+"""SegPagedAttention extend (chunked prefill over a cached prefix) against the PyTorch reference.
+
+On the CPU the kernel runs under ``TRITON_INTERPRET=1`` (see conftest.py) at small shapes with
+small tiles, so that prefix tails, causal edges and sink/window edges all occur.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redknot.kernels.extend import ExtendConfig, plan_extend, run_extend
+from redknot.kernels.reference import extend_reference
+
+from .segpaged_data import make_batch, make_geometry
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, in the interpreter
+
+SMALL = ExtendConfig(block_m=16, block_n=16)
+SINK, WINDOW = 3, 13
+# (prefix, new tokens) per request: no prefix, a request with nothing new, one token, prefixes
+# shorter and longer than sink + window (and past a ring's wrap-around), odd lengths
+REQUESTS = [(0, 21), (7, 0), (30, 1), (5, 9), (61, 18), (16, 33)]
+
+CASES = [  # classes, group size, head_dim, dtype, local mode
+    ("GLLG", 1, 64, torch.float16, "token_table"),
+    ("LGLL", 4, 128, torch.bfloat16, "ring"),
+    ("LLLL", 8, 64, torch.bfloat16, "token_table"),  # no global head
+    ("GGGG", 4, 64, torch.float16, "ring"),  # no local head
+    ("LLLG", 8, 128, torch.float16, "ring"),
+    ("LLGL", 1, 128, torch.bfloat16, "token_table"),
+]
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = 2e-2 if out.dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _run_case(classes, grp, dim, dtype, mode, requests, device, config, sink=SINK,
+              window=WINDOW, seed=0, ring_extra=3):  # fmt: skip
+    geo, layout = make_geometry(classes, grp, dim, sink, window, mode, ring_extra=ring_extra)
+    prefix = [p for p, _ in requests]
+    lens = [e for _, e in requests]
+    batch, _, _ = make_batch(geo, layout, prefix, dtype, device, seed=seed)
+    T, H = sum(lens), geo.num_kv_heads
+    g = torch.Generator().manual_seed(seed + 1)
+    # q, k, v as strided views of one projection output, as SGLang passes them
+    qkv = torch.randn(T, geo.num_q_heads + 2 * H, dim, generator=g).to(dtype).to(device)
+    q, k_new, v_new = qkv.split([geo.num_q_heads, H, H], dim=1)
+    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=config)
+    lse = torch.empty(T, geo.num_q_heads, device=device)
+    out = run_extend(
+        plan, q, k_new, v_new, batch.k_global, batch.v_global, batch.k_local, batch.v_local,
+        batch.req_to_token, batch.heads, 0.125, lse=lse,
+    )  # fmt: skip
+    ref_out, ref_lse = extend_reference(
+        q, k_new, v_new, batch.k_global, batch.v_global, batch.k_local, batch.v_local,
+        batch.req_to_token, batch.req_pool_indices, torch.tensor(prefix), plan.qo_indptr_cpu,
+        batch.heads, geo, 0.125,
+    )  # fmt: skip
+    return out, lse, ref_out, ref_lse
+
+
+@pytest.mark.parametrize("classes,grp,dim,dtype,mode", CASES)
+def test_extend_matches_reference(classes, grp, dim, dtype, mode):
+    out, lse, ref_out, ref_lse = _run_case(classes, grp, dim, dtype, mode, REQUESTS, "cpu", SMALL)
+    assert torch.isfinite(out.float()).all()
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_extend_prefill_without_prefix_and_empty_requests():
+    """Plain prefill (every prefix 0), requests with no new token first and last."""
+    requests = [(0, 0), (0, 37), (0, 1), (0, 16), (0, 0)]
+    out, lse, ref_out, ref_lse = _run_case(
+        "GLLL", 4, 64, torch.float16, "ring", requests, "cpu", SMALL
+    )
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_extend_no_sink():
+    out, _, ref_out, _ = _run_case(
+        "LGLL", 4, 64, torch.float16, "ring", REQUESTS, "cpu", SMALL, sink=0, window=8
+    )
+    _close(out, ref_out)
+
+
+def test_extend_larger_tiles():
+    """Tiles larger than the window, as the GPU tuning uses."""
+    out, _, ref_out, _ = _run_case(
+        "LGLG", 4, 64, torch.bfloat16, "token_table", REQUESTS, "cpu",
+        ExtendConfig(block_m=64, block_n=32),
+    )  # fmt: skip
+    _close(out, ref_out)
+
+
+def test_extend_plan_orders_heavy_tiles_first():
+    geo, _ = make_geometry("GL", 4, 64, SINK, WINDOW, "token_table")
+    plan = plan_extend(geo, torch.arange(3), [0, 100, 5], [9, 3, 0], config=SMALL)
+    bq = SMALL.block_q(4)
+    work = [
+        int(plan.prefix_lens_cpu[b]) + int(t0) + bq
+        for b, t0 in zip(plan.tile_req_cpu.tolist(), plan.tile_start_cpu.tolist())
+    ]
+    assert work == sorted(work, reverse=True)
+    assert plan.num_tiles == 3 + 1  # ceil(9 / 4) + ceil(3 / 4)
+    assert plan.qo_indptr_cpu.tolist() == [0, 9, 12, 12]
+
+
+# ---- GPU: real shapes -------------------------------------------------------------------------
+
+LLAMA = "GLLLLLLL"  # 8 KV heads, 1 global; 32 query heads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["token_table", "ring"])
+@pytest.mark.parametrize("classes", [LLAMA, "GLGLGGLL", "LLLLLLLL", "GGGGGGGG"])
+def test_extend_gpu_llama_shape(classes, mode):
+    requests = [(0, 4099), (20000, 1000), (300, 0), (5, 700), (321, 1)]
+    out, lse, ref_out, ref_lse = _run_case(
+        classes, 4, 128, torch.bfloat16, mode, requests, "cuda", ExtendConfig(),
+        sink=64, window=256, ring_extra=64,
+    )  # fmt: skip
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_extend_gpu_prefill_32k():
+    out, _, ref_out, _ = _run_case(
+        LLAMA, 4, 128, torch.bfloat16, "ring", [(0, 32768)], "cuda", ExtendConfig(),
+        sink=64, window=256, ring_extra=64,
+    )  # fmt: skip
+    _close(out, ref_out)
