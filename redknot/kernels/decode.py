@@ -220,25 +220,25 @@ def run_decode(
         req_to_token, plan.req_pool_indices_gpu, plan.seq_lens_gpu,
         heads.is_local_gpu, heads.column_gpu, heads.order_gpu,
         out, lse_arg, po, pl,
-        sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len,
+        sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, plan.num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
         k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1),
         k_local.stride(0), k_local.stride(1), v_local.stride(0), v_local.stride(1),
         req_to_token.stride(0), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         GRP=grp, BLOCK_H=block_h, BLOCK_N=cfg.block_n, HEAD_DIM=D,
-        NUM_SPLITS=plan.num_splits, MIN_CHUNK=cfg.min_chunk, RING=geo.ring,
+        MIN_CHUNK=cfg.min_chunk, RING=geo.ring,
         WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if plan.num_splits > 1:
         segpaged_decode_merge_kernel[(B, geo.num_kv_heads)](
             plan.seq_lens_gpu, heads.is_local_gpu, out, lse_arg, po, pl,
-            geo.sink, geo.window,
+            geo.sink, geo.window, plan.num_splits,
             out.stride(0), out.stride(1), lse_arg.stride(0),
             po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
             GRP=grp, BLOCK_H=block_h, BLOCK_N=cfg.block_n, HEAD_DIM=D,
-            NUM_SPLITS=plan.num_splits, SPLITS_P2=triton_next_pow2(plan.num_splits),
+            SPLITS_P2=triton_next_pow2(plan.num_splits),
             MIN_CHUNK=cfg.min_chunk, WRITE_LSE=lse is not None, num_warps=4,
         )  # fmt: skip
     return out

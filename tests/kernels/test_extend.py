@@ -134,3 +134,36 @@ def test_extend_gpu_prefill_32k():
         sink=64, window=256, ring_extra=64,
     )  # fmt: skip
     _close(out, ref_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("classes", [LLAMA, "GLGLGGLL", "LLLLLLLL"])
+def test_extend_gpu_flashinfer_global_rows(classes):
+    """The FlashInfer path for global heads computes what the Triton kernel computes."""
+    from redknot.kernels.flashinfer_global import FlashInferGlobalRows, run_extend_flashinfer_global
+
+    requests = [(0, 2049), (9000, 700), (300, 0), (5, 333)]
+    geo, layout = make_geometry(classes, 4, 128, 64, 256, "ring", ring_extra=64)
+    prefix, lens = [p for p, _ in requests], [e for _, e in requests]
+    batch, _, _ = make_batch(geo, layout, prefix, torch.bfloat16, "cuda", seed=5)
+    T = sum(lens)
+    q, k_new, v_new = (
+        torch.randn(T, n, 128, device="cuda", dtype=torch.bfloat16) for n in (32, 8, 8)
+    )
+    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens)
+    fi = FlashInferGlobalRows(geo, "cuda")
+    fi.plan(plan, batch.req_to_token, {batch.heads.num_global}, torch.bfloat16, 0.088)
+    # the global store of the FlashInfer path holds exactly the layer's global heads
+    kg, vg = batch.k_global[:, : max(1, batch.heads.num_global)], batch.v_global
+    vg = vg[:, : kg.shape[1]]
+    lse = torch.empty(T, 32, device="cuda")
+    out = run_extend_flashinfer_global(
+        fi, plan, q, k_new, v_new, kg, vg, batch.k_local, batch.v_local, batch.req_to_token,
+        batch.heads, 0.088, lse=lse,
+    )  # fmt: skip
+    ref_out, ref_lse = extend_reference(
+        q, k_new, v_new, kg, vg, batch.k_local, batch.v_local, batch.req_to_token,
+        batch.req_pool_indices, torch.tensor(prefix), plan.qo_indptr_cpu, batch.heads, geo, 0.088,
+    )  # fmt: skip
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)

@@ -1,7 +1,7 @@
 """SegPagedAttention decode kernels: split-K attention of one new token per request over every
 (request, KV head) row of a layer, then a merge of the splits.
 
-Grid of ``segpaged_decode_kernel``: ``(NUM_SPLITS, B, H_kv)``; program ``(s, b, j)`` serves KV
+Grid of ``segpaged_decode_kernel``: ``(num_splits, B, H_kv)``; program ``(s, b, j)`` serves KV
 head ``h = order[j]`` (global heads first, so the long rows start first) of request ``b`` and
 all ``GRP`` query heads of that KV head, reading each key once.
 
@@ -41,9 +41,9 @@ def visible_span(n, is_local, sink, window):
 
 
 @triton.jit
-def split_chunk(cnt, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
-    """Keys per split: ``cnt / NUM_SPLITS`` rounded up to blocks, at least ``MIN_CHUNK``."""
-    chunk = tl.cdiv(tl.cdiv(cnt, NUM_SPLITS), BLOCK_N) * BLOCK_N
+def split_chunk(cnt, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Keys per split: ``cnt / num_splits`` rounded up to blocks, at least ``MIN_CHUNK``."""
+    chunk = tl.cdiv(tl.cdiv(cnt, num_splits), BLOCK_N) * BLOCK_N
     return tl.maximum(chunk, MIN_CHUNK)
 
 
@@ -53,7 +53,7 @@ def segpaged_decode_kernel(
     Req_to_token, Req_pool_indices, Seq_lens,
     Is_local, Column, Order,
     Out, Lse, Part_o, Part_lse,
-    qk_scale, sink, window, ring_len,
+    qk_scale, sink, window, ring_len, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_lse_b,
     stride_kgs, stride_kgh, stride_vgs, stride_vgh,
     stride_kls, stride_klh, stride_vls, stride_vlh,
@@ -62,7 +62,6 @@ def segpaged_decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     RING: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -77,7 +76,7 @@ def segpaged_decode_kernel(
     req_row = tl.load(Req_pool_indices + b).to(tl.int64)
 
     ns, ws, cnt = visible_span(n, is_local, sink, window)
-    chunk = split_chunk(cnt, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+    chunk = split_chunk(cnt, num_splits, BLOCK_N, MIN_CHUNK)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, cnt)
     if (split == 0) | (lo < cnt):
@@ -145,14 +144,13 @@ def segpaged_decode_kernel(
 @triton.jit
 def segpaged_decode_merge_kernel(
     Seq_lens, Is_local, Out, Lse, Part_o, Part_lse,
-    sink, window,
+    sink, window, num_splits,
     stride_ob, stride_oh, stride_lse_b,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     GRP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -161,7 +159,7 @@ def segpaged_decode_merge_kernel(
     h = tl.program_id(1)
     n = tl.load(Seq_lens + b).to(tl.int32)
     _, _, cnt = visible_span(n, tl.load(Is_local + h), sink, window)
-    nvalid = tl.cdiv(cnt, split_chunk(cnt, NUM_SPLITS, BLOCK_N, MIN_CHUNK))
+    nvalid = tl.cdiv(cnt, split_chunk(cnt, num_splits, BLOCK_N, MIN_CHUNK))
     if nvalid > 1:
         rows = tl.arange(0, BLOCK_H)
         row_ok = rows < GRP
