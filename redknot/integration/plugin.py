@@ -46,12 +46,65 @@ def _after_post_init(result, self):
     sa_hooks.resolve(self)
 
 
+# The KV pool: SGLang's configurator sizes and builds it; for redknot, a token slot holds only
+# the global heads and each request slot reserves a ring for the local heads.
+
+
+def _around_cell_size(original, self, kvc, num_layers):
+    from redknot.pool import sizing
+
+    return sizing.cell_size(kvc) if sizing.is_redknot(kvc) else original(self, kvc, num_layers)
+
+
+def _after_available_bytes(result, self, pre_model_load_memory):
+    from redknot.pool import sizing
+
+    return sizing.reserve_local_bytes(self, result) if sizing.is_redknot(self) else None
+
+
+def _after_max_num_reqs(result, self, token_capacity):
+    from redknot.pool import sizing
+
+    return sizing.cap_requests(self, result) if sizing.is_redknot(self) else None
+
+
+def _around_build_pool(original, self, **kwargs):
+    from redknot.pool import sizing
+
+    if not sizing.is_redknot(self):
+        return original(self, **kwargs)
+    sizes = kwargs["sizes"]
+    return sizing.build_pool(self, sizes.max_total_num_tokens, kwargs["req_to_token_pool"])
+
+
+def _around_req_slot_alloc(original, self, reqs):
+    """A request that starts from a cached prefix gets its local-head ring restored."""
+    fresh = [r for r in reqs if r.req_pool_idx is None]
+    result = original(self, reqs)
+    cache = getattr(self, "redknot_cache", None)
+    if result is not None and cache is not None:
+        for req in fresh:
+            if len(req.prefix_indices) > 0 and cache.uses_snapshots:
+                cache.queue_restore(req.req_pool_idx, req.last_node)
+    return result
+
+
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 HOOKS: tuple[Hook, ...] = (
     Hook(f"{_SERVER_ARGS}.add_cli_args", "AFTER", _after_add_cli_args),
     Hook(f"{_SERVER_ARGS}.from_cli_args", "AROUND", _around_from_cli_args),
     Hook(f"{_SERVER_ARGS}.__init__", "BEFORE", _before_init),
     Hook(f"{_SERVER_ARGS}.__post_init__", "AFTER", _after_post_init),
+    Hook(
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+        "AROUND",
+        _around_cell_size,
+    ),
+    Hook(f"{_KVC}._profile_available_bytes", "AFTER", _after_available_bytes),
+    Hook(f"{_KVC}.resolve_max_num_reqs", "AFTER", _after_max_num_reqs),
+    Hook(f"{_KVC}._build_token_to_kv_pool", "AROUND", _around_build_pool),
+    Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", "AROUND", _around_req_slot_alloc),
 )
 
 # What went wrong while registering in this process; empty when all is well.

@@ -110,6 +110,10 @@ def _reject_unsupported(server_args: Any) -> None:
             f"--kv-cache-dtype {server_args.kv_cache_dtype} is not supported: "
             "redknot stores KV in the model dtype (use auto)"
         )
+    if server_args.page_size != 1:
+        problems.append(f"--page-size {server_args.page_size} is not supported: use 1")
+    if server_args.post_capture_kv_sizing_planned():
+        problems.append("post-capture KV sizing is not supported: unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
     if server_args.radix_cache_backend not in (None, BACKEND_NAME):
         problems.append(
             f"--radix-cache-backend {server_args.radix_cache_backend} cannot hold redknot's "

@@ -1,8 +1,8 @@
 """Builds the tree cache of a redknot server.
 
-Exact-prefix reuse is SGLang's own radix cache over the token-slot pool (or its chunk cache
-with ``--disable-radix-cache``); SGLang's hybrid variants (SWA, Mamba, hierarchical) do not
-apply because the server arguments reject those configurations for redknot.
+Exact-prefix reuse is ``RedknotRadixCache`` (SGLang's radix tree plus local-head snapshots), or
+SGLang's chunk cache with ``--disable-radix-cache``; SGLang's hybrid variants (SWA, Mamba,
+hierarchical) do not apply because the server arguments reject those configurations.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from typing import Any
 
 def create_tree_cache(ctx: Any):
     from sglang.srt.mem_cache.chunk_cache import ChunkCache
-    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from redknot.pool.kv_pool import RedknotKVPool
+    from redknot.segcache.radix import RedknotRadixCache
 
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
         raise ValueError(
@@ -20,4 +22,12 @@ def create_tree_cache(ctx: Any):
         )
     if ctx.disable_radix_cache and ctx.effective_chunked_prefill_size is not None:
         return ChunkCache(ctx.params)
-    return RadixCache(ctx.params)  # ctx.params.disable turns matching off
+    pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    if not isinstance(pool, RedknotKVPool):
+        raise TypeError(
+            f"redknot's cache needs the redknot KV pool, found {type(pool).__name__}: the pool "
+            "hook did not run (see the redknot plugin's startup errors)"
+        )
+    cache = RedknotRadixCache(ctx.params, pool)  # ctx.params.disable turns matching off
+    ctx.params.req_to_token_pool.redknot_cache = cache
+    return cache

@@ -1,0 +1,242 @@
+"""SegPaged KV pool: memory proportional to what each (layer, KV head) keeps.
+
+Two stores per layer ``l`` (``G_l`` global and ``L_l`` local KV heads on this rank; columns
+follow ``HeadLayout.tables()['column']``):
+
+| buffer                       | shape                                   | row index                 |
+| ---------------------------- | --------------------------------------- | ------------------------- |
+| ``k_global[l]``/``v_global`` | ``[size + page_size, G_l, D]``          | token slot (SGLang's      |
+|                              |                                         | ``out_cache_loc`` / ``req_to_token``) |
+| ``k_local[l]``/``v_local``   | ``[(rings + snapshots) * ring_len, L_l, D]`` | ``slot * ring_len + ring_index(pos)`` |
+
+Global heads keep every token in token slots handed out by SGLang's own allocator, so the
+scheduler's token accounting counts exactly the global KV (``bytes_per_token``). Local heads
+keep ``ring_len = sink + window`` positions per request in a ring indexed by the request's
+``req_pool_idx``: ``ring_index(p) = p`` for ``p < sink`` and ``sink + (p - sink) % window``
+otherwise, so a position that leaves the window is overwritten in place (its memory is reused
+as the request decodes, never held). Rings are a fixed reservation of
+``fixed_bytes`` (one per request slot, plus snapshot slots that keep the local KV of cached
+prefixes); the token budget is what remains.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
+
+from redknot.pool.layout import HeadLayout
+
+logger = logging.getLogger(__name__)
+GB = 1 << 30
+
+
+def bytes_per_token(layout: HeadLayout, dtype: torch.dtype) -> int:
+    """Global-store bytes (K and V) one token costs over all layers of this rank."""
+    heads = sum(layout.num_global(layer) for layer in range(layout.num_layers))
+    return 2 * heads * layout.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def bytes_per_ring(layout: HeadLayout, dtype: torch.dtype) -> int:
+    """Local-store bytes (K and V) of one ring or snapshot slot over all layers of this rank."""
+    heads = sum(layout.num_local(layer) for layer in range(layout.num_layers))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * heads * layout.local_span * layout.head_dim * itemsize
+
+
+class RedknotKVPool(KVCache):
+    """KV pool of the redknot backend (see the module docstring for the layout)."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        layout: HeadLayout,
+        num_rings: int,
+        num_snapshots: int,
+        device: str,
+        enable_memory_saver: bool = False,
+    ):
+        super().__init__(
+            size, page_size, dtype, layout.num_layers, device, enable_memory_saver,
+            allocation_label="redknot",
+        )
+        from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
+            UnquantizedKVCacheMethod,
+        )
+
+        self.quant_method = UnquantizedKVCacheMethod()
+        self.layout = layout
+        self.head_num = layout.num_kv_heads
+        self.head_dim = self.v_head_dim = layout.head_dim
+        self.ring_len = 0 if layout.all_global else layout.local_span
+        self.num_rings = num_rings
+        self.num_snapshots = num_snapshots
+        tables = layout.tables("cpu")
+        # Rank-local indices of the global / local heads of each layer, for gathers.
+        self.global_index = [
+            torch.tensor(layout.global_heads(i), dtype=torch.long, device=device)
+            for i in range(layout.num_layers)
+        ]
+        self.local_index = [
+            torch.tensor(layout.local_heads(i), dtype=torch.long, device=device)
+            for i in range(layout.num_layers)
+        ]
+        self.pending = PendingCopies()
+        self.is_local = tables["is_local"].to(device)
+        self.column = tables["column"].to(device)
+        d = layout.head_dim
+        rows = (num_rings + num_snapshots) * self.ring_len
+        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
+            self.k_global = [
+                torch.zeros((size + page_size, layout.num_global(i), d), dtype=dtype, device=device)
+                for i in range(layout.num_layers)
+            ]
+            self.v_global = [torch.zeros_like(t) for t in self.k_global]
+            self.k_local = [
+                torch.zeros((rows, layout.num_local(i), d), dtype=dtype, device=device)
+                for i in range(layout.num_layers)
+            ]
+            self.v_local = [torch.zeros_like(t) for t in self.k_local]
+        self._finalize_allocation_log(size)
+        logger.info(
+            "redknot pool: %d token slots for %d global heads, %d rings + %d snapshots of %d "
+            "positions for %d local heads (%.2f GB global, %.2f GB local)",
+            size,
+            sum(layout.num_global(i) for i in range(layout.num_layers)),
+            num_rings,
+            num_snapshots,
+            self.ring_len,
+            sum(layout.num_local(i) for i in range(layout.num_layers)),
+            sum(2 * t.numel() * t.element_size() for t in self.k_global) / GB,
+            sum(2 * t.numel() * t.element_size() for t in self.k_local) / GB,
+        )
+
+    # ---- SGLang's KVCache contract (the global store) ----------------------------------------
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_global[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_global[layer_id]
+
+    def get_kv_buffer(self, layer_id: int):
+        return self.k_global[layer_id], self.v_global[layer_id]
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v, k_scale=None, v_scale=None, **kwargs):
+        """Store the global heads' K/V of new tokens; ``cache_k``: [T, H_kv, D]."""
+        loc, _, _ = unwrap_write_loc(loc)
+        layer_id = kwargs.get("layer_id_override") or layer.layer_id
+        self.write_global(layer_id, loc, cache_k, cache_v)
+
+    def get_kv_size_bytes(self):
+        k = sum(t.numel() * t.element_size() for t in self.k_global + self.k_local)
+        v = sum(t.numel() * t.element_size() for t in self.v_global + self.v_local)
+        return k, v
+
+    def get_contiguous_buf_infos(self):
+        raise NotImplementedError("redknot's pool does not support PD disaggregation transfer")
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        raise NotImplementedError("redknot's pool does not support CPU offload of KV")
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        raise NotImplementedError("redknot's pool does not support CPU offload of KV")
+
+    # ---- redknot's own accessors ---------------------------------------------------------
+
+    def write_global(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """``k``, ``v``: [T, H_kv, D] for all rank-local heads; keeps the global ones."""
+        if self.layout.num_global(layer_id) == 0:
+            return
+        if self.layout.num_local(layer_id):
+            idx = self.global_index[layer_id]
+            k, v = k.index_select(1, idx), v.index_select(1, idx)
+        self.k_global[layer_id][loc] = k.to(self.dtype)
+        self.v_global[layer_id][loc] = v.to(self.dtype)
+
+    def local_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the local store holding ``positions`` of the rings/snapshots ``slots``."""
+        sink, window = self.layout.sink, self.layout.window
+        ring = torch.where(positions < sink, positions, sink + (positions - sink) % window)
+        return slots.to(torch.long) * self.ring_len + ring.to(torch.long)
+
+    def write_local(self, layer_id: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """``k``, ``v``: [T, H_kv, D] for all rank-local heads; keeps the local ones at ``rows``."""
+        if self.layout.num_local(layer_id) == 0:
+            return
+        idx = self.local_index[layer_id]
+        self.k_local[layer_id][rows] = k.index_select(1, idx).to(self.dtype)
+        self.v_local[layer_id][rows] = v.index_select(1, idx).to(self.dtype)
+
+    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy whole rings/snapshots ``src[i] -> dst[i]`` in every layer (int64 [n])."""
+        if self.ring_len == 0 or dst.numel() == 0:
+            return
+        for buf in self.k_local + self.v_local:
+            if buf.shape[1] == 0:
+                continue
+            view = buf.view(-1, self.ring_len, buf.shape[1], buf.shape[2])
+            view[dst] = view[src]
+
+    def snapshot_slot(self, index: int) -> int:
+        """Slot number of snapshot ``index`` (snapshots follow the request rings)."""
+        assert 0 <= index < self.num_snapshots
+        return self.num_rings + index
+
+    @property
+    def post_capture_backed_bytes(self) -> int:
+        return sum(self.get_kv_size_bytes())
+
+    def describe(self) -> Optional[str]:
+        return f"RedknotKVPool(size={self.size}, rings={self.num_rings}, ring_len={self.ring_len})"
+
+
+class PendingCopies:
+    """Ring/snapshot copies queued by the scheduler, run by the backend on the forward stream.
+
+    The scheduler decides when a request's local KV is saved to a snapshot (its prefix was
+    cached) or restored from one (a new request hit a cached prefix); the copies must run in
+    stream order with the forward passes that write the rings, so the backend runs them at
+    the start of the next forward, before any layer writes a ring. Order is kept: a restore
+    queued after a save reads the saved data.
+    """
+
+    def __init__(self) -> None:
+        self._ops: list[tuple[int, int]] = []  # (dst slot, src slot)
+
+    def queue(self, dst: int, src: int) -> None:
+        self._ops.append((dst, src))
+
+    def drop_writes_to(self, slot: int) -> None:
+        """Forget queued copies into ``slot`` (its snapshot was evicted before they ran)."""
+        self._ops = [op for op in self._ops if op[0] != slot]
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def run(self, pool: "RedknotKVPool") -> None:
+        """Issue the queued copies in order; consecutive independent copies share a launch."""
+        ops, self._ops = self._ops, []
+        batch_dst: list[int] = []
+        batch_src: list[int] = []
+        for dst, src in ops:
+            if dst in batch_src or src in batch_dst or dst in batch_dst:
+                self._flush(pool, batch_dst, batch_src)
+                batch_dst, batch_src = [], []
+            batch_dst.append(dst)
+            batch_src.append(src)
+        self._flush(pool, batch_dst, batch_src)
+
+    @staticmethod
+    def _flush(pool: "RedknotKVPool", dst: list[int], src: list[int]) -> None:
+        if dst:
+            device = pool.k_local[0].device
+            pool.copy_slots(
+                torch.tensor(dst, dtype=torch.long, device=device),
+                torch.tensor(src, dtype=torch.long, device=device),
+            )

@@ -1,0 +1,131 @@
+"""How the redknot pool divides the KV memory budget SGLang profiles.
+
+SGLang sizes its KV pool as ``budget / cell_size`` token slots and derives
+``max_running_requests`` from that. For redknot a token slot holds only the global heads
+(``bytes_per_token``), and every request slot reserves one ring for its local heads
+(``bytes_per_ring``), plus snapshot slots that keep the local KV of cached prefixes:
+
+    budget = fixed_bytes(rings + snapshots) + token_slots * bytes_per_token
+
+The number of request slots is ``--max-running-requests`` when given; otherwise the largest
+count whose rings and snapshots fit in ``LOCAL_BUDGET_FRACTION`` of the budget (capped by
+SGLang's own default). Snapshots are ``SNAPSHOTS_PER_REQUEST`` per request slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from redknot.pool.kv_pool import bytes_per_ring, bytes_per_token
+from redknot.pool.layout import HeadLayout
+
+logger = logging.getLogger(__name__)
+
+LOCAL_BUDGET_FRACTION = 0.08
+SNAPSHOTS_PER_REQUEST = 0.5
+MAX_REQUEST_SLOTS = 4096
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    request_slots: Optional[int]  # None: no local heads, SGLang decides
+    snapshots: int
+    fixed_bytes: int
+
+
+def plan_slots(
+    layout: HeadLayout, dtype: torch.dtype, budget_bytes: int, requested: Optional[int]
+) -> SlotPlan:
+    ring = bytes_per_ring(layout, dtype)
+    if ring == 0:
+        return SlotPlan(request_slots=None, snapshots=0, fixed_bytes=0)
+    per_request = ring * (1 + SNAPSHOTS_PER_REQUEST)
+    if requested is not None:
+        slots = requested
+    else:
+        slots = int(LOCAL_BUDGET_FRACTION * budget_bytes // per_request)
+        slots = max(1, min(slots, MAX_REQUEST_SLOTS))
+    snapshots = max(1, int(slots * SNAPSHOTS_PER_REQUEST))
+    # One extra ring for SGLang's padding request row 0 (CUDA-graph padded batches).
+    fixed = (slots + 1 + snapshots) * ring
+    if fixed >= budget_bytes:
+        raise ValueError(
+            f"redknot: {slots} request slots need {fixed / (1 << 30):.2f} GB of local-head "
+            f"rings, more than the {budget_bytes / (1 << 30):.2f} GB KV budget; lower "
+            "--max-running-requests or raise --mem-fraction-static"
+        )
+    return SlotPlan(request_slots=slots, snapshots=snapshots, fixed_bytes=fixed)
+
+
+def is_redknot(kvc: Any) -> bool:
+    return kvc.server_args.attention_backend == "redknot"
+
+
+def layout_of(kvc: Any) -> HeadLayout:
+    """The head layout of this rank, resolved once per KV-cache configurator."""
+    cached = getattr(kvc, "_redknot_layout", None)
+    if cached is not None:
+        return cached
+    from sglang.srt.runtime_context import get_parallel
+
+    from redknot.headmap import ModelShape
+    from redknot.integration.server_args import published_config
+
+    mc = kvc.model_config
+    tp_size, tp_rank = get_parallel().attn_tp_size, get_parallel().attn_tp_rank
+    head_map = published_config().resolve_head_map(
+        ModelShape.from_hf_config(mc.hf_config), tp_size=tp_size, context_len=mc.context_len
+    )
+    layout = HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=tp_rank)
+    kvc._redknot_layout = layout
+    return layout
+
+
+def cell_size(kvc: Any) -> int:
+    return bytes_per_token(layout_of(kvc), kvc.kv_cache_dtype)
+
+
+def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
+    """Plan the request/snapshot slots and return the budget left for token slots."""
+    plan = plan_slots(
+        layout_of(kvc), kvc.kv_cache_dtype, budget_bytes, kvc.server_args.max_running_requests
+    )
+    kvc._redknot_slots = plan
+    if plan.request_slots is not None:
+        logger.info(
+            "redknot: %d request slots + %d snapshots reserve %.2f GB for local heads; "
+            "%.2f GB remain for global-head token slots",
+            plan.request_slots,
+            plan.snapshots,
+            plan.fixed_bytes / (1 << 30),
+            (budget_bytes - plan.fixed_bytes) / (1 << 30),
+        )
+    return budget_bytes - plan.fixed_bytes
+
+
+def cap_requests(kvc: Any, max_num_reqs: int) -> int:
+    plan: Optional[SlotPlan] = getattr(kvc, "_redknot_slots", None)
+    if plan is None or plan.request_slots is None:
+        return max_num_reqs
+    return min(max_num_reqs, plan.request_slots)
+
+
+def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
+    from redknot.pool.kv_pool import RedknotKVPool
+
+    plan: Optional[SlotPlan] = getattr(kvc, "_redknot_slots", None)
+    snapshots = plan.snapshots if plan is not None else 0
+    pool = RedknotKVPool(
+        max_total_num_tokens,
+        page_size=kvc.pool_page_size,
+        dtype=kvc.kv_cache_dtype,
+        layout=layout_of(kvc),
+        num_rings=req_to_token_pool.size + 1,
+        num_snapshots=snapshots,
+        device=kvc.device,
+    )
+    return pool

@@ -1,0 +1,154 @@
+"""Exact-prefix reuse for head-class KV: SGLang's radix tree plus local-head snapshots.
+
+Global heads keep every token in the radix tree's token slots, exactly as SGLang caches them.
+Local heads keep only a ring of ``sink + window`` positions per request, so the tree cannot hold
+their KV for every prefix length. When a sequence is inserted, the request's ring is saved to a
+*snapshot* attached to the tree node that ends the sequence; a later request may reuse a cached
+prefix only up to a node that carries a snapshot, and its ring is restored from that snapshot
+before its first forward. Reuse is therefore exact (same global and local KV as recomputation)
+and happens at sequence ends: the previous turn of a conversation, a finished chunk of a long
+prompt, a prompt that was served alone (e.g. a shared system prompt).
+
+Snapshot slots are few (``RedknotKVPool.num_snapshots``); when none is free, the least recently
+used snapshot of an unlocked node is dropped (the node keeps its global KV and is still reused
+as part of longer matches that end at a snapshot below it). A node's snapshot is freed with the
+node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, Optional
+
+from sglang.srt.mem_cache.base_prefix_cache import InsertResult, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+
+from redknot.pool.kv_pool import RedknotKVPool
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_ATTR = "redknot_snapshot"
+
+
+class RedknotRadixCache(RadixCache):
+    def __init__(self, params: Any, pool: RedknotKVPool):
+        self.pool = pool
+        self.uses_snapshots = pool.ring_len > 0
+        self._free_snapshots: list[int] = list(range(pool.num_snapshots))
+        self._snapshot_lru: OrderedDict[int, TreeNode] = OrderedDict()
+        self._inside_insert_path = False
+        self._last_inserted: Optional[TreeNode] = None
+        self.snapshot_saves = 0
+        self.snapshot_drops = 0
+        super().__init__(params)
+
+    # ---- SGLang's prefix-cache contract --------------------------------------------------
+
+    def reset(self) -> None:
+        super().reset()
+        self._free_snapshots = list(range(self.pool.num_snapshots))
+        self._snapshot_lru = OrderedDict()
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        result = super().match_prefix(params)
+        if not self.uses_snapshots or self._inside_insert_path:
+            return result
+        node, length = result.last_device_node, len(result.device_indices)
+        while node is not self.root_node and getattr(node, SNAPSHOT_ATTR, None) is None:
+            length -= len(node.key)
+            node = node.parent
+        if node is not self.root_node:
+            self._snapshot_lru.move_to_end(getattr(node, SNAPSHOT_ATTR))
+        return result._replace(
+            device_indices=result.device_indices[:length],
+            last_device_node=node,
+            last_host_node=node,
+            best_match_node=node,
+        )
+
+    def insert(self, params) -> InsertResult:
+        result = super().insert(params)
+        self._last_inserted = result.last_device_node
+        return result
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int):
+        self._last_inserted = None
+        self._inside_insert_path = True
+        try:
+            super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+        finally:
+            self._inside_insert_path = False
+        node = self._last_inserted
+        if node is not None and self._node_end(node) == kv_len_to_handle:
+            self._save_snapshot(node, req.req_pool_idx)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False):
+        self._inside_insert_path = True
+        try:
+            super().cache_unfinished_req(req, chunked=chunked)
+        finally:
+            self._inside_insert_path = False
+        node = req.last_node
+        if node is not None and node is not self.root_node:
+            if self._node_end(node) == len(req.get_fill_ids()):
+                self._save_snapshot(node, req.req_pool_idx)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        self._drop_snapshot(node)
+        super()._delete_leaf(node)
+
+    # ---- snapshots -------------------------------------------------------------------------
+
+    def snapshot_of(self, node: TreeNode) -> Optional[int]:
+        return getattr(node, SNAPSHOT_ATTR, None)
+
+    def queue_restore(self, ring_slot: int, node: TreeNode) -> None:
+        """Queue the copy of ``node``'s snapshot into a request's ring (before its prefill)."""
+        index = self.snapshot_of(node)
+        assert index is not None, "a reused prefix must end at a node with a snapshot"
+        self.pool.pending.queue(ring_slot, self.pool.snapshot_slot(index))
+
+    def _node_end(self, node: TreeNode) -> int:
+        length = 0
+        while node is not self.root_node:
+            length += len(node.key)
+            node = node.parent
+        return length
+
+    def _save_snapshot(self, node: TreeNode, ring_slot: int) -> None:
+        if not self.uses_snapshots or ring_slot is None:
+            return
+        index = self.snapshot_of(node)
+        if index is None:
+            index = self._take_snapshot_slot()
+            if index is None:
+                return
+            setattr(node, SNAPSHOT_ATTR, index)
+            self._snapshot_lru[index] = node
+        self._snapshot_lru.move_to_end(index)
+        self.pool.pending.queue(self.pool.snapshot_slot(index), ring_slot)
+        self.snapshot_saves += 1
+
+    def _take_snapshot_slot(self) -> Optional[int]:
+        if self._free_snapshots:
+            return self._free_snapshots.pop()
+        for index, node in self._snapshot_lru.items():
+            if node.lock_ref == 0:
+                self._drop_snapshot(node)
+                return self._free_snapshots.pop()
+        return None
+
+    def _drop_snapshot(self, node: TreeNode) -> None:
+        index = self.snapshot_of(node)
+        if index is None:
+            return
+        setattr(node, SNAPSHOT_ATTR, None)
+        del self._snapshot_lru[index]
+        self.pool.pending.drop_writes_to(self.pool.snapshot_slot(index))
+        self._free_snapshots.append(index)
+        self.snapshot_drops += 1
+
+    @property
+    def snapshots_in_use(self) -> int:
+        return len(self._snapshot_lru)
