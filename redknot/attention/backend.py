@@ -111,11 +111,12 @@ class RedknotAttnBackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
         if self.dense is not None:
             return self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
-        self.segpaged.plan(forward_batch, for_graph=True)
+        self.segpaged.plan(forward_batch, for_graph=True, in_capture=in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
         if self.dense is not None:
             return self.dense.init_forward_metadata_in_graph(forward_batch)
+        self.segpaged.plan_in_graph(forward_batch)
 
     def get_cuda_graph_seq_len_fill_value(self):
         if self.dense is not None:

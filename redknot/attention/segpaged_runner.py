@@ -1,0 +1,235 @@
+"""The SegPaged path of the redknot backend: plans a batch once, runs each layer.
+
+Per batch (``plan``): run the queued ring/snapshot copies, plan the kernels, and compute where
+the new tokens' local-head K/V go in the rings. Per layer (``extend``/``decode``): store the new
+tokens' global-head K/V in their token slots, run one SegPagedAttention launch over every request
+and KV head, and store the local-head K/V of the positions the rings keep.
+
+Order inside a layer matters for extend: the kernel reads the prefix's local K/V from the ring,
+so the new tokens enter the ring after the attention (a chunk longer than the window would
+otherwise overwrite positions its own first tokens still need). Decode writes first: the new
+token overwrites exactly the position that just left the window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
+from redknot.kernels.extend import plan_extend, run_extend
+from redknot.kernels.geometry import LayerHeads, SegGeometry
+from redknot.pool.kv_pool import RedknotKVPool
+from redknot.pool.layout import HeadLayout
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+MAX_SPLITS = 32
+
+
+@dataclass
+class ExtendState:
+    plan: object  # redknot.kernels.extend.ExtendPlan
+    keep_tokens_gpu: Optional[torch.Tensor]  # [K] int64, new tokens whose local K/V a ring keeps
+    keep_rows_gpu: Optional[torch.Tensor]  # [K] int64, their rows in the local store
+
+
+class SegPagedRunner:
+    def __init__(
+        self,
+        layout: HeadLayout,
+        pool: RedknotKVPool,
+        req_to_token: torch.Tensor,
+        max_batch_size: int,
+        max_context_len: int,
+        device: torch.device,
+    ):
+        if not isinstance(pool, RedknotKVPool):
+            raise TypeError(
+                f"the redknot backend needs its own KV pool, found {type(pool).__name__}: the "
+                "pool hook did not run (see the redknot plugin's startup errors)"
+            )
+        self.layout = layout
+        self.pool = pool
+        self.req_to_token = req_to_token
+        self.max_context_len = max_context_len
+        self.device = device
+        ring = pool.ring_len > 0
+        self.geo = SegGeometry.from_layout(
+            layout, local_mode="ring" if ring else "token_table", ring_len=pool.ring_len
+        )
+        self.heads = LayerHeads.all_layers(layout, device)
+        self.heavy_heads = max(layout.num_global(i) for i in range(layout.num_layers)) or 1
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if torch.device(device).type == "cuda"
+            else 8
+        )
+        self.workspace = DecodeWorkspace(self.geo, max_batch_size, MAX_SPLITS, device)
+        self._dummy = torch.zeros((1, 1, layout.head_dim), dtype=pool.dtype, device=device)
+        self.decode_plan = None
+        self.decode_rows: Optional[torch.Tensor] = None  # [B] int64 ring rows of the new tokens
+        self.graph_plans: dict[int, object] = {}
+        self.graph_rows: Optional[torch.Tensor] = None
+        self.extend_state: Optional[ExtendState] = None
+
+    @classmethod
+    def from_model_runner(cls, model_runner, layout: HeadLayout) -> "SegPagedRunner":
+        req_pool = model_runner.req_to_token_pool
+        return cls(
+            layout,
+            model_runner.token_to_kv_pool,
+            req_pool.req_to_token,
+            max_batch_size=req_pool.size + 1,
+            max_context_len=model_runner.model_config.context_len,
+            device=torch.device(model_runner.device),
+        )
+
+    # ---- planning ----------------------------------------------------------------------------
+
+    def plan(self, fb: ForwardBatch, for_graph: bool = False, in_capture: bool = False) -> None:
+        self.pool.pending.run(self.pool)
+        mode = fb.forward_mode
+        if mode.is_idle():
+            return
+        if mode.is_decode():
+            if for_graph:
+                self._plan_graph_decode(fb, in_capture)
+            else:
+                self._plan_decode(fb)
+        elif mode in (mode.EXTEND, mode.MIXED):
+            self._plan_extend(fb)
+        else:
+            raise NotImplementedError(f"redknot does not serve forward mode {mode.name}")
+
+    def _plan_decode(self, fb: ForwardBatch) -> None:
+        self.decode_plan = plan_decode(
+            self.geo,
+            self.workspace,
+            fb.seq_lens,
+            fb.req_pool_indices,
+            seq_lens_cpu=fb.seq_lens_cpu,
+            heavy_heads=self.heavy_heads,
+            num_sms=self.num_sms,
+        )
+        self.decode_rows = self._ring_rows(fb.req_pool_indices, fb.seq_lens - 1)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.graph_rows = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+
+    def _plan_graph_decode(self, fb: ForwardBatch, in_capture: bool) -> None:
+        bs = fb.batch_size
+        if in_capture or bs not in self.graph_plans:
+            # The plan keeps the graph's static seq_lens / req_pool_indices by reference; the
+            # split count is fixed per captured batch size (each program sizes its own chunk).
+            splits = choose_num_splits(
+                bs, self.max_context_len, self.heavy_heads,
+                num_sms=self.num_sms, max_splits=MAX_SPLITS,
+            )  # fmt: skip
+            self.graph_plans[bs] = plan_decode(
+                self.geo, self.workspace, fb.seq_lens[:bs], fb.req_pool_indices[:bs],
+                num_splits=splits,
+            )  # fmt: skip
+        self.decode_plan = self.graph_plans[bs]
+        self.decode_rows = self.graph_rows[:bs]
+
+    def plan_in_graph(self, fb: ForwardBatch) -> None:
+        """Recorded into the decode graph: the new tokens' ring rows from the static buffers."""
+        if fb.forward_mode.is_decode() and self.pool.ring_len:
+            bs = fb.batch_size
+            self.graph_rows[:bs].copy_(
+                self._ring_rows(fb.req_pool_indices[:bs], fb.seq_lens[:bs] - 1)
+            )
+
+    def _plan_extend(self, fb: ForwardBatch) -> None:
+        prefix_cpu = fb.extend_prefix_lens_cpu
+        lens_cpu = fb.extend_seq_lens_cpu
+        plan = plan_extend(self.geo, fb.req_pool_indices, prefix_cpu, lens_cpu)
+        keep_tokens = keep_rows = None
+        if self.pool.ring_len:
+            keep_tokens, positions, reqs = self._ring_keep(prefix_cpu, lens_cpu)
+            keep_tokens = keep_tokens.to(self.device, non_blocking=True)
+            positions = positions.to(self.device, non_blocking=True)
+            reqs = reqs.to(self.device, non_blocking=True)
+            keep_rows = self._ring_rows(fb.req_pool_indices[reqs], positions)
+        self.extend_state = ExtendState(plan, keep_tokens, keep_rows)
+
+    def _ring_keep(self, prefix_cpu, lens_cpu):
+        """New tokens a ring keeps after the extend: the sink and the last ``window``."""
+        sink, window = self.layout.sink, self.layout.window
+        tokens, positions, reqs = [], [], []
+        start = 0
+        for b, (p, e) in enumerate(zip(list(prefix_cpu), list(lens_cpu))):
+            p, e = int(p), int(e)
+            end = p + e
+            keep = list(range(p, min(sink, end))) + list(range(max(p, sink, end - window), end))
+            tokens += [start + pos - p for pos in keep]
+            positions += keep
+            reqs += [b] * len(keep)
+            start += e
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        return as_t(tokens), as_t(positions), as_t(reqs)
+
+    def _ring_rows(self, req_pool_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.pool.local_rows(req_pool_indices.to(torch.int64), positions.to(torch.int64))
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def _stores(self, layer_id: int):
+        g = self.layout.num_global(layer_id)
+        loc = self.layout.num_local(layer_id)
+        kg = self.pool.k_global[layer_id] if g else self._dummy
+        vg = self.pool.v_global[layer_id] if g else self._dummy
+        kl = self.pool.k_local[layer_id] if loc else self._dummy
+        vl = self.pool.v_local[layer_id] if loc else self._dummy
+        return kg, vg, kl, vl
+
+    @staticmethod
+    def _check_layer(layer: RadixAttention) -> None:
+        if layer.logit_cap or layer.is_cross_attention or layer.qk_head_dim != layer.v_head_dim:
+            raise NotImplementedError(
+                "redknot serves causal self-attention without logit capping and with equal "
+                "K/V head dims"
+            )
+
+    def extend(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):
+        self._check_layer(layer)
+        lid = layer.layer_id
+        H, Hq, D = self.layout.num_kv_heads, self.layout.num_q_heads, self.layout.head_dim
+        q = q.view(-1, Hq, D)
+        k = k.view(-1, H, D)
+        v = v.view(-1, H, D)
+        if save_kv_cache:
+            self.pool.write_global(lid, fb.out_cache_loc, k, v)
+        state = self.extend_state
+        out = q.new_empty(q.shape)
+        run_extend(
+            state.plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
+            self.heads[lid], layer.scaling, out=out,
+        )  # fmt: skip
+        if save_kv_cache and state.keep_rows_gpu is not None:
+            idx = state.keep_tokens_gpu
+            self.pool.write_local(lid, state.keep_rows_gpu, k[idx], v[idx])
+        return out.view(-1, Hq * D)
+
+    def decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):
+        self._check_layer(layer)
+        lid = layer.layer_id
+        H, Hq, D = self.layout.num_kv_heads, self.layout.num_q_heads, self.layout.head_dim
+        q = q.reshape(-1, Hq, D)
+        k = k.view(-1, H, D)
+        v = v.view(-1, H, D)
+        if save_kv_cache:
+            self.pool.write_global(lid, fb.out_cache_loc, k, v)
+            if self.pool.ring_len:
+                self.pool.write_local(lid, self.decode_rows, k, v)
+        out = q.new_empty(q.shape)
+        run_decode(
+            self.decode_plan, q, *self._stores(lid), self.req_to_token, self.heads[lid],
+            layer.scaling, out=out,
+        )  # fmt: skip
+        return out.view(-1, Hq * D)
