@@ -35,6 +35,12 @@ VARIANTS = {
 }
 
 
+def git_commit() -> str:
+    """The checkout's commit; the GPU machine's copy has no .git, so scripts pass REDKNOT_COMMIT."""
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+
 def make_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [round(min_len * (max_len / min_len) ** (i / max(1, n - 1))) for i in range(n)]
@@ -156,8 +162,7 @@ def main() -> None:
     record = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                 cwd=ROOT).stdout.strip() or os.environ.get("REDKNOT_COMMIT", ""),
+        "commit": os.environ.get("REDKNOT_COMMIT") or git_commit(),
         "command": " ".join(sys.argv),
         "model": args.model,
         "load_format": "dummy",
