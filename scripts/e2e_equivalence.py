@@ -92,7 +92,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / ".device/models/llama-3.1-8b"))
     ap.add_argument("--variants", default="flashinfer,redknot,redknot-triton")
-    ap.add_argument("--head-map", default=None, help="also serve this map (variant 'map')")
+    ap.add_argument("--head-map", default=None,
+                    help="also serve this map (variant 'map'); 'synthetic:F' makes one with a "
+                         "global fraction F")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--min-len", type=int, default=1024)
     ap.add_argument("--max-len", type=int, default=16384)
@@ -118,6 +120,13 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts_file = out_dir / "e2e_prompts.tmp.json"
     prompts_file.write_text(json.dumps({"round1": prompts, "round2": second_round(prompts, vocab, args.seed)}))
+    if args.head_map and args.head_map.startswith("synthetic:"):
+        from redknot.headmap import ModelShape, synthetic_map
+
+        fraction = float(args.head_map.split(":", 1)[1])
+        shape = ModelShape.from_hf_config(json.loads(Path(args.model, "config.json").read_text()))
+        args.head_map = str(out_dir / f"e2e_map_g{fraction}.tmp.json")
+        synthetic_map(shape, fraction).save(args.head_map)
     variants = args.variants.split(",") + (["map"] if args.head_map else [])
     results = {}
     for name in variants:

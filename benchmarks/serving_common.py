@@ -1,0 +1,93 @@
+"""Shared pieces of the serving benchmarks: engine options, synthetic maps, result records.
+
+Every benchmark runs each server variant in its own process (a fresh ``sgl.Engine``) so that
+memory and state never leak between variants, and writes one JSON record with the device, date,
+commit and command next to its figures.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = str(ROOT / ".device/models/llama-3.1-8b")
+
+
+def git_commit() -> str:
+    """The checkout's commit; the GPU machine's copy has no .git, so runs pass REDKNOT_COMMIT."""
+    if os.environ.get("REDKNOT_COMMIT"):
+        return os.environ["REDKNOT_COMMIT"]
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def record(**figures) -> dict:
+    return {
+        "device": device_name(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        **figures,
+    }
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def synthetic_map_file(model_dir: str, global_fraction: float, out_dir: str | Path) -> str:
+    """Write a synthetic head map of ``global_fraction`` for the model at ``model_dir``."""
+    from redknot.headmap import ModelShape, synthetic_map
+
+    shape = ModelShape.from_hf_config(json.loads(Path(model_dir, "config.json").read_text()))
+    path = Path(out_dir) / f"synthetic-g{global_fraction:.4f}.json"
+    synthetic_map(shape, global_fraction, model_name=Path(model_dir).name).save(path)
+    return str(path)
+
+
+def engine_kwargs(model: str, context_length: int, **extra) -> dict:
+    """Options every benchmark engine shares (dummy weights, token ids in, no grammar)."""
+    kwargs = dict(
+        model_path=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        grammar_backend="none",
+        sampling_backend="pytorch",
+        context_length=context_length,
+        random_seed=0,
+        log_level="warning",
+    )
+    kwargs.update(extra)
+    return kwargs
+
+
+def run_child(script: str, args: list[str], log_grep: str | None = None) -> dict:
+    """Run ``script`` in a fresh process; it prints one JSON line prefixed by ``RESULT ``.
+
+    Lines of the server log (the child's and its scheduler's output) containing ``log_grep``
+    are returned under ``log_lines``.
+    """
+    proc = subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, env=os.environ.copy()
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+            if log_grep:
+                text = proc.stdout + proc.stderr
+                result["log_lines"] = [x for x in text.splitlines() if log_grep in x]
+            return result
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    return {"error": f"exit {proc.returncode}", "log_tail": tail}
