@@ -8,7 +8,7 @@ import triton.language as tl
 
 # Running max of rows that have seen no key yet: finite, so that exp2(m_old - m_new) stays 1 (not
 # NaN) while a block masks every key of a row.
-NO_KEY_MAX = -1.0e30
+NO_KEY_MAX = tl.constexpr(-1.0e30)
 
 
 @triton.jit

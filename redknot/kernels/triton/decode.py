@@ -26,7 +26,7 @@ import triton.language as tl
 
 from redknot.kernels.triton.common import NO_KEY_MAX, mma, softmax_step
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
