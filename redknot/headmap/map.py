@@ -18,15 +18,32 @@ File format (JSON, ``"format": "redknot.headmap/1"``)::
 
 A local head at query position ``i`` attends key positions ``j <= i`` with ``j < sink`` or
 ``i - j < window``. Window and sink apply to every local head of the map.
+
+Maps written by ``redknot-profile`` carry, besides the keys above (readers must ignore keys
+they do not know; ``legend`` is informative only):
+
+* ``scores``: ``long_range_mass``, ``needle_mass``, ``local_output_error``,
+  ``prefix_kv_deviation`` (see :mod:`redknot.profiler.scores`) and ``combined``, the ranking
+  the classes were thresholded on (higher = more global);
+* ``provenance``: ``tool``, ``version``, ``commit``, ``dirty``, ``date``, ``synthetic``
+  (false), ``model_source``, ``config`` (every profiler option), ``calibration``
+  (``description``, ``version``, ``prompts_digest``), ``scores`` (each score's definition),
+  ``ranking`` (``score``, ``weights``, ``normalisation``), ``thresholds`` (``global_fraction``,
+  ``num_global``, ``num_heads``, ``lowest_global_score``, ``highest_local_score``),
+  ``dense_layers_source``, ``device``, ``seconds``.
+
+Synthetic maps (``python -m redknot.headmap synth``) have ``"synthetic": true``: their
+global heads are placed at random, for memory and speed measurements only.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 FORMAT = "redknot.headmap/1"
 GLOBAL = "G"
@@ -48,7 +65,7 @@ class ModelShape:
     head_dim: int
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "ModelShape":
+    def from_hf_config(cls, config: Any) -> ModelShape:
         """Read the shape from a Hugging Face config object or a ``config.json`` dict."""
         get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
         text_config = get("text_config", None)
@@ -148,7 +165,7 @@ class HeadMap:
     @classmethod
     def every_head_global(
         cls, model: ModelShape, *, window: int = 256, sink: int = 64, model_name: str = ""
-    ) -> "HeadMap":
+    ) -> HeadMap:
         """The map under which redknot computes exactly what dense attention computes."""
         return cls(
             model=model,
@@ -251,13 +268,11 @@ class HeadMap:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], *, source: str = "head map") -> "HeadMap":
+    def from_json(cls, data: Mapping[str, Any], *, source: str = "head map") -> HeadMap:
         if not isinstance(data, Mapping):
             raise HeadMapError(f"{source}: expected a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
-            raise HeadMapError(
-                f"{source}: format is {data.get('format')!r}, expected {FORMAT!r}"
-            )
+            raise HeadMapError(f"{source}: format is {data.get('format')!r}, expected {FORMAT!r}")
         try:
             m = data["model"]
             model = ModelShape(
@@ -284,7 +299,7 @@ class HeadMap:
             raise HeadMapError(f"{source}: malformed head map ({type(e).__name__}: {e})") from e
 
     @classmethod
-    def load(cls, path: str | Path) -> "HeadMap":
+    def load(cls, path: str | Path) -> HeadMap:
         path = Path(path)
         if not path.is_file():
             raise HeadMapError(

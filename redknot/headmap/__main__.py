@@ -1,0 +1,7 @@
+"""``python -m redknot.headmap``: see :mod:`redknot.headmap.cli`."""
+
+import sys
+
+from redknot.headmap.cli import main
+
+sys.exit(main())
