@@ -57,9 +57,10 @@ def run_variant(args: argparse.Namespace) -> None:
     """Child process: serve one variant, write its outputs as JSON to args.child_out."""
     import sglang as sgl
 
-    spec = dict(VARIANTS[args.child])
-    if args.head_map:
+    if args.child == "map":
         spec = {"attention_backend": "redknot", "redknot_head_map": args.head_map}
+    else:
+        spec = dict(VARIANTS[args.child])
     engine = sgl.Engine(
         model_path=args.model,
         load_format="dummy",

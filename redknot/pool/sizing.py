@@ -61,13 +61,17 @@ def plan_slots(
     return SlotPlan(request_slots=slots, snapshots=snapshots, fixed_bytes=fixed)
 
 
+# Per-configurator state (SGLang's KVCacheConfigurator has __slots__): id -> {"layout", "slots"}.
+_state: dict[int, dict] = {}
+
+
 def is_redknot(kvc: Any) -> bool:
     return kvc.server_args.attention_backend == "redknot"
 
 
 def layout_of(kvc: Any) -> HeadLayout:
     """The head layout of this rank, resolved once per KV-cache configurator."""
-    cached = getattr(kvc, "_redknot_layout", None)
+    cached = _state.get(id(kvc), {}).get("layout")
     if cached is not None:
         return cached
     from sglang.srt.runtime_context import get_parallel
@@ -81,7 +85,7 @@ def layout_of(kvc: Any) -> HeadLayout:
         ModelShape.from_hf_config(mc.hf_config), tp_size=tp_size, context_len=mc.context_len
     )
     layout = HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=tp_rank)
-    kvc._redknot_layout = layout
+    _state.setdefault(id(kvc), {})["layout"] = layout
     return layout
 
 
@@ -94,7 +98,7 @@ def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
     plan = plan_slots(
         layout_of(kvc), kvc.kv_cache_dtype, budget_bytes, kvc.server_args.max_running_requests
     )
-    kvc._redknot_slots = plan
+    _state.setdefault(id(kvc), {})["slots"] = plan
     if plan.request_slots is not None:
         logger.info(
             "redknot: %d request slots + %d snapshots reserve %.2f GB for local heads; "
@@ -108,7 +112,7 @@ def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
 
 
 def cap_requests(kvc: Any, max_num_reqs: int) -> int:
-    plan: Optional[SlotPlan] = getattr(kvc, "_redknot_slots", None)
+    plan: Optional[SlotPlan] = _state.get(id(kvc), {}).get("slots")
     if plan is None or plan.request_slots is None:
         return max_num_reqs
     return min(max_num_reqs, plan.request_slots)
@@ -117,7 +121,7 @@ def cap_requests(kvc: Any, max_num_reqs: int) -> int:
 def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
     from redknot.pool.kv_pool import RedknotKVPool
 
-    plan: Optional[SlotPlan] = getattr(kvc, "_redknot_slots", None)
+    plan: Optional[SlotPlan] = _state.get(id(kvc), {}).get("slots")
     snapshots = plan.snapshots if plan is not None else 0
     pool = RedknotKVPool(
         max_total_num_tokens,

@@ -1,0 +1,57 @@
+"""The pool-sizing hooks on SGLang's real KV-cache configurator class (it has __slots__)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from redknot import envs
+from redknot.config import RedknotConfig
+from redknot.headmap import ModelShape, synthetic_map
+from redknot.pool import sizing
+from redknot.pool.kv_pool import bytes_per_ring, bytes_per_token
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 512, "num_attention_heads": 8,
+          "num_hidden_layers": 4, "num_key_value_heads": 4, "max_position_embeddings": 4096}
+
+
+@pytest.fixture
+def configurator(tmp_path, monkeypatch):
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.runtime_context import get_parallel
+
+    path = tmp_path / "map.json"
+    synthetic_map(ModelShape.from_hf_config(CONFIG), 0.25).save(path)
+    monkeypatch.setenv(envs.REDKNOT_RESOLVED_CONFIG.name, RedknotConfig(head_map=str(path)).to_json())
+    kvc = object.__new__(KVCacheConfigurator)
+    kvc.server_args = SimpleNamespace(attention_backend="redknot", max_running_requests=None)
+    kvc.model_config = SimpleNamespace(hf_config=CONFIG, context_len=4096)
+    kvc.kv_cache_dtype = torch.bfloat16
+    with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
+        yield kvc
+
+
+def test_hooks_size_the_pool_from_global_bytes_and_rings(configurator):
+    from redknot.integration import plugin
+
+    layout = sizing.layout_of(configurator)
+    per_token = bytes_per_token(layout, torch.bfloat16)
+    assert plugin._around_cell_size(None, None, configurator, 4) == per_token
+    budget = 10**9
+    left = plugin._after_available_bytes(budget, configurator, 0)
+    plan = sizing._state[id(configurator)]["slots"]
+    ring = bytes_per_ring(layout, torch.bfloat16)
+    assert left == budget - plan.fixed_bytes == budget - (plan.request_slots + 1 + plan.snapshots) * ring
+    assert plugin._after_max_num_reqs(4096, configurator, left // per_token) == plan.request_slots
+
+
+def test_hooks_leave_other_backends_alone(configurator):
+    from redknot.integration import plugin
+
+    configurator.server_args.attention_backend = "flashinfer"
+    assert plugin._around_cell_size(lambda self, kvc, n: 123, None, configurator, 4) == 123
+    assert plugin._after_available_bytes(10**9, configurator, 0) is None
+    assert plugin._after_max_num_reqs(4096, configurator, 10) is None
