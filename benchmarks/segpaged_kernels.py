@@ -42,19 +42,17 @@ DEV = "cuda"
 
 DECODE_VARIANTS = [  # tried on the target cases; the first is DecodeConfig()
     DecodeConfig(),
-    *(DecodeConfig(programs_per_sm=p) for p in (2, 3, 6, 8, 12, 16, 32)),
-    DecodeConfig(block_n=32),
-    DecodeConfig(block_n=32, programs_per_sm=8),
-    DecodeConfig(num_stages=3),
-    DecodeConfig(num_stages=4),
-    DecodeConfig(num_stages=3, programs_per_sm=8),
-    DecodeConfig(block_n=128),
-    DecodeConfig(num_warps=8),
+    *(DecodeConfig(num_stages=3, programs_per_sm=p) for p in (2, 3, 4, 6, 8, 12)),
+    *(DecodeConfig(block_n=128, num_stages=s, programs_per_sm=p) for s in (2, 3) for p in (4, 8)),
+    DecodeConfig(num_warps=2, num_stages=3, programs_per_sm=8),
+    DecodeConfig(block_n=32, num_stages=3, programs_per_sm=8),
+    DecodeConfig(num_stages=3, programs_per_sm=8, min_chunk=128),
+    DecodeConfig(num_stages=3, programs_per_sm=8, min_chunk=512),
 ]
 EXTEND_VARIANTS = [  # tried on the target cases; the first is ExtendConfig()
     ExtendConfig(),
     ExtendConfig(num_stages=3),
-    ExtendConfig(block_n=128),
+    ExtendConfig(block_n=32, num_stages=3),
     ExtendConfig(block_m=64, num_warps=4),
     ExtendConfig(block_m=64, num_warps=4, num_stages=3),
 ]
@@ -298,27 +296,26 @@ def prefill_case(L: int, frac_name: str, timer: Timer, variants: bool) -> dict:
     kl, vl = rand(RING_LEN, max(HKV - G, 1), D), rand(RING_LEN, max(HKV - G, 1), D)
     out = torch.empty_like(q)
 
-    def redknot(cfg: ExtendConfig):
+    def redknot(cfg: ExtendConfig, skip_global: bool = False):
         def make():
             plan = plan_extend(geo, rows, [0], [L], config=cfg)
-            return lambda: run_extend(plan, q, k, v, kg, vg, kl, vl, r2t, heads, SCALE, out=out)
+            return lambda: run_extend(plan, q, k, v, kg, vg, kl, vl, r2t, heads, SCALE, out=out,
+                                      skip_global=skip_global)  # fmt: skip
 
         return make
 
     attempt(row, "redknot", timer, redknot(ExtendConfig()))
     if variants:
         row["variants"] = []
-        for cfg in EXTEND_VARIANTS[1:]:
+        for cfg in EXTEND_VARIANTS:
             res = {}
-            attempt(res, "redknot", timer, redknot(cfg))
-            row["variants"].append({"config": dataclasses.asdict(cfg), "ms": res["ms_redknot"]})
+            if cfg != ExtendConfig():
+                attempt(res, "redknot", timer, redknot(cfg))
+            attempt(res, "local_rows_only", timer, redknot(cfg, skip_global=True))
+            res.pop("timing", None)
+            row["variants"].append({"config": dataclasses.asdict(cfg), **res})
 
-    def redknot_local_rows_only():
-        plan = plan_extend(geo, rows, [0], [L])
-        return lambda: run_extend(plan, q, k, v, kg, vg, kl, vl, r2t, heads, SCALE, out=out,
-                                  skip_global=True)  # fmt: skip
-
-    attempt(row, "redknot_local_rows_only", timer, redknot_local_rows_only)
+    attempt(row, "redknot_local_rows_only", timer, redknot(ExtendConfig(), skip_global=True))
 
     def redknot_fi_global():
         plan = plan_extend(geo, rows, [0], [L])
@@ -329,6 +326,14 @@ def prefill_case(L: int, frac_name: str, timer: Timer, variants: bool) -> dict:
         )
 
     attempt(row, "redknot_fi_global", timer, redknot_fi_global)
+
+    def flashinfer_global_rows_only():
+        plan = plan_extend(geo, rows, [0], [L])
+        fi = FlashInferGlobalRows(geo, DEV)
+        fi.plan(plan, r2t, {G}, DTYPE, SCALE)
+        return lambda: fi.run(q, k, v, kg, vg, heads, out)
+
+    attempt(row, "flashinfer_global_rows_only", timer, flashinfer_global_rows_only)
 
     indptr = torch.tensor([0, L], dtype=torch.int32)
 

@@ -232,14 +232,15 @@ def run_decode(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if plan.num_splits > 1:
-        segpaged_decode_merge_kernel[(B, geo.num_kv_heads)](
+        splits_p2 = triton_next_pow2(plan.num_splits)
+        segpaged_decode_merge_kernel[(B, Hq)](
             plan.seq_lens_gpu, heads.is_local_gpu, out, lse_arg, po, pl,
             geo.sink, geo.window, plan.num_splits,
             out.stride(0), out.stride(1), lse_arg.stride(0),
             po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-            GRP=grp, BLOCK_H=block_h, BLOCK_N=cfg.block_n, HEAD_DIM=D,
-            SPLITS_P2=triton_next_pow2(plan.num_splits),
-            MIN_CHUNK=cfg.min_chunk, WRITE_LSE=lse is not None, num_warps=4,
+            GRP=grp, BLOCK_N=cfg.block_n, HEAD_DIM=D, SPLITS_P2=splits_p2,
+            SPLITS_BLOCK=min(splits_p2, 16), MIN_CHUNK=cfg.min_chunk,
+            WRITE_LSE=lse is not None, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -42,6 +42,7 @@ class FlashInferGlobalRows:
         self._ragged: dict[int, object] = {}
         self._paged: dict[int, object] = {}
         self._has_prefix = False
+        self._prefix_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._head_index: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def plan(
@@ -57,15 +58,26 @@ class FlashInferGlobalRows:
         grp, D = self.geo.group_size, self.geo.head_dim
         indptr = plan.qo_indptr_cpu  # FlashInfer plans on the host
         prefix = plan.prefix_lens_cpu.to(torch.int64)
-        self._has_prefix = bool((prefix > 0).any())
+        lens = (indptr[1:] - indptr[:-1]).to(torch.int64)
+        # The paged call covers only requests with a prefix and new tokens (FlashInfer's output
+        # for an empty KV range must not be merged); its tokens are gathered by index.
+        with_prefix = [b for b in range(len(lens)) if prefix[b] > 0 and lens[b] > 0]
+        self._has_prefix = bool(with_prefix)
         if self._has_prefix:
-            kv_indptr = torch.zeros(prefix.shape[0] + 1, dtype=torch.int32)
-            torch.cumsum(prefix, 0, out=kv_indptr[1:])
             rows = plan.req_pool_indices_gpu.tolist()
-            kv_indices = torch.cat([req_to_token[r, :p] for r, p in zip(rows, prefix.tolist())]).to(
-                torch.int32
-            )
-            last_page = torch.ones(prefix.shape[0], dtype=torch.int32, device=self.device)
+            sub_lens = lens[with_prefix]
+            sub_prefix = prefix[with_prefix]
+            qo_sub = torch.zeros(len(with_prefix) + 1, dtype=torch.int32)
+            torch.cumsum(sub_lens, 0, out=qo_sub[1:])
+            kv_indptr = torch.zeros(len(with_prefix) + 1, dtype=torch.int32)
+            torch.cumsum(sub_prefix, 0, out=kv_indptr[1:])
+            kv_indices = torch.cat(
+                [req_to_token[rows[b], : int(prefix[b])] for b in with_prefix]
+            ).to(torch.int32)
+            last_page = torch.ones(len(with_prefix), dtype=torch.int32, device=self.device)
+            self._prefix_tokens = torch.cat(
+                [torch.arange(int(indptr[b]), int(indptr[b + 1])) for b in with_prefix]
+            ).to(self.device)
         for G in sorted(set(global_counts) - {0}):
             ragged = self._ragged.setdefault(
                 G, self._fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
@@ -79,7 +91,7 @@ class FlashInferGlobalRows:
                     G, self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
                 )
                 paged.plan(
-                    indptr, kv_indptr, kv_indices, last_page, G * grp, G, D, 1,
+                    qo_sub, kv_indptr, kv_indices, last_page, G * grp, G, D, 1,
                     causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
                 )  # fmt: skip
 
@@ -114,9 +126,13 @@ class FlashInferGlobalRows:
         )
         if self._has_prefix:
             assert k_global.shape[1] == G and v_global.shape[1] == G, k_global.shape
+            tok = self._prefix_tokens
             paged = (k_global.unsqueeze(1), v_global.unsqueeze(1))  # page size 1
-            o_p, lse2_p = self._paged[G].run(q_g, paged, return_lse=True)
-            self._fi.merge_state_in_place(o, lse2, o_p, lse2_p)
+            o_p, lse2_p = self._paged[G].run(q_g.index_select(0, tok), paged, return_lse=True)
+            o_sub, lse2_sub = o.index_select(0, tok), lse2.index_select(0, tok)
+            self._fi.merge_state_in_place(o_sub, lse2_sub, o_p, lse2_p)
+            o.index_copy_(0, tok, o_sub)
+            lse2.index_copy_(0, tok, lse2_sub)
         out.index_copy_(1, q_idx, o)
         if lse is not None:
             lse.index_copy_(1, q_idx, lse2 * math.log(2.0))  # FlashInfer's lse is base 2

@@ -96,6 +96,18 @@ def test_extend_larger_tiles():
     _close(out, ref_out)
 
 
+@pytest.mark.parametrize("mode", ["token_table", "ring"])
+def test_extend_window_spanning_several_blocks(mode):
+    """A window of several key blocks: local rows also take the unmasked path."""
+    requests = [(0, 70), (50, 31), (9, 44), (100, 5)]
+    out, lse, ref_out, ref_lse = _run_case(
+        "LGLL", 4, 64, torch.float16, mode, requests, "cpu", ExtendConfig(block_m=16, block_n=8),
+        sink=5, window=37,
+    )  # fmt: skip
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
 def test_extend_plan_orders_heavy_tiles_first():
     geo, _ = make_geometry("GL", 4, 64, SINK, WINDOW, "token_table")
     plan = plan_extend(geo, torch.arange(3), [0, 100, 5], [9, 3, 0], config=SMALL)

@@ -16,7 +16,7 @@ A row's visible keys, numbered ``v = 0 .. cnt - 1`` (``n = seq_lens[b]``):
 Split ``s`` takes ``v`` in ``[s * chunk, (s + 1) * chunk)`` with ``chunk`` from
 ``split_chunk``; ``nvalid = cdiv(cnt, chunk)`` splits hold keys. A row with ``nvalid <= 1``
 is finished by its split 0 (written to ``Out``); other rows write partial outputs and base-2
-log-sum-exps that ``segpaged_decode_merge_kernel`` (grid ``(B, H_kv)``) combines.
+log-sum-exps that ``segpaged_decode_merge_kernel`` (grid ``(B, Hq)``) combines.
 """
 
 from __future__ import annotations
@@ -148,47 +148,35 @@ def segpaged_decode_merge_kernel(
     stride_ob, stride_oh, stride_lse_b,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     GRP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    SPLITS_BLOCK: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
+    """Program ``(b, qh)``: combine the splits of query head ``qh`` of request ``b``."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    head = tl.program_id(1)
     n = tl.load(Seq_lens + b).to(tl.int32)
-    _, _, cnt = visible_span(n, tl.load(Is_local + h), sink, window)
+    _, _, cnt = visible_span(n, tl.load(Is_local + head // GRP), sink, window)
     nvalid = tl.cdiv(cnt, split_chunk(cnt, num_splits, BLOCK_N, MIN_CHUNK))
     if nvalid > 1:
-        rows = tl.arange(0, BLOCK_H)
-        row_ok = rows < GRP
-        head = h * GRP + rows
-        d = tl.arange(0, HEAD_DIM)
-        splits = tl.arange(0, SPLITS_P2)
         lse_base = Part_lse + b.to(tl.int64) * stride_plb + head * stride_plh
-        lse_all = tl.load(
-            lse_base[:, None] + splits[None, :],
-            mask=row_ok[:, None] & (splits < nvalid)[None, :],
-            other=float("-inf"),
-        )
-        m = tl.max(lse_all, 1)
-        m = tl.where(row_ok, m, 0.0)
-        denom = tl.sum(tl.math.exp2(lse_all - m[:, None]), 1)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        splits = tl.arange(0, SPLITS_P2)
+        lse_all = tl.load(lse_base + splits, mask=splits < nvalid, other=float("-inf"))
+        m = tl.max(lse_all, 0)
+        denom = tl.sum(tl.math.exp2(lse_all - m), 0)
+        d = tl.arange(0, HEAD_DIM)
         part = Part_o + b.to(tl.int64) * stride_pob + head * stride_poh
-        for s in range(nvalid):
-            w = tl.math.exp2(tl.load(lse_base + s, mask=row_ok, other=0.0) - m)
-            o_s = tl.load(
-                part[:, None] + s * stride_pos + d[None, :], mask=row_ok[:, None], other=0.0
-            )
-            acc += w[:, None] * o_s
-        denom = tl.where(row_ok, denom, 1.0)
-        tl.store(
-            Out + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :],
-            (acc / denom[:, None]).to(Out.dtype.element_ty),
-            mask=row_ok[:, None],
-        )
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for s0 in range(0, nvalid, SPLITS_BLOCK):
+            s = s0 + tl.arange(0, SPLITS_BLOCK)
+            ok = s < nvalid
+            w = tl.math.exp2(tl.load(lse_base + s, mask=ok, other=float("-inf")) - m)
+            o_s = tl.load(part + s[:, None] * stride_pos + d[None, :], mask=ok[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * o_s, 0)
+        out = Out + b.to(tl.int64) * stride_ob + head * stride_oh + d
+        tl.store(out, (acc / denom).to(Out.dtype.element_ty))
         if WRITE_LSE:
-            lse = (m + tl.math.log2(denom)) * LN2
-            tl.store(Lse + b.to(tl.int64) * stride_lse_b + head, lse, mask=row_ok)
+            tl.store(Lse + b.to(tl.int64) * stride_lse_b + head, (m + tl.math.log2(denom)) * LN2)

@@ -7,19 +7,22 @@ head_slot_offset]`` and query tile ``t`` = new tokens ``[t0, t0 + BLOCK_Q)`` of 
 ``h * GRP + r % GRP``), so the GQA group reads each key once.
 
 Keys are visited in four loops (``a = P + t0`` first query position, ``e = P + min(t0 +
-BLOCK_Q, E)`` one past the last, ``u = P + (t0 + 1) // BLOCK_N * BLOCK_N``; positions ``< P``
-come from a store, the others from ``K_new``/``V_new``):
+BLOCK_Q, E)`` one past the last; positions ``< P`` come from a store, the others from
+``K_new``/``V_new``):
 
-| loop  | global row              | local row                              | masked             |
-| ----- | ----------------------- | -------------------------------------- | ------------------ |
-| cache | ``[0, P)`` global store | empty                                  | tail only          |
-| new   | ``[P, u)``              | empty                                  | no                 |
-| sink  | empty                   | ``[0, min(sink, e))``                  | yes                |
-| edge  | ``[u, e)`` (causal)     | ``[max(sink, a - window + 1), e)``     | yes                |
+| loop        | global row             | local row                                  | masked    |
+| ----------- | ---------------------- | ------------------------------------------ | --------- |
+| cache       | ``[0, P)`` global store | empty                                     | tail only |
+| sink + edge | empty                  | ``[0, min(sink, e))`` and ``[w0, c_lo)``   | yes       |
+| new         | ``[P, u)``             | ``[c_lo, d_lo)``                           | no        |
+| diagonal    | ``[u, e)``             | ``[d_lo, e)``                              | yes       |
 
-``sink`` and ``edge`` read positions below ``P`` from the local store. A local row thus costs
-``O(BLOCK_Q + sink + window)`` keys whatever ``P`` is. No branch on the head class: the class
-only sets the loop bounds, so the four loops are compiled once.
+with ``u = P + (t0 + 1) // BLOCK_N * BLOCK_N`` (new keys below ``u`` precede every query of the
+tile), ``w0 = max(sink, a - window + 1)`` (the window's first key), ``d_lo = max(u, w0)`` and
+``c_lo`` the lowest key ``>= max(P, e - window, w0)`` a whole number of blocks below ``d_lo``
+(keys in ``[c_lo, d_lo)`` are visible to every row). ``sink + edge`` reads positions below
+``P`` from the local store. A local row thus costs ``O(BLOCK_Q + sink + window)`` keys whatever
+``P`` is. No branch on the head class: it only sets loop bounds, so each loop is compiled once.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def segpaged_extend_kernel(
     q = tl.load(Q + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     q_pos = P + tok
     e = P + tl.minimum(t0 + BLOCK_Q, E)
-    u = P + (t0 + 1) // BLOCK_N * BLOCK_N  # new keys below u are visible to every row
+    u = P + (t0 + 1) // BLOCK_N * BLOCK_N
     Kn = K_new + q_start * stride_knt + h * stride_knh
     Vn = V_new + q_start * stride_vnt + h * stride_vnh
     Kg = K_g + col * stride_kgh
@@ -104,41 +107,54 @@ def segpaged_extend_kernel(
         m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, valid[None, :], BLOCK_M,
                                BLOCK_N, True, UPCAST)  # fmt: skip
 
-    # new: a global row's new keys below the tile (no mask at all)
-    hi = tl.where(is_local, P, u)
-    for start in tl.range(P, hi, BLOCK_N):
+    # Bounds of the module table: window start w0, masked diagonal [d_lo, e), unmasked
+    # [c_lo, d_lo) (new keys every row sees), a local row's left window edge [w0, c_lo).
+    w0 = tl.maximum(sink, P + t0 - window + 1)
+    d_lo = tl.where(is_local, tl.maximum(u, w0), u)
+    lower = tl.where(is_local, tl.maximum(tl.maximum(P, e - window), w0), P)
+    c_lo = tl.where(d_lo > lower, d_lo - (d_lo - lower) // BLOCK_N * BLOCK_N, d_lo)
+
+    # sink + edge: a local row's sink [0, min(sink, e)) and left window edge [w0, c_lo), as one
+    # run of n1 + n2 keys; below P from the local store, above from K_new / V_new
+    n1 = tl.where(is_local, tl.minimum(sink, e), 0)
+    n2 = tl.where(is_local, c_lo - w0, 0)
+    for start in tl.range(0, n1 + n2, BLOCK_N):
+        idx = start + tl.arange(0, BLOCK_N)
+        valid = idx < n1 + n2
+        pos = tl.where(idx < n1, idx, w0 + idx - n1)
+        cached = valid & (pos < P)
+        slot = store_slots(pos, cached, req_row, Req_to_token, stride_r2t, sink, ring_len, RING)
+        row = (pos - P).to(tl.int64)
+        k_ptr = tl.where(cached[:, None], Kl + slot[:, None] * stride_kls,
+                         Kn + row[:, None] * stride_knt)  # fmt: skip
+        v_ptr = tl.where(cached[:, None], Vl + slot[:, None] * stride_vls,
+                         Vn + row[:, None] * stride_vnt)  # fmt: skip
+        k = tl.load(k_ptr + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + d[None, :], mask=valid[:, None], other=0.0)
+        vis = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        vis = vis & ((pos[None, :] < sink) | (q_pos[:, None] - pos[None, :] < window))
+        m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
+                               UPCAST)  # fmt: skip
+
+    # new: keys every row of the tile sees, from K_new / V_new, no mask
+    for start in tl.range(c_lo, d_lo, BLOCK_N):
         row = (start - P + tl.arange(0, BLOCK_N)).to(tl.int64)
         k = tl.load(Kn + row[:, None] * stride_knt + d[None, :])
         v = tl.load(Vn + row[:, None] * stride_vnt + d[None, :])
         m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, True, BLOCK_M, BLOCK_N, False,
                                UPCAST)  # fmt: skip
 
-    # sink and edge: a local row's sink and window, a global row's causal edge; keys below P
-    # from the local store, the others from K_new / V_new
-    sink_hi = tl.where(is_local, tl.minimum(sink, e), 0)
-    win_lo = tl.where(is_local, tl.maximum(sink, P + t0 - window + 1), u)
-    for part in tl.static_range(2):
-        lo = 0 if part == 0 else win_lo
-        hi = sink_hi if part == 0 else e
-        for start in tl.range(lo, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            valid = pos < hi
-            cached = valid & (pos < P)
-            slot = store_slots(pos, cached, req_row, Req_to_token, stride_r2t, sink, ring_len,
-                               RING)  # fmt: skip
-            row = (pos - P).to(tl.int64)
-            k_ptr = tl.where(cached[:, None], Kl + slot[:, None] * stride_kls,
-                             Kn + row[:, None] * stride_knt)  # fmt: skip
-            v_ptr = tl.where(cached[:, None], Vl + slot[:, None] * stride_vls,
-                             Vn + row[:, None] * stride_vnt)  # fmt: skip
-            k = tl.load(k_ptr + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(v_ptr + d[None, :], mask=valid[:, None], other=0.0)
-            vis = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-            vis = vis & (
-                is_global | (pos[None, :] < sink) | (q_pos[:, None] - pos[None, :] < window)
-            )
-            m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
-                                   UPCAST)  # fmt: skip
+    # diagonal: the tile's own new keys, causal (and the window for a local row)
+    for start in tl.range(d_lo, e, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < e
+        row = (pos - P).to(tl.int64)
+        k = tl.load(Kn + row[:, None] * stride_knt + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(Vn + row[:, None] * stride_vnt + d[None, :], mask=valid[:, None], other=0.0)
+        vis = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        vis = vis & (is_global | (q_pos[:, None] - pos[None, :] < window))
+        m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
+                               UPCAST)  # fmt: skip
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / safe_l[:, None]
