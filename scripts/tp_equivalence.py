@@ -1,0 +1,123 @@
+"""Greedy tokens with ``--tp 2`` against ``--tp 1`` for the redknot backend (GPU machine, 2 GPUs).
+
+Dummy weights differ between TP sizes (each rank draws its own shard), so this builds a small
+Llama-architecture checkpoint with fixed random weights (seeded, bf16) and serves the same
+checkpoint at TP 1 and TP 2: flashinfer (the control: how much TP alone moves greedy tokens),
+redknot with every head global, and redknot with a 1/4-global map (each rank holds its KV heads
+and its slice of the map). Writes ``benchmarks/results/tp_equivalence.json``.
+
+    python scripts/tp_equivalence.py --out benchmarks/results/tp_equivalence.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import serving_common as common  # noqa: E402
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+    "intermediate_size": 5632, "num_attention_heads": 16, "num_hidden_layers": 8,
+    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 16384,
+    "vocab_size": 32000, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+VARIANTS = {
+    "flashinfer": {"attention_backend": "flashinfer"},
+    "redknot-all-global": {"attention_backend": "redknot", "redknot_all_global": True},
+    "redknot-g0.25": {"attention_backend": "redknot"},  # map path added at run time
+}
+
+
+def build_checkpoint(path: Path, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def child(args) -> None:
+    import sglang as sgl
+
+    spec = dict(VARIANTS[args.child])
+    if args.child == "redknot-g0.25":
+        spec["redknot_head_map"] = common.synthetic_map_file(args.model, 0.25, "/tmp")
+    engine = sgl.Engine(
+        model_path=args.model, skip_tokenizer_init=True, grammar_backend="none",
+        sampling_backend="pytorch", context_length=8192, tp_size=args.tp, random_seed=0,
+        disable_prefill_cuda_graph=True, cuda_graph_max_bs_decode=8, mem_fraction_static=0.6,
+        log_level="warning", **spec,
+    )  # fmt: skip
+    prompts = json.loads(Path(args.prompts).read_text())
+    try:
+        outs = engine.generate(input_ids=prompts, sampling_params={
+            "temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    print("RESULT " + json.dumps({"outputs": [o["output_ids"] for o in outs]}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--workdir", default="/tmp/redknot-tp")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/tp_equivalence.json"))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    import random
+
+    work = Path(args.workdir)
+    model = work / "model"
+    if not (model / "config.json").exists():
+        build_checkpoint(model, seed=0)
+    rng = random.Random(0)
+    lengths = [1024 + 384 * i for i in range(args.num_prompts)]
+    prompts = [[rng.randrange(3, CONFIG["vocab_size"]) for _ in range(n)] for n in lengths]
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    results, timings = {}, {}
+    for name in VARIANTS:
+        for tp in (1, 2):
+            t0 = time.perf_counter()
+            res = common.run_child(__file__, ["--child", name, "--tp", str(tp), "--model",
+                                              str(model), "--prompts", str(work / "prompts.json"),
+                                              "--max-new-tokens", str(args.max_new_tokens)])
+            results[f"{name}@tp{tp}"] = res
+            timings[f"{name}@tp{tp}"] = time.perf_counter() - t0
+            print(name, tp, "error" in res and res["error"], flush=True)
+    summary = {}
+    for name in VARIANTS:
+        a, b = results[f"{name}@tp1"], results[f"{name}@tp2"]
+        if "outputs" in a and "outputs" in b:
+            same = [x == y for x, y in zip(a["outputs"], b["outputs"])]
+            summary[name] = {"identical_greedy_tp1_vs_tp2": sum(same), "prompts": len(same)}
+        else:
+            summary[name] = {"error": a.get("error") or b.get("error"),
+                             "log_tail": (a.get("log_tail") or b.get("log_tail", ""))[-1500:]}
+    common.write_json(args.out, common.record(
+        model="random Llama-architecture checkpoint (seed 0, bf16)", model_config=CONFIG,
+        prompt_lengths=lengths, max_new_tokens=args.max_new_tokens, summary=summary,
+        timings_seconds=timings,
+    ))  # fmt: skip
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
