@@ -42,18 +42,15 @@ DEV = "cuda"
 
 DECODE_VARIANTS = [  # tried on the target cases; the first is DecodeConfig()
     DecodeConfig(),
-    *(DecodeConfig(num_stages=3, programs_per_sm=p) for p in (2, 3, 4, 6, 8, 12)),
-    *(DecodeConfig(block_n=128, num_stages=s, programs_per_sm=p) for s in (2, 3) for p in (4, 8)),
+    *(DecodeConfig(num_stages=3, programs_per_sm=p) for p in (3, 4, 8, 12)),
+    *(DecodeConfig(block_n=128, num_stages=3, programs_per_sm=p) for p in (4, 8)),
     DecodeConfig(num_warps=2, num_stages=3, programs_per_sm=8),
-    DecodeConfig(block_n=32, num_stages=3, programs_per_sm=8),
-    DecodeConfig(num_stages=3, programs_per_sm=8, min_chunk=128),
     DecodeConfig(num_stages=3, programs_per_sm=8, min_chunk=512),
 ]
 EXTEND_VARIANTS = [  # tried on the target cases; the first is ExtendConfig()
     ExtendConfig(),
     ExtendConfig(num_stages=3),
     ExtendConfig(block_n=32, num_stages=3),
-    ExtendConfig(block_m=64, num_warps=4),
     ExtendConfig(block_m=64, num_warps=4, num_stages=3),
 ]
 
