@@ -21,7 +21,7 @@ import torch
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import plan_extend, run_extend
 from redknot.kernels.geometry import LayerHeads, SegGeometry
-from redknot.pool.kv_pool import RedknotKVPool
+from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ class ExtendState:
     plan: object  # redknot.kernels.extend.ExtendPlan
     keep_tokens_gpu: Optional[torch.Tensor]  # [K] int64, new tokens whose local K/V a ring keeps
     keep_rows_gpu: Optional[torch.Tensor]  # [K] int64, their rows in the local store
+    # Snapshot captures at branch points (see redknot.segcache.radix), local-store rows:
+    capture: Optional[tuple[torch.Tensor, ...]] = None  # (dst<-ring, src ring, dst<-new, src tok)
 
 
 class SegPagedRunner:
@@ -156,7 +158,27 @@ class SegPagedRunner:
             positions = positions.to(self.device, non_blocking=True)
             reqs = reqs.to(self.device, non_blocking=True)
             keep_rows = self._ring_rows(fb.req_pool_indices[reqs], positions)
-        self.extend_state = ExtendState(plan, keep_tokens, keep_rows)
+        capture = self._plan_captures(fb, prefix_cpu, lens_cpu) if self.pool.capture_jobs else None
+        self.extend_state = ExtendState(plan, keep_tokens, keep_rows, capture)
+
+    def _plan_captures(self, fb: ForwardBatch, prefix_cpu, lens_cpu):
+        """Rows of the snapshot captures whose branch point this extend computes."""
+        rows: tuple[list[int], ...] = ([], [], [], [])
+        offset = 0
+        for rpi, p, e in zip(fb.req_pool_indices.tolist(), list(prefix_cpu), list(lens_cpu)):
+            job = self.pool.capture_jobs.get(rpi)
+            if job is not None and int(p) < job.position <= int(p) + int(e):
+                for acc, part in zip(rows, capture_rows(self.pool, job, rpi, int(p), offset)):
+                    acc.extend(part)
+                cache = getattr(self.pool, "cache", None)
+                if cache is not None:
+                    cache.capture_issued(rpi)
+                else:
+                    self.pool.capture_jobs.pop(rpi)
+            offset += int(e)
+        if not rows[0] and not rows[2]:
+            return None
+        return tuple(torch.tensor(r, dtype=torch.int64).to(self.device) for r in rows)
 
     def _ring_keep(self, prefix_cpu, lens_cpu):
         """New tokens a ring keeps after the extend: the sink and the last ``window``."""
@@ -211,6 +233,10 @@ class SegPagedRunner:
             state.plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
             self.heads[lid], layer.scaling, out=out,
         )  # fmt: skip
+        if save_kv_cache and state.capture is not None:
+            dst_ring, src_ring, dst_new, src_tok = state.capture
+            self.pool.copy_local_rows(lid, dst_ring, src_ring)
+            self.pool.write_local(lid, dst_new, k[src_tok], v[src_tok])
         if save_kv_cache and state.keep_rows_gpu is not None:
             idx = state.keep_tokens_gpu
             self.pool.write_local(lid, state.keep_rows_gpu, k[idx], v[idx])

@@ -82,10 +82,11 @@ def _around_req_slot_alloc(original, self, reqs):
     fresh = [r for r in reqs if r.req_pool_idx is None]
     result = original(self, reqs)
     cache = getattr(self, "redknot_cache", None)
-    if result is not None and cache is not None:
+    if result is not None and cache is not None and cache.uses_snapshots:
         for req in fresh:
-            if len(req.prefix_indices) > 0 and cache.uses_snapshots:
+            if len(req.prefix_indices) > 0:
                 cache.queue_restore(req.req_pool_idx, req.last_node)
+            cache.plan_capture(req)
     return result
 
 

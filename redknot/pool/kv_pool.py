@@ -22,6 +22,7 @@ prefixes); the token budget is what remains.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -87,6 +88,7 @@ class RedknotKVPool(KVCache):
             for i in range(layout.num_layers)
         ]
         self.pending = PendingCopies()
+        self.capture_jobs: dict[int, CaptureJob] = {}  # req_pool_idx -> job
         self.is_local = tables["is_local"].to(device)
         self.column = tables["column"].to(device)
         d = layout.head_dim
@@ -173,6 +175,12 @@ class RedknotKVPool(KVCache):
         self.k_local[layer_id][rows] = k.index_select(1, idx).to(self.dtype)
         self.v_local[layer_id][rows] = v.index_select(1, idx).to(self.dtype)
 
+    def copy_local_rows(self, layer_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``k_local[layer][dst] = k_local[layer][src]`` (and V): rows of one layer."""
+        if self.layout.num_local(layer_id):
+            self.k_local[layer_id][dst] = self.k_local[layer_id][src]
+            self.v_local[layer_id][dst] = self.v_local[layer_id][src]
+
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy whole rings/snapshots ``src[i] -> dst[i]`` in every layer (int64 [n])."""
         if self.ring_len == 0 or dst.numel() == 0:
@@ -240,3 +248,39 @@ class PendingCopies:
                 torch.tensor(dst, dtype=torch.long, device=device),
                 torch.tensor(src, dtype=torch.long, device=device),
             )
+
+
+@dataclass(frozen=True)
+class CaptureJob:
+    """Save, during a request's prefill, its local KV as it stands at ``position`` tokens."""
+
+    position: int  # the prefix length the snapshot will represent
+    slot: int  # destination snapshot slot (a slot number of the local store)
+
+
+def capture_rows(
+    pool: "RedknotKVPool", job: CaptureJob, ring_slot: int, prefix_len: int, token_offset: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Rows to copy so that snapshot ``job.slot`` holds positions ``< job.position``.
+
+    The request extends positions ``[prefix_len, ...)`` whose new K/V are rows
+    ``token_offset + (p - prefix_len)`` of the batch; positions before ``prefix_len`` are still in
+    its ring (the ring is written after the layer's attention). Returns
+    ``(dst_from_ring, src_ring_rows, dst_from_new, src_token_rows)``.
+    """
+    sink, window, ring_len = pool.layout.sink, pool.layout.window, pool.ring_len
+    end = job.position
+    keep = list(range(min(sink, end))) + list(range(max(sink, end - window), end))
+
+    def ring_row(slot: int, p: int) -> int:
+        return slot * ring_len + (p if p < sink else sink + (p - sink) % window)
+
+    dst_r, src_r, dst_n, src_n = [], [], [], []
+    for p in keep:
+        if p < prefix_len:
+            dst_r.append(ring_row(job.slot, p))
+            src_r.append(ring_row(ring_slot, p))
+        else:
+            dst_n.append(ring_row(job.slot, p))
+            src_n.append(token_offset + p - prefix_len)
+    return dst_r, src_r, dst_n, src_n

@@ -7,9 +7,12 @@ SGLang sizes its KV pool as ``budget / cell_size`` token slots and derives
 
     budget = fixed_bytes(rings + snapshots) + token_slots * bytes_per_token
 
-The number of request slots is ``--max-running-requests`` when given; otherwise the largest
-count whose rings and snapshots fit in ``LOCAL_BUDGET_FRACTION`` of the budget (capped by
-SGLang's own default). Snapshots are ``SNAPSHOTS_PER_REQUEST`` per request slot.
+The number of request slots is ``--max-running-requests`` when given. Otherwise it is chosen so
+that requests of ``BALANCE_LEN`` tokens exhaust request slots and token slots together:
+``slots = budget / (ring_and_snapshot_bytes + BALANCE_LEN * bytes_per_token)``. Shorter requests
+are then limited by request slots, longer ones by token slots. Serving mostly longer (shorter)
+requests, pass ``--max-running-requests budget / (per_slot + L * bytes_per_token)`` for your
+typical length ``L``. Snapshots are ``SNAPSHOTS_PER_REQUEST`` per request slot.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from redknot.pool.layout import HeadLayout
 
 logger = logging.getLogger(__name__)
 
-LOCAL_BUDGET_FRACTION = 0.08
-SNAPSHOTS_PER_REQUEST = 0.5
+BALANCE_LEN = 16384
+SNAPSHOTS_PER_REQUEST = 0.25
 MAX_REQUEST_SLOTS = 4096
 
 
@@ -43,12 +46,13 @@ def plan_slots(
     ring = bytes_per_ring(layout, dtype)
     if ring == 0:
         return SlotPlan(request_slots=None, snapshots=0, fixed_bytes=0)
-    per_request = ring * (1 + SNAPSHOTS_PER_REQUEST)
     if requested is not None:
         slots = requested
     else:
-        slots = int(LOCAL_BUDGET_FRACTION * budget_bytes // per_request)
-        slots = max(1, min(slots, MAX_REQUEST_SLOTS))
+        per_request = ring * (1 + SNAPSHOTS_PER_REQUEST) + BALANCE_LEN * bytes_per_token(
+            layout, dtype
+        )
+        slots = max(1, min(int(budget_bytes // per_request), MAX_REQUEST_SLOTS))
     snapshots = max(1, int(slots * SNAPSHOTS_PER_REQUEST))
     # One extra ring for SGLang's padding request row 0 (CUDA-graph padded batches).
     fixed = (slots + 1 + snapshots) * ring

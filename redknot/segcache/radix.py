@@ -9,6 +9,12 @@ before its first forward. Reuse is therefore exact (same global and local KV as 
 and happens at sequence ends: the previous turn of a conversation, a finished chunk of a long
 prompt, a prompt that was served alone (e.g. a shared system prompt).
 
+Shared prefixes that no request ended at (a system prompt followed by different questions) get
+a snapshot when they prove shared: a request whose match continues past its last snapshot
+recomputes from there, and its prefill also *captures* its local KV as it stands at the branch
+point (``CaptureJob``), so the next request with that prefix reuses it exactly. A captured
+snapshot is usable once the capturing forward has been issued.
+
 Snapshot slots are few (``RedknotKVPool.num_snapshots``); when none is free, the least recently
 used snapshot of an unlocked node is dropped (the node keeps its global KV and is still reused
 as part of longer matches that end at a snapshot below it). A node's snapshot is freed with the
@@ -24,11 +30,15 @@ from typing import Any, Optional
 from sglang.srt.mem_cache.base_prefix_cache import InsertResult, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
-from redknot.pool.kv_pool import RedknotKVPool
+from redknot.pool.kv_pool import CaptureJob, RedknotKVPool
 
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_ATTR = "redknot_snapshot"
+READY_ATTR = "redknot_snapshot_ready"
+BRANCH_ATTR = "redknot_branch"  # on a request: tree node where its reuse stops short of its match
+# A capture is worth a snapshot slot when it saves at least this many recomputed tokens.
+MIN_CAPTURE_GAIN = 32
 
 
 class RedknotRadixCache(RadixCache):
@@ -41,6 +51,7 @@ class RedknotRadixCache(RadixCache):
         self._last_inserted: Optional[TreeNode] = None
         self.snapshot_saves = 0
         self.snapshot_drops = 0
+        pool.cache = self  # the backend reports issued captures here
         super().__init__(params)
 
     # ---- SGLang's prefix-cache contract --------------------------------------------------
@@ -54,12 +65,18 @@ class RedknotRadixCache(RadixCache):
         result = super().match_prefix(params)
         if not self.uses_snapshots or self._inside_insert_path:
             return result
-        node, length = result.last_device_node, len(result.device_indices)
-        while node is not self.root_node and getattr(node, SNAPSHOT_ATTR, None) is None:
+        matched, node, length = result.last_device_node, result.last_device_node, len(
+            result.device_indices
+        )
+        while node is not self.root_node and not self._usable(node):
             length -= len(node.key)
             node = node.parent
         if node is not self.root_node:
             self._snapshot_lru.move_to_end(getattr(node, SNAPSHOT_ATTR))
+        if params.req is not None:
+            gain = len(result.device_indices) - length
+            branch = gain >= MIN_CAPTURE_GAIN and self.snapshot_of(matched) is None
+            setattr(params.req, BRANCH_ATTR, matched if branch else None)
         return result._replace(
             device_indices=result.device_indices[:length],
             last_device_node=node,
@@ -73,6 +90,7 @@ class RedknotRadixCache(RadixCache):
         return result
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int):
+        self._cancel_capture(req.req_pool_idx)
         self._last_inserted = None
         self._inside_insert_path = True
         try:
@@ -103,6 +121,40 @@ class RedknotRadixCache(RadixCache):
     def snapshot_of(self, node: TreeNode) -> Optional[int]:
         return getattr(node, SNAPSHOT_ATTR, None)
 
+    def _usable(self, node: TreeNode) -> bool:
+        return self.snapshot_of(node) is not None and getattr(node, READY_ATTR, True)
+
+    def plan_capture(self, req: Any) -> None:
+        """Called when ``req`` gets its request slot: capture its branch point if it has one."""
+        node = getattr(req, BRANCH_ATTR, None)
+        setattr(req, BRANCH_ATTR, None)
+        if node is None or node.parent is None or self.snapshot_of(node) is not None:
+            return  # evicted, or another request is capturing it
+        index = self._take_snapshot_slot()
+        if index is None:
+            return
+        setattr(node, SNAPSHOT_ATTR, index)
+        setattr(node, READY_ATTR, False)
+        self._snapshot_lru[index] = node
+        job = CaptureJob(position=self._node_end(node), slot=self.pool.snapshot_slot(index))
+        self.pool.capture_jobs[req.req_pool_idx] = job
+
+    def capture_issued(self, ring_slot: int) -> None:
+        """The backend issued the capture of ``ring_slot``'s job: its snapshot becomes usable."""
+        job = self.pool.capture_jobs.pop(ring_slot, None)
+        if job is None:
+            return
+        node = self._snapshot_lru.get(job.slot - self.pool.num_rings)
+        if node is not None:
+            setattr(node, READY_ATTR, True)
+
+    def _cancel_capture(self, ring_slot: Optional[int]) -> None:
+        job = self.pool.capture_jobs.pop(ring_slot, None) if ring_slot is not None else None
+        if job is not None:
+            node = self._snapshot_lru.get(job.slot - self.pool.num_rings)
+            if node is not None:
+                self._drop_snapshot(node)
+
     def queue_restore(self, ring_slot: int, node: TreeNode) -> None:
         """Queue the copy of ``node``'s snapshot into a request's ring (before its prefill)."""
         index = self.snapshot_of(node)
@@ -126,6 +178,7 @@ class RedknotRadixCache(RadixCache):
                 return
             setattr(node, SNAPSHOT_ATTR, index)
             self._snapshot_lru[index] = node
+        setattr(node, READY_ATTR, True)
         self._snapshot_lru.move_to_end(index)
         self.pool.pending.queue(self.pool.snapshot_slot(index), ring_slot)
         self.snapshot_saves += 1
@@ -134,7 +187,7 @@ class RedknotRadixCache(RadixCache):
         if self._free_snapshots:
             return self._free_snapshots.pop()
         for index, node in self._snapshot_lru.items():
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and getattr(node, READY_ATTR, True):
                 self._drop_snapshot(node)
                 return self._free_snapshots.pop()
         return None
@@ -145,7 +198,11 @@ class RedknotRadixCache(RadixCache):
             return
         setattr(node, SNAPSHOT_ATTR, None)
         del self._snapshot_lru[index]
-        self.pool.pending.drop_writes_to(self.pool.snapshot_slot(index))
+        slot = self.pool.snapshot_slot(index)
+        self.pool.pending.drop_writes_to(slot)
+        for ring, job in list(self.pool.capture_jobs.items()):
+            if job.slot == slot:
+                del self.pool.capture_jobs[ring]
         self._free_snapshots.append(index)
         self.snapshot_drops += 1
 

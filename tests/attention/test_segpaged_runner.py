@@ -128,3 +128,20 @@ def test_ring_holds_only_sink_and_window():
     for p in kept:  # what the ring holds for local head 1 of layer 0 (column 0)
         torch.testing.assert_close(w.pool.k_local[0][rows[p], 0], keys[p, 1])
     assert w.pool.ring_len == SINK + WINDOW
+
+
+def test_extend_captures_a_snapshot_at_the_branch_point():
+    from redknot.pool.kv_pool import CaptureJob
+
+    w = World(("GLLL", "LLGL"), 2, torch.bfloat16)
+    w.step(w.FM.EXTEND, [2], [20])  # positions 0..19 of request 2
+    slot = w.pool.snapshot_slot(0)
+    w.pool.capture_jobs[2] = CaptureJob(position=25, slot=slot)
+    w.step(w.FM.EXTEND, [2], [12])  # computes 20..31; the snapshot holds the state at 25
+    assert not w.pool.capture_jobs
+    for layer in range(2):
+        keys, _ = w.hist[(2, layer)]
+        local = w.layout.local_heads(layer)
+        for p in [q for q in range(25) if q < SINK or q >= 25 - WINDOW]:
+            row = w.pool.local_rows(torch.tensor(slot), torch.tensor(p))
+            torch.testing.assert_close(w.pool.k_local[layer][row], keys[p, local])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from redknot.headmap import ModelShape, synthetic_map
-from redknot.pool.kv_pool import RedknotKVPool
+from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 
 SHAPE = ModelShape("LlamaForCausalLM", num_layers=2, num_kv_heads=2, num_attention_heads=2,
@@ -79,6 +79,18 @@ class Harness:
         row[:start] = req.prefix_indices.to(torch.int32)
         row[start:upto] = slots.to(torch.int32)
         self.check_visible(req, start)  # what this prefill attends from the cache
+        job = self.pool.capture_jobs.get(req.req_pool_idx)
+        capture = None
+        if job is not None and start < job.position <= upto:
+            capture = capture_rows(self.pool, job, req.req_pool_idx, start, 0)
+            self.cache.capture_issued(req.req_pool_idx)
+        if capture is not None:  # as the backend: from the ring before new tokens enter it
+            dst_r, src_r, dst_n, src_n = (torch.tensor(x, dtype=torch.long) for x in capture)
+            new = torch.stack([torch.full((SHAPE.num_kv_heads, 4), kv_value(tokens, start + i))
+                               for i in range(upto - start)])
+            for layer in range(self.layout.num_layers):
+                self.pool.copy_local_rows(layer, dst_r, src_r)
+                self.pool.write_local(layer, dst_n, new[src_n], new[src_n])
         for p in range(start, upto):
             val = torch.full((1, SHAPE.num_kv_heads, 4), kv_value(tokens, p))
             for layer in range(self.layout.num_layers):
@@ -120,6 +132,24 @@ def test_second_turn_reuses_first_turn_exactly():
     h.finish(r2, len(t2))
 
 
+def test_shared_prefix_is_captured_at_the_branch_and_then_reused():
+    h = Harness()
+    system = list(range(500, 560))  # a shared prefix no request ends at
+    r = h.admit(system + [1, 2, 3])
+    h.forward(r, 63)
+    h.finish(r, 63)
+    r = h.admit(system + [4, 5, 6, 7])  # matches 60 tokens, no snapshot there: captures it
+    assert len(r.prefix_indices) == 0
+    assert h.pool.capture_jobs[r.req_pool_idx].position == 60
+    h.forward(r, 64)
+    h.finish(r, 64)
+    assert not h.pool.capture_jobs
+    r = h.admit(system + [8, 9])  # reuses the captured branch point exactly
+    assert len(r.prefix_indices) == 60
+    h.forward(r, 62)
+    h.finish(r, 62)
+
+
 def test_match_inside_a_sequence_falls_back_to_the_last_snapshot():
     h = Harness()
     base = list(range(100, 140))
@@ -140,13 +170,13 @@ def test_match_inside_a_sequence_falls_back_to_the_last_snapshot():
 def test_random_workload_keeps_accounting_exact():
     rng = random.Random(0)
     h = Harness(num_tokens=600, num_reqs=4, num_snapshots=2)
-    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(5, 25))] for _ in range(4)]
+    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(40, 60))] for _ in range(4)]
     hits = 0
     for step in range(60):
         toks = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(2, 20))]
         if rng.random() < 0.3:
             prefixes.append(toks)
-        if h.alloc.available_size() < len(toks) + 10:
+        if h.alloc.available_size() < len(toks) + 10:  # the scheduler evicts before admitting
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
             h.cache.evict(EvictParams(num_tokens=len(toks) + 10))
