@@ -1,7 +1,8 @@
 """SegPagedAttention decode: plan once per batch on the host, run once per layer.
 
 >>> geo = SegGeometry.from_layout(layout, local_mode="ring", ring_len=384)
->>> ws = DecodeWorkspace(geo, max_batch_size=256, max_splits=64, device="cuda")
+>>> ws = DecodeWorkspace(geo, max_batch_size=256, max_splits=128, device="cuda",
+...                      max_request_splits=4096)
 >>> plan = plan_decode(geo, ws, seq_lens_gpu, req_pool_indices_gpu, seq_lens_cpu=seq_lens_cpu)
 >>> for layer in range(num_layers):                      # no allocation, no host sync
 ...     run_decode(plan, q[layer], kg[layer], vg[layer], kl[layer], vl[layer],
@@ -31,26 +32,69 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tuning of the decode kernels (constants of the launch, not of the semantics)."""
+    """Tuning of the decode kernels (constants of the launch, not of the semantics). Defaults:
+    the fastest of the sweep in ``benchmarks/results/segpaged_kernels.json`` (H200)."""
 
-    block_n: int = 64  # keys per inner-loop block
+    block_n: int = 128  # keys per inner-loop block
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     min_chunk: int = 256  # fewest keys a split takes (short rows are not split finely)
-    programs_per_sm: int = 4  # split target: global-row programs per SM
+    programs_per_sm: int = 8  # split target: global-row programs per SM
 
 
 class DecodeWorkspace:
-    """Preallocated split-K partials, sized for the largest batch and split count."""
+    """Preallocated split-K partials. A plan of ``B`` requests and ``S`` splits uses
+    ``B * S`` (request, split) slots; size ``max_request_splits`` for the largest such product
+    (default ``max_batch_size * max_splits``; with splits from ``choose_num_splits`` it is about
+    ``programs_per_sm * num_sms`` for every batch size, far less)."""
 
     def __init__(
-        self, geo: SegGeometry, max_batch_size: int, max_splits: int, device: torch.device | str
+        self,
+        geo: SegGeometry,
+        max_batch_size: int,
+        max_splits: int,
+        device: torch.device | str,
+        max_request_splits: int | None = None,
     ) -> None:
-        shape = (max_batch_size, geo.num_q_heads, max_splits)
-        self.part_o = torch.empty(*shape, geo.head_dim, dtype=torch.float32, device=device)
-        self.part_lse = torch.empty(*shape, dtype=torch.float32, device=device)
+        self.geo = geo
         self.max_batch_size = max_batch_size
         self.max_splits = max_splits
+        self.max_request_splits = max_request_splits or max_batch_size * max_splits
+        n = self.max_request_splits * geo.num_q_heads
+        self.part_o = torch.empty(n * geo.head_dim, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(n, dtype=torch.float32, device=device)
+
+    @classmethod
+    def sized_for(
+        cls,
+        geo: SegGeometry,
+        max_batch_size: int,
+        num_sms: int,
+        device: torch.device | str,
+        *,
+        max_splits: int = 128,
+        config: DecodeConfig = DecodeConfig(),
+    ) -> DecodeWorkspace:
+        """Room for every plan whose splits come from ``choose_num_splits`` with ``config``:
+        ``B * splits <= programs_per_sm * num_sms + B`` for any batch size ``B``."""
+        return cls(
+            geo, max_batch_size, max_splits, device,
+            max_request_splits=config.programs_per_sm * num_sms + max_batch_size,
+        )  # fmt: skip
+
+    def views(self, batch_size: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``part_o`` [B, Hq, S, D] and ``part_lse`` [B, Hq, S], contiguous views."""
+        assert batch_size <= self.max_batch_size, f"batch {batch_size} > {self.max_batch_size}"
+        assert num_splits <= self.max_splits, f"{num_splits} splits > {self.max_splits}"
+        assert (
+            batch_size * num_splits <= self.max_request_splits
+        ), f"{batch_size} requests x {num_splits} splits > {self.max_request_splits}"
+        shape = (batch_size, self.geo.num_q_heads, num_splits)
+        n = batch_size * self.geo.num_q_heads * num_splits
+        return (
+            self.part_o[: n * self.geo.head_dim].view(*shape, self.geo.head_dim),
+            self.part_lse[:n].view(shape),
+        )
 
 
 def choose_num_splits(
@@ -126,7 +170,6 @@ def plan_decode(
     heavy_heads : most global heads in any layer (default: every KV head).
     """
     B = seq_lens_gpu.shape[0]
-    assert B <= workspace.max_batch_size, f"batch {B} > workspace {workspace.max_batch_size}"
     if num_splits is None:
         assert seq_lens_cpu is not None, "give seq_lens_cpu or num_splits"
         if num_sms is None:
@@ -141,15 +184,15 @@ def plan_decode(
         num_splits = choose_num_splits(
             B, max_len, heavy, num_sms=num_sms, max_splits=workspace.max_splits, config=config
         )
-    assert num_splits <= workspace.max_splits, (num_splits, workspace.max_splits)
+    part_o, part_lse = workspace.views(B, num_splits)
     return DecodePlan(
         geometry=geo,
         config=config,
         num_splits=num_splits,
         seq_lens_gpu=seq_lens_gpu,
         req_pool_indices_gpu=req_pool_indices_gpu,
-        part_o_gpu=workspace.part_o[:B, :, :num_splits],
-        part_lse_gpu=workspace.part_lse[:B, :, :num_splits],
+        part_o_gpu=part_o,
+        part_lse_gpu=part_lse,
     )
 
 

@@ -31,12 +31,14 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tuning of the extend kernel (constants of the launch, not of the semantics)."""
+    """Tuning of the extend kernel (constants of the launch, not of the semantics). Defaults:
+    the fastest single-launch configuration of the sweep in
+    ``benchmarks/results/segpaged_kernels.json`` (H200)."""
 
     block_m: int = 128  # query rows per tile: (tokens x query heads of one KV head)
     block_n: int = 64  # keys per inner-loop block
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
     def block_q(self, group_size: int) -> int:
         """New tokens per tile."""

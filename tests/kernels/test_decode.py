@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from redknot.kernels.decode import DecodeConfig, DecodeWorkspace, plan_decode, run_decode
+from redknot.kernels.decode import (
+    DecodeConfig,
+    DecodeWorkspace,
+    choose_num_splits,
+    plan_decode,
+    run_decode,
+)
 from redknot.kernels.reference import decode_reference
 
 from .segpaged_data import make_batch, make_geometry
@@ -85,6 +91,16 @@ def test_decode_split_count_from_lengths():
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
+def test_decode_default_blocks():
+    """The default block of 128 keys, with rows shorter and longer than one block."""
+    out, lse, ref_out, ref_lse = _run_case(
+        "LGLL", 4, 64, torch.bfloat16, "ring", [1, 100, 300, 700], 3, "cpu",
+        DecodeConfig(min_chunk=128),
+    )  # fmt: skip
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
 def test_decode_ring_and_token_table_agree():
     """The same keys stored in a ring or in a token table give the same attention."""
     outs = [
@@ -102,6 +118,23 @@ def test_decode_plan_checks_workspace():
         plan_decode(geo, ws, lens, torch.arange(3), num_splits=2)
     with pytest.raises(AssertionError):
         plan_decode(geo, ws, lens[:2], torch.arange(2), num_splits=8)
+    small = DecodeWorkspace(geo, max_batch_size=8, max_splits=8, device="cpu", max_request_splits=8)
+    plan = plan_decode(geo, small, lens[:2], torch.arange(2), num_splits=4)
+    assert plan.part_o_gpu.shape == (2, geo.num_q_heads, 4, geo.head_dim)
+    with pytest.raises(AssertionError):
+        plan_decode(geo, small, lens, torch.arange(3), num_splits=4)
+
+
+def test_decode_workspace_sized_for_every_batch():
+    """A workspace from ``sized_for`` holds every plan ``choose_num_splits`` makes."""
+    geo, _ = make_geometry("GLLLLLLL", 4, 128, 64, 256, "ring")
+    ws = DecodeWorkspace.sized_for(geo, max_batch_size=64, num_sms=132, device="cpu")
+    for B in (1, 2, 5, 31, 64):
+        for max_len in (1, 320, 4097, 131072):
+            for heavy in (0, 1, 4, 8):
+                splits = choose_num_splits(B, max_len, heavy, num_sms=132, max_splits=ws.max_splits)
+                part_o, _ = ws.views(B, splits)
+                assert part_o.shape == (B, geo.num_q_heads, splits, geo.head_dim)
 
 
 # ---- GPU: real shapes -------------------------------------------------------------------------
