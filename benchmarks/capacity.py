@@ -43,8 +43,11 @@ def child(args) -> None:
     import sglang as sgl
 
     fraction, tune = VARIANTS[args.child]
-    extra = {"mem_fraction_static": args.mem_fraction_static, "cuda_graph_max_bs_decode": 8,
-             "disable_prefill_cuda_graph": True}
+    extra = {
+        "mem_fraction_static": args.mem_fraction_static,
+        "cuda_graph_max_bs_decode": 8,
+        "disable_prefill_cuda_graph": True,
+    }
     if fraction is None:
         extra["attention_backend"] = "flashinfer"
     else:
@@ -62,8 +65,12 @@ def child(args) -> None:
     slots = int(states[0].get("effective_max_running_requests_per_dp") or 0)
     need = args.prompt_len + args.new_tokens
     admitted = min(slots, tokens // need) if slots else tokens // need
-    print("RESULT " + json.dumps({"max_total_num_tokens": tokens, "max_running_requests": slots,
-                                  "admitted": admitted}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {"max_total_num_tokens": tokens, "max_running_requests": slots, "admitted": admitted}
+        )
+    )
 
 
 def main() -> None:
@@ -72,9 +79,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32768)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--mem-fraction-static", type=float, default=0.8)
-    ap.add_argument("--slots", type=int, default=0,
-                    help="request slots of the tuned redknot variants (0: derived from the "
-                         "flashinfer run and the memory ratio)")
+    ap.add_argument(
+        "--slots",
+        type=int,
+        default=0,
+        help="request slots of the tuned redknot variants (0: derived from the "
+        "flashinfer run and the memory ratio)",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/capacity.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -86,8 +97,16 @@ def main() -> None:
     from redknot.headmap import ModelShape
 
     shape = ModelShape.from_hf_config(json.loads(Path(args.model, "config.json").read_text()))
-    base = ["--model", args.model, "--prompt-len", str(args.prompt_len), "--new-tokens",
-            str(args.new_tokens), "--mem-fraction-static", str(args.mem_fraction_static)]
+    base = [
+        "--model",
+        args.model,
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--mem-fraction-static",
+        str(args.mem_fraction_static),
+    ]
     results = {}
     for name in args.variants.split(","):
         fraction, tune = VARIANTS[name]
@@ -113,8 +132,12 @@ def main() -> None:
             fraction, need, shape, 320
         )
         ratio = res["admitted"] / dense_count
-        summary[name] = {"admitted": res["admitted"], "ratio_vs_flashinfer": ratio,
-                         "memory_ratio_ideal": ideal, "fraction_of_ideal": ratio / ideal}
+        summary[name] = {
+            "admitted": res["admitted"],
+            "ratio_vs_flashinfer": ratio,
+            "memory_ratio_ideal": ideal,
+            "fraction_of_ideal": ratio / ideal,
+        }
     common.write_json(args.out, common.record(
         model=args.model, load_format="dummy", prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, mem_fraction_static=args.mem_fraction_static,

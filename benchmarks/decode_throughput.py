@@ -37,21 +37,28 @@ def child(args) -> None:
     import sglang as sgl
 
     fraction = VARIANTS[args.child]
-    extra = {"mem_fraction_static": args.mem_fraction_static, "disable_prefill_cuda_graph": True,
-             "cuda_graph_max_bs_decode": args.sessions, "log_level": "info",
-             "decode_log_interval": 10}
+    extra = {
+        "mem_fraction_static": args.mem_fraction_static,
+        "disable_prefill_cuda_graph": True,
+        "cuda_graph_max_bs_decode": args.sessions,
+        "log_level": "info",
+        "decode_log_interval": 10,
+    }
     if fraction is None:
         extra["attention_backend"] = "flashinfer"
     else:
         extra["attention_backend"] = "redknot"
         extra["redknot_head_map"] = common.synthetic_map_file(args.model, fraction, "/tmp")
         extra["max_running_requests"] = args.slots
-    engine = sgl.Engine(**common.engine_kwargs(args.model, args.prompt_len + args.new_tokens + 64,
-                                               **extra))
+    engine = sgl.Engine(
+        **common.engine_kwargs(args.model, args.prompt_len + args.new_tokens + 64, **extra)
+    )
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)]
-               for _ in range(args.sessions)]
+    prompts = [
+        [rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)]
+        for _ in range(args.sessions)
+    ]
     sampling = {"temperature": 0.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
     try:
         t0 = time.perf_counter()
@@ -60,8 +67,16 @@ def child(args) -> None:
     finally:
         engine.shutdown()
     tokens = sum(len(o["output_ids"]) for o in outs)
-    print("RESULT " + json.dumps({"wall_seconds": wall, "generated_tokens": tokens,
-                                  "end_to_end_tokens_per_s": tokens / wall}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "wall_seconds": wall,
+                "generated_tokens": tokens,
+                "end_to_end_tokens_per_s": tokens / wall,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -79,15 +94,29 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    base = ["--model", args.model, "--sessions", str(args.sessions), "--prompt-len",
-            str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--mem-fraction-static",
-            str(args.mem_fraction_static), "--slots", str(args.slots)]
+    base = [
+        "--model",
+        args.model,
+        "--sessions",
+        str(args.sessions),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--mem-fraction-static",
+        str(args.mem_fraction_static),
+        "--slots",
+        str(args.slots),
+    ]
     results = {}
     for name in args.variants.split(","):
         res = common.run_child(__file__, base + ["--child", name], log_grep="gen throughput")
         lines = res.pop("log_lines", [])
-        samples = [(int(RUNNING.search(x).group(1)), float(GEN.search(x).group(1)))
-                   for x in lines if RUNNING.search(x) and GEN.search(x)]
+        samples = [
+            (int(RUNNING.search(x).group(1)), float(GEN.search(x).group(1)))
+            for x in lines
+            if RUNNING.search(x) and GEN.search(x)
+        ]
         if samples:
             peak = max(n for n, _ in samples)
             res["peak_running"] = peak
@@ -101,7 +130,8 @@ def main() -> None:
         if name != "flashinfer" and "decode_tokens_per_s" in res and "decode_tokens_per_s" in ref:
             ratios[name] = {
                 "decode_speedup": res["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
-                "end_to_end_speedup": res["end_to_end_tokens_per_s"] / ref["end_to_end_tokens_per_s"],
+                "end_to_end_speedup": res["end_to_end_tokens_per_s"]
+                / ref["end_to_end_tokens_per_s"],
             }
     common.write_json(args.out, common.record(
         model=args.model, load_format="dummy", sessions=args.sessions, prompt_len=args.prompt_len,

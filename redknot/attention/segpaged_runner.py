@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-MAX_SPLITS = 32
+MAX_SPLITS = 128  # long rows of small batches split this far (measured up to 128 useful)
 
 
 @dataclass
@@ -71,7 +71,9 @@ class SegPagedRunner:
             if torch.device(device).type == "cuda"
             else 8
         )
-        self.workspace = DecodeWorkspace(self.geo, max_batch_size, MAX_SPLITS, device)
+        self.workspace = DecodeWorkspace.sized_for(
+            self.geo, max_batch_size, self.num_sms, device, max_splits=MAX_SPLITS
+        )
         self._dummy = torch.zeros((1, 1, layout.head_dim), dtype=pool.dtype, device=device)
         self.decode_plan = None
         self.decode_rows: Optional[torch.Tensor] = None  # [B] int64 ring rows of the new tokens
