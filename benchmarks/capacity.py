@@ -97,16 +97,7 @@ def main() -> None:
     from redknot.headmap import ModelShape
 
     shape = ModelShape.from_hf_config(json.loads(Path(args.model, "config.json").read_text()))
-    base = [
-        "--model",
-        args.model,
-        "--prompt-len",
-        str(args.prompt_len),
-        "--new-tokens",
-        str(args.new_tokens),
-        "--mem-fraction-static",
-        str(args.mem_fraction_static),
-    ]
+    base = common.forward_args(args, "model", "prompt_len", "new_tokens", "mem_fraction_static")
     results = {}
     for name in args.variants.split(","):
         fraction, tune = VARIANTS[name]

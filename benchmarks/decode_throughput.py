@@ -94,20 +94,9 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    base = [
-        "--model",
-        args.model,
-        "--sessions",
-        str(args.sessions),
-        "--prompt-len",
-        str(args.prompt_len),
-        "--new-tokens",
-        str(args.new_tokens),
-        "--mem-fraction-static",
-        str(args.mem_fraction_static),
-        "--slots",
-        str(args.slots),
-    ]
+    base = common.forward_args(
+        args, "model", "sessions", "prompt_len", "new_tokens", "mem_fraction_static", "slots"
+    )
     results = {}
     for name in args.variants.split(","):
         res = common.run_child(__file__, base + ["--child", name], log_grep="gen throughput")

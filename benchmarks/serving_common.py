@@ -73,6 +73,14 @@ def engine_kwargs(model: str, context_length: int, **extra) -> dict:
     return kwargs
 
 
+def forward_args(args, *names: str) -> list[str]:
+    """``["--name", "value", ...]`` for the parsed options ``names`` (dashes in flags)."""
+    out: list[str] = []
+    for name in names:
+        out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return out
+
+
 def run_child(script: str, args: list[str], log_grep: str | None = None) -> dict:
     """Run ``script`` in a fresh process; it prints one JSON line prefixed by ``RESULT ``.
 

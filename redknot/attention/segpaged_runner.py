@@ -220,13 +220,15 @@ class SegPagedRunner:
                 "K/V head dims"
             )
 
-    def extend(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):
+    def _views(self, q, k, v, layer: RadixAttention):
+        """[T, Hq, D] queries and [T, H_kv, D] keys/values of one layer call."""
         self._check_layer(layer)
-        lid = layer.layer_id
         H, Hq, D = self.layout.num_kv_heads, self.layout.num_q_heads, self.layout.head_dim
-        q = q.view(-1, Hq, D)
-        k = k.view(-1, H, D)
-        v = v.view(-1, H, D)
+        return q.reshape(-1, Hq, D), k.view(-1, H, D), v.view(-1, H, D)
+
+    def extend(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):
+        lid = layer.layer_id
+        q, k, v = self._views(q, k, v, layer)
         if save_kv_cache:
             self.pool.write_global(lid, fb.out_cache_loc, k, v)
         state = self.extend_state
@@ -242,15 +244,11 @@ class SegPagedRunner:
         if save_kv_cache and state.keep_rows_gpu is not None:
             idx = state.keep_tokens_gpu
             self.pool.write_local(lid, state.keep_rows_gpu, k[idx], v[idx])
-        return out.view(-1, Hq * D)
+        return out.flatten(1)
 
     def decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):
-        self._check_layer(layer)
         lid = layer.layer_id
-        H, Hq, D = self.layout.num_kv_heads, self.layout.num_q_heads, self.layout.head_dim
-        q = q.reshape(-1, Hq, D)
-        k = k.view(-1, H, D)
-        v = v.view(-1, H, D)
+        q, k, v = self._views(q, k, v, layer)
         if save_kv_cache:
             self.pool.write_global(lid, fb.out_cache_loc, k, v)
             if self.pool.ring_len:
@@ -260,4 +258,4 @@ class SegPagedRunner:
             self.decode_plan, q, *self._stores(lid), self.req_to_token, self.heads[lid],
             layer.scaling, out=out,
         )  # fmt: skip
-        return out.view(-1, Hq * D)
+        return out.flatten(1)
