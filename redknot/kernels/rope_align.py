@@ -1,0 +1,225 @@
+"""RoPE alignment of cached keys: move key rows to new rows, re-rotated from the positions they
+were computed at (offline) to the positions they take in the request (online), in one launch.
+
+    K(p_on) = R(p_on) R(p_off)^-1 K(p_off)
+
+>>> spec = alignable_rope(attn.rotary_emb)                 # once per model: checks the variant
+>>> for layer in range(num_layers):                       # no allocation, no host sync
+...     rope_align(store_k[layer], store_rows, pool_k[layer], pool_rows, pos_off, pos_on,
+...                spec.cos_sin_cache, is_neox=spec.is_neox,
+...                v_src=store_v[layer], v_dst=pool_v[layer])
+
+Supported RoPE variants (SGLang 0.5.17 classes, matched exactly, not by subclass) are those whose
+rotation of position ``p`` is one fixed table row ``cos_sin_cache[p]``, the same for every head and
+every token of a batch: ``RotaryEmbedding`` (plain, ``rope_scaling`` absent or ``default``,
+including ``partial_rotary_factor``), ``Llama3RotaryEmbedding`` (``llama3``),
+``YaRNScalingRotaryEmbedding`` (``yarn``), ``DeepseekScalingRotaryEmbedding`` (``deepseek_yarn``;
+for MLA pass a view of the rope part of the cache), ``LinearScalingRotaryEmbedding`` (``linear``,
+one factor), ``DynamicNTKScalingRotaryEmbedding`` / ``DynamicNTKAlphaRotaryEmbedding``
+(``dynamic``: SGLang builds one static table) and ``Gemma4RotaryEmbedding`` (``proportional``: its
+table rotates the first ``R/2`` frequencies and holds cos 1 / sin 0 for the rest). YaRN-style
+tables carry a magnitude ``mscale`` in cos and sin; the delta is computed as a pure rotation (see
+``redknot.kernels.triton.rope_align``), so the magnitude the cached key already carries is kept,
+not applied again. Refused: multimodal ``MRotaryEmbedding`` and its subclasses (positions are
+3-D), ``DualChunkRotaryEmbedding`` (per-chunk tables), ``Phi3LongRoPEScaledRotaryEmbedding``
+(the table switches with the batch's longest position), ``FourierRotaryEmbedding`` (mixes
+frequencies per head) and ``Llama4VisionRotaryEmbedding`` (2-D patches).
+
+The delta angle comes from SGLang's own table by angle-difference identities in fp32, so an
+aligned key matches the key SGLang would have rotated at ``p_on`` directly, including the table's
+own fp32 rounding of ``p * inv_freq`` at large positions. Math is fp32 with one rounding to the
+key dtype, as SGLang's CUDA RoPE kernel does. Reference: ``redknot.kernels.rope_reference``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from redknot.kernels.triton.rope_align import rope_align_kernel
+
+_KEY_DTYPES = (torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class RopeAlignConfig:
+    """Launch constants (not semantics)."""
+
+    tile_elems: int = 4096  # rows per program: about this many rotated key elements per tile
+    num_warps: int = 4
+    max_block_n: int = 64
+
+
+@dataclass(frozen=True)
+class AlignableRope:
+    """What ``rope_align`` needs from an SGLang rotary embedding."""
+
+    cos_sin_cache: torch.Tensor  # [max_pos, rotary_dim] float32: cos half, then sin half
+    is_neox: bool
+    rotary_dim: int  # == cos_sin_cache.shape[1]
+    variant: str  # SGLang class name
+
+
+_SUPPORTED = (
+    "RotaryEmbedding",
+    "Llama3RotaryEmbedding",
+    "YaRNScalingRotaryEmbedding",
+    "DeepseekScalingRotaryEmbedding",
+    "LinearScalingRotaryEmbedding",
+    "DynamicNTKScalingRotaryEmbedding",
+    "DynamicNTKAlphaRotaryEmbedding",
+    "Gemma4RotaryEmbedding",
+)
+_REFUSED = {
+    "MRotaryEmbedding": "multimodal RoPE rotates by 3-D (t, h, w) positions",
+    "YaRNScalingMRotaryEmbedding": "multimodal RoPE rotates by 3-D (t, h, w) positions",
+    "Ernie4_5_VLRotaryEmbedding": "multimodal RoPE rotates by 3-D (t, h, w) positions",
+    "DualChunkRotaryEmbedding": "dual-chunk attention uses several tables per position",
+    "Phi3LongRoPEScaledRotaryEmbedding": "LongRoPE switches tables with the batch's longest "
+    "position, so a position has no single rotation",
+    "FourierRotaryEmbedding": "FoPE mixes frequencies per KV head",
+    "Llama4VisionRotaryEmbedding": "vision RoPE rotates by 2-D patch positions",
+}
+
+
+def alignable_rope(rope: torch.nn.Module) -> AlignableRope:
+    """Check that ``rope`` (an SGLang rotary embedding, e.g. ``attn.rotary_emb``) is a supported
+    variant and return its table as fp32. Raises ``NotImplementedError`` naming the reason for
+    refused variants. The table is taken by reference; call again if SGLang grows it."""
+    name = type(rope).__name__
+    module = type(rope).__module__
+    if not module.startswith("sglang.srt.layers.rotary_embedding") or name not in _SUPPORTED:
+        why = _REFUSED.get(name, "not one of the supported variants " + ", ".join(_SUPPORTED))
+        raise NotImplementedError(f"RoPE alignment does not support {module}.{name}: {why}")
+    if name == "LinearScalingRotaryEmbedding" and len(rope.scaling_factors) != 1:
+        raise NotImplementedError(
+            "RoPE alignment of LinearScalingRotaryEmbedding needs one scaling factor "
+            f"(got {rope.scaling_factors}); its table stacks one block per factor"
+        )
+    cache = rope.cos_sin_cache.to(torch.float32)
+    return AlignableRope(cache, bool(rope.is_neox_style), cache.shape[1], name)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    _check(t.dim() == 3, f"{name} must be [rows, heads, head_dim], got shape {tuple(t.shape)}")
+    _check(t.stride(-1) == 1, f"{name} must have unit stride in head_dim, got {t.stride()}")
+    if like is not None:
+        _check(t.dtype == like.dtype, f"{name} dtype {t.dtype} != {like.dtype}")
+        _check(t.shape[1:] == like.shape[1:], f"{name} heads/dims {tuple(t.shape[1:])} "
+               f"!= {tuple(like.shape[1:])}")  # fmt: skip
+
+
+def _check_index(name: str, t: torch.Tensor, n: int) -> None:
+    _check(t.dim() == 1 and t.shape[0] == n, f"{name} must be [{n}], got {tuple(t.shape)}")
+    _check(t.dtype in _INDEX_DTYPES, f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def rope_align(
+    k_src: torch.Tensor,
+    src_rows: torch.Tensor,
+    k_dst: torch.Tensor,
+    dst_rows: torch.Tensor,
+    pos_off: torch.Tensor,
+    pos_on: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    is_neox: bool,
+    rotary_dim: int | None = None,
+    v_src: torch.Tensor | None = None,
+    v_dst: torch.Tensor | None = None,
+    config: RopeAlignConfig = RopeAlignConfig(),
+) -> None:
+    """``k_dst[dst_rows[i]] = R(pos_on[i]) R(pos_off[i])^-1 k_src[src_rows[i]]`` for every ``i``,
+    every head; ``v_dst[dst_rows[i]] = v_src[src_rows[i]]`` if values are given. One launch, no
+    host sync.
+
+    Parameters
+    ----------
+    k_src : [rows_src, H, D] float16/bfloat16, keys as rotated at ``pos_off`` (any row/head
+        strides, unit stride in D; a head slice of a pool is fine).
+    src_rows : [N] int32/int64, rows of ``k_src`` (and ``v_src``) to read.
+    k_dst : [rows_dst, H, D] same dtype as ``k_src``; may be ``k_src`` itself. Written in place.
+    dst_rows : [N] int32/int64, rows of ``k_dst`` (and ``v_dst``) to write; distinct, and none
+        equal to a row that another entry reads (``dst_rows[i] == src_rows[i]`` in the same
+        tensor, an in-place re-rotation, is allowed).
+    pos_off, pos_on : [N] int32/int64, positions in ``[0, max_pos)`` (not checked on the device).
+        ``pos_on < pos_off`` moves a key earlier; ``pos_on == pos_off`` copies it bit for bit.
+    cos_sin_cache : [max_pos, R] float32, SGLang's ``RotaryEmbedding.cos_sin_cache`` (cos of the
+        ``R/2`` frequencies, then sin), e.g. ``alignable_rope(rope).cos_sin_cache``.
+    is_neox : NeoX (rotate halves) or GPT-J (rotate interleaved pairs) style, as SGLang's
+        ``is_neox_style``.
+    rotary_dim : R, the rotated leading dims of each head; defaults to ``cos_sin_cache.shape[1]``
+        and must equal it if given. Dims ``[R, D)`` are copied unchanged.
+    v_src, v_dst : optional [rows_src, Hv, Dv] / [rows_dst, Hv, Dv] values (any dtype, the same
+        for both, unit stride in Dv), copied row for row in the same launch.
+    """
+    n = src_rows.shape[0] if src_rows.dim() == 1 else -1
+    _check_rows("k_src", k_src)
+    _check_rows("k_dst", k_dst, like=k_src)
+    _check(k_src.dtype in _KEY_DTYPES, f"keys must be float16 or bfloat16, got {k_src.dtype}")
+    for name, t in (("src_rows", src_rows), ("dst_rows", dst_rows), ("pos_off", pos_off),
+                    ("pos_on", pos_on)):  # fmt: skip
+        _check_index(name, t, n)
+    _check(
+        cos_sin_cache.dim() == 2 and cos_sin_cache.dtype == torch.float32,
+        f"cos_sin_cache must be [max_pos, rotary_dim] float32, got {tuple(cos_sin_cache.shape)} "
+        f"{cos_sin_cache.dtype} (SGLang keeps it in fp32 on CUDA; see alignable_rope)",
+    )
+    _check(cos_sin_cache.stride(-1) == 1, "cos_sin_cache must have unit stride in its last dim")
+    R = cos_sin_cache.shape[1]
+    head_dim = k_src.shape[2]
+    _check(rotary_dim is None or rotary_dim == R,
+           f"rotary_dim {rotary_dim} != cos_sin_cache width {R}")  # fmt: skip
+    _check(R % 2 == 0 and 0 < R <= head_dim, f"rotary_dim {R} must be even and in (0, {head_dim}]")
+    _check((v_src is None) == (v_dst is None), "give both v_src and v_dst, or neither")
+    if v_src is not None:
+        _check_rows("v_src", v_src)
+        _check_rows("v_dst", v_dst, like=v_src)
+        _check(v_src.shape[0] == k_src.shape[0] and v_dst.shape[0] == k_dst.shape[0],
+               "v_src/v_dst must have as many rows as k_src/k_dst")  # fmt: skip
+    tensors = [k_src, k_dst, src_rows, dst_rows, pos_off, pos_on, cos_sin_cache]
+    tensors += [v_src, v_dst] if v_src is not None else []
+    devices = {t.device for t in tensors}
+    _check(len(devices) == 1, f"tensors on several devices: {devices}")
+    if n == 0:
+        return
+
+    num_heads = k_src.shape[1]
+    has_v = v_src is not None
+    block_h = triton.next_power_of_2(num_heads)
+    block_half = triton.next_power_of_2(R // 2)
+    row_elems = block_h * max(2 * block_half, triton.next_power_of_2(head_dim))
+    block_n = config.tile_elems // row_elems
+    block_n = max(1, min(config.max_block_n, triton.next_power_of_2(block_n + 1) // 2))
+    grid = (triton.cdiv(n, block_n),)
+    v_s = v_src if has_v else k_src
+    v_d = v_dst if has_v else k_dst
+    rope_align_kernel[grid](
+        k_src, k_dst, v_s, v_d,
+        src_rows, dst_rows, pos_off, pos_on, cos_sin_cache,
+        n, num_heads, v_s.shape[1],
+        k_src.stride(0), k_src.stride(1), k_dst.stride(0), k_dst.stride(1),
+        v_s.stride(0), v_s.stride(1), v_d.stride(0), v_d.stride(1),
+        cos_sin_cache.stride(0),
+        HEAD_DIM=head_dim,
+        ROT_HALF=R // 2,
+        V_HEAD_DIM=v_s.shape[2],
+        IS_NEOX=bool(is_neox),
+        HAS_V=has_v,
+        BLOCK_N=block_n,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        BLOCK_PASS=triton.next_power_of_2(head_dim - R) if head_dim > R else 0,
+        BLOCK_VH=triton.next_power_of_2(v_s.shape[1]),
+        BLOCK_VD=triton.next_power_of_2(v_s.shape[2]),
+        BF16_BY_BITS=bool(triton.knobs.runtime.interpret) and k_src.dtype == torch.bfloat16,
+        num_warps=config.num_warps,
+    )  # fmt: skip

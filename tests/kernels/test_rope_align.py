@@ -1,0 +1,289 @@
+"""RoPE alignment kernel against its fp32 reference and against SGLang's own RoPE.
+
+Tolerances (u = unit roundoff of the key dtype: 2^-8 for bf16, 2^-11 for fp16):
+
+- kernel vs fp32 reference: at most one ulp of the key dtype. Both compute the same fp32
+  expression and round once; only fp32 operation order (FMA on GPUs) may differ, which can flip
+  a rounding by one ulp.
+- aligned vs direct (key rotated by SGLang at ``p_off``, stored, aligned to ``p_on``; against the
+  key rotated by SGLang at ``p_on``, stored): per rotated pair, ``|aligned - direct| <= 3u |direct|
+  + 1e-6 |direct|``. Three roundings to the key dtype separate them (the stored key at ``p_off``,
+  the aligned key, the direct key), each at most ``u`` of the pair's norm; the rotation between
+  them preserves norms, so the first is not amplified; ``1e-6`` covers fp32 arithmetic. Dims past
+  ``rotary_dim`` are never rotated and must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from redknot.kernels.rope_align import alignable_rope, rope_align
+from redknot.kernels.rope_reference import (
+    rope_align_reference,
+    rotary_pairs,
+    sglang_rope,
+    sglang_rope_keys,
+)
+
+MAX_POS = 4096
+NUM_HEADS = 3
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 1024}  # fmt: skip
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+VARIANTS = {  # name: (base, rope_scaling, max_position given to get_rope)
+    "plain": (10000, None, MAX_POS),
+    "llama3": (500000, LLAMA3, MAX_POS),
+    "yarn": (10000, YARN, MAX_POS // 4),  # SGLang's table: original max x factor rows
+}
+SHAPES = [(64, 1.0), (128, 1.0), (128, 0.5)]  # head_dim, partial_rotary_factor
+
+
+def make_rope(variant: str, head_dim: int, partial: float, is_neox: bool):
+    base, scaling, max_position = VARIANTS[variant]
+    return sglang_rope(head_dim, head_dim, max_position, base, is_neox, scaling, partial)
+
+
+def positions(n: int, gen: torch.Generator, num_same: int = 4) -> tuple[torch.Tensor, ...]:
+    """Random offline/online positions: the first rows keep their position (delta 0), one row
+    moves from the first to the last position and one back, the rest at random (both signs)."""
+    p_off = torch.randint(0, MAX_POS, (n,), generator=gen)
+    p_on = torch.randint(0, MAX_POS, (n,), generator=gen)
+    p_on[:num_same] = p_off[:num_same]
+    p_off[num_same], p_on[num_same] = 0, MAX_POS - 1
+    p_off[num_same + 1], p_on[num_same + 1] = MAX_POS - 1, 0
+    delta = p_on - p_off
+    assert (delta > 0).any() and (delta < 0).any() and (delta == 0).sum() == num_same
+    return p_off, p_on
+
+
+def assert_within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    finfo = torch.finfo(expected.dtype)
+    diff = (actual.float() - expected.float()).abs()
+    bound = finfo.eps * expected.float().abs() + finfo.tiny * finfo.eps
+    assert (diff <= bound).all(), f"max excess {(diff - bound).max().item()}"
+
+
+def pair_errors(a: torch.Tensor, d: torch.Tensor, rotary_dim: int, is_neox: bool):
+    """Per rotated pair: |a - d| and |d| (fp32 [N, H, R/2])."""
+    d1, d2 = rotary_pairs(rotary_dim, is_neox)
+    a, d = a.float(), d.float()
+    err = torch.hypot(a[..., d1] - d[..., d1], a[..., d2] - d[..., d2])
+    return err, torch.hypot(d[..., d1], d[..., d2])
+
+
+def check_aligned_vs_direct(aligned, direct, cached, delta, rotary_dim, is_neox) -> None:
+    u = torch.finfo(direct.dtype).eps / 2
+    err, norm = pair_errors(aligned, direct, rotary_dim, is_neox)
+    bound = (3 * u + 1e-6) * norm + torch.finfo(torch.float32).tiny
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item()} (u={u})"
+    assert torch.equal(aligned[..., rotary_dim:], direct[..., rotary_dim:])
+    # The bound discriminates: every moved key, left unaligned, violates it.
+    unaligned, _ = pair_errors(cached, direct, rotary_dim, is_neox)
+    moved = delta != 0
+    assert ((unaligned > bound).flatten(1).any(1) == moved).all()
+
+
+def scenario(rope, dtype, gen, n=24, rows_src=37, rows_dst=41):
+    """Raw keys rotated by SGLang at p_off and stored at random rows of a source tensor; a
+    destination tensor of other random keys; random destination rows."""
+    head_dim = rope.head_size
+    raw = torch.randn(n, NUM_HEADS, head_dim, generator=gen).to(dtype)
+    p_off, p_on = positions(n, gen)
+    cached = sglang_rope_keys(rope, raw, p_off).to(dtype)
+    direct = sglang_rope_keys(rope, raw, p_on).to(dtype)
+    k_src = torch.randn(rows_src, NUM_HEADS, head_dim, generator=gen).to(dtype)
+    src_rows = torch.randperm(rows_src, generator=gen)[:n]
+    k_src[src_rows] = cached
+    k_dst = torch.randn(rows_dst, NUM_HEADS, head_dim, generator=gen).to(dtype)
+    dst_rows = torch.randperm(rows_dst, generator=gen)[:n].to(torch.int32)
+    return raw, p_off, p_on, cached, direct, k_src, src_rows, k_dst, dst_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,partial", SHAPES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_align_matches_reference_and_sglang(is_neox, variant, head_dim, partial, dtype):
+    gen = torch.Generator().manual_seed(
+        zlib.crc32(f"{is_neox}{variant}{head_dim}{partial}".encode())
+    )
+    rope = make_rope(variant, head_dim, partial, is_neox)
+    spec = alignable_rope(rope)
+    assert spec.rotary_dim == int(head_dim * partial) and spec.is_neox == is_neox
+    _, p_off, p_on, cached, direct, k_src, src_rows, k_dst, dst_rows = scenario(rope, dtype, gen)
+    k_before = k_dst.clone()
+    expected, _ = rope_align_reference(
+        k_src, src_rows, k_dst, dst_rows, p_off, p_on, spec.cos_sin_cache, is_neox=is_neox
+    )
+    rope_align(k_src, src_rows, k_dst, dst_rows, p_off, p_on, spec.cos_sin_cache,
+               is_neox=is_neox, rotary_dim=spec.rotary_dim)  # fmt: skip
+
+    untouched = torch.ones(k_dst.shape[0], dtype=torch.bool)
+    untouched[dst_rows.long()] = False
+    assert torch.equal(k_dst[untouched], k_before[untouched])
+    assert_within_one_ulp(k_dst, expected)
+    aligned = k_dst[dst_rows.long()]
+    same = p_on == p_off
+    assert torch.equal(aligned[same].view(torch.int16), cached[same].view(torch.int16))
+    check_aligned_vs_direct(aligned, direct, cached, p_on - p_off, spec.rotary_dim, is_neox)
+
+
+DEEPSEEK_YARN = {"rope_type": "deepseek_yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+                 "original_max_position_embeddings": 1024}  # fmt: skip
+OTHER_VARIANTS = {  # (is_neox, head_dim, partial, base, rope_scaling, max_position)
+    "linear": (True, 64, 1.0, 10000, {"rope_type": "linear", "factor": 2.0}, MAX_POS // 2),
+    "dynamic": (False, 64, 1.0, 10000, {"rope_type": "dynamic", "factor": 2.0}, MAX_POS // 2),
+    "dynamic_alpha": (True, 64, 1.0, 10000, {"rope_type": "dynamic", "alpha": 2.0}, MAX_POS),
+    "deepseek_yarn": (False, 64, 1.0, 10000, DEEPSEEK_YARN, 1024),
+    "gemma4_proportional": (True, 128, 0.5, 10000, {"rope_type": "proportional"}, MAX_POS),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_VARIANTS))
+def test_other_supported_variants_match_sglang(name):
+    is_neox, head_dim, partial, base, scaling, max_position = OTHER_VARIANTS[name]
+    rope = sglang_rope(head_dim, head_dim, max_position, base, is_neox, scaling, partial)
+    spec = alignable_rope(rope)
+    assert spec.cos_sin_cache.shape[0] >= MAX_POS
+    gen = torch.Generator().manual_seed(7)
+    _, p_off, p_on, cached, direct, k_src, src_rows, k_dst, dst_rows = scenario(
+        rope, torch.bfloat16, gen
+    )
+    rope_align(k_src, src_rows, k_dst, dst_rows, p_off, p_on, spec.cos_sin_cache,
+               is_neox=spec.is_neox)  # fmt: skip
+    aligned = k_dst[dst_rows.long()]
+    check_aligned_vs_direct(aligned, direct, cached, p_on - p_off, spec.rotary_dim, is_neox)
+
+
+def test_same_tensor_disjoint_rows_head_slice_and_values():
+    """One pool for source and destination (disjoint rows), keys as a head slice of a wider
+    pool (non-contiguous), values of another head count and width copied in the same launch."""
+    gen = torch.Generator().manual_seed(3)
+    rope = make_rope("llama3", 128, 0.5, True)
+    spec = alignable_rope(rope)
+    rows, n = 64, 20
+    pool_k = torch.randn(rows, NUM_HEADS + 2, 128, generator=gen).bfloat16()
+    k = pool_k[:, 1 : 1 + NUM_HEADS]
+    v = torch.randn(rows, 2, 96, generator=gen).bfloat16()
+    perm = torch.randperm(rows, generator=gen)
+    src_rows, dst_rows = perm[:n], perm[n : 2 * n]
+    p_off, p_on = positions(n, gen)
+    pool_before, v_before = pool_k.clone(), v.clone()
+    expected_k, expected_v = rope_align_reference(
+        k, src_rows, k, dst_rows, p_off, p_on, spec.cos_sin_cache, is_neox=True, v_src=v, v_dst=v
+    )
+    rope_align(k, src_rows, k, dst_rows, p_off, p_on, spec.cos_sin_cache, is_neox=True,
+               v_src=v, v_dst=v)  # fmt: skip
+
+    assert_within_one_ulp(k, expected_k)
+    assert torch.equal(v, expected_v)
+    assert torch.equal(v[dst_rows], v_before[src_rows])
+    for h in (0, NUM_HEADS + 1):  # heads outside the slice
+        assert torch.equal(pool_k[:, h], pool_before[:, h])
+    assert torch.equal(k[src_rows], pool_before[:, 1 : 1 + NUM_HEADS][src_rows])
+
+
+def test_in_place_rerotation_and_back():
+    """Rows re-rotated in place (src_rows == dst_rows) equal the reference; moving them back to
+    their offline positions restores them within the same three-rounding bound."""
+    gen = torch.Generator().manual_seed(5)
+    rope = make_rope("yarn", 64, 1.0, False)
+    spec = alignable_rope(rope)
+    raw = torch.randn(16, NUM_HEADS, 64, generator=gen)
+    p_off, p_on = positions(16, gen)
+    k = sglang_rope_keys(rope, raw, p_off).half()
+    original = k.clone()
+    rows = torch.arange(16)
+    expected, _ = rope_align_reference(k, rows, k, rows, p_off, p_on, spec.cos_sin_cache,
+                                       is_neox=False)  # fmt: skip
+    rope_align(k, rows, k, rows, p_off, p_on, spec.cos_sin_cache, is_neox=False)
+    assert_within_one_ulp(k, expected)
+    rope_align(k, rows, k, rows, p_on, p_off, spec.cos_sin_cache, is_neox=False)
+    check_aligned_vs_direct(k, original, expected, p_on - p_off, 64, False)
+
+
+def test_empty_batch_is_a_no_op():
+    spec = alignable_rope(make_rope("plain", 64, 1.0, True))
+    k = torch.randn(4, NUM_HEADS, 64).bfloat16()
+    before = k.clone()
+    empty = torch.empty(0, dtype=torch.int64)
+    rope_align(k, empty, k, empty, empty, empty, spec.cos_sin_cache, is_neox=True)
+    assert torch.equal(k, before)
+
+
+def test_refuses_multimodal_rope():
+    mrope = sglang_rope(128, 128, MAX_POS, 10000, True,
+                        {"rope_type": "default", "mrope_section": [16, 24, 24]})  # fmt: skip
+    with pytest.raises(NotImplementedError, match="3-D"):
+        alignable_rope(mrope)
+
+
+def _bad_calls():
+    k = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    idx = torch.arange(4)
+    cache = torch.zeros(16, 64)
+    ok = {
+        "k_src": k,
+        "src_rows": idx,
+        "k_dst": k.clone(),
+        "dst_rows": idx + 4,
+        "pos_off": idx,
+        "pos_on": idx,
+        "cos_sin_cache": cache,
+        "is_neox": True,
+    }
+    yield "float16 or bfloat16", {**ok, "k_src": k.float(), "k_dst": k.float()}
+    yield "k_dst dtype", {**ok, "k_dst": k.half()}
+    yield "heads/dims", {**ok, "k_dst": torch.zeros(8, 2, 128, dtype=torch.bfloat16)}
+    yield "cos_sin_cache must be .* float32", {**ok, "cos_sin_cache": cache.bfloat16()}
+    yield "rotary_dim", {**ok, "rotary_dim": 32}
+    yield "rotary_dim", {**ok, "cos_sin_cache": torch.zeros(16, 128)}
+    yield "int32 or int64", {**ok, "pos_on": idx.float()}
+    yield r"must be \[4\]", {**ok, "dst_rows": torch.arange(3)}
+    yield "unit stride", {**ok, "k_src": k.transpose(0, 2).contiguous().transpose(0, 2)}
+    yield "both v_src and v_dst", {**ok, "v_src": k}
+
+
+@pytest.mark.parametrize("match,kwargs", list(_bad_calls()))
+def test_rejects_bad_arguments(match, kwargs):
+    with pytest.raises(ValueError, match=match):
+        rope_align(**kwargs)
+
+
+@pytest.mark.gpu
+def test_llama31_8b_shape_on_gpu():
+    """Llama-3.1-8B: 8 KV heads, D=128, llama3 scaling, 131072 positions; 32K rows moved from a
+    snapshot store into a pool, half forward by 90000 positions, half back to the start."""
+    dev = "cuda"
+    scaling = {**LLAMA3, "original_max_position_embeddings": 8192}
+    rope = sglang_rope(128, 128, 131072, 500000, True, scaling)
+    spec = alignable_rope(rope)
+    cache = spec.cos_sin_cache.to(dev)
+    gen = torch.Generator().manual_seed(11)
+    n, heads = 32768, 8
+    raw = torch.randn(n, heads, 128, generator=gen).bfloat16()
+    seg = torch.arange(n // 2)
+    p_off = torch.cat([seg, seg + 100000])
+    p_on = torch.cat([seg + 90000, seg])
+    cached = sglang_rope_keys(rope, raw, p_off).bfloat16()
+    direct = sglang_rope_keys(rope, raw, p_on).bfloat16()
+    store_rows = torch.randperm(n + 1000, generator=gen)[:n]
+    pool_rows = torch.randperm(2 * n, generator=gen)[:n]
+    store_k = torch.zeros(n + 1000, heads, 128, dtype=torch.bfloat16)
+    store_k[store_rows] = cached
+    store_v = torch.randn(n + 1000, heads, 128, generator=gen).bfloat16()
+    store_k, store_v = store_k.to(dev), store_v.to(dev)
+    pool_k = torch.zeros(2 * n, heads, 128, dtype=torch.bfloat16, device=dev)
+    pool_v = torch.zeros_like(pool_k)
+    args = [store_rows.to(dev), pool_k, pool_rows.to(dev), p_off.to(dev), p_on.to(dev), cache]
+    expected_k, expected_v = rope_align_reference(
+        store_k, *args, is_neox=True, v_src=store_v, v_dst=pool_v
+    )
+    rope_align(store_k, *args, is_neox=True, v_src=store_v, v_dst=pool_v)
+    assert_within_one_ulp(pool_k, expected_k)
+    assert torch.equal(pool_v, expected_v)
+    aligned = pool_k[pool_rows.to(dev)].cpu()
+    check_aligned_vs_direct(aligned, direct, cached, p_on - p_off, 128, True)
