@@ -32,3 +32,13 @@ __all__ = [
     "run_decode",
     "run_extend",
 ]
+
+# RoPE alignment of cached keys (fused copy + delta-RoPE); reference: ``rope_reference``.
+from redknot.kernels.rope_align import (
+    AlignableRope,
+    RopeAlignConfig,
+    alignable_rope,
+    rope_align,
+)
+
+__all__ += ["AlignableRope", "RopeAlignConfig", "alignable_rope", "rope_align"]

@@ -14,10 +14,12 @@ rotation of position ``p`` is one fixed table row ``cos_sin_cache[p]``, the same
 every token of a batch: ``RotaryEmbedding`` (plain, ``rope_scaling`` absent or ``default``,
 including ``partial_rotary_factor``), ``Llama3RotaryEmbedding`` (``llama3``),
 ``YaRNScalingRotaryEmbedding`` (``yarn``), ``DeepseekScalingRotaryEmbedding`` (``deepseek_yarn``;
-for MLA pass a view of the rope part of the cache), ``LinearScalingRotaryEmbedding`` (``linear``,
-one factor), ``DynamicNTKScalingRotaryEmbedding`` / ``DynamicNTKAlphaRotaryEmbedding``
-(``dynamic``: SGLang builds one static table) and ``Gemma4RotaryEmbedding`` (``proportional``: its
-table rotates the first ``R/2`` frequencies and holds cos 1 / sin 0 for the rest). YaRN-style
+an MLA latent cache would be passed as the view ``[rows, 1, rope_dim]`` of its rope dims, which
+is not exercised here), ``LinearScalingRotaryEmbedding`` (``linear``, one factor),
+``DynamicNTKScalingRotaryEmbedding`` / ``DynamicNTKAlphaRotaryEmbedding`` (``dynamic``: SGLang
+builds one static table for every position) and ``Gemma4RotaryEmbedding`` (``proportional``: its
+table spans the whole head, rotating the first ``rotary_dim / 2`` frequencies and holding cos 1,
+sin 0 for the others). Every one of them is tested against SGLang's own rotation. YaRN-style
 tables carry a magnitude ``mscale`` in cos and sin; the delta is computed as a pure rotation (see
 ``redknot.kernels.triton.rope_align``), so the magnitude the cached key already carries is kept,
 not applied again. Refused: multimodal ``MRotaryEmbedding`` and its subclasses (positions are
@@ -100,6 +102,11 @@ def alignable_rope(rope: torch.nn.Module) -> AlignableRope:
             f"(got {rope.scaling_factors}); its table stacks one block per factor"
         )
     cache = rope.cos_sin_cache.to(torch.float32)
+    if cache.dim() != 2 or cache.shape[1] != rope.rotary_dim:
+        raise NotImplementedError(
+            f"RoPE alignment needs a [max_pos, rotary_dim] table; {name} has "
+            f"{tuple(cache.shape)} with rotary_dim {rope.rotary_dim}"
+        )
     return AlignableRope(cache, bool(rope.is_neox_style), cache.shape[1], name)
 
 

@@ -41,9 +41,11 @@ def delta_cos_sin(
     return torch.where(same, 1.0, cos), torch.where(same, 0.0, sin)
 
 
-def rotary_pairs(rotary_dim: int, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_pairs(
+    rotary_dim: int, is_neox: bool, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dims rotated together, ``[R/2]`` each: NeoX ``(j, j + R/2)``, GPT-J ``(2j, 2j + 1)``."""
-    j = torch.arange(rotary_dim // 2)
+    j = torch.arange(rotary_dim // 2, device=device)
     return (j, j + rotary_dim // 2) if is_neox else (2 * j, 2 * j + 1)
 
 
@@ -60,7 +62,7 @@ def delta_rotate(
     rotary_dim = cos_sin_cache.shape[1]
     cos, sin = delta_cos_sin(pos_off, pos_on, cos_sin_cache)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    d1, d2 = rotary_pairs(rotary_dim, is_neox)
+    d1, d2 = rotary_pairs(rotary_dim, is_neox, keys.device)
     x = keys.to(torch.float32)
     out = x.clone()
     x1, x2 = x[..., d1], x[..., d2]
