@@ -151,6 +151,11 @@ def needle_prompt(
     needle = enc.encode(" " + fact)
     ask = enc.encode("\n\n" + question)
     start = enc.encode(answer_start)
+    space = enc.encode(" ")
+    if len(space) == 1 and enc.encode(" " + answer)[:1] == space:
+        # the tokenizer emits the space before the answer alone (SmolLM2 before digits):
+        # it belongs to the prompt, so that the first generated token is the answer's.
+        start = start + space
     fixed = len(head) + len(needle) + len(ask) + len(tail) + len(start)
     if fixed >= length:
         raise ValueError(f"a needle prompt needs more than {length} tokens (fixed part {fixed})")

@@ -42,6 +42,15 @@ def _weights(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+def _show(value) -> str:
+    """A default as it would be typed on the command line."""
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return ",".join(f"{name}={weight:g}" for name, weight in value)
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="redknot-profile",
@@ -57,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
             kw["required"] = True
         else:
             kw["default"] = f.default
-            kw["help"] += f" (default: {f.default})" if f.default is not None else ""
+            kw["help"] += f" (default: {_show(f.default)})" if f.default is not None else ""
         if "tuple[tuple" in hint:
             kw["type"] = _weights
         elif "tuple[int" in hint:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from redknot.headmap import HeadMap
+from redknot.headmap import HeadMap, ModelShape
 from redknot.reference.attention import head_class_attention
 from redknot.reference.hooks import LayerContext, LayerHooks
 from redknot.reference.kv import ReferenceKV
@@ -65,7 +65,7 @@ class ReferenceRunner:
         self.model = LlamaFamily(hf_model)
 
     @property
-    def shape(self):
+    def shape(self) -> ModelShape:
         return self.model.shape
 
     def _map(self, head_map: HeadMap | None) -> HeadMap:
