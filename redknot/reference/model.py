@@ -8,6 +8,8 @@ the reference path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
@@ -49,7 +51,10 @@ class LlamaFamily:
         _check_supported(config)
         self.hf_model = hf_model
         self.config = config
-        self.shape = ModelShape.from_hf_config(config)
+        shape = ModelShape.from_hf_config(config)
+        if shape.architecture == "unknown":  # GGUF checkpoints carry no `architectures`
+            shape = dataclasses.replace(shape, architecture=type(hf_model).__name__)
+        self.shape = shape
         self.decoder = hf_model.model
         self.layers = self.decoder.layers
         self.rope = Rope.from_hf_model(hf_model)
