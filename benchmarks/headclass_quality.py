@@ -95,6 +95,7 @@ def summarise(per_prompt: list[dict], names: list[str]) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    commit, dirty = git_commit()  # the code this run measures
     model, tokenizer, source = load_model(args.model)
     runner = ReferenceRunner(model)
     encoder = HFTextEncoder(tokenizer)
@@ -168,7 +169,6 @@ def main(argv=None) -> int:
             "random_mean": {m: sum(r[m] for r in randoms) / len(randoms) for m in METRICS},
             "random_per_seed": {str(s): summary[f"random{s}@{key}"] for s in args.random_seeds},
         }
-    commit, dirty = git_commit()
     result = {
         "benchmark": "headclass_quality",
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
