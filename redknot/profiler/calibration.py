@@ -21,7 +21,7 @@ from typing import Protocol
 
 from redknot.profiler import words as W
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 _SENTINEL = "\u2063REDKNOT-CONTENT\u2063"
 
 
@@ -87,16 +87,17 @@ def _full_name(rng: random.Random) -> str:
 
 
 def filler_sentence(rng: random.Random) -> str:
-    """One sentence of neutral prose."""
-    a, n, v, p = W.ADJECTIVES, W.NOUNS, W.VERBS, W.PLACES
+    """One sentence of neutral prose. It names no place and no number, so that a needle's
+    answer is the only candidate in the filler."""
+    a, n, v = W.ADJECTIVES, W.NOUNS, W.VERBS
     choice = rng.randrange(4)
     if choice == 0:
         return f"The {rng.choice(a)} {rng.choice(n)} {rng.choice(v)} the {rng.choice(a)} {rng.choice(n)}."
     if choice == 1:
-        return f"In {rng.choice(p)}, a {rng.choice(a)} {rng.choice(n)} {rng.choice(v)} the {rng.choice(n)}."
+        return f"In the {rng.choice(n)}, a {rng.choice(a)} {rng.choice(n)} {rng.choice(v)} the {rng.choice(n)}."
     if choice == 2:
         return f"Near the {rng.choice(n)}, the {rng.choice(n)} was {rng.choice(a)} and {rng.choice(a)}."
-    return f"Later that day the {rng.choice(n)} from {rng.choice(p)} {rng.choice(v)} a {rng.choice(n)}."
+    return f"Later that day the {rng.choice(n)} from the {rng.choice(n)} {rng.choice(v)} a {rng.choice(n)}."
 
 
 def record_sentence(rng: random.Random, index: int) -> str:
@@ -133,9 +134,9 @@ def _needle_fact(rng: random.Random) -> tuple[str, str, str, str]:
     thing = f"{rng.choice(W.COLOURS)} {rng.choice(W.OBJECTS)}"
     place = rng.choice(W.PLACES)
     return (
-        f"The {thing} is hidden in {place}.",
-        f"Where is the {thing} hidden?",
-        f"The {thing} is hidden in",
+        f"The {thing} is hidden in the town of {place}.",
+        f"In which town is the {thing} hidden?",
+        f"The {thing} is hidden in the town of",
         place,
     )
 

@@ -17,6 +17,29 @@ head-class forward)::
 
 Rows are indices into the tokens of the current forward call (``0 .. T-1``), always ascending;
 the KV handed to ``edit_kv`` also holds the ``past_len`` rows of earlier calls in front.
+
+How a segment-reuse policy plugs in (a sketch of RedKnot's Algorithm 1 in these terms; the
+segment occupies rows ``[s, e)`` and ``cached`` is its standalone :class:`ReferenceKV`)::
+
+    class ReuseLocalHeads(LayerHooks):
+        def edit_kv(self, ctx, keys, values):            # local heads reuse the cache
+            if ctx.past_len:                             # decode steps: already in place
+                return keys, values
+            local = [h for h, c in enumerate(ctx.classes) if c == "L"]
+            src, dst = torch.arange(e - s), torch.arange(s, e)
+            keys[local, s:e] = ctx.model.rope.realign(cached.keys[ctx.layer][local], src, dst)
+            values[local, s:e] = cached.values[ctx.layer][local]
+            return keys, values
+
+        def probe_rows(self, ctx):                       # the question's queries
+            return torch.arange(e, ctx.num_rows)
+
+        def ffn_rows(self, ctx, probe):                  # sparse FFN above dense_layers
+            if ctx.layer < dense_layers:
+                return None
+            return important_rows(probe.key_mass.sum(0))  # plus new and recent rows
+
+Global heads need nothing: their KV is computed fresh for every row under the new prefix.
 """
 
 from __future__ import annotations
@@ -76,7 +99,7 @@ class LayerHooks:
 
     def probe_rows(self, ctx: LayerContext) -> Tensor | None:
         """Ascending rows to collect :class:`AttentionProbe` statistics for, or ``None`` for
-        the runner's default (its ``probe_last`` argument). Probed rows must compute attention."""
+        the runner's default (its ``probe_last`` argument). An empty tensor probes nothing."""
         return None
 
     def ffn_rows(self, ctx: LayerContext, probe: AttentionProbe | None) -> Tensor | None:
