@@ -38,6 +38,8 @@ from redknot.reference import ReferenceRunner
 from redknot.reference.loading import load_model
 
 METRICS = ("top1_agreement", "top10_overlap", "logit_cosine", "needle_accuracy")
+# needle_retained: needle accuracy over the prompts the dense model answers correctly.
+SUMMARY = METRICS + ("needle_retained",)
 
 
 def _csv(kind):
@@ -84,11 +86,38 @@ def variants(profiled: HeadMap, fractions, random_seeds) -> dict[str, HeadMap]:
 
 
 def summarise(per_prompt: list[dict], names: list[str]) -> dict:
+    """Mean of every metric per variant, and needle accuracy on the dense-correct prompts."""
     out = {}
+    solved = [p for p in per_prompt if p["variants"]["dense"]["needle_accuracy"]]
     for name in ["dense"] + names:
         rows = [p["variants"][name] for p in per_prompt]
         out[name] = {m: sum(r[m] for r in rows) / len(rows) for m in METRICS if m in rows[0]}
+        kept = [p["variants"][name]["needle_accuracy"] for p in solved]
+        out[name]["needle_retained"] = sum(kept) / len(kept) if kept else None
         out[name]["prompts"] = len(rows)
+        out[name]["dense_correct_prompts"] = len(kept)
+    return out
+
+
+def compare_to_random(summary: dict, fractions, seeds) -> dict:
+    """Profiled vs the mean of the random maps, per global fraction."""
+    out = {}
+    for f in fractions:
+        key = f"{f:.2f}"
+        randoms = [summary[f"random{s}@{key}"] for s in seeds]
+        mean = {
+            m: (sum(r[m] for r in randoms) / len(randoms) if randoms[0][m] is not None else None)
+            for m in SUMMARY
+        }
+        profiled = summary[f"profiled@{key}"]
+        out[key] = {
+            "profiled": profiled,
+            "random_mean": mean,
+            "random_per_seed": {str(s): summary[f"random{s}@{key}"] for s in seeds},
+            "profiled_better_on": [
+                m for m in SUMMARY if mean[m] is not None and profiled[m] > mean[m]
+            ],
+        }
     return out
 
 
@@ -112,6 +141,7 @@ def main(argv=None) -> int:
 
     rng = random.Random(args.seed)
     per_prompt = []
+    runs = {"computed": 0, "reused_from_work_dir": 0}
     n = args.prompts_per_length
     for length in args.lengths:
         for i in range(n):
@@ -125,6 +155,9 @@ def main(argv=None) -> int:
                 )
                 done["dense"] = {"tokens": gen.tokens, "first_logits": gen.first_logits.tolist()}
                 cache.write_text(json.dumps(done))
+                runs["computed"] += 1
+            else:
+                runs["reused_from_work_dir"] += 1
             dense_logits = torch.tensor(done["dense"]["first_logits"])
             dense_text = tokenizer.decode(done["dense"]["tokens"], skip_special_tokens=True)
             row = {
@@ -151,6 +184,9 @@ def main(argv=None) -> int:
                         "output": text.strip(),
                     }
                     cache.write_text(json.dumps(done))
+                    runs["computed"] += 1
+                else:
+                    runs["reused_from_work_dir"] += 1
                 row["variants"][name] = done[key]
             per_prompt.append(row)
             print(
@@ -160,15 +196,15 @@ def main(argv=None) -> int:
             )
 
     summary = summarise(per_prompt, list(maps))
-    by_fraction = {}
-    for f in args.fractions:
-        key = f"{f:.2f}"
-        randoms = [summary[f"random{s}@{key}"] for s in args.random_seeds]
-        by_fraction[key] = {
-            "profiled": summary[f"profiled@{key}"],
-            "random_mean": {m: sum(r[m] for r in randoms) / len(randoms) for m in METRICS},
-            "random_per_seed": {str(s): summary[f"random{s}@{key}"] for s in args.random_seeds},
-        }
+    by_fraction = compare_to_random(summary, args.fractions, args.random_seeds)
+    by_length = {
+        str(length): compare_to_random(
+            summarise([p for p in per_prompt if p["id"].startswith(f"len{length}-")], list(maps)),
+            args.fractions,
+            args.random_seeds,
+        )
+        for length in args.lengths
+    }
     result = {
         "benchmark": "headclass_quality",
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
@@ -190,7 +226,9 @@ def main(argv=None) -> int:
         "fact at depths spread over 5-85%, question and answer start at the end), seed "
         f"{args.seed}; the profiler calibrates on seed 0",
         "by_fraction": by_fraction,
+        "by_length": by_length,
         "summary": summary,
+        "runs": runs,
         "per_prompt": per_prompt,
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -198,10 +236,8 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for key, row in by_fraction.items():
         p, r = row["profiled"], row["random_mean"]
-        print(
-            f"global {key}: "
-            + ", ".join(f"{m} profiled {p[m]:.3f} random {r[m]:.3f}" for m in METRICS)
-        )
+        print(f"global {key}: " + ", ".join(f"{m} {p[m]:.3f} vs {r[m]:.3f}" for m in SUMMARY))
+    print("(profiled vs mean of random maps; needle_retained: on the prompts dense answers)")
     print(f"dense needle accuracy {summary['dense']['needle_accuracy']:.3f}; wrote {args.out}")
     return 0
 
