@@ -23,8 +23,6 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from redknot.config import RedknotConfig
-from redknot.headmap import ModelShape
-from redknot.pool.layout import HeadLayout
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -60,13 +58,12 @@ class RedknotAttnBackend(AttentionBackend):
         _check_model(model_runner)
         from sglang.srt.runtime_context import get_parallel
 
+        from redknot.integration.server_args import rank_layout
+
         mc = model_runner.model_config
         tp_size, tp_rank = get_parallel().attn_tp_size, get_parallel().attn_tp_rank
-        head_map = config.resolve_head_map(
-            ModelShape.from_hf_config(mc.hf_config), tp_size=tp_size, context_len=mc.context_len
-        )
         self.config = config
-        self.layout = HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=tp_rank)
+        self.layout = rank_layout(config, mc)
         expected = (mc.get_num_kv_heads(tp_size), mc.num_attention_heads // tp_size)
         if expected != (self.layout.num_kv_heads, self.layout.num_q_heads):
             raise ValueError(

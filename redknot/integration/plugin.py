@@ -78,7 +78,8 @@ def _around_build_pool(original, self, **kwargs):
 
 
 def _around_req_slot_alloc(original, self, reqs):
-    """A request that starts from a cached prefix gets its local-head ring restored."""
+    """A new request slot: restore its ring from the snapshot of its cached prefix, and plan the
+    capture of its branch point (see redknot.segcache.radix)."""
     fresh = [r for r in reqs if r.req_pool_idx is None]
     result = original(self, reqs)
     cache = getattr(self, "redknot_cache", None)

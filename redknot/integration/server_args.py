@@ -17,6 +17,7 @@ from typing import Any, Optional
 from redknot import envs
 from redknot.config import RedknotConfig, RedknotConfigError
 from redknot.headmap import HeadMapError, ModelShape
+from redknot.pool.layout import HeadLayout
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,19 @@ def resolve(server_args: Any) -> Optional[RedknotConfig]:
         server_args.override("redknot", radix_cache_backend=BACKEND_NAME)
     envs.REDKNOT_RESOLVED_CONFIG.set(config.to_json())
     return config
+
+
+def rank_layout(config: RedknotConfig, model_config: Any) -> HeadLayout:
+    """The head layout this tensor-parallel rank serves, from a model's SGLang ``ModelConfig``."""
+    from sglang.srt.runtime_context import get_parallel
+
+    tp_size, tp_rank = get_parallel().attn_tp_size, get_parallel().attn_tp_rank
+    head_map = config.resolve_head_map(
+        ModelShape.from_hf_config(model_config.hf_config),
+        tp_size=tp_size,
+        context_len=model_config.context_len,
+    )
+    return HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=tp_rank)
 
 
 def published_config() -> RedknotConfig:

@@ -78,17 +78,9 @@ def layout_of(kvc: Any) -> HeadLayout:
     cached = _state.get(id(kvc), {}).get("layout")
     if cached is not None:
         return cached
-    from sglang.srt.runtime_context import get_parallel
+    from redknot.integration.server_args import published_config, rank_layout
 
-    from redknot.headmap import ModelShape
-    from redknot.integration.server_args import published_config
-
-    mc = kvc.model_config
-    tp_size, tp_rank = get_parallel().attn_tp_size, get_parallel().attn_tp_rank
-    head_map = published_config().resolve_head_map(
-        ModelShape.from_hf_config(mc.hf_config), tp_size=tp_size, context_len=mc.context_len
-    )
-    layout = HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=tp_rank)
+    layout = rank_layout(published_config(), kvc.model_config)
     _state.setdefault(id(kvc), {})["layout"] = layout
     return layout
 
