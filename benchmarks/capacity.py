@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serving_common as common  # noqa: E402
+import serving_common as common
 
 VARIANTS = {  # name -> (global fraction or None for the flashinfer backend, tune request slots)
     "flashinfer": (None, False),

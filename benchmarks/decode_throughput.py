@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serving_common as common  # noqa: E402
+import serving_common as common
 
 VARIANTS = {"flashinfer": None, "redknot-g0.125": 0.125}
 RUNNING = re.compile(r"#running-req:\s*(\d+)")

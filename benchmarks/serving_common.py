@@ -35,7 +35,7 @@ def device_name() -> str:
 def record(**figures) -> dict:
     return {
         "device": device_name(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         **figures,

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from redknot.headmap import HeadMap, HeadMapError, ModelShape
 
@@ -28,7 +29,7 @@ def _opt(help: str, **kw) -> Any:
 
 @dataclass(frozen=True)
 class RedknotConfig:
-    head_map: Optional[str] = _opt(
+    head_map: str | None = _opt(
         "Path of the head-class map (JSON) made for the served model by redknot-profile.",
         default=None,
     )
@@ -36,12 +37,10 @@ class RedknotConfig:
         "Treat every KV head as global: the exact dense computation (no map needed).",
         default=False,
     )
-    window: Optional[int] = _opt(
+    window: int | None = _opt(
         "Local heads' window in tokens (overrides the map's value).", default=None
     )
-    sink: Optional[int] = _opt(
-        "Local heads' sink tokens (overrides the map's value).", default=None
-    )
+    sink: int | None = _opt("Local heads' sink tokens (overrides the map's value).", default=None)
     kernel: str = _opt(
         "Attention kernels: 'auto' sends dense-equivalent work to FlashInfer and the rest to "
         "redknot's Triton kernels; 'triton' runs redknot's Triton kernels for everything.",
@@ -79,7 +78,7 @@ class RedknotConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], *, source: str) -> "RedknotConfig":
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str) -> RedknotConfig:
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise RedknotConfigError(
@@ -114,7 +113,7 @@ class RedknotConfig:
                 data = yaml.safe_load(text)
             else:
                 data = json.loads(text)
-        except Exception as e:  # noqa: BLE001 - any parse error is a user error here
+        except Exception as e:
             raise RedknotConfigError(f"redknot config file {path!r} is not valid: {e}") from e
         if not isinstance(data, dict):
             raise RedknotConfigError(f"redknot config file {path!r} must hold a mapping")
@@ -123,9 +122,7 @@ class RedknotConfig:
         return data
 
     @classmethod
-    def merge(
-        cls, file_path: Optional[str], overrides: Mapping[str, Any]
-    ) -> "RedknotConfig":
+    def merge(cls, file_path: str | None, overrides: Mapping[str, Any]) -> RedknotConfig:
         """File values, then explicitly given overrides (``None`` means not given)."""
         values: dict = cls.from_file(file_path) if file_path else {}
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -136,7 +133,7 @@ class RedknotConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "RedknotConfig":
+    def from_json(cls, text: str) -> RedknotConfig:
         return cls.from_mapping(json.loads(text), source="REDKNOT_RESOLVED_CONFIG")
 
     # ---- the head map this configuration serves --------------------------------------------
@@ -146,7 +143,7 @@ class RedknotConfig:
         model: ModelShape,
         *,
         tp_size: int = 1,
-        context_len: Optional[int] = None,
+        context_len: int | None = None,
         model_name: str = "",
     ) -> HeadMap:
         """The validated head map for ``model``; raises ``HeadMapError`` if it does not fit."""

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
 class _EnvVar:
     name: str
 
-    def get(self) -> Optional[str]:
+    def get(self) -> str | None:
         value = os.environ.get(self.name)
         return value if value else None
 

@@ -93,9 +93,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / ".device/models/llama-3.1-8b"))
     ap.add_argument("--variants", default="flashinfer,redknot,redknot-triton")
-    ap.add_argument("--head-map", default=None,
-                    help="also serve this map (variant 'map'); 'synthetic:F' makes one with a "
-                         "global fraction F")
+    ap.add_argument(
+        "--head-map",
+        default=None,
+        help="also serve this map (variant 'map'); 'synthetic:F' makes one with a "
+        "global fraction F",
+    )
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--min-len", type=int, default=1024)
     ap.add_argument("--max-len", type=int, default=16384)
@@ -120,7 +123,9 @@ def main() -> None:
     out_dir = Path(args.out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts_file = out_dir / "e2e_prompts.tmp.json"
-    prompts_file.write_text(json.dumps({"round1": prompts, "round2": second_round(prompts, vocab, args.seed)}))
+    prompts_file.write_text(
+        json.dumps({"round1": prompts, "round2": second_round(prompts, vocab, args.seed)})
+    )
     if args.head_map and args.head_map.startswith("synthetic:"):
         from redknot.headmap import ModelShape, synthetic_map
 
@@ -132,10 +137,22 @@ def main() -> None:
     results = {}
     for name in variants:
         child_out = out_dir / f"e2e_{name}.tmp.json"
-        cmd = [sys.executable, __file__, "--child", "map" if name == "map" else name,
-               "--child-out", str(child_out), "--prompts-file", str(prompts_file),
-               "--model", args.model, "--max-new-tokens", str(args.max_new_tokens),
-               "--context-length", str(args.context_length)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "map" if name == "map" else name,
+            "--child-out",
+            str(child_out),
+            "--prompts-file",
+            str(prompts_file),
+            "--model",
+            args.model,
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--context-length",
+            str(args.context_length),
+        ]
         if name == "map":
             cmd += ["--head-map", args.head_map]
         if args.disable_prefill_cuda_graph:
@@ -171,7 +188,7 @@ def main() -> None:
 
     record = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": os.environ.get("REDKNOT_COMMIT") or git_commit(),
         "command": " ".join(sys.argv),
         "model": args.model,

@@ -13,22 +13,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import serving_common as common  # noqa: E402
+import serving_common as common
 
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-    "intermediate_size": 5632, "num_attention_heads": 16, "num_hidden_layers": 8,
-    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 16384,
-    "vocab_size": 32000, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 16384,
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 LM_HEAD_SCALE = 40.0
 VARIANTS = {
@@ -70,8 +79,14 @@ def child(args) -> None:
     )  # fmt: skip
     prompts = json.loads(Path(args.prompts).read_text())
     try:
-        outs = engine.generate(input_ids=prompts, sampling_params={
-            "temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True})
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={
+                "temperature": 0.0,
+                "max_new_tokens": args.max_new_tokens,
+                "ignore_eos": True,
+            },
+        )
     finally:
         engine.shutdown()
     print("RESULT " + json.dumps({"outputs": [o["output_ids"] for o in outs]}))
@@ -106,9 +121,21 @@ def main() -> None:
     for name in VARIANTS:
         for tp in (1, 2):
             t0 = time.perf_counter()
-            res = common.run_child(__file__, ["--child", name, "--tp", str(tp), "--model",
-                                              str(model), "--prompts", str(work / "prompts.json"),
-                                              "--max-new-tokens", str(args.max_new_tokens)])
+            res = common.run_child(
+                __file__,
+                [
+                    "--child",
+                    name,
+                    "--tp",
+                    str(tp),
+                    "--model",
+                    str(model),
+                    "--prompts",
+                    str(work / "prompts.json"),
+                    "--max-new-tokens",
+                    str(args.max_new_tokens),
+                ],
+            )
             results[f"{name}@tp{tp}"] = res
             timings[f"{name}@tp{tp}"] = time.perf_counter() - t0
             print(name, tp, "error" in res and res["error"], flush=True)
@@ -126,8 +153,10 @@ def main() -> None:
                     b["outputs"], ref["outputs"]
                 )
         else:
-            summary[name] = {"error": a.get("error") or b.get("error"),
-                             "log_tail": (a.get("log_tail") or b.get("log_tail", ""))[-1500:]}
+            summary[name] = {
+                "error": a.get("error") or b.get("error"),
+                "log_tail": (a.get("log_tail") or b.get("log_tail", ""))[-1500:],
+            }
     common.write_json(args.out, common.record(
         model="random Llama-architecture checkpoint (seed 0, bf16)", model_config=CONFIG,
         lm_head_scale=LM_HEAD_SCALE, prompt_lengths=lengths, max_new_tokens=args.max_new_tokens,

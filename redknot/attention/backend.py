@@ -17,7 +17,7 @@ Planning happens once per batch (``init_forward_metadata*``); ``forward_extend``
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -47,7 +47,9 @@ def _check_model(model_runner: ModelRunner) -> None:
         problems.append(f"head_dim {mc.head_dim} is not supported (64 or 128)")
     if problems:
         archs = ",".join(mc.hf_config.architectures or ["?"])
-        raise ValueError(f"--attention-backend redknot cannot serve {archs}: " + "; ".join(problems))
+        raise ValueError(
+            f"--attention-backend redknot cannot serve {archs}: " + "; ".join(problems)
+        )
 
 
 class RedknotAttnBackend(AttentionBackend):
@@ -70,7 +72,7 @@ class RedknotAttnBackend(AttentionBackend):
                 f"rank {tp_rank} serves {expected[0]} KV / {expected[1]} query heads but the "
                 f"head map slice has {self.layout.num_kv_heads} / {self.layout.num_q_heads}"
             )
-        self.dense: Optional[AttentionBackend] = None
+        self.dense: AttentionBackend | None = None
         self.segpaged = None
         if self.layout.all_global and config.kernel == "auto":
             from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
@@ -105,7 +107,9 @@ class RedknotAttnBackend(AttentionBackend):
             return self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
         self.segpaged.init_cuda_graph_state(max_bs, max_num_tokens)
 
-    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+    def init_forward_metadata_out_graph(
+        self, forward_batch: ForwardBatch, in_capture: bool = False
+    ):
         if self.dense is not None:
             return self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
         self.segpaged.plan(forward_batch, for_graph=True, in_capture=in_capture)

@@ -14,7 +14,7 @@ token overwrites exactly the position that just left the window.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,10 +34,10 @@ MAX_SPLITS = 128  # long rows of small batches split this far (measured up to 12
 @dataclass
 class ExtendState:
     plan: object  # redknot.kernels.extend.ExtendPlan
-    keep_tokens_gpu: Optional[torch.Tensor]  # [K] int64, new tokens whose local K/V a ring keeps
-    keep_rows_gpu: Optional[torch.Tensor]  # [K] int64, their rows in the local store
+    keep_tokens_gpu: torch.Tensor | None  # [K] int64, new tokens whose local K/V a ring keeps
+    keep_rows_gpu: torch.Tensor | None  # [K] int64, their rows in the local store
     # Snapshot captures at branch points (see redknot.segcache.radix), local-store rows:
-    capture: Optional[tuple[torch.Tensor, ...]] = None  # (dst<-ring, src ring, dst<-new, src tok)
+    capture: tuple[torch.Tensor, ...] | None = None  # (dst<-ring, src ring, dst<-new, src tok)
 
 
 class SegPagedRunner:
@@ -76,13 +76,13 @@ class SegPagedRunner:
         )
         self._dummy = torch.zeros((1, 1, layout.head_dim), dtype=pool.dtype, device=device)
         self.decode_plan = None
-        self.decode_rows: Optional[torch.Tensor] = None  # [B] int64 ring rows of the new tokens
+        self.decode_rows: torch.Tensor | None = None  # [B] int64 ring rows of the new tokens
         self.graph_plans: dict[int, object] = {}
-        self.graph_rows: Optional[torch.Tensor] = None
-        self.extend_state: Optional[ExtendState] = None
+        self.graph_rows: torch.Tensor | None = None
+        self.extend_state: ExtendState | None = None
 
     @classmethod
-    def from_model_runner(cls, model_runner, layout: HeadLayout) -> "SegPagedRunner":
+    def from_model_runner(cls, model_runner, layout: HeadLayout) -> SegPagedRunner:
         req_pool = model_runner.req_to_token_pool
         return cls(
             layout,
@@ -195,7 +195,7 @@ class SegPagedRunner:
             positions += keep
             reqs += [b] * len(keep)
             start += e
-        as_t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64)
         return as_t(tokens), as_t(positions), as_t(reqs)
 
     def _ring_rows(self, req_pool_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from redknot import SGLANG_VERSION
 from redknot.integration import server_args as sa_hooks

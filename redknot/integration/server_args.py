@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from redknot import envs
 from redknot.config import RedknotConfig, RedknotConfigError
@@ -114,7 +114,9 @@ def _reject_unsupported(server_args: Any) -> None:
     if server_args.page_size != 1:
         problems.append(f"--page-size {server_args.page_size} is not supported: use 1")
     if server_args.post_capture_kv_sizing_planned():
-        problems.append("post-capture KV sizing is not supported: unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
+        problems.append(
+            "post-capture KV sizing is not supported: unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"
+        )
     if server_args.radix_cache_backend not in (None, BACKEND_NAME):
         problems.append(
             f"--radix-cache-backend {server_args.radix_cache_backend} cannot hold redknot's "
@@ -124,7 +126,7 @@ def _reject_unsupported(server_args: Any) -> None:
         raise RedknotConfigError("--attention-backend redknot: " + "; ".join(problems))
 
 
-def resolve(server_args: Any) -> Optional[RedknotConfig]:
+def resolve(server_args: Any) -> RedknotConfig | None:
     """Called after ``ServerArgs.__post_init__``: validate and publish the configuration."""
     options = dict(_pending)
     _pending.clear()

@@ -205,6 +205,35 @@ def check_store(name: str, store: torch.Tensor, q: torch.Tensor, min_columns: in
     assert store.shape[1] >= min_columns, f"{name}: {store.shape[1]} columns < {min_columns}"
 
 
+def check_layer_io(
+    q: torch.Tensor,
+    stores: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    req_to_token: torch.Tensor,
+    heads: LayerHeads,
+    geo: SegGeometry,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+) -> torch.Tensor:
+    """Checks shared by the decode and extend wrappers; returns ``out`` (allocated if None).
+
+    ``stores`` is ``(k_global, v_global, k_local, v_local)``; ``q`` is ``[rows, Hq, D]``.
+    """
+    assert heads.num_kv_heads == geo.num_kv_heads and heads.device == q.device
+    for name, store, columns in zip(
+        ("k_global", "v_global", "k_local", "v_local"),
+        stores,
+        (heads.num_global, heads.num_global, heads.num_local, heads.num_local),
+    ):
+        check_store(name, store, q, columns)
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    if lse is not None:
+        assert lse.shape == q.shape[:2] and lse.dtype == torch.float32 and lse.stride(1) == 1
+    return out
+
+
 def run_decode(
     plan: DecodePlan,
     q: torch.Tensor,
@@ -240,17 +269,8 @@ def run_decode(
     assert B == plan.batch_size and Hq == geo.num_q_heads and D == geo.head_dim, q.shape
     assert q.dtype in _DTYPES and q.stride(2) == 1, (q.dtype, q.stride())
     assert q.device == plan.seq_lens_gpu.device, (q.device, plan.seq_lens_gpu.device)
-    assert heads.num_kv_heads == geo.num_kv_heads and heads.device == q.device
-    check_store("k_global", k_global, q, heads.num_global)
-    check_store("v_global", v_global, q, heads.num_global)
-    check_store("k_local", k_local, q, heads.num_local)
-    check_store("v_local", v_local, q, heads.num_local)
-    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
-    if lse is not None:
-        assert lse.shape == (B, Hq) and lse.dtype == torch.float32 and lse.stride(1) == 1
+    out = check_layer_io(q, (k_global, v_global, k_local, v_local), req_to_token, heads, geo,
+                         out, lse)  # fmt: skip
     if B == 0:
         return out
 

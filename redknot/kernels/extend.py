@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from redknot.kernels.decode import check_store
+from redknot.kernels.decode import check_layer_io
 from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.extend import segpaged_extend_kernel
@@ -177,17 +177,8 @@ def run_extend(
         assert t.shape == (T, geo.num_kv_heads, D), f"{name}: {t.shape}"
         assert t.dtype == q.dtype and t.device == q.device and t.stride(2) == 1, name
     assert q.device == plan.qo_indptr_gpu.device, (q.device, plan.qo_indptr_gpu.device)
-    assert heads.num_kv_heads == geo.num_kv_heads and heads.device == q.device
-    check_store("k_global", k_global, q, heads.num_global)
-    check_store("v_global", v_global, q, heads.num_global)
-    check_store("k_local", k_local, q, heads.num_local)
-    check_store("v_local", v_local, q, heads.num_local)
-    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
-    if lse is not None:
-        assert lse.shape == (T, Hq) and lse.dtype == torch.float32 and lse.stride(1) == 1
+    out = check_layer_io(q, (k_global, v_global, k_local, v_local), req_to_token, heads, geo,
+                         out, lse)  # fmt: skip
 
     first_slot = heads.num_global if skip_global else 0
     num_slots = geo.num_kv_heads - first_slot

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
@@ -63,7 +62,12 @@ class RedknotKVPool(KVCache):
         enable_memory_saver: bool = False,
     ):
         super().__init__(
-            size, page_size, dtype, layout.num_layers, device, enable_memory_saver,
+            size,
+            page_size,
+            dtype,
+            layout.num_layers,
+            device,
+            enable_memory_saver,
             allocation_label="redknot",
         )
         from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
@@ -200,7 +204,7 @@ class RedknotKVPool(KVCache):
     def post_capture_backed_bytes(self) -> int:
         return sum(self.get_kv_size_bytes())
 
-    def describe(self) -> Optional[str]:
+    def describe(self) -> str | None:
         return f"RedknotKVPool(size={self.size}, rings={self.num_rings}, ring_len={self.ring_len})"
 
 
@@ -227,7 +231,7 @@ class PendingCopies:
     def __len__(self) -> int:
         return len(self._ops)
 
-    def run(self, pool: "RedknotKVPool") -> None:
+    def run(self, pool: RedknotKVPool) -> None:
         """Issue the queued copies in order; consecutive independent copies share a launch."""
         ops, self._ops = self._ops, []
         batch_dst: list[int] = []
@@ -241,7 +245,7 @@ class PendingCopies:
         self._flush(pool, batch_dst, batch_src)
 
     @staticmethod
-    def _flush(pool: "RedknotKVPool", dst: list[int], src: list[int]) -> None:
+    def _flush(pool: RedknotKVPool, dst: list[int], src: list[int]) -> None:
         if dst:
             device = pool.k_local[0].device
             pool.copy_slots(
@@ -259,7 +263,7 @@ class CaptureJob:
 
 
 def capture_rows(
-    pool: "RedknotKVPool", job: CaptureJob, ring_slot: int, prefix_len: int, token_offset: int
+    pool: RedknotKVPool, job: CaptureJob, ring_slot: int, prefix_len: int, token_offset: int
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """Rows to copy so that snapshot ``job.slot`` holds positions ``< job.position``.
 

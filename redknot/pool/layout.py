@@ -37,7 +37,7 @@ class HeadLayout:
         assert self.num_q_heads % self.num_kv_heads == 0, (self.num_q_heads, self.num_kv_heads)
 
     @classmethod
-    def from_head_map(cls, head_map: HeadMap, *, tp_size: int = 1, tp_rank: int = 0) -> "HeadLayout":
+    def from_head_map(cls, head_map: HeadMap, *, tp_size: int = 1, tp_rank: int = 0) -> HeadLayout:
         num_q = head_map.model.num_attention_heads
         assert num_q % tp_size == 0, f"{num_q} query heads cannot be split over --tp {tp_size}"
         return cls(
@@ -94,5 +94,5 @@ class HeadLayout:
             is_local.append([int(h in loc) for h in range(self.num_kv_heads)])
             column.append(col)
             order.append(g + loc)
-        as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
         return {"is_local": as_t(is_local), "column": as_t(column), "order": as_t(order)}

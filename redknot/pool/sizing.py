@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -35,13 +35,13 @@ MAX_REQUEST_SLOTS = 4096
 
 @dataclass(frozen=True)
 class SlotPlan:
-    request_slots: Optional[int]  # None: no local heads, SGLang decides
+    request_slots: int | None  # None: no local heads, SGLang decides
     snapshots: int
     fixed_bytes: int
 
 
 def plan_slots(
-    layout: HeadLayout, dtype: torch.dtype, budget_bytes: int, requested: Optional[int]
+    layout: HeadLayout, dtype: torch.dtype, budget_bytes: int, requested: int | None
 ) -> SlotPlan:
     ring = bytes_per_ring(layout, dtype)
     if ring == 0:
@@ -108,7 +108,7 @@ def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
 
 
 def cap_requests(kvc: Any, max_num_reqs: int) -> int:
-    plan: Optional[SlotPlan] = _state.get(id(kvc), {}).get("slots")
+    plan: SlotPlan | None = _state.get(id(kvc), {}).get("slots")
     if plan is None or plan.request_slots is None:
         return max_num_reqs
     return min(max_num_reqs, plan.request_slots)
@@ -117,7 +117,7 @@ def cap_requests(kvc: Any, max_num_reqs: int) -> int:
 def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
     from redknot.pool.kv_pool import RedknotKVPool
 
-    plan: Optional[SlotPlan] = _state.get(id(kvc), {}).get("slots")
+    plan: SlotPlan | None = _state.get(id(kvc), {}).get("slots")
     snapshots = plan.snapshots if plan is not None else 0
     pool = RedknotKVPool(
         max_total_num_tokens,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any
 
 from sglang.srt.mem_cache.base_prefix_cache import InsertResult, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
@@ -48,7 +48,7 @@ class RedknotRadixCache(RadixCache):
         self._free_snapshots: list[int] = list(range(pool.num_snapshots))
         self._snapshot_lru: OrderedDict[int, TreeNode] = OrderedDict()
         self._inside_insert_path = False
-        self._last_inserted: Optional[TreeNode] = None
+        self._last_inserted: TreeNode | None = None
         self.snapshot_saves = 0
         self.snapshot_drops = 0
         pool.cache = self  # the backend reports issued captures here
@@ -65,8 +65,10 @@ class RedknotRadixCache(RadixCache):
         result = super().match_prefix(params)
         if not self.uses_snapshots or self._inside_insert_path:
             return result
-        matched, node, length = result.last_device_node, result.last_device_node, len(
-            result.device_indices
+        matched, node, length = (
+            result.last_device_node,
+            result.last_device_node,
+            len(result.device_indices),
         )
         while node is not self.root_node and not self._usable(node):
             length -= len(node.key)
@@ -108,9 +110,9 @@ class RedknotRadixCache(RadixCache):
         finally:
             self._inside_insert_path = False
         node = req.last_node
-        if node is not None and node is not self.root_node:
-            if self._node_end(node) == len(req.get_fill_ids()):
-                self._save_snapshot(node, req.req_pool_idx)
+        ends_here = node is not None and node is not self.root_node
+        if ends_here and self._node_end(node) == len(req.get_fill_ids()):
+            self._save_snapshot(node, req.req_pool_idx)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         self._drop_snapshot(node)
@@ -118,7 +120,7 @@ class RedknotRadixCache(RadixCache):
 
     # ---- snapshots -------------------------------------------------------------------------
 
-    def snapshot_of(self, node: TreeNode) -> Optional[int]:
+    def snapshot_of(self, node: TreeNode) -> int | None:
         return getattr(node, SNAPSHOT_ATTR, None)
 
     def _usable(self, node: TreeNode) -> bool:
@@ -148,7 +150,7 @@ class RedknotRadixCache(RadixCache):
         if node is not None:
             setattr(node, READY_ATTR, True)
 
-    def _cancel_capture(self, ring_slot: Optional[int]) -> None:
+    def _cancel_capture(self, ring_slot: int | None) -> None:
         job = self.pool.capture_jobs.pop(ring_slot, None) if ring_slot is not None else None
         if job is not None:
             node = self._snapshot_lru.get(job.slot - self.pool.num_rings)
@@ -183,10 +185,10 @@ class RedknotRadixCache(RadixCache):
         self.pool.pending.queue(self.pool.snapshot_slot(index), ring_slot)
         self.snapshot_saves += 1
 
-    def _take_snapshot_slot(self) -> Optional[int]:
+    def _take_snapshot_slot(self) -> int | None:
         if self._free_snapshots:
             return self._free_snapshots.pop()
-        for index, node in self._snapshot_lru.items():
+        for node in self._snapshot_lru.values():
             if node.lock_ref == 0 and getattr(node, READY_ATTR, True):
                 self._drop_snapshot(node)
                 return self._free_snapshots.pop()

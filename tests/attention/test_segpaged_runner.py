@@ -37,14 +37,22 @@ class World:
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         self.FM = ForwardMode
-        self.layout = HeadLayout(classes=classes, num_q_heads=len(classes[0]) * grp,
-                                 head_dim=D, window=WINDOW, sink=SINK)
+        self.layout = HeadLayout(
+            classes=classes, num_q_heads=len(classes[0]) * grp, head_dim=D, window=WINDOW, sink=SINK
+        )
         self.dtype = dtype
-        self.pool = RedknotKVPool(600, 1, dtype, self.layout, num_rings=6, num_snapshots=1,
-                                  device="cpu")
+        self.pool = RedknotKVPool(
+            600, 1, dtype, self.layout, num_rings=6, num_snapshots=1, device="cpu"
+        )
         self.req_to_token = torch.zeros((6, 200), dtype=torch.int32)
-        self.runner = SegPagedRunner(self.layout, self.pool, self.req_to_token, max_batch_size=6,
-                                     max_context_len=200, device=torch.device("cpu"))
+        self.runner = SegPagedRunner(
+            self.layout,
+            self.pool,
+            self.req_to_token,
+            max_batch_size=6,
+            max_context_len=200,
+            device=torch.device("cpu"),
+        )
         self.runner.init_cuda_graph_state(max_bs=6, max_num_tokens=6)
         self.g = torch.Generator().manual_seed(seed)
         self.next_slot = 1
@@ -67,10 +75,13 @@ class World:
             self.lens[r] = p + e
         seq = torch.tensor([self.lens[r] for r in reqs])
         fb = SimpleNamespace(
-            forward_mode=mode, batch_size=len(reqs),
+            forward_mode=mode,
+            batch_size=len(reqs),
             req_pool_indices=torch.tensor(reqs, dtype=torch.int64),
-            seq_lens=seq, seq_lens_cpu=seq.clone(),
-            extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=list(new_lens),
+            seq_lens=seq,
+            seq_lens_cpu=seq.clone(),
+            extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=list(new_lens),
             out_cache_loc=torch.cat(locs),
         )
         if graph is None:
@@ -86,8 +97,14 @@ class World:
         T = sum(new_lens)
         for layer in range(self.layout.num_layers):
             q, k, v = self.rand(T, Hq, D), self.rand(T, H, D), self.rand(T, H, D)
-            lay = SimpleNamespace(layer_id=layer, scaling=D**-0.5, logit_cap=0,
-                                  is_cross_attention=False, qk_head_dim=D, v_head_dim=D)
+            lay = SimpleNamespace(
+                layer_id=layer,
+                scaling=D**-0.5,
+                logit_cap=0,
+                is_cross_attention=False,
+                qk_head_dim=D,
+                v_head_dim=D,
+            )
             run = self.runner.decode if mode.is_decode() else self.runner.extend
             out = run(q.view(T, -1), k.view(T, -1), v.view(T, -1), lay, fb, True).view(T, Hq, D)
             start = 0
@@ -96,10 +113,12 @@ class World:
                 keys = torch.cat([old_k, k[start : start + e]])
                 vals = torch.cat([old_v, v[start : start + e]])
                 self.hist[(r, layer)] = (keys, vals)
-                want = reference(q[start : start + e], keys, vals, range(p, p + e),
-                                 self.layout, layer, D**-0.5)
-                torch.testing.assert_close(out[start : start + e].float(), want,
-                                           atol=2e-2, rtol=2e-2)
+                want = reference(
+                    q[start : start + e], keys, vals, range(p, p + e), self.layout, layer, D**-0.5
+                )
+                torch.testing.assert_close(
+                    out[start : start + e].float(), want, atol=2e-2, rtol=2e-2
+                )
                 start += e
 
 

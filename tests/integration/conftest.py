@@ -27,10 +27,18 @@ def llama_dir(tmp_path_factory) -> Path:
         config = json.loads(src.read_text())
     else:  # the same shape, so the tests also run from a checkout without ../shared
         config = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-            "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
-            "num_key_value_heads": 8, "max_position_embeddings": 131072, "vocab_size": 128256,
-            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 131072,
+            "vocab_size": 128256,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "torch_dtype": "bfloat16",
         }
     d = tmp_path_factory.mktemp("llama-3.1-8b")
     (d / "config.json").write_text(json.dumps(config))

@@ -39,24 +39,46 @@ def test_all_global_flag_selects_backend_and_cache(sglang_plugins, llama_dir):
 
 
 def test_head_map_flag_and_overrides_are_published(sglang_plugins, llama_dir, llama_map):
-    _parse(llama_dir, "--attention-backend", "redknot", "--redknot-head-map", str(llama_map),
-           "--redknot-sink", "4", "--redknot-kernel", "triton")
+    _parse(
+        llama_dir,
+        "--attention-backend",
+        "redknot",
+        "--redknot-head-map",
+        str(llama_map),
+        "--redknot-sink",
+        "4",
+        "--redknot-kernel",
+        "triton",
+    )
     assert _published() == RedknotConfig(head_map=str(llama_map), sink=4, kernel="triton")
 
 
 def test_config_file_with_flag_override(sglang_plugins, llama_dir, llama_map, tmp_path):
     cfg = tmp_path / "redknot.json"
     cfg.write_text(json.dumps({"head_map": str(llama_map), "window": 512}))
-    _parse(llama_dir, "--attention-backend", "redknot", "--redknot-config", str(cfg),
-           "--redknot-window", "128")
+    _parse(
+        llama_dir,
+        "--attention-backend",
+        "redknot",
+        "--redknot-config",
+        str(cfg),
+        "--redknot-window",
+        "128",
+    )
     assert _published() == RedknotConfig(head_map=str(llama_map), window=128)
 
 
 def test_engine_keywords_reach_server_args(sglang_plugins, llama_dir):
     from sglang.srt.server_args import ServerArgs
 
-    args = ServerArgs(model_path=str(llama_dir), load_format="dummy", device="cpu",
-                      attention_backend="redknot", redknot_all_global=True, redknot_sink=8)
+    args = ServerArgs(
+        model_path=str(llama_dir),
+        load_format="dummy",
+        device="cpu",
+        attention_backend="redknot",
+        redknot_all_global=True,
+        redknot_sink=8,
+    )
     assert args.radix_cache_backend == "redknot"
     assert _published() == RedknotConfig(all_global=True, sink=8)
 
@@ -65,20 +87,52 @@ def test_engine_keywords_reach_server_args(sglang_plugins, llama_dir):
     "extra, message",
     [
         (["--attention-backend", "redknot"], "needs a head map"),
-        (["--attention-backend", "redknot", "--redknot-head-map", "/no/such/map.json"],
-         "does not exist"),
-        (["--attention-backend", "redknot", "--redknot-all-global", "--redknot-window", "200000"],
-         "exceeds the context length"),
-        (["--attention-backend", "flashinfer", "--redknot-all-global"],
-         "add --attention-backend redknot"),
-        (["--attention-backend", "redknot", "--redknot-all-global", "--redknot-kernel", "cuda"],
-         "is not one of"),
-        (["--attention-backend", "redknot", "--redknot-all-global", "--redknot-window", "0"],
-         "must be an integer >= 1"),
-        (["--attention-backend", "redknot", "--redknot-all-global", "--kv-cache-dtype",
-          "fp8_e4m3"], "kv-cache-dtype"),
-        (["--attention-backend", "redknot", "--redknot-all-global", "--radix-cache-backend",
-          "flexkv"], "radix-cache-backend"),
+        (
+            ["--attention-backend", "redknot", "--redknot-head-map", "/no/such/map.json"],
+            "does not exist",
+        ),
+        (
+            [
+                "--attention-backend",
+                "redknot",
+                "--redknot-all-global",
+                "--redknot-window",
+                "200000",
+            ],
+            "exceeds the context length",
+        ),
+        (
+            ["--attention-backend", "flashinfer", "--redknot-all-global"],
+            "add --attention-backend redknot",
+        ),
+        (
+            ["--attention-backend", "redknot", "--redknot-all-global", "--redknot-kernel", "cuda"],
+            "is not one of",
+        ),
+        (
+            ["--attention-backend", "redknot", "--redknot-all-global", "--redknot-window", "0"],
+            "must be an integer >= 1",
+        ),
+        (
+            [
+                "--attention-backend",
+                "redknot",
+                "--redknot-all-global",
+                "--kv-cache-dtype",
+                "fp8_e4m3",
+            ],
+            "kv-cache-dtype",
+        ),
+        (
+            [
+                "--attention-backend",
+                "redknot",
+                "--redknot-all-global",
+                "--radix-cache-backend",
+                "flexkv",
+            ],
+            "radix-cache-backend",
+        ),
     ],
 )
 def test_bad_options_fail_at_startup_with_a_fix(sglang_plugins, llama_dir, extra, message):
@@ -109,5 +163,10 @@ def test_unknown_engine_keyword_is_rejected(sglang_plugins, llama_dir):
     from sglang.srt.server_args import ServerArgs
 
     with pytest.raises(RedknotConfigError, match="unknown redknot option 'redknot_windw'"):
-        ServerArgs(model_path=str(llama_dir), load_format="dummy", device="cpu",
-                   attention_backend="redknot", redknot_windw=3)
+        ServerArgs(
+            model_path=str(llama_dir),
+            load_format="dummy",
+            device="cpu",
+            attention_backend="redknot",
+            redknot_windw=3,
+        )

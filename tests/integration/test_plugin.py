@@ -67,8 +67,19 @@ def test_spawned_process_sees_plugin_and_published_config(sglang_plugins, llama_
     from sglang.srt.server_args import prepare_server_args
 
     prepare_server_args(
-        ["--model-path", str(llama_dir), "--load-format", "dummy", "--device", "cpu",
-         "--attention-backend", "redknot", "--redknot-all-global", "--redknot-window", "128"]
+        [
+            "--model-path",
+            str(llama_dir),
+            "--load-format",
+            "dummy",
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "redknot",
+            "--redknot-all-global",
+            "--redknot-window",
+            "128",
+        ]
     )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

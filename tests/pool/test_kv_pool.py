@@ -10,8 +10,9 @@ from redknot.pool.kv_pool import PendingCopies, RedknotKVPool, bytes_per_ring, b
 from redknot.pool.layout import HeadLayout
 from redknot.pool.sizing import plan_slots
 
-SHAPE = ModelShape("LlamaForCausalLM", num_layers=4, num_kv_heads=4, num_attention_heads=8,
-                   head_dim=16)
+SHAPE = ModelShape(
+    "LlamaForCausalLM", num_layers=4, num_kv_heads=4, num_attention_heads=8, head_dim=16
+)
 
 
 def _layout(frac=0.25, window=8, sink=2, seed=0):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +13,14 @@ from redknot.headmap import ModelShape, synthetic_map
 from redknot.pool import sizing
 from redknot.pool.kv_pool import bytes_per_ring, bytes_per_token
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 512, "num_attention_heads": 8,
-          "num_hidden_layers": 4, "num_key_value_heads": 4, "max_position_embeddings": 4096}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 4096,
+}
 
 
 @pytest.fixture
@@ -25,7 +30,9 @@ def configurator(tmp_path, monkeypatch):
 
     path = tmp_path / "map.json"
     synthetic_map(ModelShape.from_hf_config(CONFIG), 0.25).save(path)
-    monkeypatch.setenv(envs.REDKNOT_RESOLVED_CONFIG.name, RedknotConfig(head_map=str(path)).to_json())
+    monkeypatch.setenv(
+        envs.REDKNOT_RESOLVED_CONFIG.name, RedknotConfig(head_map=str(path)).to_json()
+    )
     kvc = object.__new__(KVCacheConfigurator)
     kvc.server_args = SimpleNamespace(attention_backend="redknot", max_running_requests=None)
     kvc.model_config = SimpleNamespace(hf_config=CONFIG, context_len=4096)
@@ -44,7 +51,11 @@ def test_hooks_size_the_pool_from_global_bytes_and_rings(configurator):
     left = plugin._after_available_bytes(budget, configurator, 0)
     plan = sizing._state[id(configurator)]["slots"]
     ring = bytes_per_ring(layout, torch.bfloat16)
-    assert left == budget - plan.fixed_bytes == budget - (plan.request_slots + 1 + plan.snapshots) * ring
+    assert (
+        left
+        == budget - plan.fixed_bytes
+        == budget - (plan.request_slots + 1 + plan.snapshots) * ring
+    )
     assert plugin._after_max_num_reqs(4096, configurator, left // per_token) == plan.request_slots
 
 

@@ -18,8 +18,9 @@ from redknot.headmap import ModelShape, synthetic_map
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 
-SHAPE = ModelShape("LlamaForCausalLM", num_layers=2, num_kv_heads=2, num_attention_heads=2,
-                   head_dim=4)
+SHAPE = ModelShape(
+    "LlamaForCausalLM", num_layers=2, num_kv_heads=2, num_attention_heads=2, head_dim=4
+)
 SINK, WINDOW = 2, 5
 
 
@@ -43,11 +44,22 @@ class Harness:
         hm = synthetic_map(SHAPE, 0.5, window=WINDOW, sink=SINK)
         self.layout = HeadLayout.from_head_map(hm)
         self.req_pool = ReqToTokenPool(num_reqs, 512, "cpu", False)
-        self.pool = RedknotKVPool(num_tokens, 1, torch.float32, self.layout,
-                                  num_rings=num_reqs + 1, num_snapshots=num_snapshots, device="cpu")
+        self.pool = RedknotKVPool(
+            num_tokens,
+            1,
+            torch.float32,
+            self.layout,
+            num_rings=num_reqs + 1,
+            num_snapshots=num_snapshots,
+            device="cpu",
+        )
         self.alloc = TokenToKVPoolAllocator(num_tokens, torch.float32, "cpu", self.pool, False)
-        params = CacheInitParams(disable=False, req_to_token_pool=self.req_pool,
-                                 token_to_kv_pool_allocator=self.alloc, page_size=1)
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool_allocator=self.alloc,
+            page_size=1,
+        )
         self.cache = RedknotRadixCache(params, self.pool)
         self.req_pool.redknot_cache = self.cache
 
@@ -55,13 +67,20 @@ class Harness:
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        req = SimpleNamespace(origin_input_ids=array("q", tokens), output_ids=array("q"),
-                              extra_key=None,
-                              req_pool_idx=None, priority=0, cache_protected_len=0,
-                              inflight_middle_chunks=0, kv_committed_len=0)
+        req = SimpleNamespace(
+            origin_input_ids=array("q", tokens),
+            output_ids=array("q"),
+            extra_key=None,
+            req_pool_idx=None,
+            priority=0,
+            cache_protected_len=0,
+            inflight_middle_chunks=0,
+            kv_committed_len=0,
+        )
         req.get_fill_ids = lambda: req.origin_input_ids + req.output_ids
-        m = self.cache.match_prefix(MatchPrefixParams(
-            key=RadixKey(array("q", tokens[:-1])), req=req))
+        m = self.cache.match_prefix(
+            MatchPrefixParams(key=RadixKey(array("q", tokens[:-1])), req=req)
+        )
         req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
         req.cache_protected_len = len(req.prefix_indices)
         self.cache.inc_lock_ref(req.last_node)
@@ -86,8 +105,12 @@ class Harness:
             self.cache.capture_issued(req.req_pool_idx)
         if capture is not None:  # as the backend: from the ring before new tokens enter it
             dst_r, src_r, dst_n, src_n = (torch.tensor(x, dtype=torch.long) for x in capture)
-            new = torch.stack([torch.full((SHAPE.num_kv_heads, 4), kv_value(tokens, start + i))
-                               for i in range(upto - start)])
+            new = torch.stack(
+                [
+                    torch.full((SHAPE.num_kv_heads, 4), kv_value(tokens, start + i))
+                    for i in range(upto - start)
+                ]
+            )
             for layer in range(self.layout.num_layers):
                 self.pool.copy_local_rows(layer, dst_r, src_r)
                 self.pool.write_local(layer, dst_n, new[src_n], new[src_n])
