@@ -25,6 +25,7 @@ VARIANTS = {  # name -> (global fraction or None for the flashinfer backend, tun
     "flashinfer": (None, False),
     "redknot-g0.125-default": (0.125, False),
     "redknot-g0.125": (0.125, True),
+    "redknot-g0.15-default": (0.15, False),
     "redknot-g0.15": (0.15, True),
 }
 
