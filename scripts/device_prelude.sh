@@ -12,5 +12,5 @@ ln -sfn "$PWD/.device" /tmp/src/.device
 cd /tmp/src
 export PYTHONPATH=/tmp/site:/tmp/src PYTHONUNBUFFERED=1
 export REDKNOT_COMMIT="${REDKNOT_COMMIT:-unknown}"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null
 set +e
