@@ -35,7 +35,12 @@ import triton
 import triton.testing
 
 from redknot.kernels.rope_align import RopeAlignConfig, alignable_rope, rope_align
-from redknot.kernels.rope_reference import delta_rotate, rope_align_reference, sglang_rope
+from redknot.kernels.rope_reference import (
+    alignment_tolerance,
+    delta_rotate,
+    rope_align_reference,
+    sglang_rope,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_common as common
@@ -71,11 +76,12 @@ def setup(dev: str) -> dict:
 
 
 def check(t: dict) -> None:
-    """The kernel under measurement computes what the reference does (within one bf16 ulp)."""
+    """The kernel under measurement computes what the reference does (the tests' tolerance)."""
     args = (t["src_rows"], t["k_dst"], t["dst_rows"], t["pos_off"], t["pos_on"], t["cache"])
     expected, _ = rope_align_reference(t["k_src"], *args, is_neox=True)
     rope_align(t["k_src"], *args, is_neox=True)
-    torch.testing.assert_close(t["k_dst"], expected, rtol=torch.finfo(DTYPE).eps, atol=0)
+    excess = (t["k_dst"].float() - expected.float()).abs() - alignment_tolerance(expected, D, True)
+    assert (excess <= 0).all(), f"rope_align differs from its reference by {excess.max().item()}"
 
 
 def methods(t: dict, config: RopeAlignConfig) -> dict:

@@ -49,6 +49,22 @@ def rotary_pairs(
     return (j, j + rotary_dim // 2) if is_neox else (2 * j, 2 * j + 1)
 
 
+def alignment_tolerance(expected: torch.Tensor, rotary_dim: int, is_neox: bool) -> torch.Tensor:
+    """Allowed |kernel - reference| per element of aligned keys ``[..., H, D]`` (fp32).
+
+    One ulp of the key dtype, plus 16 fp32 units (2^-24) of the rotated pair's norm: both sides
+    evaluate the same fp32 expressions and round once, and only the evaluation order differs,
+    which can flip a rounding or, for an element much smaller than its pair (cancellation in
+    ``x1 cos - x2 sin``), move it by a few units of the pair's norm.
+    """
+    finfo = torch.finfo(expected.dtype)
+    e = expected.float()
+    d1, d2 = rotary_pairs(rotary_dim, is_neox, e.device)
+    pair_norm = torch.zeros_like(e)
+    pair_norm[..., d1] = pair_norm[..., d2] = torch.hypot(e[..., d1], e[..., d2])
+    return finfo.eps * e.abs() + 16 * 2.0**-24 * pair_norm + finfo.tiny * finfo.eps
+
+
 def delta_rotate(
     keys: torch.Tensor,
     pos_off: torch.Tensor,

@@ -25,6 +25,7 @@ import torch
 
 from redknot.kernels.rope_align import alignable_rope, rope_align
 from redknot.kernels.rope_reference import (
+    alignment_tolerance,
     rope_align_reference,
     rotary_pairs,
     sglang_rope,
@@ -64,13 +65,8 @@ def positions(n: int, gen: torch.Generator, num_same: int = 4) -> tuple[torch.Te
 
 def assert_matches_reference(actual, expected, rotary_dim: int, is_neox: bool) -> None:
     """Keys [..., H, D]: one ulp of each element, plus 16 fp32 units of its pair's norm."""
-    finfo = torch.finfo(expected.dtype)
-    e = expected.float()
-    d1, d2 = rotary_pairs(rotary_dim, is_neox, e.device)
-    pair_norm = torch.zeros_like(e)
-    pair_norm[..., d1] = pair_norm[..., d2] = torch.hypot(e[..., d1], e[..., d2])
-    bound = finfo.eps * e.abs() + 16 * 2.0**-24 * pair_norm + finfo.tiny * finfo.eps
-    diff = (actual.float() - e).abs()
+    bound = alignment_tolerance(expected, rotary_dim, is_neox)
+    diff = (actual.float() - expected.float()).abs()
     assert (diff <= bound).all(), f"max excess {(diff - bound).max().item()}"
     assert torch.equal(actual[..., rotary_dim:], expected[..., rotary_dim:])
 
