@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from redknot.api.options import ChatSegments, parse_namespaces
 from redknot.headmap import HeadMap, HeadMapError, ModelShape
 
 KERNEL_CHOICES = ("auto", "triton")
+SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
 
 
 class RedknotConfigError(ValueError):
@@ -46,6 +48,26 @@ class RedknotConfig:
         "redknot's Triton kernels; 'triton' runs redknot's Triton kernels for everything.",
         default="auto",
     )
+    segment_fraction: float = _opt(
+        "Fraction of the KV-cache budget reserved for cached segments (the K/V of their "
+        "--redknot-segment-heads for every segment token); 0 disables segment caching.",
+        default=0.05,
+    )
+    segment_heads: str = _opt(
+        "Heads whose K/V a cached segment keeps: 'local' (what RedKnot's recovery reads; global "
+        "heads are recomputed) or 'all' (for token-level policies: naive reuse, CacheBlend, EPIC).",
+        default="local",
+    )
+    chat_segments: str = _opt(
+        "Segments in OpenAI chat requests: 'off', 'messages' (every message's content is a "
+        "reusable segment) or 'min-tokens:N' (messages of N tokens or more).",
+        default="off",
+    )
+    namespaces: str | None = _opt(
+        "Comma-separated segment namespaces requests may use ('default' is always there). "
+        "Without it, registering a segment (POST /redknot/segments) creates its namespace.",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         if self.head_map is not None and self.all_global:
@@ -63,6 +85,26 @@ class RedknotConfig:
             raise RedknotConfigError(
                 f"--redknot-kernel {self.kernel!r} is not one of {', '.join(KERNEL_CHOICES)}"
             )
+        if isinstance(self.segment_fraction, bool) or not (
+            isinstance(self.segment_fraction, (int, float)) and 0 <= self.segment_fraction <= 0.9
+        ):
+            raise RedknotConfigError(
+                "--redknot-segment-fraction must be a number in [0, 0.9] (0 disables segments), "
+                f"got {self.segment_fraction!r}"
+            )
+        if self.segment_heads not in SEGMENT_HEAD_CHOICES:
+            raise RedknotConfigError(
+                f"--redknot-segment-heads {self.segment_heads!r} is not one of "
+                f"{', '.join(SEGMENT_HEAD_CHOICES)}"
+            )
+        for parse in (
+            lambda: ChatSegments.parse(self.chat_segments),
+            lambda: parse_namespaces(self.namespaces),
+        ):
+            try:
+                parse()
+            except ValueError as e:
+                raise RedknotConfigError(str(e)) from None
         for name in ("window", "sink"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (name == "window")):
@@ -92,6 +134,10 @@ class RedknotConfig:
                 continue
             want_int = "int" in hints[name]
             want_bool = hints[name] == "bool"
+            if "float" in hints[name] and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                raise RedknotConfigError(f"{source}: {name} must be a number, got {value!r}")
             if want_bool and not isinstance(value, bool):
                 raise RedknotConfigError(f"{source}: {name} must be true or false, got {value!r}")
             if want_int and (isinstance(value, bool) or not isinstance(value, int)):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redknot import SGLANG_VERSION
+from redknot.integration import segments as segment_hooks
 from redknot.integration import server_args as sa_hooks
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_KVC}.resolve_max_num_reqs", "AFTER", _after_max_num_reqs),
     Hook(f"{_KVC}._build_token_to_kv_pool", "AROUND", _around_build_pool),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", "AROUND", _around_req_slot_alloc),
+    *(Hook(*h) for h in segment_hooks.HOOKS),
 )
 
 # What went wrong while registering in this process; empty when all is well.

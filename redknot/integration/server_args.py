@@ -50,7 +50,7 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         if f.type == "bool":
             kwargs["action"] = "store_true"
         else:
-            kwargs["type"] = int if "int" in f.type else str
+            kwargs["type"] = float if "float" in f.type else int if "int" in f.type else str
         group.add_argument(flag, help=f.metadata["help"], **kwargs)
 
 

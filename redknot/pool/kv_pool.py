@@ -16,7 +16,8 @@ keep ``ring_len = sink + window`` positions per request in a ring indexed by the
 otherwise, so a position that leaves the window is overwritten in place (its memory is reused
 as the request decodes, never held). Rings are a fixed reservation of
 ``fixed_bytes`` (one per request slot, plus snapshot slots that keep the local KV of cached
-prefixes); the token budget is what remains.
+prefixes); the token budget is what remains. Cached segments keep their K/V in a third store,
+``segments`` (``redknot.pool.segment_region``), also reserved out of the budget.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
 
 from redknot.pool.layout import HeadLayout
+from redknot.pool.segment_region import SegmentPlan, SegmentRegion
 
 logger = logging.getLogger(__name__)
 GB = 1 << 30
@@ -60,6 +62,7 @@ class RedknotKVPool(KVCache):
         num_snapshots: int,
         device: str,
         enable_memory_saver: bool = False,
+        segment_plan: SegmentPlan | None = None,
     ):
         super().__init__(
             size,
@@ -108,6 +111,12 @@ class RedknotKVPool(KVCache):
                 for i in range(layout.num_layers)
             ]
             self.v_local = [torch.zeros_like(t) for t in self.k_local]
+            # Cached segments' K/V (redknot.pool.segment_region); None when segments are off.
+            self.segments = (
+                SegmentRegion(layout, segment_plan, dtype, device)
+                if segment_plan is not None and segment_plan.num_pages > 0
+                else None
+            )
         self._finalize_allocation_log(size)
         logger.info(
             "redknot pool: %d token slots for %d global heads, %d rings + %d snapshots of %d "
@@ -140,8 +149,10 @@ class RedknotKVPool(KVCache):
         self.write_global(layer_id, loc, cache_k, cache_v)
 
     def get_kv_size_bytes(self):
-        k = sum(t.numel() * t.element_size() for t in self.k_global + self.k_local)
-        v = sum(t.numel() * t.element_size() for t in self.v_global + self.v_local)
+        seg_k = self.segments.k if self.segments is not None else []
+        seg_v = self.segments.v if self.segments is not None else []
+        k = sum(t.numel() * t.element_size() for t in self.k_global + self.k_local + seg_k)
+        v = sum(t.numel() * t.element_size() for t in self.v_global + self.v_local + seg_v)
         return k, v
 
     def get_contiguous_buf_infos(self):

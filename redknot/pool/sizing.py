@@ -5,7 +5,11 @@ SGLang sizes its KV pool as ``budget / cell_size`` token slots and derives
 (``bytes_per_token``), and every request slot reserves one ring for its local heads
 (``bytes_per_ring``), plus snapshot slots that keep the local KV of cached prefixes:
 
-    budget = fixed_bytes(rings + snapshots) + token_slots * bytes_per_token
+    budget = segment_bytes + fixed_bytes(rings + snapshots) + token_slots * bytes_per_token
+
+``segment_bytes`` is ``--redknot-segment-fraction`` of the budget, taken first (the segment region
+of ``redknot.pool.segment_region``; 0 when segment caching is off), and the rest is split as
+below.
 
 The number of request slots is ``--max-running-requests`` when given. Otherwise it is chosen so
 that requests of ``BALANCE_LEN`` tokens exhaust request slots and token slots together:
@@ -25,6 +29,7 @@ import torch
 
 from redknot.pool.kv_pool import bytes_per_ring, bytes_per_token
 from redknot.pool.layout import HeadLayout
+from redknot.pool.segment_region import SegmentPlan, plan_segments
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +94,51 @@ def cell_size(kvc: Any) -> int:
     return bytes_per_token(layout_of(kvc), kvc.kv_cache_dtype)
 
 
+def rank_layouts(kvc: Any) -> list[HeadLayout]:
+    """The head layout of every attention-TP rank (rank ``r`` at index ``r``)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from redknot.headmap import ModelShape
+    from redknot.integration.server_args import published_config
+
+    tp_size = get_parallel().attn_tp_size
+    if tp_size == 1:
+        return [layout_of(kvc)]
+    head_map = published_config().resolve_head_map(
+        ModelShape.from_hf_config(kvc.model_config.hf_config),
+        tp_size=tp_size,
+        context_len=kvc.model_config.context_len,
+    )
+    return [HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
+
+
+def reserve_segment_bytes(kvc: Any, budget_bytes: int) -> SegmentPlan:
+    """Plan the segment region: the same page count on every TP rank (see segment_region)."""
+    from redknot.integration.server_args import published_config
+
+    config = published_config()
+    plan = plan_segments(
+        rank_layouts(kvc),
+        kvc.kv_cache_dtype,
+        budget_bytes,
+        config.segment_fraction,
+        config.segment_heads,
+    )
+    _state.setdefault(id(kvc), {})["segments"] = plan
+    logger.info(
+        "redknot: segment region of %d pages x %d tokens (%s heads) reserves %.2f GB",
+        plan.num_pages,
+        plan.page_tokens,
+        plan.which,
+        plan.reserved_bytes / (1 << 30),
+    )
+    return plan
+
+
 def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
-    """Plan the request/snapshot slots and return the budget left for token slots."""
+    """Plan the segment region and the request/snapshot slots; return the budget left for token
+    slots."""
+    budget_bytes -= reserve_segment_bytes(kvc, budget_bytes).reserved_bytes
     plan = plan_slots(
         layout_of(kvc), kvc.kv_cache_dtype, budget_bytes, kvc.server_args.max_running_requests
     )
@@ -127,5 +175,6 @@ def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
         num_rings=req_to_token_pool.size + 1,
         num_snapshots=snapshots,
         device=kvc.device,
+        segment_plan=_state.get(id(kvc), {}).get("segments"),
     )
     return pool

@@ -3,6 +3,9 @@
 Exact-prefix reuse is ``RedknotRadixCache`` (SGLang's radix tree plus local-head snapshots), or
 SGLang's chunk cache with ``--disable-radix-cache``; SGLang's hybrid variants (SWA, Mamba,
 hierarchical) do not apply because the server arguments reject those configurations.
+
+The cache carries the segment store (``cache.segments``), sized from the pool's segment region,
+with Prometheus metrics when the server runs with ``--enable-metrics``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ def create_tree_cache(ctx: Any):
             f"redknot's cache needs the redknot KV pool, found {type(pool).__name__}: the pool "
             "hook did not run (see the redknot plugin's startup errors)"
         )
-    cache = RedknotRadixCache(ctx.params, pool)  # ctx.params.disable turns matching off
+    # ctx.params.disable turns prefix matching off
+    cache = RedknotRadixCache(ctx.params, pool, segments=create_segment_store(ctx.params, pool))
     ctx.params.req_to_token_pool.redknot_cache = cache
     return cache
+
+
+def create_segment_store(params: Any, pool: Any):
+    """The segment store of ``pool``'s segment region, exporting metrics if they are enabled."""
+    from redknot.segcache.metrics import scheduler_metrics
+    from redknot.segcache.store import SegmentStore
+
+    store = SegmentStore.for_pool(pool)
+    if getattr(params, "enable_metrics", False):
+        store.observer = scheduler_metrics(store.capacity_bytes)
+    return store

@@ -19,6 +19,10 @@ Snapshot slots are few (``RedknotKVPool.num_snapshots``); when none is free, the
 used snapshot of an unlocked node is dropped (the node keeps its global KV and is still reused
 as part of longer matches that end at a snapshot below it). A node's snapshot is freed with the
 node.
+
+Content-addressed segments (reused at any position, not only as a prefix) live in the pool's
+segment region and are managed by ``segments``, a ``redknot.segcache.store.SegmentStore``; a
+cache reset (``/flush_cache``, weight updates) drops them with the tree.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertResult, MatchPrefixPara
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from redknot.pool.kv_pool import CaptureJob, RedknotKVPool
+from redknot.segcache.store import SegmentStore
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +47,9 @@ MIN_CAPTURE_GAIN = 32
 
 
 class RedknotRadixCache(RadixCache):
-    def __init__(self, params: Any, pool: RedknotKVPool):
+    def __init__(self, params: Any, pool: RedknotKVPool, segments: SegmentStore | None = None):
         self.pool = pool
+        self.segments = segments if segments is not None else SegmentStore.for_pool(pool)
         self.uses_snapshots = pool.ring_len > 0
         self._free_snapshots: list[int] = list(range(pool.num_snapshots))
         self._snapshot_lru: OrderedDict[int, TreeNode] = OrderedDict()
@@ -58,6 +64,7 @@ class RedknotRadixCache(RadixCache):
 
     def reset(self) -> None:
         super().reset()
+        self.segments.clear()
         self._free_snapshots = list(range(self.pool.num_snapshots))
         self._snapshot_lru = OrderedDict()
 

@@ -50,11 +50,13 @@ def test_hooks_size_the_pool_from_global_bytes_and_rings(configurator):
     budget = 10**9
     left = plugin._after_available_bytes(budget, configurator, 0)
     plan = sizing._state[id(configurator)]["slots"]
+    segments = sizing._state[id(configurator)]["segments"].reserved_bytes  # default fraction
     ring = bytes_per_ring(layout, torch.bfloat16)
+    assert 0 < segments <= 0.05 * budget
     assert (
         left
-        == budget - plan.fixed_bytes
-        == budget - (plan.request_slots + 1 + plan.snapshots) * ring
+        == budget - segments - plan.fixed_bytes
+        == budget - segments - (plan.request_slots + 1 + plan.snapshots) * ring
     )
     assert plugin._after_max_num_reqs(4096, configurator, left // per_token) == plan.request_slots
 

@@ -1,0 +1,431 @@
+"""The segment store: content-addressed cached segments in the pool's segment region.
+
+Scheduler-side bookkeeping only (no tensors): which segments are cached, which region pages
+hold their K/V (``redknot.pool.segment_region``), who reads them, and what to evict. It runs in
+the scheduler process, single-threaded, so the methods below are never concurrent.
+
+Life of a segment::
+
+    >>> e = store.lookup(ns, tokens)                 # ready segment, or None (a miss)
+    >>> if e is None:
+    ...     e = store.register(ns, tokens, pin=False)  # pages allocated, one ref for the writer
+    ...     # ... the forward writes its K/V at e.rows(), then:
+    ...     store.mark_ready(e)
+    ... else:
+    ...     store.acquire(e)                           # one ref for this reader
+    >>> store.release(e)                               # when the request is done with it
+
+| rule | |
+| --- | --- |
+| lookup | counts a hit (ready segment of these exact tokens in this namespace) or a miss, and a hit |
+|        | makes the segment the most recently used. Acquire right away: only register evicts. |
+| register | idempotent per key: an existing segment is returned (pin set to ``pin``, recency |
+|          | touched), a new one gets ``ceil(n / page_tokens)`` pages. Either way the caller holds |
+|          | one reference and must ``release`` it. A new segment is not ready until ``mark_ready``. |
+| eviction | only in register, only when free pages are short. Candidates: unpinned segments with no |
+|          | reference. If all candidates together cannot free enough pages, nothing is evicted and |
+|          | ``SegmentStoreFull`` is raised; otherwise candidates are evicted least recently used |
+|          | first until enough pages are free. (A miss costs recomputing the segment and a segment |
+|          | holds memory, both in proportion to its tokens, so GreedyDual-Size reduces to LRU; size |
+|          | decides how many victims are needed.) |
+| delete | explicit, pinned or not. Unreferenced: pages freed now, returns True. Referenced: the |
+|        | segment disappears at once from lookup/list/register (a re-register makes a new one) and |
+|        | its pages are freed when the last reader releases it (deferred), returns False. |
+| flush | ``clear()`` (SGLang's cache reset, also run after weight updates) drops every segment, |
+|       | pinned ones included: their K/V belongs to the old weights. |
+
+``bytes_saved`` counts, per hit, ``num_tokens * bytes_per_token``: the K/V of the stored heads
+that the hit served from the cache instead of recomputing it (``bytes_per_token`` is the region's
+per-token cost, all layers of this rank). ``bytes_used`` counts whole pages held, including
+those of deleted segments still being read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+from redknot.segcache.entry import (
+    SegmentEntry,
+    SegmentError,
+    SegmentNotFound,
+    SegmentsDisabled,
+    SegmentStoreFull,
+    _digest,
+    check_namespace,
+    pack_tokens,
+)
+from redknot.segcache.pages import PageAllocator
+
+# Per-namespace counters are kept for at most this many namespaces; beyond it, the counters of
+# the least recently counted namespace that holds no segment are dropped (lookups of arbitrary
+# namespaces must not grow the scheduler's memory without bound).
+MAX_TRACKED_NAMESPACES = 1024
+
+
+class SegmentObserver(Protocol):
+    """Receives the store's events (the Prometheus exporter of ``redknot.segcache.metrics``)."""
+
+    def lookup(self, namespace: str, hit: bool, tokens: int, bytes_saved: int) -> None: ...
+
+    def evicted(self, namespace: str) -> None: ...
+
+    def usage(self, namespace: str, segments: int, pinned: int, bytes_used: int) -> None:
+        """Changes (deltas) of the namespace's segments, pinned segments and bytes held."""
+
+
+@dataclass
+class _Record:
+    serial: int
+    id: str
+    namespace: str
+    packed: bytes  # token ids, little-endian int64
+    num_tokens: int
+    pages: tuple[int, ...]
+    pinned: bool
+    created: float
+    last_used: float
+    ready: bool = False
+    refs: int = 0
+    visible: bool = True  # False once deleted; the pages stay until the last release
+
+
+@dataclass
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    bytes_saved: int = 0
+    evictions: int = 0
+    deletes: int = 0
+
+
+class SegmentStore:
+    """Cached segments in ``num_pages`` pages of ``page_tokens`` tokens (``bytes_per_token`` each).
+
+    ``num_pages == 0`` is a disabled store: lookups miss, registrations raise ``SegmentsDisabled``.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_tokens: int,
+        bytes_per_token: int,
+        *,
+        observer: SegmentObserver | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        assert page_tokens > 0 and bytes_per_token >= 0, (page_tokens, bytes_per_token)
+        self.page_tokens = page_tokens
+        self.bytes_per_token = bytes_per_token
+        self.observer = observer
+        self._clock = clock
+        self._pages = PageAllocator(num_pages)
+        self._serial = 0
+        self._records: dict[int, _Record] = {}  # serial -> every record holding pages
+        self._by_id: dict[str, _Record] = {}  # id -> visible record
+        self._by_namespace: dict[str, dict[int, _Record]] = {}  # visible, registration order
+        self._lru: OrderedDict[int, _Record] = OrderedDict()  # visible, least recent first
+        self._total = _Counters()
+        self._counters: OrderedDict[str, _Counters] = OrderedDict()
+
+    @classmethod
+    def for_pool(cls, pool: Any, observer: SegmentObserver | None = None) -> SegmentStore:
+        """The store of ``pool.segments`` (a disabled store when the pool has no region)."""
+        region = getattr(pool, "segments", None)
+        if region is None:
+            return cls(0, 1, 0, observer=observer)
+        return cls(region.num_pages, region.page_tokens, region.bytes_per_token, observer=observer)
+
+    # ---- capacity ----------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self._pages.num_pages > 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._pages.num_pages * self.page_tokens
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_tokens * self.bytes_per_token
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_tokens)
+
+    # ---- the API -----------------------------------------------------------------------------
+
+    def lookup(self, namespace: str, token_ids: Sequence[int]) -> SegmentEntry | None:
+        """The ready segment of exactly these tokens in ``namespace``, or None; counts hit/miss."""
+        namespace = check_namespace(namespace)
+        packed = pack_tokens(token_ids)
+        rec = self._by_id.get(_digest(namespace, packed))
+        hit = rec is not None and rec.ready and rec.packed == packed
+        counters = self._count(namespace)
+        tokens = len(packed) // 8
+        saved = tokens * self.bytes_per_token if hit else 0
+        for c in (self._total, counters):
+            c.hits += hit
+            c.misses += not hit
+            c.hit_tokens += tokens if hit else 0
+            c.bytes_saved += saved
+        if self.observer is not None:
+            self.observer.lookup(namespace, hit, tokens if hit else 0, saved)
+        if not hit:
+            return None
+        self._touch(rec)
+        return self._entry(rec)
+
+    def register(self, namespace: str, token_ids: Sequence[int], *, pin: bool) -> SegmentEntry:
+        """The segment of these tokens, allocated if new; the caller holds one reference."""
+        namespace = check_namespace(namespace)
+        packed = pack_tokens(token_ids)
+        num_tokens = len(packed) // 8
+        if not self.enabled:
+            raise SegmentsDisabled(
+                "segment caching is off on this server: start it with "
+                "--redknot-segment-fraction > 0 (and heads to keep: with every head global, "
+                "--redknot-segment-heads all)"
+            )
+        need = self.pages_for(num_tokens)
+        if need > self._pages.num_pages:
+            raise SegmentError(
+                f"segment of {num_tokens} tokens is longer than the segment region, which holds "
+                f"{self.capacity_tokens} tokens (raise --redknot-segment-fraction)"
+            )
+        sid = _digest(namespace, packed)
+        rec = self._by_id.get(sid)
+        if rec is not None:
+            if rec.packed != packed:
+                raise SegmentError(f"segment id {sid} collides with another segment's tokens")
+            self._set_pin(rec, bool(pin))
+            rec.refs += 1
+            self._touch(rec)
+            return self._entry(rec)
+        self._make_room(need)
+        self._serial += 1
+        now = self._clock()
+        rec = _Record(
+            serial=self._serial,
+            id=sid,
+            namespace=namespace,
+            packed=packed,
+            num_tokens=num_tokens,
+            pages=self._pages.alloc(need, self._serial),
+            pinned=bool(pin),
+            created=now,
+            last_used=now,
+            refs=1,
+        )
+        self._records[rec.serial] = rec
+        self._by_id[sid] = rec
+        self._by_namespace.setdefault(namespace, {})[rec.serial] = rec
+        self._lru[rec.serial] = rec
+        self._count(namespace)
+        self._report_usage(rec, +1)
+        return self._entry(rec)
+
+    def mark_ready(self, entry: SegmentEntry) -> None:
+        """The forward that writes ``entry``'s K/V has been issued: lookups may now return it."""
+        self._record(entry).ready = True
+
+    def acquire(self, entry: SegmentEntry) -> None:
+        """Take a reference for a reader: the segment is not evicted or freed until released."""
+        rec = self._record(entry)
+        if not rec.visible:
+            raise SegmentNotFound(
+                f"segment {entry.id} of namespace {entry.namespace!r} was deleted; look it up again"
+            )
+        rec.refs += 1
+
+    def release(self, entry: SegmentEntry) -> None:
+        """Drop a reference taken by ``acquire`` or ``register``."""
+        rec = self._record(entry)
+        if rec.refs == 0:
+            raise SegmentError(f"segment {entry.id} released more often than acquired")
+        rec.refs -= 1
+        if rec.refs == 0 and not rec.visible:
+            self._free(rec)
+
+    def delete(self, namespace: str, segment_id: str) -> bool:
+        """Delete a segment (pinned or not): True if its pages were freed now, False if they are
+        freed when its last reader releases it. Raises ``SegmentNotFound`` for an unknown id."""
+        rec = self._find(namespace, segment_id)
+        self._hide(rec)
+        for c in (self._total, self._count(rec.namespace)):
+            c.deletes += 1
+        if rec.refs == 0:
+            self._free(rec)
+            return True
+        return False
+
+    def get(self, namespace: str, segment_id: str) -> SegmentEntry:
+        """The segment ``segment_id`` of ``namespace`` (no hit counted, recency untouched)."""
+        return self._entry(self._find(namespace, segment_id))
+
+    def list(self, namespace: str) -> list[SegmentEntry]:
+        """Segments of ``namespace``, in registration order (not-ready ones included)."""
+        namespace = check_namespace(namespace)
+        return [self._entry(r) for r in self._by_namespace.get(namespace, {}).values()]
+
+    def namespaces(self) -> list[str]:
+        """Namespaces that hold at least one segment."""
+        return sorted(self._by_namespace)
+
+    def stats(self, namespace: str | None = None) -> dict[str, Any]:
+        """Counters and usage, of one namespace or (None) of the whole store; plain ints."""
+        if namespace is None:
+            counters, held = self._total, list(self._records.values())
+        else:
+            namespace = check_namespace(namespace)
+            counters = self._counters.get(namespace, _Counters())
+            held = [r for r in self._records.values() if r.namespace == namespace]
+        visible = [r for r in held if r.visible]
+        out: dict[str, Any] = {f.name: getattr(counters, f.name) for f in fields(_Counters)}
+        out.update(
+            enabled=self.enabled,
+            segments=len(visible),
+            pinned=sum(r.pinned for r in visible),
+            referenced=sum(r.refs > 0 for r in held),
+            pending_deletes=len(held) - len(visible),
+            tokens=sum(r.num_tokens for r in visible),
+            bytes_used=sum(len(r.pages) for r in held) * self.page_tokens * self.bytes_per_token,
+            capacity_bytes=self.capacity_bytes,
+            capacity_tokens=self.capacity_tokens,
+            page_tokens=self.page_tokens,
+            bytes_per_token=self.bytes_per_token,
+        )
+        if namespace is None:
+            out["namespaces"] = len(self._by_namespace)
+        return out
+
+    def clear(self) -> int:
+        """Drop every segment, pinned ones too (a cache flush); returns how many were dropped.
+        Segments still read are freed at their last release."""
+        dropped = list(self._lru.values())
+        for rec in dropped:
+            self._hide(rec)
+            if rec.refs == 0:
+                self._free(rec)
+        return len(dropped)
+
+    def check(self) -> None:
+        """Assert the store's invariants (pages owned once, indexes consistent)."""
+        self._pages.check({s: r.pages for s, r in self._records.items()})
+        visible = {s for s, r in self._records.items() if r.visible}
+        assert visible == set(self._lru) == {r.serial for r in self._by_id.values()}
+        assert visible == {s for recs in self._by_namespace.values() for s in recs}
+        assert all(r.refs > 0 for r in self._records.values() if not r.visible)
+        assert all(r.refs >= 0 for r in self._records.values())
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _find(self, namespace: str, segment_id: str) -> _Record:
+        namespace = check_namespace(namespace)
+        if not isinstance(segment_id, str):
+            raise SegmentError(f"segment id must be a string, got {type(segment_id).__name__}")
+        rec = self._by_id.get(segment_id)
+        if rec is None or rec.namespace != namespace:
+            raise SegmentNotFound(f"no segment {segment_id!r} in namespace {namespace!r}")
+        return rec
+
+    def _record(self, entry: SegmentEntry) -> _Record:
+        rec = self._records.get(entry.serial)
+        if rec is None or rec.id != entry.id:
+            raise SegmentNotFound(
+                f"segment {entry.id} of namespace {entry.namespace!r} is no longer cached"
+            )
+        return rec
+
+    def _entry(self, rec: _Record) -> SegmentEntry:
+        return SegmentEntry(
+            id=rec.id,
+            namespace=rec.namespace,
+            num_tokens=rec.num_tokens,
+            pinned=rec.pinned,
+            pages=rec.pages,
+            page_tokens=self.page_tokens,
+            ready=rec.ready,
+            refs=rec.refs,
+            created=rec.created,
+            last_used=rec.last_used,
+            serial=rec.serial,
+        )
+
+    def _touch(self, rec: _Record) -> None:
+        rec.last_used = self._clock()
+        self._lru.move_to_end(rec.serial)
+
+    def _set_pin(self, rec: _Record, pin: bool) -> None:
+        if rec.pinned != pin and self.observer is not None:
+            self.observer.usage(rec.namespace, 0, 1 if pin else -1, 0)
+        rec.pinned = pin
+
+    def _make_room(self, need: int) -> None:
+        short = need - self._pages.free_pages
+        if short <= 0:
+            return
+        victims, freed = [], 0
+        for rec in self._lru.values():  # least recently used first
+            if freed >= short:
+                break
+            if not rec.pinned and rec.refs == 0:
+                victims.append(rec)
+                freed += len(rec.pages)
+        if freed < short:
+            raise SegmentStoreFull(
+                f"the segment region cannot hold {need} more pages: {self._pages.free_pages} "
+                f"free, {freed} held by evictable segments, the rest pinned or read by live "
+                "requests (delete or unpin segments, or raise --redknot-segment-fraction)"
+            )
+        for rec in victims:
+            self._hide(rec)
+            self._free(rec)
+            for c in (self._total, self._count(rec.namespace)):
+                c.evictions += 1
+            if self.observer is not None:
+                self.observer.evicted(rec.namespace)
+
+    def _hide(self, rec: _Record) -> None:
+        """Make ``rec`` invisible to lookups and listings (its pages are not freed here)."""
+        rec.visible = False
+        del self._by_id[rec.id]
+        del self._lru[rec.serial]
+        ns = self._by_namespace[rec.namespace]
+        del ns[rec.serial]
+        if not ns:
+            del self._by_namespace[rec.namespace]
+        if self.observer is not None:
+            self.observer.usage(rec.namespace, -1, -int(rec.pinned), 0)
+
+    def _free(self, rec: _Record) -> None:
+        self._pages.free(rec.pages, rec.serial)
+        del self._records[rec.serial]
+        if self.observer is not None:
+            self.observer.usage(rec.namespace, 0, 0, -self._bytes_of(rec))
+
+    def _report_usage(self, rec: _Record, sign: int) -> None:
+        if self.observer is not None:
+            self.observer.usage(
+                rec.namespace, sign, sign * int(rec.pinned), sign * self._bytes_of(rec)
+            )
+
+    def _bytes_of(self, rec: _Record) -> int:
+        return len(rec.pages) * self.page_tokens * self.bytes_per_token
+
+    def _count(self, namespace: str) -> _Counters:
+        counters = self._counters.get(namespace)
+        if counters is not None:
+            self._counters.move_to_end(namespace)
+            return counters
+        if len(self._counters) >= MAX_TRACKED_NAMESPACES:
+            for ns in self._counters:
+                if ns not in self._by_namespace:
+                    del self._counters[ns]
+                    break
+        counters = self._counters[namespace] = _Counters()
+        return counters
