@@ -24,10 +24,12 @@ Life of a segment::
 |          | one reference and must ``release`` it. A new segment is not ready until ``mark_ready``. |
 | eviction | only in register, only when free pages are short. Candidates: unpinned segments with no |
 |          | reference. If all candidates together cannot free enough pages, nothing is evicted and |
-|          | ``SegmentStoreFull`` is raised; otherwise candidates are evicted least recently used |
-|          | first until enough pages are free. (A miss costs recomputing the segment and a segment |
-|          | holds memory, both in proportion to its tokens, so GreedyDual-Size reduces to LRU; size |
-|          | decides how many victims are needed.) |
+|          | ``SegmentStoreFull`` is raised. Otherwise victims are taken least recently used first |
+|          | until they free enough pages; then every victim but the last is spared, most recent |
+|          | first, if the others still free enough (an old large segment need not take small ones |
+|          | with it). Recency orders, size decides how many go: a miss costs recomputing the |
+|          | segment and a segment holds memory, both in proportion to its tokens, so value per byte |
+|          | is the same for all sizes (GreedyDual-Size reduces to LRU). |
 | delete | explicit, pinned or not. Unreferenced: pages freed now, returns True. Referenced: the |
 |        | segment disappears at once from lookup/list/register (a re-register makes a new one) and |
 |        | its pages are freed when the last reader releases it (deferred), returns False. |
@@ -382,6 +384,11 @@ class SegmentStore:
                 f"free, {freed} held by evictable segments, the rest pinned or read by live "
                 "requests (delete or unpin segments, or raise --redknot-segment-fraction)"
             )
+        # Spare the victims the last (largest-needed) one made unnecessary, most recent first.
+        for rec in reversed(victims[:-1]):
+            if freed - len(rec.pages) >= short:
+                victims.remove(rec)
+                freed -= len(rec.pages)
         for rec in victims:
             self._hide(rec)
             self._free(rec)
