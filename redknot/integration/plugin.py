@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redknot import SGLANG_VERSION
+from redknot.api import hooks as api_hooks
 from redknot.integration import segments as segment_hooks
 from redknot.integration import server_args as sa_hooks
 
@@ -110,6 +111,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_KVC}._build_token_to_kv_pool", "AROUND", _around_build_pool),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", "AROUND", _around_req_slot_alloc),
     *(Hook(*h) for h in segment_hooks.HOOKS),
+    *(Hook(*h) for h in api_hooks.HOOKS),
 )
 
 # What went wrong while registering in this process; empty when all is well.
@@ -175,6 +177,7 @@ def _register_all() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, create_tree_cache)
+    api_hooks.register_types()
     for hook in HOOKS:
         HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
 
@@ -213,6 +216,8 @@ def verify() -> None:
         problems += [
             f"hook on {h.target} is not applied" for h in HOOKS if not _hook_applied(h.target, h.fn)
         ]
+        if not api_hooks.types_registered():
+            problems.append("redknot's control messages are not known to SGLang's IPC")
     if problems:
         raise RuntimeError(
             "redknot is not correctly installed in SGLang: "

@@ -111,6 +111,11 @@ def _reject_unsupported(server_args: Any) -> None:
             f"--kv-cache-dtype {server_args.kv_cache_dtype} is not supported: "
             "redknot stores KV in the model dtype (use auto)"
         )
+    if server_args.tokenizer_worker_num > 1:
+        problems.append(
+            "--tokenizer-worker-num > 1 is not supported: redknot's segment API runs in the "
+            "launching process; use 1"
+        )
     if server_args.page_size != 1:
         problems.append(f"--page-size {server_args.page_size} is not supported: use 1")
     if server_args.post_capture_kv_sizing_planned():

@@ -1,0 +1,146 @@
+"""Rewrite a ``/generate`` body that marks segments into one SGLang understands.
+
+Segments are marked either by the ``redknot_segments`` field (``spans.py``) or by in-band
+markers in ``text`` (``markers.py``, what ``@sgl.function`` programs send). The rewrite:
+
+- parses and validates the markup (any problem: :class:`SegmentMarkError`, a 400);
+- for ``text`` prompts, tokenises piecewise (``tokenize.py``) and sends ``input_ids`` instead
+  (every prompt of a batch, so that the batch stays homogeneous);
+- removes ``redknot_segments`` and puts the marks into each prompt's
+  ``sampling_params["custom_params"]`` (``marks.py``), where SGLang carries them to the
+  scheduler's ``Req``.
+
+A body without markup is returned as ``None``: SGLang serves it untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redknot.api.markers import has_markers, parse_markers
+from redknot.api.marks import SegmentMarkError, encode_marks, reserved_keys
+from redknot.api.service import SegmentApi
+from redknot.api.spans import FIELD, parse_spans
+
+_UNSUPPORTED = ("input_embeds", "image_data", "video_data", "audio_data")
+
+
+def _is_batch_ids(ids: Any) -> bool:
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
+
+def _check_ids(ids: Any, where: str) -> list[int]:
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
+        raise SegmentMarkError(f"{where} input_ids must be a list of non-negative integers")
+    return ids
+
+
+def _sampling_params(body: dict, n: int) -> list[dict]:
+    sp = body.get("sampling_params")
+    if sp is None:
+        sp = {}
+    if isinstance(sp, dict):
+        return [dict(sp) for _ in range(n)]
+    if isinstance(sp, list) and len(sp) == n and all(isinstance(x, dict) for x in sp):
+        return [dict(x) for x in sp]
+    raise SegmentMarkError(
+        "sampling_params must be an object, or a list with one object per prompt, "
+        "when segments are marked"
+    )
+
+
+def needs_rewrite(body: Any) -> bool:
+    """True when ``body`` marks segments (or misuses redknot's reserved custom params)."""
+    if not isinstance(body, dict):
+        return False
+    text = body.get("text")
+    texts = text if isinstance(text, list) else [text]
+    sps = body.get("sampling_params")
+    sps = sps if isinstance(sps, list) else [sps]
+    return (
+        FIELD in body
+        or any(isinstance(t, str) and has_markers(t) for t in texts)
+        or any(isinstance(sp, dict) and reserved_keys(sp.get("custom_params")) for sp in sps)
+    )
+
+
+def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
+    """The rewritten body, or ``None`` when there is nothing to rewrite."""
+    if not needs_rewrite(body):
+        return None
+    sps = body.get("sampling_params")
+    for sp in sps if isinstance(sps, list) else [sps]:
+        bad = reserved_keys(sp.get("custom_params")) if isinstance(sp, dict) else []
+        if bad:
+            raise SegmentMarkError(
+                f"custom_params keys {bad} are reserved for redknot: mark segments with the "
+                f"'{FIELD}' field or redknot.api.segment() instead"
+            )
+    for key in _UNSUPPORTED:
+        if body.get(key) is not None:
+            raise SegmentMarkError(
+                f"segments cannot be marked in a request with {key}: send text or input_ids only"
+            )
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise SegmentMarkError("give exactly one of text and input_ids with segments")
+    batch = isinstance(text, list) if text is not None else _is_batch_ids(ids)
+    prompts = (text if batch else [text]) if text is not None else (ids if batch else [ids])
+    if not prompts:
+        raise SegmentMarkError("the request has no prompts")
+    field = body.get(FIELD)
+    if batch and field is not None:
+        if not (isinstance(field, list) and len(field) == len(prompts)):
+            raise SegmentMarkError(
+                f"{FIELD} of a batch must be a list with one list of spans (or null) per prompt "
+                f"({len(prompts)} prompts)"
+            )
+        fields = field
+    else:
+        fields = [field]
+
+    out_ids: list[list[int]] = []
+    params = _sampling_params(body, len(prompts))
+    marked = 0
+    for k, (prompt, spans_value) in enumerate(zip(prompts, fields, strict=True)):
+        where = f"prompt {k}" if batch else "the prompt"
+        if text is not None:
+            if not isinstance(prompt, str):
+                raise SegmentMarkError(f"{where} text must be a string")
+            clean, spans = parse_markers(prompt, where=f"{where} text")
+            if spans_value is not None:
+                if spans:
+                    raise SegmentMarkError(
+                        f"{where} marks segments both with markers and with '{FIELD}': use one"
+                    )
+                spans = parse_spans(
+                    spans_value, unit="character", length=len(clean), where=f"{FIELD}"
+                )
+            if spans:
+                input_ids, token_spans = api.tokenizer.encode(clean, spans)
+            else:
+                input_ids, token_spans = list(api.tokenizer.tokenizer.encode(clean)), []
+        else:
+            input_ids = _check_ids(prompt, where)
+            spans = (
+                []
+                if spans_value is None
+                else parse_spans(spans_value, unit="token", length=len(input_ids), where=f"{FIELD}")
+            )
+            token_spans = [(s.start, s.end) for s in spans]
+        marks = api.marks(input_ids, token_spans, [s.namespace for s in spans], where=where)
+        out_ids.append(input_ids)
+        if marks:
+            custom = dict(params[k].get("custom_params") or {})
+            custom.update(encode_marks(marks))
+            params[k]["custom_params"] = custom
+            marked += len(marks)
+
+    new = {k: v for k, v in body.items() if k not in (FIELD, "text", "input_ids")}
+    new["input_ids"] = out_ids if batch else out_ids[0]
+    new["sampling_params"] = params if batch else params[0]
+    if marked:
+        api.counters.add(requests_with_segments=1, segments_marked=marked)
+    return new

@@ -1,0 +1,188 @@
+"""Segment marks as they travel from the HTTP server to the scheduler's ``Req``.
+
+A request's marks ride in ``sampling_params["custom_params"]`` (SGLang carries that dict to the
+scheduler's ``Req.sampling_params.custom_params``; its values may only be scalars or flat lists,
+so the marks are parallel flat lists):
+
+| key                      | value                                                            |
+| ------------------------ | ---------------------------------------------------------------- |
+| ``redknot_seg_bounds``   | ``[start0, end0, start1, end1, ...]``: token offsets in the      |
+|                          | prompt (``input_ids``), ``start`` inclusive, ``end`` exclusive,  |
+|                          | ascending, not overlapping                                       |
+| ``redknot_seg_namespaces``| one namespace per segment                                       |
+| ``redknot_seg_ids``      | one id per segment: ``redknot.segcache.entry.segment_id``        |
+|                          | of (namespace, the segment's tokens)                             |
+| ``redknot_register``     | ``True`` on a registration (``POST /redknot/segments``): the     |
+|                          | prompt is exactly one segment, prefilled standalone              |
+| ``redknot_pin``          | with ``redknot_register``: keep it until deleted                 |
+
+The HTTP side (``redknot.api.generate``, ``chat``, ``routes``) is the only writer; the scheduler
+reads them with :func:`segments_of` and :func:`registration_of`, which validate again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KEY_BOUNDS = "redknot_seg_bounds"
+KEY_NAMESPACES = "redknot_seg_namespaces"
+KEY_IDS = "redknot_seg_ids"
+KEY_REGISTER = "redknot_register"
+KEY_PIN = "redknot_pin"
+RESERVED_PREFIX = "redknot_"
+
+
+class SegmentMarkError(ValueError):
+    """Invalid segment markup; the message says what is wrong and what to do (HTTP 400)."""
+
+    status_code = 400
+
+
+@dataclass(frozen=True)
+class SegmentMark:
+    """One reusable segment of a prompt: tokens ``start .. end - 1`` of ``input_ids``."""
+
+    start: int  # first token, offset in the prompt
+    end: int  # one past the last token
+    namespace: str
+    segment_id: str  # segcache.entry.segment_id(namespace, input_ids[start:end])
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise SegmentMarkError(f"segment {name} must be an integer, got {v!r}")
+        if not 0 <= self.start < self.end:
+            raise SegmentMarkError(
+                f"segment [{self.start}, {self.end}) is not a non-empty token range "
+                "with 0 <= start < end"
+            )
+        if not isinstance(self.namespace, str) or not isinstance(self.segment_id, str):
+            raise SegmentMarkError("segment namespace and id must be strings")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A request that registers its whole prompt as one segment ahead of use."""
+
+    mark: SegmentMark
+    pin: bool
+
+
+def segment_id(namespace: str, token_ids: Sequence[int]) -> str:
+    """The content address of a segment; one definition, the segment store's."""
+    from redknot.segcache.entry import segment_id as store_segment_id
+
+    return store_segment_id(namespace, list(token_ids))
+
+
+def check_marks(
+    marks: Sequence[SegmentMark], *, prompt_len: int, context_len: int | None = None
+) -> None:
+    """Raise :class:`SegmentMarkError` unless ``marks`` are ascending, disjoint, inside the
+    prompt and each no longer than the context."""
+    prev: SegmentMark | None = None
+    for i, m in enumerate(marks):
+        if m.end > prompt_len:
+            raise SegmentMarkError(
+                f"segment {i} [{m.start}, {m.end}) ends after the prompt ({prompt_len} tokens)"
+            )
+        if context_len is not None and m.num_tokens > context_len:
+            raise SegmentMarkError(
+                f"segment {i} has {m.num_tokens} tokens, more than the model's context "
+                f"({context_len} tokens): split it into smaller segments"
+            )
+        if prev is not None and m.start < prev.end:
+            raise SegmentMarkError(
+                f"segments {i - 1} [{prev.start}, {prev.end}) and {i} [{m.start}, {m.end}) "
+                "overlap or are out of order"
+            )
+        prev = m
+
+
+def encode_marks(
+    marks: Sequence[SegmentMark], *, register: bool = False, pin: bool = False
+) -> dict[str, Any]:
+    """The ``custom_params`` entries that carry ``marks`` (empty when there are none).
+
+    For ``sgl.Engine`` users, who build sampling params themselves::
+
+        >>> ids = tok.encode(doc, add_special_tokens=False)
+        >>> mark = SegmentMark(0, len(ids), "kb", segment_id("kb", ids))
+        >>> engine.generate(input_ids=ids + q_ids, sampling_params={
+        ...     "max_new_tokens": 32, "custom_params": encode_marks([mark])})
+    """
+    if not marks:
+        return {}
+    if register and len(marks) != 1:
+        raise SegmentMarkError("a registration carries exactly one segment")
+    out: dict[str, Any] = {
+        KEY_BOUNDS: [x for m in marks for x in (m.start, m.end)],
+        KEY_NAMESPACES: [m.namespace for m in marks],
+        KEY_IDS: [m.segment_id for m in marks],
+    }
+    if register:
+        out[KEY_REGISTER] = True
+        out[KEY_PIN] = bool(pin)
+    return out
+
+
+def reserved_keys(custom_params: Mapping[str, Any] | None) -> list[str]:
+    """Keys of a client's ``custom_params`` that only redknot may set."""
+    return sorted(k for k in (custom_params or {}) if str(k).startswith(RESERVED_PREFIX))
+
+
+def decode_marks(
+    custom_params: Mapping[str, Any] | None, input_ids: Sequence[int] | None = None
+) -> list[SegmentMark]:
+    """The marks in ``custom_params``; with ``input_ids``, also check ranges and ids."""
+    params = custom_params or {}
+    bounds = params.get(KEY_BOUNDS)
+    if bounds is None:
+        return []
+    namespaces, ids = params.get(KEY_NAMESPACES), params.get(KEY_IDS)
+    if not (isinstance(bounds, list) and isinstance(namespaces, list) and isinstance(ids, list)):
+        raise SegmentMarkError(f"{KEY_BOUNDS}, {KEY_NAMESPACES} and {KEY_IDS} must be lists")
+    if len(bounds) != 2 * len(namespaces) or len(ids) != len(namespaces):
+        raise SegmentMarkError(
+            f"{len(bounds)} bounds, {len(namespaces)} namespaces and {len(ids)} ids do not "
+            "describe the same segments (want 2 bounds per segment)"
+        )
+    marks = [
+        SegmentMark(bounds[2 * i], bounds[2 * i + 1], ns, sid)
+        for i, (ns, sid) in enumerate(zip(namespaces, ids, strict=True))
+    ]
+    if input_ids is not None:
+        check_marks(marks, prompt_len=len(input_ids))
+        for i, m in enumerate(marks):
+            if segment_id(m.namespace, input_ids[m.start : m.end]) != m.segment_id:
+                raise SegmentMarkError(
+                    f"segment {i} id {m.segment_id!r} is not the id of its tokens in namespace "
+                    f"{m.namespace!r}: build marks with redknot.api.marks.segment_id"
+                )
+    return marks
+
+
+def segments_of(req: Any) -> list[SegmentMark]:
+    """The validated segment marks of a scheduler ``Req`` (empty when it has none).
+
+    Raises :class:`SegmentMarkError` when the marks do not fit the request's prompt."""
+    params = getattr(req.sampling_params, "custom_params", None)
+    return decode_marks(params, list(req.origin_input_ids))
+
+
+def registration_of(req: Any) -> Registration | None:
+    """The registration a scheduler ``Req`` carries, or ``None`` for an ordinary request."""
+    params = getattr(req.sampling_params, "custom_params", None) or {}
+    if not params.get(KEY_REGISTER):
+        return None
+    marks = segments_of(req)
+    if len(marks) != 1 or (marks[0].start, marks[0].end) != (0, len(req.origin_input_ids)):
+        raise SegmentMarkError("a registration's prompt must be exactly one segment")
+    return Registration(marks[0], bool(params.get(KEY_PIN, False)))

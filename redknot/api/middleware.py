@@ -1,0 +1,102 @@
+"""ASGI middleware that rewrites ``/generate`` bodies marking segments (see ``generate.py``).
+
+It sits inside SGLang's app middleware (CORS, API key) and in front of SGLang's own
+``/generate`` route, which then parses the rewritten body as usual. Bodies without segment
+markup pass through untouched after a byte scan; bodies that are not JSON are left for SGLang
+to reject. Invalid markup is answered here with a 400 and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import orjson
+
+from redknot.api.generate import rewrite_generate
+from redknot.api.marks import RESERVED_PREFIX, SegmentMarkError
+from redknot.api.service import SegmentApi
+
+logger = logging.getLogger(__name__)
+
+PATHS = ("/generate",)
+# Byte patterns that occur in every body that marks segments: the field or a reserved
+# custom-params key ("redknot_"), or a marker character (U+F0001..U+F0003) raw in UTF-8 or
+# JSON-escaped as a surrogate pair (high surrogate U+DB80).
+_TRIGGERS = (RESERVED_PREFIX.encode(), "\U000f0000".encode()[:3], b"\\udb80", b"\\uDB80")
+
+
+def error_body(message: str, status: int = 400) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+    )
+
+
+class SegmentMarkupMiddleware:
+    def __init__(self, app, api: Callable[[], SegmentApi | None]):
+        self.app = app
+        self.api = api
+
+    async def __call__(self, scope, receive, send):
+        if (
+            scope["type"] != "http"
+            or scope.get("method") not in ("POST", "PUT")
+            or scope.get("path") not in PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # client went away
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        api = self.api()
+        if api is not None and any(t in body for t in _TRIGGERS):
+            try:
+                new = rewrite_generate(orjson.loads(body), api)
+            except orjson.JSONDecodeError:
+                new = None  # SGLang answers malformed JSON itself
+            except SegmentMarkError as e:
+                api.counters.add(rejected=1)
+                await _respond(send, 400, error_body(str(e)))
+                return
+            except Exception as e:  # a bug here must not take the server down
+                logger.exception("redknot: segment markup rewrite failed")
+                await _respond(send, 500, error_body(f"redknot segment markup: {e}", 500))
+                return
+            if new is not None:
+                body = orjson.dumps(new)
+                scope = dict(scope)
+                scope["headers"] = [
+                    (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
+                ] + [(b"content-length", str(len(body)).encode())]
+        await self.app(scope, _replay([{"type": "http.request", "body": body}], receive), send)
+
+
+def _replay(messages, receive):
+    pending = list(messages)
+
+    async def replay():
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay
+
+
+async def _respond(send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

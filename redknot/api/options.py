@@ -1,0 +1,64 @@
+"""Server options of the request API, parsed and validated (pure Python, no SGLang imports).
+
+``--redknot-chat-segments`` says which messages of an OpenAI chat request become segments;
+``--redknot-namespaces`` declares the namespaces requests may use (see ``namespaces.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+CHAT_MODES = ("off", "messages", "min-tokens:N")
+NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}$")
+DEFAULT_NAMESPACE = "default"
+
+
+@dataclass(frozen=True)
+class ChatSegments:
+    """Which chat messages are segments: none, all, or those of ``min_tokens`` tokens or more."""
+
+    enabled: bool
+    min_tokens: int = 1
+
+    @classmethod
+    def parse(cls, value: str) -> ChatSegments:
+        """``off`` | ``messages`` | ``min-tokens:N`` (N >= 1); ValueError otherwise."""
+        text = str(value).strip().lower()
+        if text == "off":
+            return cls(enabled=False)
+        if text == "messages":
+            return cls(enabled=True)
+        if text.startswith("min-tokens:"):
+            number = text.split(":", 1)[1]
+            if number.isdigit() and int(number) >= 1:
+                return cls(enabled=True, min_tokens=int(number))
+        raise ValueError(
+            f"--redknot-chat-segments {value!r} is not one of {', '.join(CHAT_MODES)} "
+            "(N an integer >= 1)"
+        )
+
+    def selects(self, num_tokens: int) -> bool:
+        return self.enabled and num_tokens >= self.min_tokens
+
+
+def check_namespace_name(name: object, *, where: str = "namespace") -> str:
+    """``name`` if it is a valid namespace name, else ValueError saying what is allowed."""
+    if not (isinstance(name, str) and NAMESPACE_PATTERN.match(name)):
+        raise ValueError(
+            f"{where} {name!r} is not a valid namespace name: use a string of 1 to 64 "
+            "characters from letters, digits and _ . : / -, starting with a letter or digit"
+        )
+    return name
+
+
+def parse_namespaces(value: str | None) -> tuple[str, ...] | None:
+    """The comma-separated ``--redknot-namespaces`` list (``None`` when not given)."""
+    if value is None:
+        return None
+    names = [n.strip() for n in str(value).split(",") if n.strip()]
+    if not names:
+        raise ValueError("--redknot-namespaces is empty: give comma-separated names or omit it")
+    for name in names:
+        check_namespace_name(name, where="--redknot-namespaces entry")
+    return tuple(dict.fromkeys([DEFAULT_NAMESPACE, *names]))

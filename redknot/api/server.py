@@ -1,0 +1,71 @@
+"""Installs the request API into SGLang's HTTP server (``sglang.srt.entrypoints.http_server``).
+
+SGLang builds its FastAPI ``app`` at import and starts it in ``_setup_and_run_http_server``,
+in the launching process, after the scheduler processes are up. A BEFORE hook on that function
+(registered by the plugin) calls :func:`install` with the live tokenizer manager, so that before
+uvicorn starts:
+
+- ``SegmentMarkupMiddleware`` is added (it ends up inside SGLang's own middleware, API-key
+  checks included, and in front of every route);
+- the ``/redknot`` routes are added;
+- :func:`check_installed` confirms both, or the server does not start.
+
+Only when ``--attention-backend redknot`` is served; with ``--tokenizer-worker-num > 1`` the
+HTTP workers are other processes (the redknot options refuse it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from redknot.api.middleware import SegmentMarkupMiddleware
+from redknot.api.routes import PREFIX, build_router
+from redknot.api.service import SegmentApi
+
+logger = logging.getLogger(__name__)
+
+_api: SegmentApi | None = None
+
+
+def current_api() -> SegmentApi | None:
+    """The API state of this process's HTTP server (``None`` before it is installed)."""
+    return _api
+
+
+def install(app: Any, api: SegmentApi) -> None:
+    """Add the middleware and routes to ``app`` (idempotent) and make ``api`` current."""
+    global _api
+    _api = api
+    if not any(m.cls is SegmentMarkupMiddleware for m in app.user_middleware):
+        app.add_middleware(SegmentMarkupMiddleware, api=current_api)
+    if not _has_routes(app):
+        app.include_router(build_router(current_api))
+    check_installed(app)
+
+
+def _has_routes(app: Any) -> bool:
+    return any(getattr(r, "path", "").startswith(PREFIX + "/") for r in app.router.routes)
+
+
+def check_installed(app: Any) -> None:
+    problems = []
+    if not any(m.cls is SegmentMarkupMiddleware for m in app.user_middleware):
+        problems.append("the /generate segment middleware is not in the app")
+    if not _has_routes(app):
+        problems.append(f"the {PREFIX} routes are not in the app")
+    if _api is None:
+        problems.append("no SegmentApi is current")
+    if problems:
+        raise RuntimeError("redknot request API is not installed: " + "; ".join(problems))
+
+
+def before_setup_http_server(server_args: Any, tokenizer_manager: Any, *args: Any, **kwargs: Any):
+    """BEFORE hook on ``http_server._setup_and_run_http_server``."""
+    from redknot.integration.server_args import published_config, uses_redknot
+
+    if uses_redknot(server_args):
+        from sglang.srt.entrypoints.http_server import app
+
+        install(app, SegmentApi.from_config(tokenizer_manager, published_config()))
+        logger.info("redknot: segment request API installed (%s, /generate markup)", PREFIX)

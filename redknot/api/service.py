@@ -1,0 +1,100 @@
+"""The request API's state in the HTTP server process: tokenizer, options, namespaces, counters.
+
+One :class:`SegmentApi` is built when the HTTP server starts (``server.py``) around SGLang's
+``TokenizerManager``; the ``/generate`` middleware, the chat hook and the ``/redknot`` routes
+all go through it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redknot.api.marks import SegmentMark, SegmentMarkError, check_marks, segment_id
+from redknot.api.namespaces import NamespaceRegistry
+from redknot.api.options import ChatSegments
+from redknot.api.tokenize import PiecewiseTokenizer
+
+
+@dataclass
+class ApiCounters:
+    """What the HTTP side saw; reported by ``GET /redknot/stats`` under ``"api"``."""
+
+    requests_with_segments: int = 0
+    segments_marked: int = 0
+    rejected: int = 0
+    registrations: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            k: getattr(self, k)
+            for k in ("requests_with_segments", "segments_marked", "rejected", "registrations")
+        }
+
+
+class SegmentApi:
+    def __init__(
+        self,
+        tokenizer_manager: Any,
+        *,
+        chat: ChatSegments | None = None,
+        namespaces: NamespaceRegistry | None = None,
+    ):
+        self.tokenizer_manager = tokenizer_manager
+        self.chat = chat or ChatSegments(enabled=False)
+        self.namespaces = namespaces or NamespaceRegistry()
+        self.counters = ApiCounters()
+        self._piecewise: PiecewiseTokenizer | None = None
+
+    @classmethod
+    def from_config(cls, tokenizer_manager: Any, config: Any) -> SegmentApi:
+        """From a ``RedknotConfig`` (its ``chat_segments`` and ``namespaces`` options)."""
+        return cls(
+            tokenizer_manager,
+            chat=ChatSegments.parse(config.chat_segments),
+            namespaces=NamespaceRegistry.from_option(config.namespaces),
+        )
+
+    @property
+    def context_len(self) -> int | None:
+        return getattr(self.tokenizer_manager, "context_len", None)
+
+    @property
+    def tokenizer(self) -> PiecewiseTokenizer:
+        raw = getattr(self.tokenizer_manager, "tokenizer", None)
+        if raw is None:
+            raise SegmentMarkError(
+                "this server has no tokenizer (--skip-tokenizer-init): mark segments over "
+                "input_ids instead of text"
+            )
+        if self._piecewise is None or self._piecewise.tokenizer is not raw:
+            self._piecewise = PiecewiseTokenizer(raw)
+        return self._piecewise
+
+    def marks(
+        self,
+        input_ids: Sequence[int],
+        token_spans: Sequence[tuple[int, int]],
+        namespaces: Sequence[str],
+        *,
+        where: str,
+    ) -> list[SegmentMark]:
+        """Validated marks of one prompt from its token spans (sorted, disjoint)."""
+        marks = []
+        for i, ((start, end), ns) in enumerate(zip(token_spans, namespaces, strict=True)):
+            self.namespaces.require(ns, where=f"{where} segment {i} namespace")
+            if end <= start:
+                raise SegmentMarkError(
+                    f"{where} segment {i} has no tokens: its text tokenises to nothing"
+                )
+            marks.append(SegmentMark(start, end, ns, segment_id(ns, input_ids[start:end])))
+        check_marks(marks, prompt_len=len(input_ids), context_len=self.context_len)
+        return marks
