@@ -65,6 +65,15 @@ def agreement(a: list, b: list) -> int:
     return sum(x == y for x, y in zip(a, b))
 
 
+def common_prefix_fraction(a: list, b: list) -> float:
+    """Mean over prompts of the share of output tokens before the first difference."""
+    shares = []
+    for x, y in zip(a, b):
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        shares.append(n / max(len(x), 1))
+    return round(sum(shares) / max(len(shares), 1), 4)
+
+
 def child(args) -> None:
     import sglang as sgl
 
@@ -145,11 +154,15 @@ def main() -> None:
         if "outputs" in a and "outputs" in b:
             summary[name] = {
                 "identical_greedy_tp1_vs_tp2": agreement(a["outputs"], b["outputs"]),
+                "common_prefix_tp1_vs_tp2": common_prefix_fraction(a["outputs"], b["outputs"]),
                 "prompts": len(a["outputs"]),
             }
             ref = results.get("flashinfer@tp2", {})
             if name != "flashinfer" and "outputs" in ref:
                 summary[name]["identical_greedy_vs_flashinfer_at_tp2"] = agreement(
+                    b["outputs"], ref["outputs"]
+                )
+                summary[name]["common_prefix_vs_flashinfer_at_tp2"] = common_prefix_fraction(
                     b["outputs"], ref["outputs"]
                 )
         else:
