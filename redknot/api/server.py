@@ -40,7 +40,10 @@ def install(app: Any, api: SegmentApi) -> None:
     if not any(m.cls is SegmentMarkupMiddleware for m in app.user_middleware):
         app.add_middleware(SegmentMarkupMiddleware, api=current_api)
     if not _has_routes(app):
-        app.include_router(build_router(current_api))
+        # Added one by one (not include_router): plain routes of the app, as SGLang's own are,
+        # so that SGLang's API-key middleware finds their auth levels.
+        for route in build_router(current_api).routes:
+            app.add_api_route(route.path, route.endpoint, methods=list(route.methods))
     check_installed(app)
 
 
