@@ -22,14 +22,9 @@ Life of a segment::
 | register | idempotent per key: an existing segment is returned (pin set to ``pin``, recency |
 |          | touched), a new one gets ``ceil(n / page_tokens)`` pages. Either way the caller holds |
 |          | one reference and must ``release`` it. A new segment is not ready until ``mark_ready``. |
-| eviction | only in register, only when free pages are short. Candidates: unpinned segments with no |
-|          | reference. If all candidates together cannot free enough pages, nothing is evicted and |
-|          | ``SegmentStoreFull`` is raised. Otherwise victims are taken least recently used first |
-|          | until they free enough pages; then every victim but the last is spared, most recent |
-|          | first, if the others still free enough (an old large segment need not take small ones |
-|          | with it). Recency orders, size decides how many go: a miss costs recomputing the |
-|          | segment and a segment holds memory, both in proportion to its tokens, so value per byte |
-|          | is the same for all sizes (GreedyDual-Size reduces to LRU). |
+| eviction | only in register, only when free pages are short: unpinned, unreferenced segments, |
+|          | least recently used first (exact rule: ``redknot.segcache.eviction``). When they |
+|          | cannot make room, nothing is evicted and ``SegmentStoreFull`` is raised. |
 | delete | explicit, pinned or not. Unreferenced: pages freed now, returns True. Referenced: the |
 |        | segment disappears at once from lookup/list/register (a re-register makes a new one) and |
 |        | its pages are freed when the last reader releases it (deferred), returns False. |
@@ -47,9 +42,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from redknot.segcache.counters import Counters
 from redknot.segcache.entry import (
     SegmentEntry,
     SegmentError,
@@ -60,12 +56,8 @@ from redknot.segcache.entry import (
     check_namespace,
     pack_tokens,
 )
+from redknot.segcache.eviction import choose_victims
 from redknot.segcache.pages import PageAllocator
-
-# Per-namespace counters are kept for at most this many namespaces; beyond it, the counters of
-# the least recently counted namespace that holds no segment are dropped (lookups of arbitrary
-# namespaces must not grow the scheduler's memory without bound).
-MAX_TRACKED_NAMESPACES = 1024
 
 
 class SegmentObserver(Protocol):
@@ -95,16 +87,6 @@ class _Record:
     visible: bool = True  # False once deleted; the pages stay until the last release
 
 
-@dataclass
-class _Counters:
-    hits: int = 0
-    misses: int = 0
-    hit_tokens: int = 0
-    bytes_saved: int = 0
-    evictions: int = 0
-    deletes: int = 0
-
-
 class SegmentStore:
     """Cached segments in ``num_pages`` pages of ``page_tokens`` tokens (``bytes_per_token`` each).
 
@@ -131,8 +113,7 @@ class SegmentStore:
         self._by_id: dict[str, _Record] = {}  # id -> visible record
         self._by_namespace: dict[str, dict[int, _Record]] = {}  # visible, registration order
         self._lru: OrderedDict[int, _Record] = OrderedDict()  # visible, least recent first
-        self._total = _Counters()
-        self._counters: OrderedDict[str, _Counters] = OrderedDict()
+        self._counters = Counters(lambda ns: ns in self._by_namespace)
 
     @classmethod
     def for_pool(cls, pool: Any, observer: SegmentObserver | None = None) -> SegmentStore:
@@ -167,14 +148,15 @@ class SegmentStore:
         packed = pack_tokens(token_ids)
         rec = self._by_id.get(_digest(namespace, packed))
         hit = rec is not None and rec.ready and rec.packed == packed
-        counters = self._count(namespace)
         tokens = len(packed) // 8
         saved = tokens * self.bytes_per_token if hit else 0
-        for c in (self._total, counters):
-            c.hits += hit
-            c.misses += not hit
-            c.hit_tokens += tokens if hit else 0
-            c.bytes_saved += saved
+        self._counters.add(
+            namespace,
+            hits=int(hit),
+            misses=int(not hit),
+            hit_tokens=tokens if hit else 0,
+            bytes_saved=saved,
+        )
         if self.observer is not None:
             self.observer.lookup(namespace, hit, tokens if hit else 0, saved)
         if not hit:
@@ -227,7 +209,7 @@ class SegmentStore:
         self._by_id[sid] = rec
         self._by_namespace.setdefault(namespace, {})[rec.serial] = rec
         self._lru[rec.serial] = rec
-        self._count(namespace)
+        self._counters.track(namespace)
         self._report_usage(rec, +1)
         return self._entry(rec)
 
@@ -258,8 +240,7 @@ class SegmentStore:
         freed when its last reader releases it. Raises ``SegmentNotFound`` for an unknown id."""
         rec = self._find(namespace, segment_id)
         self._hide(rec)
-        for c in (self._total, self._count(rec.namespace)):
-            c.deletes += 1
+        self._counters.add(rec.namespace, deletes=1)
         if rec.refs == 0:
             self._free(rec)
             return True
@@ -281,13 +262,12 @@ class SegmentStore:
     def stats(self, namespace: str | None = None) -> dict[str, Any]:
         """Counters and usage, of one namespace or (None) of the whole store; plain ints."""
         if namespace is None:
-            counters, held = self._total, list(self._records.values())
+            held = list(self._records.values())
         else:
             namespace = check_namespace(namespace)
-            counters = self._counters.get(namespace, _Counters())
             held = [r for r in self._records.values() if r.namespace == namespace]
         visible = [r for r in held if r.visible]
-        out: dict[str, Any] = {f.name: getattr(counters, f.name) for f in fields(_Counters)}
+        out: dict[str, Any] = self._counters.of(namespace).as_dict()
         out.update(
             enabled=self.enabled,
             segments=len(visible),
@@ -371,29 +351,17 @@ class SegmentStore:
         short = need - self._pages.free_pages
         if short <= 0:
             return
-        victims, freed = [], 0
-        for rec in self._lru.values():  # least recently used first
-            if freed >= short:
-                break
-            if not rec.pinned and rec.refs == 0:
-                victims.append(rec)
-                freed += len(rec.pages)
-        if freed < short:
+        victims = choose_victims(self._lru.values(), short)
+        if victims is None:
             raise SegmentStoreFull(
                 f"the segment region cannot hold {need} more pages: {self._pages.free_pages} "
-                f"free, {freed} held by evictable segments, the rest pinned or read by live "
-                "requests (delete or unpin segments, or raise --redknot-segment-fraction)"
+                "free, the rest pinned or read by live requests (delete or unpin segments, or "
+                "raise --redknot-segment-fraction)"
             )
-        # Spare the victims the last (largest-needed) one made unnecessary, most recent first.
-        for rec in reversed(victims[:-1]):
-            if freed - len(rec.pages) >= short:
-                victims.remove(rec)
-                freed -= len(rec.pages)
         for rec in victims:
             self._hide(rec)
             self._free(rec)
-            for c in (self._total, self._count(rec.namespace)):
-                c.evictions += 1
+            self._counters.add(rec.namespace, evictions=1)
             if self.observer is not None:
                 self.observer.evicted(rec.namespace)
 
@@ -423,16 +391,3 @@ class SegmentStore:
 
     def _bytes_of(self, rec: _Record) -> int:
         return len(rec.pages) * self.page_tokens * self.bytes_per_token
-
-    def _count(self, namespace: str) -> _Counters:
-        counters = self._counters.get(namespace)
-        if counters is not None:
-            self._counters.move_to_end(namespace)
-            return counters
-        if len(self._counters) >= MAX_TRACKED_NAMESPACES:
-            for ns in self._counters:
-                if ns not in self._by_namespace:
-                    del self._counters[ns]
-                    break
-        counters = self._counters[namespace] = _Counters()
-        return counters

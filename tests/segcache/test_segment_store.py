@@ -251,9 +251,9 @@ def test_disabled_store_misses_and_refuses_registration():
 
 
 def test_namespace_counters_are_bounded(monkeypatch):
-    from redknot.segcache import store as store_mod
+    from redknot.segcache import counters
 
-    monkeypatch.setattr(store_mod, "MAX_TRACKED_NAMESPACES", 4)
+    monkeypatch.setattr(counters, "MAX_TRACKED_NAMESPACES", 4)
     store = make_store()
     ready(store, "kept", [1])
     for i in range(10):
@@ -261,3 +261,4 @@ def test_namespace_counters_are_bounded(monkeypatch):
     assert len(store._counters) <= 4
     assert "kept" in store._counters  # a namespace that holds segments keeps its counters
     assert store.stats()["misses"] == 10  # the totals still count everything
+    assert store.stats("probe9")["misses"] == 1 and store.stats("probe0")["misses"] == 0
