@@ -88,8 +88,12 @@ class SegmentingTokenizer(_Forward):
     def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
         restored, pieces = self._restore(text)
         if args or not any(s for _, s in pieces) or restored != self.expected:
-            self.__dict__.update(spans=None, fell_back=any(s for _, s in pieces))
-            return self._target.encode(restored, *args, **kwargs)
+            # Not the rendering made with sentinels, or the template rewrote a content: encode
+            # what SGLang would have encoded (the real rendering), without segments.
+            fell_back = any(s for _, s in pieces)
+            self.__dict__.update(spans=None, fell_back=fell_back)
+            real = self.expected if fell_back and self.expected is not None else restored
+            return self._target.encode(real, *args, **kwargs)
         before, after = self.piecewise.specials(kwargs.get("add_special_tokens", True))
         ids, spans = list(before), []
         for piece, is_segment in pieces:

@@ -114,8 +114,18 @@ class FakeTokenizerManager:
 
         self.tokenizer = tokenizer
         self.context_len = context_len
-        self.server_args = types.SimpleNamespace(dp_size=1)
-        self.model_config = types.SimpleNamespace(vocab_size=vocab_size)
+        self.server_args = types.SimpleNamespace(
+            dp_size=1, tokenizer_path=None, preferred_sampling_params=None
+        )
+        self.model_config = types.SimpleNamespace(
+            vocab_size=vocab_size,
+            is_image_understandable_model=False,
+            is_audio_understandable_model=False,
+            hf_config=types.SimpleNamespace(model_type="llama", architectures=["Llama"]),
+        )
+        self.model_path = "fake-model"
+        self.is_generation = True
+        self.config_value = lambda key: None
         self.received: list = []
         self.store = FakeStore()
         scheduler = types.SimpleNamespace(tree_cache=types.SimpleNamespace(segments=self.store))
