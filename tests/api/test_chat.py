@@ -22,7 +22,7 @@ def chat(make_api, smollm_tokenizer, server_args):
         tm = api.tokenizer_manager
         tm.server_args = server_args
         tm.model_config.is_multimodal = False
-        tm.model_config.get_default_sampling_params = lambda: {}
+        tm.model_config.get_default_sampling_params = dict
         tm.request_logger = types.SimpleNamespace(log_requests=False)
         templates = types.SimpleNamespace(
             chat_template_name=None,
@@ -133,7 +133,11 @@ def test_chat_route_answers_400(chat, client):
 
 @pytest.mark.parametrize(
     "value, parsed",
-    [("off", ChatSegments(False)), ("messages", ChatSegments(True)), ("min-tokens:32", ChatSegments(True, 32))],
+    [
+        ("off", ChatSegments(False)),
+        ("messages", ChatSegments(True)),
+        ("min-tokens:32", ChatSegments(True, 32)),
+    ],
 )
 def test_chat_option_values(value, parsed):
     assert ChatSegments.parse(value) == parsed

@@ -115,7 +115,11 @@ def test_markers_roundtrip_and_strip():
 
 @pytest.mark.parametrize(
     "args, message",
-    [(("",), "non-empty"), ((markers.segment("x"),), "cannot nest"), (("x", "bad ns"), "namespace")],
+    [
+        (("",), "non-empty"),
+        ((markers.segment("x"),), "cannot nest"),
+        (("x", "bad ns"), "namespace"),
+    ],
 )
 def test_segment_expression_rejects_bad_input(args, message):
     with pytest.raises(ValueError, match=message):
