@@ -66,18 +66,28 @@ def needs_rewrite(body: Any) -> bool:
     )
 
 
-def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
-    """The rewritten body, or ``None`` when there is nothing to rewrite."""
-    if not needs_rewrite(body):
-        return None
+def reject_reserved(body: Any, allowed: tuple[str, ...] = ()) -> None:
+    """400 when a client sets redknot's reserved ``custom_params`` keys (top level or in
+    ``sampling_params``) itself: marks reach the scheduler only after validation here."""
+    if not isinstance(body, dict):
+        return
     sps = body.get("sampling_params")
-    for sp in sps if isinstance(sps, list) else [sps]:
-        bad = reserved_keys(sp.get("custom_params")) if isinstance(sp, dict) else []
+    for holder in [body, *(sps if isinstance(sps, list) else [sps])]:
+        custom = holder.get("custom_params") if isinstance(holder, dict) else None
+        bad = [k for k in reserved_keys(custom if isinstance(custom, dict) else None)]
+        bad = [k for k in bad if k not in allowed]
         if bad:
             raise SegmentMarkError(
                 f"custom_params keys {bad} are reserved for redknot: mark segments with the "
                 f"'{FIELD}' field or redknot.api.segment() instead"
             )
+
+
+def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
+    """The rewritten body, or ``None`` when there is nothing to rewrite."""
+    if not needs_rewrite(body):
+        return None
+    reject_reserved(body)
     for key in _UNSUPPORTED:
         if body.get(key) is not None:
             raise SegmentMarkError(

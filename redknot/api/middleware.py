@@ -1,4 +1,5 @@
-"""ASGI middleware that rewrites ``/generate`` bodies marking segments (see ``generate.py``).
+"""ASGI middleware that rewrites ``/generate`` bodies marking segments (see ``generate.py``)
+and refuses redknot's reserved ``custom_params`` keys set by clients on any JSON endpoint.
 
 It sits inside SGLang's app middleware (CORS, API key) and in front of SGLang's own
 ``/generate`` route, which then parses the rewritten body as usual. Bodies without segment
@@ -13,13 +14,15 @@ from collections.abc import Callable
 
 import orjson
 
-from redknot.api.generate import rewrite_generate
+from redknot.api.generate import reject_reserved, rewrite_generate
+from redknot.api.markers import RESERVED
 from redknot.api.marks import RESERVED_PREFIX, SegmentMarkError
 from redknot.api.service import SegmentApi
 
 logger = logging.getLogger(__name__)
 
-PATHS = ("/generate",)
+PATHS = ("/generate",)  # rewritten; every other JSON POST is only checked for reserved keys
+ALLOWED = {"/v1/chat/completions": ("redknot_namespace",)}  # reserved keys a path may carry
 # Byte patterns that occur in every body that marks segments: the field or a reserved
 # custom-params key ("redknot_"), or a marker character (U+F0001..U+F0003) raw in UTF-8 or
 # JSON-escaped as a surrogate pair (high surrogate U+DB80).
@@ -41,7 +44,7 @@ class SegmentMarkupMiddleware:
         if (
             scope["type"] != "http"
             or scope.get("method") not in ("POST", "PUT")
-            or scope.get("path") not in PATHS
+            or not _is_json(scope)
         ):
             await self.app(scope, receive, send)
             return
@@ -57,7 +60,11 @@ class SegmentMarkupMiddleware:
         api = self.api()
         if api is not None and any(t in body for t in _TRIGGERS):
             try:
-                new = rewrite_generate(orjson.loads(body), api)
+                if scope.get("path") in PATHS:
+                    new = rewrite_generate(orjson.loads(body), api)
+                else:  # other endpoints: refuse reserved custom_params keys and markers
+                    _check_other(orjson.loads(body), scope.get("path"))
+                    new = None
             except orjson.JSONDecodeError:
                 new = None  # SGLang answers malformed JSON itself
             except SegmentMarkError as e:
@@ -75,6 +82,22 @@ class SegmentMarkupMiddleware:
                     (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
                 ] + [(b"content-length", str(len(body)).encode())]
         await self.app(scope, _replay([{"type": "http.request", "body": body}], receive), send)
+
+
+def _check_other(body, path) -> None:
+    reject_reserved(body, ALLOWED.get(path, ()))
+    if any(c.encode() in orjson.dumps(body) for c in RESERVED):
+        raise SegmentMarkError(
+            f"segment markers (redknot.api.segment) are understood only by /generate, not {path}"
+            ": send the program to /generate, or use --redknot-chat-segments for chat requests"
+        )
+
+
+def _is_json(scope) -> bool:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"application/json"
+    return scope.get("path") in PATHS  # SGLang's /generate parses bodies without a type too
 
 
 def _replay(messages, receive):

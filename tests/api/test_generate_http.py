@@ -196,3 +196,28 @@ def test_malformed_json_is_left_to_sglang(make_api, client, bpe_tokenizer):
         headers={"content-type": "application/json"},
     )
     assert r.status_code in (400, 422)
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": "hi", "custom_params": {"redknot_pin": 1}},
+            "reserved for redknot",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [], "custom_params": {"redknot_seg_ids": ["x"]}},
+            "reserved for redknot",
+        ),
+        ("/v1/completions", {"model": "m", "prompt": segment("doc")}, "only by /generate"),
+    ],
+)
+def test_other_endpoints_refuse_reserved_keys_and_markers(
+    make_api, client, bpe_tokenizer, path, body, message
+):
+    make_api(bpe_tokenizer)
+    r = client.post(path, json=body)
+    assert r.status_code == 400
+    assert message in r.json()["error"]["message"]
