@@ -4,9 +4,10 @@ The runner computes one layer as follows; each step marked ``hook`` calls the me
 :class:`LayerHooks` with the same name (the base class changes nothing, which gives the plain
 head-class forward)::
 
-    classes = hook head_classes(layer, map classes)       # e.g. promote a local head (restore)
+    classes = hook head_classes(layer, map classes)       # e.g. keep a restored head global
     q, k, v = norm, projections, RoPE at the rows' positions, for every new row
     K, V    = cat(past KV, k, v)                          # [Hkv, past_len + T, d], row = position
+    classes = hook restore_classes(ctx, q, K, V)          # e.g. promote a local head (restore)
     K, V    = hook edit_kv(ctx, K, V)                     # e.g. cached, re-aligned segment KV
     rows    = hook attention_rows(ctx) or every new row   # rows whose attention is computed
     x[rows] += o_proj(attention(q[rows], K, V, classes))  # other rows: residual path
@@ -85,6 +86,12 @@ class LayerHooks:
     def head_classes(self, layer: int, classes: str) -> str:
         """Head classes of ``layer`` for this request (same length, ``G``/``L`` per KV head)."""
         return classes
+
+    def restore_classes(self, ctx: LayerContext, q: Tensor, keys: Tensor, values: Tensor) -> str:
+        """Head classes for the rest of this layer, decided from the fresh ``q`` (``[Hq, T, d]``)
+        and ``keys`` / ``values`` (``[Hkv, past_len + T, d]``, before ``edit_kv``); the
+        ``ctx`` of ``edit_kv`` and attention carries the result. Must keep the length."""
+        return ctx.classes
 
     def edit_kv(self, ctx: LayerContext, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """Replace KV rows, per head, before attention. ``keys``/``values``:

@@ -14,7 +14,7 @@ policies (:mod:`redknot.reference.hooks`). One sequence at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -112,6 +112,11 @@ class ReferenceRunner:
             if past is not None:
                 k = torch.cat((past.keys[layer], k), dim=1)
                 v = torch.cat((past.values[layer], v), dim=1)
+            restored = hooks.restore_classes(ctx, q, k, v)
+            if restored != classes:
+                assert len(restored) == len(classes), (layer, restored)
+                classes = restored
+                ctx = replace(ctx, classes=classes)
             k, v = hooks.edit_kv(ctx, k, v)
             if keep_kv:
                 keys.append(k)
@@ -177,11 +182,13 @@ class ReferenceRunner:
         hooks: LayerHooks | None = None,
         max_new_tokens: int = 32,
         stop_token_ids: Sequence[int] = (),
+        past: ReferenceKV | None = None,
     ) -> Generation:
-        """Greedy decoding. The hooks see the prefill (``ctx.past_len == 0``) and every decode
-        step (``ctx.past_len > 0``, one row)."""
+        """Greedy decoding. The hooks see the prefill (``ctx.past_len == 0``, or
+        ``past.length`` when ``input_ids`` continue a cached ``past``, e.g. an exact-prefix
+        hit) and every decode step (one row after the prompt)."""
         ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
-        out = self.forward(ids, head_map=head_map, hooks=hooks)
+        out = self.forward(ids, head_map=head_map, hooks=hooks, past=past)
         first_logits = out.logits[-1]
         tokens = [int(first_logits.argmax())]
         kv = out.kv
@@ -190,4 +197,5 @@ class ReferenceRunner:
             out = self.forward([tokens[-1]], head_map=head_map, hooks=hooks, past=kv)
             kv = out.kv
             tokens.append(int(out.logits[-1].argmax()))
-        return Generation(tokens=tokens, first_logits=first_logits, prompt_len=ids.numel())
+        prompt_len = ids.numel() + (0 if past is None else past.length)
+        return Generation(tokens=tokens, first_logits=first_logits, prompt_len=prompt_len)

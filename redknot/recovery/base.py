@@ -1,0 +1,197 @@
+"""The contract of a segment-reuse policy on the reference runner, and what every policy shares:
+serving cached, re-aligned segment KV, and recording what the prefill computed.
+
+A policy is the :class:`~redknot.reference.LayerHooks` of one request. Subclasses decide, per
+layer of the prefill, which KV heads take the segments' cached KV (:meth:`reused_heads`) and
+which rows compute attention, are probed and run the FFN (``choose_*``; ``None`` = every
+row). Decode steps run the plain head-class forward (plus whatever :meth:`head_classes`
+returns). Rows handed to the runner are rows of the prefill call: ``position - prefix_len``.
+
+>>> policy = create_policy("redknot", prompt, shape=runner.shape, head_map=hm, options=opts)
+>>> served = serve(runner, policy, max_new_tokens=16)     # see redknot.recovery.serve
+>>> policy.record.fractions(), served.flops.total
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from redknot.headmap import LOCAL, HeadMap, ModelShape
+from redknot.recovery.options import RecoveryOptions
+from redknot.recovery.prompt import ReusePrompt
+from redknot.recovery.record import LayerRecord, PrefillRecord, visible_keys
+from redknot.reference import AttentionProbe, LayerContext, LayerHooks
+
+
+class ReusePolicy(LayerHooks):
+    """Base of the policies; by itself it reuses nothing and computes everything."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        prompt: ReusePrompt,
+        *,
+        shape: ModelShape,
+        head_map: HeadMap | None = None,
+        options: RecoveryOptions | None = None,
+    ) -> None:
+        self.prompt = prompt
+        self.shape = shape
+        self.options = options or RecoveryOptions()
+        self.head_map = self.serving_map(head_map)
+        served = self.served
+        self.record = PrefillRecord(
+            num_rows=prompt.num_rows,
+            prefix_len=served.prefix_len,
+            segment_rows=prompt.num_segment_rows,
+            num_kv_heads=shape.num_kv_heads,
+        )
+        self._is_segment = prompt.is_segment_row()
+        self._layer: dict = {}
+
+    # ---- what subclasses decide ------------------------------------------------------------
+
+    @property
+    def served(self) -> ReusePrompt:
+        """The prompt as this policy serves it (its prefix hit and segments)."""
+        return self.prompt.with_exact_prefix()
+
+    def serving_map(self, head_map: HeadMap | None) -> HeadMap | None:
+        """The head map this policy runs under (``None``: every head global)."""
+        return None
+
+    def reused_heads(self, ctx: LayerContext) -> list[int]:
+        """KV heads whose segment rows take the cached, re-aligned KV in this prefill layer."""
+        return []
+
+    def choose_attention_rows(self, ctx: LayerContext) -> Tensor | None:
+        return None
+
+    def choose_probe_rows(self, ctx: LayerContext) -> Tensor | None:
+        return torch.zeros(0, dtype=torch.int64, device=ctx.positions.device)
+
+    def choose_ffn_rows(self, ctx: LayerContext, probe: AttentionProbe | None) -> Tensor | None:
+        return None
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def is_prefill(self, ctx: LayerContext) -> bool:
+        return ctx.past_len == self.served.prefix_len
+
+    def new_rows(self, ctx: LayerContext) -> Tensor:
+        """``[N]`` int64 rows of the prefill call that belong to no segment."""
+        mask = self._segment_mask(ctx)
+        return torch.nonzero(~mask).flatten()
+
+    def _segment_mask(self, ctx: LayerContext) -> Tensor:
+        """``[T]`` bool over the rows of the prefill call: rows the served segments cover."""
+        mask = torch.zeros(ctx.num_rows, dtype=torch.bool, device=ctx.positions.device)
+        for seg in self.served.segments:
+            mask[seg.start - ctx.past_len : seg.end - ctx.past_len] = True
+        return mask
+
+    def cached_kv(
+        self, ctx: LayerContext, keys: Tensor, values: Tensor, heads: list[int]
+    ) -> tuple[Tensor, Tensor]:
+        """``keys`` / ``values`` (``[Hkv, past_len + T, d]``) with the segment rows of ``heads``
+        replaced, in place, by the cached KV, keys re-aligned from ``0..n-1`` to their rows."""
+        if not heads:
+            return keys, values
+        index = torch.tensor(heads, device=keys.device)
+        rope = ctx.model.rope
+        for seg in self.served.segments:
+            src = torch.arange(seg.length, device=keys.device)
+            cached_k = seg.cache.keys[ctx.layer].index_select(0, index)
+            cached_v = seg.cache.values[ctx.layer].index_select(0, index)
+            keys[index, seg.start : seg.end] = rope.realign(cached_k, src, src + seg.start).to(
+                keys.dtype
+            )
+            values[index, seg.start : seg.end] = cached_v.to(values.dtype)
+        return keys, values
+
+    def _pairs(self, ctx: LayerContext, rows: Tensor | None, classes: str) -> tuple[int, int]:
+        """(global, local) (query, visible key) pairs of ``rows`` over all query heads."""
+        positions = ctx.positions if rows is None else ctx.positions[rows]
+        group = self.shape.num_attention_heads // self.shape.num_kv_heads
+        out = [0, 0]
+        for cls in set(classes):
+            count = classes.count(cls) * group
+            local = cls == LOCAL
+            out[local] += count * visible_keys(
+                positions, local=local, window=ctx.window, sink=ctx.sink
+            )
+        return out[0], out[1]
+
+    def add_probe_pairs(self, ctx: LayerContext, rows: Tensor, classes: str) -> None:
+        g, loc = self._pairs(ctx, rows, classes)
+        self._layer["probe_pairs"] = self._layer.get("probe_pairs", 0) + g + loc
+
+    # ---- LayerHooks ------------------------------------------------------------------------
+
+    def edit_kv(self, ctx: LayerContext, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        if not self.is_prefill(ctx):
+            return keys, values
+        heads = self.reused_heads(ctx) if self.served.segments else []
+        self._layer["reused"] = heads
+        return self.cached_kv(ctx, keys, values, heads)
+
+    def attention_rows(self, ctx: LayerContext) -> Tensor | None:
+        if not self.is_prefill(ctx):
+            return None
+        rows = self.choose_attention_rows(ctx)
+        self._layer["attention"] = rows
+        return rows
+
+    def probe_rows(self, ctx: LayerContext) -> Tensor | None:
+        if not self.is_prefill(ctx):
+            return None
+        rows = self.choose_probe_rows(ctx)
+        if rows is not None and rows.numel():
+            self.add_probe_pairs(ctx, rows, ctx.classes)
+        return rows
+
+    def ffn_rows(self, ctx: LayerContext, probe: AttentionProbe | None) -> Tensor | None:
+        if not self.is_prefill(ctx):
+            return None
+        rows = self.choose_ffn_rows(ctx, probe)
+        self._layer["ffn"] = rows
+        return rows
+
+    def after_layer(self, ctx: LayerContext, hidden: Tensor, probe: AttentionProbe | None) -> None:
+        if not self.is_prefill(ctx):
+            return
+        choices, self._layer = self._layer, {}
+        segment = self._segment_mask(ctx)
+        num_seg = int(segment.sum())  # served segment rows of this call
+        original = self._count(segment, None)  # segment rows of the prompt in this call
+        attention, ffn = choices.get("attention"), choices.get("ffn")
+        reused = choices.get("reused", [])
+        pairs_global, pairs_local = self._pairs(ctx, attention, ctx.classes)
+        self.record.layers.append(
+            LayerRecord(
+                classes=ctx.classes,
+                attention_rows=ctx.num_rows if attention is None else int(attention.numel()),
+                kv_rows=[
+                    ctx.num_rows - (num_seg if h in reused else 0)
+                    for h in range(self.shape.num_kv_heads)
+                ],
+                pairs_global=pairs_global,
+                pairs_local=pairs_local,
+                ffn_rows=ctx.num_rows if ffn is None else int(ffn.numel()),
+                probe_pairs=choices.get("probe_pairs", 0),
+                realigned=len(reused) * num_seg,
+                segment_attention_rows=self._count(segment, attention),
+                segment_kv_rows=original * self.shape.num_kv_heads - num_seg * len(reused),
+                segment_ffn_rows=self._count(segment, ffn),
+            )
+        )
+
+    def _count(self, segment: Tensor, rows: Tensor | None) -> int:
+        """Rows among ``rows`` (``None``: all) that are segment rows of the *original* prompt
+        (a policy serving without reuse still recomputes them)."""
+        original = self._is_segment.to(segment.device)[self.served.prefix_len :]
+        return int(original.sum()) if rows is None else int(original[rows].sum())

@@ -1,0 +1,50 @@
+"""Token importance for the sparse FFN of deep layers (RedKnot §4.2, "partial sparse FFN").
+
+Importance of a key row = attention mass the newest tokens put on it, summed over the probed
+query rows and over query heads (``AttentionProbe.key_mass.sum(0)``), as the layer actually
+attended (local heads within sink + window, segment KV as the policy served it). Among the
+candidate rows (segment rows that do not run the FFN anyway), the most important are taken,
+in decreasing mass, until ``mass_thresh`` of the candidates' total mass is covered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def newest_rows(num_rows: int, question_start: int, recent_n: int, device=None) -> Tensor:
+    """``[P]`` int64: rows ``[min(question_start, num_rows - recent_n), num_rows)``, the
+    question and at least the last ``recent_n`` rows (rows of the current forward)."""
+    start = max(min(question_start, num_rows - recent_n), 0)
+    return torch.arange(start, num_rows, device=device)
+
+
+def select_important(mass: Tensor, candidates: Tensor, mass_thresh: float) -> Tensor:
+    """The fewest ``candidates`` whose mass reaches ``mass_thresh`` of theirs in total.
+
+    Parameters
+    ----------
+    mass : ``[T]`` float, importance of every row.
+    candidates : ``[C]`` int64 ascending rows to choose from.
+    mass_thresh : in ``[0, 1]``; 0 chooses none, 1 chooses every candidate.
+
+    Returns
+    -------
+    ``[K]`` int64 ascending: the ``K`` highest-mass candidates (ties: the lower row first), ``K``
+    the smallest count whose mass is ``>= mass_thresh * total``.
+    """
+    empty = candidates[:0]
+    if candidates.numel() == 0 or mass_thresh <= 0.0:
+        return empty
+    if mass_thresh >= 1.0:
+        return candidates
+    m = mass[candidates].to(torch.float64)
+    total = float(m.sum())
+    if total <= 0.0:
+        return empty
+    order = torch.argsort(m, descending=True, stable=True)
+    covered = torch.cumsum(m[order], dim=0)
+    target = torch.tensor([mass_thresh * total], dtype=torch.float64, device=m.device)
+    count = min(int(torch.searchsorted(covered, target)) + 1, int(candidates.numel()))
+    return torch.sort(candidates[order[:count]]).values

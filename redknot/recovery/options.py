@@ -1,0 +1,104 @@
+"""The knobs of segment recovery, in one frozen dataclass.
+
+Every tool that serves or evaluates recovery (the reference policies in this package, the
+fidelity evaluation, later the SGLang backend) takes a :class:`RecoveryOptions`; CLI flags are
+derived from its fields (:data:`KNOBS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from redknot.headmap import HeadMap
+
+LocalKV = Literal["cached", "fresh"]
+LOCAL_KV_SOURCES = ("cached", "fresh")
+
+
+class RecoveryOptionsError(ValueError):
+    """A recovery option out of range; the message names the option and its range."""
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """How RedKnot's elastic recovery treats a prompt that reuses cached segments.
+
+    | field            | meaning                                                              |
+    | ---------------- | -------------------------------------------------------------------- |
+    | ``window``       | tokens a local head attends back from a query (itself included); ``None``: the head map's |
+    | ``sink``         | first tokens of the prompt every local head also attends; ``None``: the map's |
+    | ``dense_layers`` | layers ``< dense_layers`` run the FFN on every token (clipped to the model's layers) |
+    | ``mass_thresh``  | deeper layers run the FFN on the segment tokens holding this fraction of the newest tokens' attention mass (0: none, 1: all) |
+    | ``recent_n``     | the newest tokens: probed for importance and restore, and always run the FFN |
+    | ``restore_thresh`` | promote a local head to global for this request when its edge mass exceeds this; ``None``: never |
+    | ``restore_edge`` | width in tokens of the oldest edge of a window (see :mod:`redknot.recovery.restore`) |
+    | ``local_kv``     | ``cached``: local heads take a segment's cached, re-aligned KV; ``fresh``: recompute it |
+
+    Defaults were chosen by measurement on SmolLM2-135M-Instruct (the profiled 15%-global map,
+    window 256, sink 64), from the fidelity-vs-FLOPs sweep in
+    ``benchmarks/results/fidelity.json`` (``python -m redknot.eval fidelity``):
+
+    * ``dense_layers=8``, ``mass_thresh=0.5``: see the sweep summary in that file; the FFN of
+      the shallow layers is where naive reuse loses fidelity on this model, and above them
+      half of the newest tokens' mass selects the tokens worth an FFN.
+    * ``recent_n=128``: the paper's value; it covers every question of the case set.
+    * ``restore_thresh=None`` (off), ``restore_edge=32``: see the sweep.
+    * ``local_kv="cached"``: the point of reuse; ``fresh`` is the limit used in tests.
+    """
+
+    window: int | None = None
+    sink: int | None = None
+    dense_layers: int = 8
+    mass_thresh: float = 0.5
+    recent_n: int = 128
+    restore_thresh: float | None = None
+    restore_edge: int = 32
+    local_kv: LocalKV = "cached"
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise RecoveryOptionsError(f"window must be >= 1 token, got {self.window}")
+        if self.sink is not None and self.sink < 0:
+            raise RecoveryOptionsError(f"sink must be >= 0 tokens, got {self.sink}")
+        if self.dense_layers < 0:
+            raise RecoveryOptionsError(f"dense_layers must be >= 0, got {self.dense_layers}")
+        if not 0.0 <= self.mass_thresh <= 1.0:
+            raise RecoveryOptionsError(f"mass_thresh must lie in [0, 1], got {self.mass_thresh}")
+        if self.recent_n < 1:
+            raise RecoveryOptionsError(f"recent_n must be >= 1 token, got {self.recent_n}")
+        if self.restore_thresh is not None and not 0.0 <= self.restore_thresh <= 1.0:
+            raise RecoveryOptionsError(
+                f"restore_thresh must lie in [0, 1] or be None (off), got {self.restore_thresh}"
+            )
+        if self.restore_edge < 1:
+            raise RecoveryOptionsError(f"restore_edge must be >= 1 token, got {self.restore_edge}")
+        if self.local_kv not in LOCAL_KV_SOURCES:
+            raise RecoveryOptionsError(
+                f"local_kv must be one of {', '.join(LOCAL_KV_SOURCES)}, got {self.local_kv!r}"
+            )
+
+    def replace(self, **changes: Any) -> RecoveryOptions:
+        """A copy with some fields changed (checked like a new instance)."""
+        unknown = set(changes) - set(KNOBS)
+        if unknown:
+            raise RecoveryOptionsError(
+                f"unknown recovery option(s) {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(KNOBS)}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    def head_map(self, head_map: HeadMap) -> HeadMap:
+        """``head_map`` with this request's ``window`` and ``sink`` (when set)."""
+        window = head_map.window if self.window is None else self.window
+        sink = head_map.sink if self.sink is None else self.sink
+        if (window, sink) == (head_map.window, head_map.sink):
+            return head_map
+        return dataclasses.replace(head_map, window=window, sink=sink)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+KNOBS = tuple(f.name for f in dataclasses.fields(RecoveryOptions))

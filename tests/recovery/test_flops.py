@@ -1,0 +1,84 @@
+"""FLOP accounting against a hand count on the tiny model, and visible-key counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redknot.headmap import HeadMap
+from redknot.recovery import FlopShape, RecoveryOptions, create_policy, serve, visible_keys
+from redknot.reference.attention import visible
+
+from .conftest import compose, random_ids
+
+# tiny Llama: D 64, FFN 128 (gated, 3 matrices), 4 query / 2 KV heads of dim 16, vocab 128
+D, I, HQ, D_HEAD, V, LAYERS = 64, 128, 4, 16, 128, 3
+
+
+@pytest.fixture
+def prompt(runner):
+    """new 3, segment 4, new 2: 9 rows, segment rows 3..6."""
+    return [("new", random_ids(3, 11)), ("seg", random_ids(4, 12)), ("new", random_ids(2, 13))]
+
+
+def test_shape_from_config(runner):
+    shape = FlopShape.from_hf_config(runner.model.config)
+    assert shape == FlopShape(D, I, HQ, 2, D_HEAD, V, 3)
+
+
+@pytest.mark.parametrize("window,sink", [(1, 0), (2, 1), (5, 3), (64, 4)])
+def test_visible_keys_count_the_attention_mask(window, sink):
+    positions = torch.tensor([0, 1, 2, 5, 9, 40])
+    for local in (False, True):
+        mask = visible(positions, torch.arange(41), local=local, window=window, sink=sink)
+        got = visible_keys(positions, local=local, window=window, sink=sink)
+        assert got == int(mask.sum())
+
+
+def test_full_prefill_hand_count(runner, prompt):
+    out = serve(runner, create_policy("full", compose(runner, prompt), shape=runner.shape))
+    per_layer = {
+        "q_proj": 2 * D * HQ * D_HEAD * 9,
+        "o_proj": 2 * HQ * D_HEAD * D * 9,
+        "kv_proj": 4 * D * D_HEAD * 2 * 9,
+        "attention_global": 4 * D_HEAD * HQ * sum(p + 1 for p in range(9)),
+        "ffn": 2 * 3 * D * I * 9,
+    }
+    got = out.flops.to_json()
+    for term, value in per_layer.items():
+        assert got[term] == LAYERS * value, term
+    assert got["attention_local"] == got["probe"] == got["rope_align"] == 0
+    assert got["lm_head"] == 2 * D * V
+    assert got["total"] == LAYERS * sum(per_layer.values()) + 2 * D * V
+
+
+def test_naive_hand_count(runner, prompt):
+    out = serve(runner, create_policy("naive", compose(runner, prompt), shape=runner.shape))
+    new = [0, 1, 2, 7, 8]
+    got = out.flops.to_json()
+    assert got["q_proj"] == LAYERS * 2 * D * HQ * D_HEAD * 5
+    assert got["kv_proj"] == LAYERS * 4 * D * D_HEAD * 2 * 5
+    assert got["attention_global"] == LAYERS * 4 * D_HEAD * HQ * sum(p + 1 for p in new)
+    assert got["ffn"] == LAYERS * 2 * 3 * D * I * 5
+    assert got["rope_align"] == LAYERS * 3 * D_HEAD * 2 * 4
+    assert out.fractions == {"attention": 0.0, "ffn": 0.0, "kv_heads": 0.0}
+
+
+def test_redknot_hand_count(runner, prompt):
+    """Map GL in every layer, window 2, sink 1; dense FFN in layer 0 only; no importance."""
+    hm = HeadMap(runner.shape, ("GL",) * LAYERS, window=2, sink=1, dense_layers=1)
+    opts = RecoveryOptions(dense_layers=1, mass_thresh=0.0, recent_n=1)
+    policy = create_policy(
+        "redknot", compose(runner, prompt, hm), shape=runner.shape, head_map=hm, options=opts
+    )
+    out = serve(runner, policy)
+    got = out.flops.to_json()
+    local_visible = 1 + 2 + 3 * 7  # positions 0, 1, then 2..8 see sink 0 + window of 2
+    assert got["q_proj"] == LAYERS * 2 * D * HQ * D_HEAD * 9
+    assert got["kv_proj"] == LAYERS * 4 * D * D_HEAD * (9 + 5)  # G: all rows, L: new rows
+    assert got["attention_global"] == LAYERS * 4 * D_HEAD * 2 * 45
+    assert got["attention_local"] == LAYERS * 4 * D_HEAD * 2 * local_visible
+    assert got["ffn"] == 2 * 3 * D * I * (9 + 5 + 5)  # layer 0 every row, then new rows
+    assert got["rope_align"] == LAYERS * 3 * D_HEAD * 1 * 4
+    assert got["probe"] == 0
+    assert out.fractions == {"attention": 1.0, "ffn": pytest.approx(1 / 3), "kv_heads": 0.5}

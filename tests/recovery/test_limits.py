@@ -1,0 +1,144 @@
+"""The policies at their limits: equal to dense prefill, to naive reuse, to a prefix hit."""
+
+from __future__ import annotations
+
+import torch
+
+from redknot.headmap import HeadMap, synthetic_map
+from redknot.recovery import RecoveryOptions, ReusePrompt, cache_kv, create_policy, serve
+from redknot.reference import ReferenceKV
+
+from .conftest import compose, random_ids
+
+
+def _serve(runner, name, prompt, head_map=None, **knobs):
+    policy = create_policy(
+        name,
+        prompt,
+        shape=runner.shape,
+        head_map=head_map,
+        options=RecoveryOptions(**knobs),
+    )
+    return policy, serve(runner, policy, max_new_tokens=6)
+
+
+def test_all_global_dense_ffn_fresh_kv_is_full_prefill(runner, pieces):
+    prompt = compose(runner, pieces)
+    dense = runner.generate(list(prompt.ids), max_new_tokens=6)
+    every_global = HeadMap.every_head_global(runner.shape, window=8, sink=2)
+    for local_kv in ("fresh", "cached"):  # no local head: the source does not matter
+        _, out = _serve(runner, "redknot", prompt, every_global, dense_layers=3, local_kv=local_kv)
+        assert torch.equal(out.generation.first_logits, dense.first_logits)
+        assert out.generation.tokens == dense.tokens
+    _, full = _serve(runner, "full", prompt)
+    assert torch.equal(full.generation.first_logits, dense.first_logits)
+    assert full.generation.tokens == dense.tokens
+    assert full.fractions == {"attention": 1.0, "ffn": 1.0, "kv_heads": 1.0}
+
+
+def test_restoring_every_local_head_is_full_prefill(runner, pieces):
+    """restore_thresh 0 promotes every local head that puts any mass on its window edge; with
+    a short window that is all of them, and each promoted head is recomputed as global."""
+    prompt = compose(runner, pieces)
+    dense = runner.generate(list(prompt.ids), max_new_tokens=6)
+    local = synthetic_map(runner.shape, 0.0, window=8, sink=2)
+    policy, out = _serve(
+        runner, "redknot", prompt, local, dense_layers=3, restore_thresh=0.0, restore_edge=4
+    )
+    assert set(policy.restored.values()) == {"GG"}
+    assert policy.record.restored_heads(local.classes) == 6
+    torch.testing.assert_close(out.generation.first_logits, dense.first_logits)
+    assert out.generation.tokens == dense.tokens
+    assert out.fractions["kv_heads"] == 1.0
+    # decode steps keep the promoted classes
+    assert policy.head_classes(1, "LL") == "GG"
+    _, none = _serve(runner, "redknot", prompt, local, dense_layers=3, restore_thresh=1.0)
+    assert none.restored_heads == 0
+
+
+def test_with_a_prefix_hit_full_and_all_global_agree(runner, pieces):
+    """A system prefix served from cache (past KV) gives the dense answer."""
+    prompt = compose(runner, pieces)
+    prefix = cache_kv(runner, prompt.ids[:10])
+    with_hit = ReusePrompt(prompt.ids, prompt.segments, prefix)
+    every_global = HeadMap.every_head_global(runner.shape)
+    _, out = _serve(runner, "redknot", with_hit, every_global, dense_layers=3, local_kv="fresh")
+    dense = runner.generate(list(prompt.ids), max_new_tokens=6)
+    torch.testing.assert_close(out.generation.first_logits, dense.first_logits)
+    assert out.generation.tokens == dense.tokens
+
+
+def _naive_by_hand(runner, pieces):
+    """Chunked prefill: new chunks computed after the KV so far, segments' cached KV moved in."""
+    kv, position, out = None, 0, None
+    for kind, part in pieces:
+        if kind == "seg":
+            cached = cache_kv(runner, part).realigned(runner.model.rope, 0, position)
+            kv = cached if kv is None else ReferenceKV.concat([kv, cached])
+        else:
+            out = runner.forward(part, past=kv)
+            kv = out.kv
+        position += len(part)
+    return out.logits[-1]
+
+
+def test_naive_is_chunked_prefill_around_cached_segments(runner, pieces):
+    prompt = compose(runner, pieces)
+    _policy, out = _serve(runner, "naive", prompt)
+    torch.testing.assert_close(
+        out.generation.first_logits, _naive_by_hand(runner, pieces), atol=2e-5, rtol=1e-4
+    )
+    assert out.fractions == {"attention": 0.0, "ffn": 0.0, "kv_heads": 0.0}
+    dense = runner.forward(list(prompt.ids)).logits[-1]
+    assert (out.generation.first_logits - dense).abs().max() > 1e-3  # reuse is not free
+
+
+def test_recompute_nothing_is_naive(runner, pieces):
+    """The base policy machinery with every head reused and no row recomputed is naive."""
+    from redknot.recovery import ElasticRecovery
+
+    class Nothing(ElasticRecovery):
+        def reused_heads(self, ctx):
+            return [0, 1]
+
+        def choose_attention_rows(self, ctx):
+            return self.new_rows(ctx)
+
+        def choose_ffn_rows(self, ctx, probe):
+            return self.new_rows(ctx)
+
+    prompt = compose(runner, pieces)
+    every_global = HeadMap.every_head_global(runner.shape)
+    nothing = Nothing(prompt, shape=runner.shape, head_map=every_global)
+    got = serve(runner, nothing, max_new_tokens=6)
+    _, naive = _serve(runner, "naive", prompt)
+    assert torch.equal(got.generation.first_logits, naive.generation.first_logits)
+    assert got.flops == naive.flops
+
+
+def test_segment_at_its_original_position_is_a_prefix_hit(runner):
+    segment, question = random_ids(60, 7), random_ids(9, 8)
+    hm = synthetic_map(runner.shape, 0.5, window=8, sink=2, seed=1)
+    prompt = compose(runner, [("seg", segment), ("new", question)], hm)
+    policy, out = _serve(runner, "redknot", prompt, hm, dense_layers=1, restore_thresh=0.05)
+    assert policy.served.prefix_len == 60 and not policy.served.segments
+    hit = runner.generate(
+        question, head_map=hm, past=cache_kv(runner, segment, hm), max_new_tokens=6
+    )
+    assert torch.equal(out.generation.first_logits, hit.first_logits)
+    assert out.generation.tokens == hit.tokens
+    assert out.fractions == {"attention": 0.0, "ffn": 0.0, "kv_heads": 0.0}
+
+
+def test_requests_without_segments_are_unchanged(runner):
+    ids = random_ids(90, 9)
+    hm = synthetic_map(runner.shape, 0.5, window=8, sink=2, seed=2)
+    plain = runner.generate(ids, head_map=hm, max_new_tokens=6)
+    for name in ("redknot", "naive", "full"):
+        _, out = _serve(
+            runner, name, ReusePrompt(tuple(ids)), hm, dense_layers=0, restore_thresh=0.0
+        )
+        want = plain if name == "redknot" else runner.generate(ids, max_new_tokens=6)
+        assert torch.equal(out.generation.first_logits, want.first_logits), name
+        assert out.generation.tokens == want.tokens
+        assert out.fractions["ffn"] is None
