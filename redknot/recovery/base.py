@@ -95,22 +95,38 @@ class ReusePolicy(LayerHooks):
         return mask
 
     def cached_kv(
-        self, ctx: LayerContext, keys: Tensor, values: Tensor, heads: list[int]
+        self,
+        ctx: LayerContext,
+        keys: Tensor,
+        values: Tensor,
+        heads: list[int],
+        rows: Tensor | None = None,
+        *,
+        record: bool = True,
     ) -> tuple[Tensor, Tensor]:
         """``keys`` / ``values`` (``[Hkv, past_len + T, d]``) with the segment rows of ``heads``
-        replaced, in place, by the cached KV, keys re-aligned from ``0..n-1`` to their rows."""
+        replaced, in place, by the cached KV, keys re-aligned from ``0..n-1`` to their rows.
+        ``rows``: ``[T]`` bool over this call's rows to restrict the replacement to;
+        ``record=False`` for a copy that only informs a decision (not served)."""
         if not heads:
             return keys, values
         index = torch.tensor(heads, device=keys.device)
         rope = ctx.model.rope
         for seg in self.served.segments:
             src = torch.arange(seg.length, device=keys.device)
-            cached_k = seg.cache.keys[ctx.layer].index_select(0, index)
-            cached_v = seg.cache.values[ctx.layer].index_select(0, index)
-            keys[index, seg.start : seg.end] = rope.realign(cached_k, src, src + seg.start).to(
-                keys.dtype
-            )
-            values[index, seg.start : seg.end] = cached_v.to(values.dtype)
+            if rows is not None:
+                src = src[rows[seg.start - ctx.past_len : seg.end - ctx.past_len]]
+                if not src.numel():
+                    continue
+            dst = src + seg.start
+            cached_k = seg.cache.keys[ctx.layer].index_select(0, index)[:, src]
+            cached_v = seg.cache.values[ctx.layer].index_select(0, index)[:, src]
+            aligned = rope.realign(cached_k, src, dst).to(keys.dtype)
+            keys[index[:, None], dst[None, :]] = aligned
+            values[index[:, None], dst[None, :]] = cached_v.to(values.dtype)
+            reused = self._layer.setdefault("reused_rows", {}) if record else {}
+            for h in heads:
+                reused[h] = reused.get(h, 0) + int(src.numel())
         return keys, values
 
     def _pairs(self, ctx: LayerContext, rows: Tensor | None, classes: str) -> tuple[int, int]:
@@ -136,7 +152,6 @@ class ReusePolicy(LayerHooks):
         if not self.is_prefill(ctx):
             return keys, values
         heads = self.reused_heads(ctx) if self.served.segments else []
-        self._layer["reused"] = heads
         return self.cached_kv(ctx, keys, values, heads)
 
     def attention_rows(self, ctx: LayerContext) -> Tensor | None:
@@ -166,26 +181,22 @@ class ReusePolicy(LayerHooks):
             return
         choices, self._layer = self._layer, {}
         segment = self._segment_mask(ctx)
-        num_seg = int(segment.sum())  # served segment rows of this call
         original = self._count(segment, None)  # segment rows of the prompt in this call
         attention, ffn = choices.get("attention"), choices.get("ffn")
-        reused = choices.get("reused", [])
+        reused = choices.get("reused_rows", {})  # KV head -> segment rows served from cache
         pairs_global, pairs_local = self._pairs(ctx, attention, ctx.classes)
         self.record.layers.append(
             LayerRecord(
                 classes=ctx.classes,
                 attention_rows=ctx.num_rows if attention is None else int(attention.numel()),
-                kv_rows=[
-                    ctx.num_rows - (num_seg if h in reused else 0)
-                    for h in range(self.shape.num_kv_heads)
-                ],
+                kv_rows=[ctx.num_rows - reused.get(h, 0) for h in range(self.shape.num_kv_heads)],
                 pairs_global=pairs_global,
                 pairs_local=pairs_local,
                 ffn_rows=ctx.num_rows if ffn is None else int(ffn.numel()),
                 probe_pairs=choices.get("probe_pairs", 0),
-                realigned=len(reused) * num_seg,
+                realigned=sum(reused.values()),
                 segment_attention_rows=self._count(segment, attention),
-                segment_kv_rows=original * self.shape.num_kv_heads - num_seg * len(reused),
+                segment_kv_rows=original * self.shape.num_kv_heads - sum(reused.values()),
                 segment_ffn_rows=self._count(segment, ffn),
             )
         )

@@ -39,6 +39,7 @@ class ElasticRecovery(ReusePolicy):
             raise ValueError("the redknot policy needs a head map")
         self.dense_layers = min(self.options.dense_layers, self.shape.num_layers)
         self.restored: dict[int, str] = {}  # layer -> classes after restore, for this request
+        self.frozen: Tensor | None = None  # [T] bool: rows left to their cache (skipped="cached")
 
     @property
     def active(self) -> bool:
@@ -70,7 +71,7 @@ class ElasticRecovery(ReusePolicy):
         attended = keys.clone()
         if opts.local_kv == "cached":
             local = [h for h, c in enumerate(ctx.classes) if c == LOCAL]
-            attended, _ = self.cached_kv(ctx, attended, values.clone(), local)
+            attended, _ = self.cached_kv(ctx, attended, values.clone(), local, record=False)
         mass = edge_mass(
             q[:, rows],
             attended,
@@ -94,6 +95,18 @@ class ElasticRecovery(ReusePolicy):
         if self.options.local_kv != "cached":
             return []
         return [h for h, c in enumerate(ctx.classes) if c == LOCAL]
+
+    def edit_kv(self, ctx: LayerContext, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        keys, values = super().edit_kv(ctx, keys, values)
+        if self.is_prefill(ctx) and self.frozen is not None:
+            rest = [h for h in range(len(ctx.classes)) if h not in self.reused_heads(ctx)]
+            keys, values = self.cached_kv(ctx, keys, values, rest, self.frozen)
+        return keys, values
+
+    def choose_attention_rows(self, ctx: LayerContext) -> Tensor | None:
+        if self.frozen is None:
+            return None
+        return torch.nonzero(~self.frozen).flatten()
 
     # ---- layer schedule (sparse FFN) --------------------------------------------------------
 
@@ -120,11 +133,15 @@ class ElasticRecovery(ReusePolicy):
         if not self._sparse_layer(ctx):
             return None
         always = self._always_rows(ctx)
-        candidates = torch.nonzero(~always).flatten()
+        open_rows = always.clone() if self.frozen is None else always | self.frozen
+        candidates = torch.nonzero(~open_rows).flatten()
         if probe is None:  # mass_thresh 0 or 1, or nothing to choose from
             chosen = candidates if self.options.mass_thresh >= 1.0 else candidates[:0]
         else:
             mass = probe.key_mass.sum(dim=0)[ctx.past_len :]  # [T] over this call's rows
             chosen = select_important(mass, candidates, self.options.mass_thresh)
         always[chosen] = True
+        if self.options.skipped == "cached":
+            skipped = ~always
+            self.frozen = skipped if self.frozen is None else self.frozen | skipped
         return None if bool(always.all()) else torch.nonzero(always).flatten()

@@ -15,6 +15,8 @@ from redknot.headmap import HeadMap
 
 LocalKV = Literal["cached", "fresh"]
 LOCAL_KV_SOURCES = ("cached", "fresh")
+Skipped = Literal["residual", "cached"]
+SKIPPED_MODES = ("residual", "cached")
 
 
 class RecoveryOptionsError(ValueError):
@@ -35,6 +37,7 @@ class RecoveryOptions:
     | ``restore_thresh`` | promote a local head to global for this request when its edge mass exceeds this; ``None``: never |
     | ``restore_edge`` | width in tokens of the oldest edge of a window (see :mod:`redknot.recovery.restore`) |
     | ``local_kv``     | ``cached``: local heads take a segment's cached, re-aligned KV; ``fresh``: recompute it |
+    | ``skipped``      | a segment token that skipped the FFN of a deep layer: ``residual`` (the paper) goes on along the residual path and its global heads' KV is recomputed from it; ``cached`` leaves recovery, from the next layer on every head takes its cached KV and nothing of it is computed |
 
     Defaults were chosen by measurement on SmolLM2-135M-Instruct (the profiled 15%-global map,
     window 256, sink 64), from the fidelity-vs-FLOPs sweep in
@@ -56,6 +59,7 @@ class RecoveryOptions:
     restore_thresh: float | None = None
     restore_edge: int = 32
     local_kv: LocalKV = "cached"
+    skipped: Skipped = "residual"
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -74,6 +78,10 @@ class RecoveryOptions:
             )
         if self.restore_edge < 1:
             raise RecoveryOptionsError(f"restore_edge must be >= 1 token, got {self.restore_edge}")
+        if self.skipped not in SKIPPED_MODES:
+            raise RecoveryOptionsError(
+                f"skipped must be one of {', '.join(SKIPPED_MODES)}, got {self.skipped!r}"
+            )
         if self.local_kv not in LOCAL_KV_SOURCES:
             raise RecoveryOptionsError(
                 f"local_kv must be one of {', '.join(LOCAL_KV_SOURCES)}, got {self.local_kv!r}"

@@ -82,3 +82,28 @@ def test_redknot_hand_count(runner, prompt):
     assert got["rope_align"] == LAYERS * 3 * D_HEAD * 1 * 4
     assert got["probe"] == 0
     assert out.fractions == {"attention": 1.0, "ffn": pytest.approx(1 / 3), "kv_heads": 0.5}
+
+
+def test_redknot_skipped_tokens_left_to_cache_hand_count(runner, prompt):
+    """skipped="cached": segment rows 3..6 skip the FFN of layer 1 (nothing is important at
+    mass_thresh 0), so in layer 2 they take the cached KV in every head and compute nothing."""
+    hm = HeadMap(runner.shape, ("GL",) * LAYERS, window=2, sink=1, dense_layers=1)
+    opts = RecoveryOptions(dense_layers=1, mass_thresh=0.0, recent_n=1, skipped="cached")
+    policy = create_policy(
+        "redknot", compose(runner, prompt, hm), shape=runner.shape, head_map=hm, options=opts
+    )
+    out = serve(runner, policy)
+    got = out.flops.to_json()
+    new = [0, 1, 2, 7, 8]
+    assert got["q_proj"] == 2 * D * HQ * D_HEAD * (9 + 9 + 5)
+    assert got["kv_proj"] == 4 * D * D_HEAD * (14 + 14 + 10)
+    assert got["attention_global"] == 4 * D_HEAD * 2 * (45 + 45 + sum(p + 1 for p in new))
+    assert got["attention_local"] == 4 * D_HEAD * 2 * (24 + 24 + (1 + 2 + 3 + 3 + 3))
+    assert got["ffn"] == 2 * 3 * D * I * (9 + 5 + 5)
+    assert got["rope_align"] == 3 * D_HEAD * (4 + 4 + 8)
+    assert out.fractions == {
+        "attention": pytest.approx(2 / 3),
+        "ffn": pytest.approx(1 / 3),
+        "kv_heads": pytest.approx(1 / 3),
+    }
+    assert policy.frozen.tolist() == [False] * 3 + [True] * 4 + [False] * 2

@@ -1,0 +1,226 @@
+"""``python -m redknot.eval``: evaluation commands.
+
+``fidelity``: serve a case file (``shared/eval/FORMAT.md``) under ``full`` (dense prefill, the
+reference), ``naive`` and ``redknot`` and write every metric per setting::
+
+    python -m redknot.eval fidelity --cases benchmarks/cases/rag_v1.jsonl --model smollm2 \\
+        --head-map configs/heads/smollm2-135m-instruct.json --policies full,naive,redknot \\
+        --dense-layers 4,8 --mass-thresh 0.3,0.6 --out benchmarks/results/fidelity.json
+
+Every recovery knob (:class:`redknot.recovery.RecoveryOptions`) is a flag taking one value or
+a comma list; ``redknot`` runs once per combination (the cartesian product), labelled by the
+knobs given on the command line. ``--redknot-settings "dense_layers=8,mass_thresh=0.5;
+dense_layers=30,mass_thresh=1"`` lists settings explicitly instead (knob flags, single-valued,
+then apply to each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import itertools
+import json
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from redknot.eval.base import REFERENCE_LABEL, FidelityBackend, PolicySetting
+from redknot.eval.cases import CaseFormatError, load_cases
+from redknot.recovery import KNOBS, POLICIES, RecoveryOptions, RecoveryOptionsError
+
+BACKENDS = ("reference", "server")
+
+
+def _optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    return lambda text: None if text.lower() in ("none", "off", "map") else kind(text)
+
+
+KNOB_TYPES: dict[str, Callable[[str], Any]] = {
+    "window": _optional(int),
+    "sink": _optional(int),
+    "dense_layers": int,
+    "mass_thresh": float,
+    "recent_n": int,
+    "restore_thresh": _optional(float),
+    "restore_edge": int,
+    "local_kv": str,
+    "skipped": str,
+}
+assert set(KNOB_TYPES) == set(KNOBS), "every recovery knob needs a CLI type"
+
+
+def _list(kind: Callable[[str], Any], name: str) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        try:
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}: {e}") from None
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m redknot.eval", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("fidelity", help="first-token and answer fidelity of reuse policies")
+    p.add_argument("--cases", required=True, help="case file (JSON Lines, FORMAT.md)")
+    p.add_argument("--model", default="smollm2", help="model spec (reference backend)")
+    p.add_argument("--head-map", required=True, help="head-class map JSON of the model")
+    p.add_argument(
+        "--policies",
+        default="full,naive,redknot",
+        type=_list(str, "policies"),
+        help=f"comma list of {', '.join(POLICIES)} (full is always run: it is the reference)",
+    )
+    p.add_argument(
+        "--backend",
+        default="reference",
+        choices=BACKENDS,
+        help="reference: PyTorch reference path; server: not built yet",
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--limit", type=int, default=None, help="first N cases only")
+    p.add_argument("--work-dir", default=None, help="keep finished cases here; a rerun resumes")
+    p.add_argument("--out", required=True, help="result JSON")
+    p.add_argument(
+        "--redknot-settings",
+        default=None,
+        help='explicit redknot settings, "knob=value,...;knob=value,..." (instead of a product)',
+    )
+    defaults = RecoveryOptions()
+    for name in KNOBS:
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=_list(KNOB_TYPES[name], name),
+            default=None,
+            help=f"recovery knob (default {getattr(defaults, name)!r}); comma list to sweep",
+        )
+    return parser
+
+
+def parse_settings(text: str) -> list[dict[str, Any]]:
+    """``"a=1,b=2;a=3"`` -> ``[{"a": 1, "b": 2}, {"a": 3}]`` with the knobs' types."""
+    out = []
+    for group in text.split(";"):
+        changes: dict[str, Any] = {}
+        for item in group.split(","):
+            if not item.strip():
+                continue
+            name, _, value = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if name not in KNOB_TYPES or not value:
+                raise SystemExit(
+                    f"error: --redknot-settings: {item.strip()!r} is not knob=value with a "
+                    f"knob among {', '.join(KNOBS)}"
+                )
+            try:
+                changes[name] = KNOB_TYPES[name](value.strip())
+            except ValueError as e:
+                raise SystemExit(f"error: --redknot-settings: {name}: {e}") from None
+        if changes:
+            out.append(changes)
+    return out
+
+
+def redknot_settings(args: argparse.Namespace) -> list[PolicySetting]:
+    """One setting per combination of the knob values given, or per explicit setting."""
+    given = {k: getattr(args, k) for k in KNOBS if getattr(args, k) is not None}
+    if args.redknot_settings:
+        many = [k for k, v in given.items() if len(v) > 1]
+        if many:
+            raise SystemExit(
+                f"error: --{many[0].replace('_', '-')} lists several values; with "
+                "--redknot-settings knob flags take one value (applied to every setting)"
+            )
+        base = {k: v[0] for k, v in given.items()}
+        combos = [{**base, **c} for c in parse_settings(args.redknot_settings)]
+    else:
+        combos = [dict(zip(given, values)) for values in itertools.product(*given.values())]
+    out = []
+    for changes in combos:
+        options = RecoveryOptions().replace(**changes)
+        label = "redknot"
+        if changes:
+            label += "[" + ",".join(f"{k}={v}" for k, v in changes.items()) + "]"
+        out.append(PolicySetting("redknot", options, label))
+    return out
+
+
+def settings_of(args: argparse.Namespace) -> list[PolicySetting]:
+    unknown = [p for p in args.policies if p not in POLICIES]
+    if unknown:
+        raise SystemExit(f"error: unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
+    settings = [PolicySetting(REFERENCE_LABEL)]
+    if "naive" in args.policies:
+        settings.append(PolicySetting("naive"))
+    if "redknot" in args.policies:
+        settings += redknot_settings(args)
+    return settings
+
+
+def make_backend(args: argparse.Namespace) -> FidelityBackend:
+    if args.backend == "server":
+        raise SystemExit(
+            "error: the server backend (redknot SGLang server over HTTP, with TTFT) is not "
+            "built yet; use --backend reference"
+        )
+    from redknot.eval.reference_backend import ReferenceBackend
+
+    return ReferenceBackend(
+        args.model, args.head_map, device=args.device, max_new_tokens=args.max_new_tokens
+    )
+
+
+def fidelity(args: argparse.Namespace) -> int:
+    from redknot.eval.fidelity import evaluate
+    from redknot.headmap.provenance import git_commit
+
+    try:
+        settings = settings_of(args)
+        cases = load_cases(args.cases)
+    except (CaseFormatError, RecoveryOptionsError) as e:
+        raise SystemExit(f"error: {e}") from None
+    cases = cases[: args.limit] if args.limit else cases
+    commit, dirty = git_commit()
+    backend = make_backend(args)
+    log = lambda line: print(line, file=sys.stderr, flush=True)
+    result = evaluate(backend, cases, settings, work_dir=args.work_dir, log=log)
+    info = backend.describe()
+    out = {
+        "benchmark": "fidelity",
+        "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
+        "device": info.pop("device"),
+        "device_detail": info.pop("device_detail"),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "command": "python -m redknot.eval " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "cases_file": args.cases,
+        **info,
+        "default_options": dataclasses.asdict(RecoveryOptions()),
+        **result,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    for label, s in result["summary"].items():
+        flops = s["flops_fraction"]
+        print(
+            f"{label:60s} top1 {s['top1']:.3f} top10 {s['top10']:.3f} cos {s['cosine']:.4f} "
+            f"EM {s['exact_match']:.3f} contains {s['contains']:.3f} F1 {s['f1']:.3f} "
+            f"FLOPs {flops:.3f}"
+        )
+    print(f"{result['cases']['count']} cases, {result['seconds']} s; wrote {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    if args.command == "fidelity":
+        return fidelity(args)
+    raise SystemExit(f"error: unknown command {args.command!r}")

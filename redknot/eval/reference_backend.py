@@ -1,0 +1,132 @@
+"""The reference backend: cases served by :mod:`redknot.recovery` on the PyTorch reference
+runner (CPU by default). No TTFT: the reference path is an oracle, not a fast path."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from redknot.eval.base import CaseShape, FidelityBackend, PolicyOutput, PolicySetting
+from redknot.eval.cases import Case
+from redknot.eval.compose import ComposedCase, compose
+from redknot.headmap import HeadMap
+from redknot.recovery import (
+    RecoveryOptions,
+    ReusePrompt,
+    Segment,
+    cache_kv,
+    create_policy,
+    serve,
+)
+from redknot.reference import ReferenceRunner, load_model
+
+
+class ReferenceBackend(FidelityBackend):
+    """Loads ``model`` (a :func:`redknot.reference.resolve_source` spec) and ``head_map``."""
+
+    name = "reference"
+
+    def __init__(
+        self,
+        model: str,
+        head_map: str,
+        *,
+        device: str = "cpu",
+        max_new_tokens: int = 16,
+    ) -> None:
+        hf_model, tokenizer, source = load_model(model, device=device)
+        self.runner = ReferenceRunner(hf_model)
+        self.tokenizer = tokenizer
+        self.source = source
+        self.device = device
+        self.head_map_path = head_map
+        self.head_map = HeadMap.load(head_map)
+        self.head_map.validate_against(self.runner.shape, source=head_map)
+        self.max_new_tokens = max_new_tokens
+        stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+        self.stop_token_ids = sorted(t for t in stops if isinstance(t, int) and t >= 0)
+
+    def describe(self) -> dict[str, Any]:
+        hm = self.head_map
+        detail = platform.processor() or platform.machine()
+        return {
+            "backend": self.name,
+            "device": self.device,
+            "device_detail": f"{self.device} ({torch.get_num_threads()} threads, {detail}, "
+            f"{platform.platform()})",
+            "model": self.source.name,
+            "head_map": {
+                "path": self.head_map_path,
+                "global_fraction": hm.global_fraction,
+                "window": hm.window,
+                "sink": hm.sink,
+                "dense_layers": hm.dense_layers,
+            },
+            "max_new_tokens": self.max_new_tokens,
+            "stop_token_ids": self.stop_token_ids,
+        }
+
+    def shape_of(self, case: Case) -> CaseShape:
+        c = compose(self.tokenizer, case)
+        return CaseShape(len(c.ids), c.segment_tokens, c.prefix_len)
+
+    def _prompt(self, composed: ComposedCase, head_map: HeadMap | None) -> ReusePrompt:
+        """The case with its prefix and segments cached under ``head_map`` (``None``: dense)."""
+        ids = composed.ids
+        prefix = None
+        if composed.prefix_len:
+            prefix = cache_kv(self.runner, ids[: composed.prefix_len], head_map)
+        segments = tuple(
+            Segment(s, e, cache_kv(self.runner, ids[s:e], head_map)) for s, e in composed.segments
+        )
+        return ReusePrompt(ids, segments, prefix)
+
+    def run_case(self, case: Case, settings: Sequence[PolicySetting]) -> dict[str, PolicyOutput]:
+        composed = compose(self.tokenizer, case)
+        prompts: dict[tuple, ReusePrompt] = {}
+        outputs = {}
+        for setting in settings:
+            serving_map = None
+            if setting.policy == "redknot":
+                serving_map = (setting.options or RecoveryOptions()).head_map(self.head_map)
+            if setting.policy == "full":
+                prompt = ReusePrompt(composed.ids)
+            else:
+                key = (
+                    None
+                    if serving_map is None
+                    else (serving_map.window, serving_map.sink, serving_map.classes)
+                )
+                if key not in prompts:
+                    prompts[key] = self._prompt(composed, serving_map)
+                prompt = prompts[key]
+            policy = create_policy(
+                setting.policy,
+                prompt,
+                shape=self.runner.shape,
+                head_map=self.head_map,
+                options=setting.options,
+            )
+            started = time.perf_counter()
+            served = serve(
+                self.runner,
+                policy,
+                max_new_tokens=self.max_new_tokens,
+                stop_token_ids=self.stop_token_ids,
+            )
+            logits = served.generation.first_logits.detach().to("cpu", torch.float32)
+            outputs[setting.label] = PolicyOutput(
+                first_top=logits.topk(10).indices.tolist(),
+                first_logits=logits,
+                text=self.tokenizer.decode(served.generation.tokens, skip_special_tokens=True),
+                tokens=served.generation.tokens,
+                flops=served.flops.to_json(),
+                fractions=served.fractions,
+                restored_heads=served.restored_heads,
+                wall_s=time.perf_counter() - started,
+            )
+        return outputs
