@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import Response
 
 from redknot.api import control
 from redknot.api.marks import SegmentMark, SegmentMarkError, encode_marks, segment_id
@@ -30,11 +31,13 @@ PREFIX = "/redknot"
 _REGISTER_KEYS = {"namespace", "text", "input_ids", "pin"}
 
 
-def _error(status: int, message: str) -> ORJSONResponse:
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str) -> Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return ORJSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
-    )
+    return _json({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
 def registration_tokens(body: Any, api: SegmentApi) -> tuple[str, list[int], bool]:
@@ -84,7 +87,7 @@ def build_router(get_api: Callable[[], SegmentApi]) -> APIRouter:
     async def register_segment(request: Request):
         api = get_api()
         try:
-            namespace, ids, pin = registration_tokens(await _json(request), api)
+            namespace, ids, pin = registration_tokens(await _body(request), api)
         except SegmentMarkError as e:
             api.counters.add(rejected=1)
             return _error(400, str(e))
@@ -100,7 +103,7 @@ def build_router(get_api: Callable[[], SegmentApi]) -> APIRouter:
         api.namespaces.create(namespace)
         api.counters.add(registrations=1)
         meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
-        return ORJSONResponse(
+        return _json(
             {
                 "segment_id": mark.segment_id,
                 "namespace": namespace,
@@ -124,19 +127,15 @@ def build_router(get_api: Callable[[], SegmentApi]) -> APIRouter:
         api = get_api()
         out = await _control(api, "stats", namespace, None, key="store")
         if out.status_code == 200:
-            import orjson
-
             body = orjson.loads(out.body)
             body.update(api=api.counters.as_dict(), namespaces=api.namespaces.known())
-            return ORJSONResponse(body)
+            return _json(body)
         return out
 
     return router
 
 
-async def _json(request: Request) -> Any:
-    import orjson
-
+async def _body(request: Request) -> Any:
     try:
         return orjson.loads(await request.body())
     except orjson.JSONDecodeError as e:
@@ -145,7 +144,7 @@ async def _json(request: Request) -> Any:
 
 async def _control(
     api: SegmentApi, op: str, namespace: str | None, sid: str | None, *, key: str | None = None
-) -> ORJSONResponse:
+) -> Response:
     try:
         if namespace is not None:
             api.namespaces.require(namespace)
@@ -159,4 +158,4 @@ async def _control(
     body = {"namespace": namespace, key: payload} if key else {"namespace": namespace, **payload}
     if sid is not None:
         body["segment_id"] = sid
-    return ORJSONResponse(body)
+    return _json(body)
