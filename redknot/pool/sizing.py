@@ -17,6 +17,11 @@ that requests of ``BALANCE_LEN`` tokens exhaust request slots and token slots to
 are then limited by request slots, longer ones by token slots. Serving mostly longer (shorter)
 requests, pass ``--max-running-requests budget / (per_slot + L * bytes_per_token)`` for your
 typical length ``L``. Snapshots are ``SNAPSHOTS_PER_REQUEST`` per request slot.
+
+Under tensor parallelism every rank sizes its token slots, request slots and rings by the rank
+that needs the most bytes (a map may give ranks different numbers of global heads in a layer).
+SGLang's schedulers, one per rank, take the same admission decisions only if their pools have the
+same capacity; a rank with fewer global heads leaves the difference unused.
 """
 
 from __future__ import annotations
@@ -46,17 +51,17 @@ class SlotPlan:
 
 
 def plan_slots(
-    layout: HeadLayout, dtype: torch.dtype, budget_bytes: int, requested: int | None
+    layouts: list[HeadLayout], dtype: torch.dtype, budget_bytes: int, requested: int | None
 ) -> SlotPlan:
-    ring = bytes_per_ring(layout, dtype)
+    """Request and snapshot slots for the rank layouts ``layouts`` (the costliest decides)."""
+    ring = max(bytes_per_ring(layout, dtype) for layout in layouts)
+    token = max(bytes_per_token(layout, dtype) for layout in layouts)
     if ring == 0:
         return SlotPlan(request_slots=None, snapshots=0, fixed_bytes=0)
     if requested is not None:
         slots = requested
     else:
-        per_request = ring * (1 + SNAPSHOTS_PER_REQUEST) + BALANCE_LEN * bytes_per_token(
-            layout, dtype
-        )
+        per_request = ring * (1 + SNAPSHOTS_PER_REQUEST) + BALANCE_LEN * token
         slots = max(1, min(int(budget_bytes // per_request), MAX_REQUEST_SLOTS))
     snapshots = max(1, int(slots * SNAPSHOTS_PER_REQUEST))
     # One extra ring for SGLang's padding request row 0 (CUDA-graph padded batches).
@@ -71,7 +76,15 @@ def plan_slots(
 
 
 # Per-configurator state (SGLang's KVCacheConfigurator has __slots__): id -> {"layout", "slots"}.
+# Each entry keeps its configurator alive, so that an id is never reused for another one.
 _state: dict[int, dict] = {}
+
+
+def state_of(kvc: Any) -> dict:
+    """The sizing state of one configurator (created empty on first use)."""
+    entry = _state.setdefault(id(kvc), {"kvc": kvc})
+    assert entry["kvc"] is kvc
+    return entry
 
 
 def is_redknot(kvc: Any) -> bool:
@@ -80,22 +93,26 @@ def is_redknot(kvc: Any) -> bool:
 
 def layout_of(kvc: Any) -> HeadLayout:
     """The head layout of this rank, resolved once per KV-cache configurator."""
-    cached = _state.get(id(kvc), {}).get("layout")
+    cached = state_of(kvc).get("layout")
     if cached is not None:
         return cached
     from redknot.integration.server_args import published_config, rank_layout
 
     layout = rank_layout(published_config(), kvc.model_config)
-    _state.setdefault(id(kvc), {})["layout"] = layout
+    state_of(kvc)["layout"] = layout
     return layout
 
 
 def cell_size(kvc: Any) -> int:
-    return bytes_per_token(layout_of(kvc), kvc.kv_cache_dtype)
+    """Bytes of one token slot: the costliest rank's, so every rank gets as many slots."""
+    return max(bytes_per_token(layout, kvc.kv_cache_dtype) for layout in rank_layouts(kvc))
 
 
 def rank_layouts(kvc: Any) -> list[HeadLayout]:
-    """The head layout of every attention-TP rank (rank ``r`` at index ``r``)."""
+    """The head layout of every attention-TP rank (rank ``r`` at index ``r``), resolved once."""
+    cached = state_of(kvc).get("rank_layouts")
+    if cached is not None:
+        return cached
     from sglang.srt.runtime_context import get_parallel
 
     from redknot.headmap import ModelShape
@@ -103,13 +120,18 @@ def rank_layouts(kvc: Any) -> list[HeadLayout]:
 
     tp_size = get_parallel().attn_tp_size
     if tp_size == 1:
-        return [layout_of(kvc)]
-    head_map = published_config().resolve_head_map(
-        ModelShape.from_hf_config(kvc.model_config.hf_config),
-        tp_size=tp_size,
-        context_len=kvc.model_config.context_len,
-    )
-    return [HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
+        layouts = [layout_of(kvc)]
+    else:
+        head_map = published_config().resolve_head_map(
+            ModelShape.from_hf_config(kvc.model_config.hf_config),
+            tp_size=tp_size,
+            context_len=kvc.model_config.context_len,
+        )
+        layouts = [
+            HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=r) for r in range(tp_size)
+        ]
+    state_of(kvc)["rank_layouts"] = layouts
+    return layouts
 
 
 def reserve_segment_bytes(kvc: Any, budget_bytes: int) -> SegmentPlan:
@@ -124,7 +146,7 @@ def reserve_segment_bytes(kvc: Any, budget_bytes: int) -> SegmentPlan:
         config.segment_fraction,
         config.segment_heads,
     )
-    _state.setdefault(id(kvc), {})["segments"] = plan
+    state_of(kvc)["segments"] = plan
     logger.info(
         "redknot: segment region of %d pages x %d tokens (%s heads) reserves %.2f GB",
         plan.num_pages,
@@ -140,9 +162,9 @@ def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
     slots."""
     budget_bytes -= reserve_segment_bytes(kvc, budget_bytes).reserved_bytes
     plan = plan_slots(
-        layout_of(kvc), kvc.kv_cache_dtype, budget_bytes, kvc.server_args.max_running_requests
+        rank_layouts(kvc), kvc.kv_cache_dtype, budget_bytes, kvc.server_args.max_running_requests
     )
-    _state.setdefault(id(kvc), {})["slots"] = plan
+    state_of(kvc)["slots"] = plan
     if plan.request_slots is not None:
         logger.info(
             "redknot: %d request slots + %d snapshots reserve %.2f GB for local heads; "
@@ -156,7 +178,7 @@ def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
 
 
 def cap_requests(kvc: Any, max_num_reqs: int) -> int:
-    plan: SlotPlan | None = _state.get(id(kvc), {}).get("slots")
+    plan: SlotPlan | None = state_of(kvc).get("slots")
     if plan is None or plan.request_slots is None:
         return max_num_reqs
     return min(max_num_reqs, plan.request_slots)
@@ -165,7 +187,7 @@ def cap_requests(kvc: Any, max_num_reqs: int) -> int:
 def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
     from redknot.pool.kv_pool import RedknotKVPool
 
-    plan: SlotPlan | None = _state.get(id(kvc), {}).get("slots")
+    plan: SlotPlan | None = state_of(kvc).get("slots")
     snapshots = plan.snapshots if plan is not None else 0
     pool = RedknotKVPool(
         max_total_num_tokens,
@@ -175,6 +197,6 @@ def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
         num_rings=req_to_token_pool.size + 1,
         num_snapshots=snapshots,
         device=kvc.device,
-        segment_plan=_state.get(id(kvc), {}).get("segments"),
+        segment_plan=state_of(kvc).get("segments"),
     )
     return pool

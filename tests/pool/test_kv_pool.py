@@ -98,16 +98,16 @@ def test_slot_plan_fits_budget_and_honours_requested_count():
     ring = bytes_per_ring(layout, torch.bfloat16)
     token = bytes_per_token(layout, torch.bfloat16)
     budget = 10**9
-    plan = plan_slots(layout, torch.bfloat16, budget_bytes=budget, requested=None)
+    plan = plan_slots([layout], torch.bfloat16, budget_bytes=budget, requested=None)
     # balanced: slots of BALANCE_LEN-token requests run out together with token slots
     per_request = 1.25 * ring + 16384 * token
     assert plan.request_slots == int(budget // per_request)
     tokens_left = (budget - plan.fixed_bytes) // token
     assert abs(tokens_left / plan.request_slots - 16384) < 0.05 * 16384
-    plan = plan_slots(layout, torch.bfloat16, budget_bytes=1000 * ring, requested=40)
+    plan = plan_slots([layout], torch.bfloat16, budget_bytes=1000 * ring, requested=40)
     assert plan.request_slots == 40 and plan.snapshots == 10
     assert plan.fixed_bytes == (40 + 1 + 10) * ring
     with pytest.raises(ValueError, match="lower --max-running-requests"):
-        plan_slots(layout, torch.bfloat16, budget_bytes=10 * ring, requested=40)
+        plan_slots([layout], torch.bfloat16, budget_bytes=10 * ring, requested=40)
     dense = HeadLayout.from_head_map(synthetic_map(SHAPE, 1.0))
-    assert plan_slots(dense, torch.bfloat16, 10**9, None).request_slots is None
+    assert plan_slots([dense], torch.bfloat16, 10**9, None).request_slots is None

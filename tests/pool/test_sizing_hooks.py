@@ -49,8 +49,8 @@ def test_hooks_size_the_pool_from_global_bytes_and_rings(configurator):
     assert plugin._around_cell_size(None, None, configurator, 4) == per_token
     budget = 10**9
     left = plugin._after_available_bytes(budget, configurator, 0)
-    plan = sizing._state[id(configurator)]["slots"]
-    segments = sizing._state[id(configurator)]["segments"].reserved_bytes  # default fraction
+    plan = sizing.state_of(configurator)["slots"]
+    segments = sizing.state_of(configurator)["segments"].reserved_bytes  # default fraction
     ring = bytes_per_ring(layout, torch.bfloat16)
     assert 0 < segments <= 0.05 * budget
     assert (
@@ -68,3 +68,36 @@ def test_hooks_leave_other_backends_alone(configurator):
     assert plugin._around_cell_size(lambda self, kvc, n: 123, None, configurator, 4) == 123
     assert plugin._after_available_bytes(10**9, configurator, 0) is None
     assert plugin._after_max_num_reqs(4096, configurator, 10) is None
+
+
+def test_every_tp_rank_plans_the_costliest_ranks_slots(tmp_path, monkeypatch):
+    """A map whose ranks hold different numbers of global heads: both ranks get the token cell
+    size and request/snapshot slots of the costlier rank, so their schedulers agree."""
+    import dataclasses
+
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.runtime_context import get_parallel
+
+    from redknot.integration import plugin
+
+    base = synthetic_map(ModelShape.from_hf_config(CONFIG), 0.25)
+    head_map = dataclasses.replace(base, classes=("GGLL", "GLLL", "GLLL", "LLLL"))
+    path = tmp_path / "unbalanced.json"
+    head_map.save(path)
+    monkeypatch.setenv(
+        envs.REDKNOT_RESOLVED_CONFIG.name, RedknotConfig(head_map=str(path)).to_json()
+    )
+    cells, plans, own = [], [], []
+    for rank in range(2):
+        kvc = object.__new__(KVCacheConfigurator)
+        kvc.server_args = SimpleNamespace(attention_backend="redknot", max_running_requests=None)
+        kvc.model_config = SimpleNamespace(hf_config=CONFIG, context_len=4096)
+        kvc.kv_cache_dtype = torch.bfloat16
+        with get_parallel().override(attn_tp_size=2, attn_tp_rank=rank):
+            cells.append(plugin._around_cell_size(None, None, kvc, 4))
+            sizing.reserve_local_bytes(kvc, 10**9)
+            own.append(bytes_per_token(sizing.layout_of(kvc), torch.bfloat16))
+        plans.append(sizing.state_of(kvc)["slots"])
+    assert own[0] != own[1]  # rank 0 holds 4 global heads, rank 1 none
+    assert cells == [max(own)] * 2
+    assert plans[0] == plans[1] and plans[0].request_slots is not None

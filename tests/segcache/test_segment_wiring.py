@@ -159,8 +159,8 @@ def test_sizing_takes_segments_out_of_the_budget_first(configurator, fraction, w
         kvc = configurator(segment_fraction=fraction, segment_heads=which)
         left = sizing.reserve_local_bytes(kvc, budget)
         layout = sizing.layout_of(kvc)
-    seg = sizing._state[id(kvc)]["segments"]
-    slots = sizing._state[id(kvc)]["slots"]
+    seg = sizing.state_of(kvc)["segments"]
+    slots = sizing.state_of(kvc)["slots"]
     per_token = bytes_per_segment_token(layout, torch.bfloat16, which)
     assert seg.reserved_bytes == int(budget * fraction) // (16 * per_token) * 16 * per_token
     assert left == budget - seg.reserved_bytes - slots.fixed_bytes
@@ -178,7 +178,7 @@ def test_sizing_gives_every_tp_rank_the_same_segment_region(configurator):
         with get_parallel().override(attn_tp_size=2, attn_tp_rank=rank):
             kvc = configurator()
             sizing.reserve_local_bytes(kvc, 10**9)
-            plans.append(sizing._state[id(kvc)]["segments"])
+            plans.append(sizing.state_of(kvc)["segments"])
     assert plans[0] == plans[1] and plans[0].num_pages > 0
 
 
