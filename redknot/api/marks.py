@@ -4,20 +4,22 @@ A request's marks ride in ``sampling_params["custom_params"]`` (SGLang carries t
 scheduler's ``Req.sampling_params.custom_params``; its values may only be scalars or flat lists,
 so the marks are parallel flat lists):
 
-| key                      | value                                                            |
-| ------------------------ | ---------------------------------------------------------------- |
-| ``redknot_seg_bounds``   | ``[start0, end0, start1, end1, ...]``: token offsets in the      |
-|                          | prompt (``input_ids``), ``start`` inclusive, ``end`` exclusive,  |
-|                          | ascending, not overlapping                                       |
-| ``redknot_seg_namespaces``| one namespace per segment                                       |
-| ``redknot_seg_ids``      | one id per segment: ``redknot.segcache.entry.segment_id``        |
-|                          | of (namespace, the segment's tokens)                             |
-| ``redknot_register``     | ``True`` on a registration (``POST /redknot/segments``): the     |
-|                          | prompt is exactly one segment, prefilled standalone              |
-| ``redknot_pin``          | with ``redknot_register``: keep it until deleted                 |
+| key                        | value                                                          |
+| -------------------------- | -------------------------------------------------------------- |
+| ``redknot_seg_bounds``     | ``[start0, end0, start1, end1, ...]``: token offsets in the    |
+|                            | prompt (``input_ids``), ``start`` inclusive, ``end``           |
+|                            | exclusive, ascending, not overlapping                          |
+| ``redknot_seg_namespaces`` | one namespace per segment                                      |
+| ``redknot_seg_ids``        | one id per segment: ``redknot.segcache.entry.segment_id`` of   |
+|                            | (namespace, the segment's tokens)                              |
+| ``redknot_register``       | ``True`` on a registration (``POST /redknot/segments``): the   |
+|                            | prompt is exactly one segment, prefilled standalone            |
+| ``redknot_pin``            | with ``redknot_register``: keep it until deleted               |
 
-The HTTP side (``redknot.api.generate``, ``chat``, ``routes``) is the only writer; the scheduler
-reads them with :func:`segments_of` and :func:`registration_of`, which validate again.
+The HTTP side (``redknot.api.generate``, ``chat``, ``routes``) is the only writer (clients
+setting these keys themselves get a 400 on every endpoint); the scheduler reads them with
+:func:`segments_of` and :func:`registration_of`, which validate ranges and ids again (the
+namespace's existence is an HTTP-side notion and is not re-checked).
 """
 
 from __future__ import annotations
