@@ -23,6 +23,8 @@ from redknot.kernels.extend import plan_extend, run_extend
 from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
+from redknot.segcache import registration
+from redknot.segcache.registration import SegmentWrites
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -38,6 +40,8 @@ class ExtendState:
     keep_rows_gpu: torch.Tensor | None  # [K] int64, their rows in the local store
     # Snapshot captures at branch points (see redknot.segcache.radix), local-store rows:
     capture: tuple[torch.Tensor, ...] | None = None  # (dst<-ring, src ring, dst<-new, src tok)
+    # Tokens of segments being registered, and their segment-region rows:
+    segment_writes: SegmentWrites | None = None
 
 
 class SegPagedRunner:
@@ -161,7 +165,11 @@ class SegPagedRunner:
             reqs = reqs.to(self.device, non_blocking=True)
             keep_rows = self._ring_rows(fb.req_pool_indices[reqs], positions)
         capture = self._plan_captures(fb, prefix_cpu, lens_cpu) if self.pool.capture_jobs else None
-        self.extend_state = ExtendState(plan, keep_tokens, keep_rows, capture)
+        writes = None
+        if self.pool.segment_jobs:
+            rpis = fb.req_pool_indices.tolist()
+            writes = registration.plan_writes(self.pool, rpis, prefix_cpu, lens_cpu, self.device)
+        self.extend_state = ExtendState(plan, keep_tokens, keep_rows, capture, writes)
 
     def _plan_captures(self, fb: ForwardBatch, prefix_cpu, lens_cpu):
         """Rows of the snapshot captures whose branch point this extend computes."""
@@ -244,6 +252,9 @@ class SegPagedRunner:
         if save_kv_cache and state.keep_rows_gpu is not None:
             idx = state.keep_tokens_gpu
             self.pool.write_local(lid, state.keep_rows_gpu, k[idx], v[idx])
+        if save_kv_cache and state.segment_writes is not None:
+            idx = state.segment_writes.tokens_gpu
+            self.pool.segments.write(lid, state.segment_writes.rows_gpu, k[idx], v[idx])
         return out.flatten(1)
 
     def decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):

@@ -19,6 +19,7 @@ from redknot import SGLANG_VERSION
 from redknot.api import hooks as api_hooks
 from redknot.integration import segments as segment_hooks
 from redknot.integration import server_args as sa_hooks
+from redknot.segcache import registration
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +82,20 @@ def _around_build_pool(original, self, **kwargs):
 
 
 def _around_req_slot_alloc(original, self, reqs):
-    """A new request slot: restore its ring from the snapshot of its cached prefix, and plan the
-    capture of its branch point (see redknot.segcache.radix)."""
+    """A new request slot: restore its ring from the snapshot of its cached prefix, plan the
+    capture of its branch point (see redknot.segcache.radix), and start filling the segment a
+    registration request carries (redknot.segcache.registration)."""
     fresh = [r for r in reqs if r.req_pool_idx is None]
     result = original(self, reqs)
     cache = getattr(self, "redknot_cache", None)
-    if result is not None and cache is not None and cache.uses_snapshots:
+    if result is not None and cache is not None:
         for req in fresh:
-            if len(req.prefix_indices) > 0:
-                cache.queue_restore(req.req_pool_idx, req.last_node)
-            cache.plan_capture(req)
+            if cache.uses_snapshots:
+                if len(req.prefix_indices) > 0:
+                    cache.queue_restore(req.req_pool_idx, req.last_node)
+                cache.plan_capture(req)
+            if cache.segments.enabled:
+                registration.start(cache, req)
     return result
 
 
@@ -154,7 +159,7 @@ def register() -> None:
     try:
         _check_sglang_version()
         _register_all()
-    except Exception as e:  # SGLang would only log it; keep it for verify()
+    except Exception as e:  # noqa: BLE001 -- SGLang would only log it; keep it for verify()
         _failures.append(f"{type(e).__name__}: {e}")
         logger.error("redknot plugin failed to register: %s", e)
 

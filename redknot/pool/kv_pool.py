@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
@@ -96,6 +97,8 @@ class RedknotKVPool(KVCache):
         ]
         self.pending = PendingCopies()
         self.capture_jobs: dict[int, CaptureJob] = {}  # req_pool_idx -> job
+        # req_pool_idx -> redknot.segcache.registration.WriteJob (segments being registered)
+        self.segment_jobs: dict[int, Any] = {}
         self.is_local = tables["is_local"].to(device)
         self.column = tables["column"].to(device)
         d = layout.head_dim

@@ -31,10 +31,16 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from sglang.srt.mem_cache.base_prefix_cache import InsertResult, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import (
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+    zero_match_result,
+)
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from redknot.pool.kv_pool import CaptureJob, RedknotKVPool
+from redknot.segcache import registration
 from redknot.segcache.store import SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -70,6 +76,9 @@ class RedknotRadixCache(RadixCache):
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
+        if registration.is_registration(params.req):
+            # A registration computes its whole prompt (redknot.segcache.registration).
+            return zero_match_result(self, result, extra_key=params.key.extra_key)
         if not self.uses_snapshots or self._inside_insert_path:
             return result
         matched, node, length = (
@@ -100,6 +109,7 @@ class RedknotRadixCache(RadixCache):
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int):
         self._cancel_capture(req.req_pool_idx)
+        registration.finish(self.pool, req.req_pool_idx)
         self._last_inserted = None
         self._inside_insert_path = True
         try:

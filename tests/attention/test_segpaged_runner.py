@@ -33,7 +33,7 @@ def reference(q, keys, values, positions, layout, layer, scale):
 
 
 class World:
-    def __init__(self, classes, grp, dtype, seed=0):
+    def __init__(self, classes, grp, dtype, seed=0, segment_fraction=0.0):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         self.FM = ForwardMode
@@ -41,9 +41,15 @@ class World:
             classes=classes, num_q_heads=len(classes[0]) * grp, head_dim=D, window=WINDOW, sink=SINK
         )
         self.dtype = dtype
+        plan = None
+        if segment_fraction:
+            from redknot.pool.segment_region import plan_segments
+
+            plan = plan_segments([self.layout], dtype, 10**6, segment_fraction, "local")
         self.pool = RedknotKVPool(
-            600, 1, dtype, self.layout, num_rings=6, num_snapshots=1, device="cpu"
-        )
+            600, 1, dtype, self.layout, num_rings=6, num_snapshots=1, device="cpu",
+            segment_plan=plan,
+        )  # fmt: skip
         self.req_to_token = torch.zeros((6, 200), dtype=torch.int32)
         self.runner = SegPagedRunner(
             self.layout,
@@ -164,3 +170,24 @@ def test_extend_captures_a_snapshot_at_the_branch_point():
         for p in [q for q in range(25) if q < SINK or q >= 25 - WINDOW]:
             row = w.pool.local_rows(torch.tensor(slot), torch.tensor(p))
             torch.testing.assert_close(w.pool.k_local[layer][row], keys[p, local])
+
+
+def test_extend_fills_a_segment_being_registered():
+    """A registration's prefill, in two chunks beside another request, writes the local heads'
+    K/V of every segment token to the segment's rows."""
+    from redknot.segcache.registration import WriteJob
+    from redknot.segcache.store import SegmentStore
+
+    w = World(("GLLL", "LLGL"), 2, torch.bfloat16, segment_fraction=0.1)
+    store = SegmentStore.for_pool(w.pool)
+    w.pool.cache = SimpleNamespace(segments=store)
+    entry = store.register("kb", list(range(30)), pin=False)
+    w.pool.segment_jobs[4] = WriteJob(entry)
+    w.step(w.FM.EXTEND, [1, 4], [7, 18])
+    w.step(w.FM.EXTEND, [4], [12])
+    assert not w.pool.segment_jobs and store.lookup("kb", list(range(30))) is not None
+    for layer in range(2):
+        keys, values = w.hist[(4, layer)]
+        local = w.layout.local_heads(layer)
+        got_k, got_v = w.pool.segments.read(layer, entry.rows())
+        assert torch.equal(got_k, keys[:, local]) and torch.equal(got_v, values[:, local])

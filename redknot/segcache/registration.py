@@ -1,0 +1,129 @@
+"""Filling a registered segment's K/V: the registration request's own prefill writes it.
+
+A registration (``redknot.api.marks.registration_of``) is a request whose whole prompt is one
+segment, served standalone (positions from 0). Its life in the scheduler:
+
+| when                                   | what                                                   |
+| -------------------------------------- | ------------------------------------------------------ |
+| prefix match (``match_prefix``)        | no prefix is reused: every token must be computed      |
+| it gets a request slot (``start``)     | the store allocates the segment; a new one becomes a write job |
+| each extend that computes its tokens   | the backend writes their K/V to the segment's rows (``plan_writes``) |
+| the extend reaching its last token     | the segment is marked ready and the job's reference dropped |
+| it finishes or is aborted (``finish``) | an unfinished job is dropped with its segment          |
+
+Writes are issued on the forward stream before any later forward can read the segment, so a
+segment is ready as soon as the extend that completes it is planned.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from redknot.segcache.entry import SegmentEntry, SegmentError, SegmentNotFound
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WriteJob:
+    entry: SegmentEntry
+    written: int = 0  # tokens 0 .. written - 1 have their writes issued
+
+
+@dataclass(frozen=True)
+class SegmentWrites:
+    """One extend's segment writes: token ``tokens_gpu[i]`` of the batch goes to region row
+    ``rows_gpu[i]`` (int64 [W] each, on the device)."""
+
+    tokens_gpu: torch.Tensor
+    rows_gpu: torch.Tensor
+
+
+def is_registration(req: Any) -> bool:
+    from redknot.api.marks import SegmentMarkError, registration_of
+
+    if getattr(req, "sampling_params", None) is None:
+        return False
+    try:
+        return registration_of(req) is not None
+    except SegmentMarkError:  # validated by the API; a malformed mark is not a registration
+        return False
+
+
+def start(cache: Any, req: Any) -> None:
+    """``req`` got its request slot: allocate its segment and, if new, plan the writes."""
+    from redknot.api.marks import registration_of
+
+    if not is_registration(req):
+        return
+    reg = registration_of(req)
+    store = cache.segments
+    try:
+        entry = store.register(reg.mark.namespace, list(req.origin_input_ids), pin=reg.pin)
+    except SegmentError as e:
+        logger.warning("redknot: segment registration not stored: %s", e)
+        return
+    if entry.ready or entry.num_tokens != len(req.origin_input_ids):
+        store.release(entry)  # already stored, or being written by another registration
+        return
+    cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(entry)
+
+
+def plan_writes(
+    pool: Any, req_pool_indices: list[int], prefix_cpu, lens_cpu, device
+) -> SegmentWrites | None:
+    """The segment writes of one extend batch; completes the jobs whose last token it computes."""
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
+    offset = 0
+    for rpi, p, e in zip(req_pool_indices, list(prefix_cpu), list(lens_cpu)):
+        p, e = int(p), int(e)
+        job = pool.segment_jobs.get(rpi)
+        if job is not None:
+            end = min(p + e, job.entry.num_tokens)
+            if p != job.written:  # a prefix was reused after all: the segment cannot be filled
+                _drop(pool, rpi)
+            elif end > p:
+                tokens.extend(range(offset, offset + end - p))
+                rows.append(job.entry.rows()[p:end])
+                job.written = end
+                if end == job.entry.num_tokens:
+                    pool.cache.segments.mark_ready(job.entry)
+                    pool.cache.segments.release(job.entry)
+                    del pool.segment_jobs[rpi]
+        offset += e
+    if not tokens:
+        return None
+    return SegmentWrites(
+        torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True),
+        torch.cat(rows).to(device, non_blocking=True),
+    )
+
+
+def finish(pool: Any, req_pool_idx: int | None) -> None:
+    """A request left its slot: drop its unfinished write job (and the half-written segment)."""
+    if req_pool_idx is not None and req_pool_idx in pool.segment_jobs:
+        _drop(pool, req_pool_idx)
+
+
+def _drop(pool: Any, rpi: int) -> None:
+    job = pool.segment_jobs.pop(rpi)
+    store = pool.cache.segments
+    entry = job.entry
+    try:
+        store.delete(entry.namespace, entry.id)
+    except SegmentNotFound:
+        pass  # deleted through the API meanwhile
+    store.release(entry)
+    logger.warning(
+        "redknot: segment %s of namespace %r was not stored: its registration ended after %d "
+        "of %d tokens",
+        entry.id,
+        entry.namespace,
+        job.written,
+        entry.num_tokens,
+    )

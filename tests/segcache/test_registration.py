@@ -1,0 +1,120 @@
+"""A registration request's prefill fills its segment: write jobs, chunked extends, abort."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from redknot.api.marks import SegmentMark, encode_marks
+from redknot.headmap import ModelShape, synthetic_map
+from redknot.pool.kv_pool import RedknotKVPool
+from redknot.pool.layout import HeadLayout
+from redknot.pool.segment_region import plan_segments
+from redknot.segcache import registration
+from redknot.segcache.entry import segment_id
+from redknot.segcache.store import SegmentStore
+
+SHAPE = ModelShape(
+    "LlamaForCausalLM", num_layers=3, num_kv_heads=4, num_attention_heads=8, head_dim=8
+)
+
+
+def make_world():
+    layout = HeadLayout.from_head_map(synthetic_map(SHAPE, 0.25, window=8, sink=2))
+    plan = plan_segments([layout], torch.float32, 200_000, 0.5, "local", page_tokens=4)
+    pool = RedknotKVPool(
+        64, 1, torch.float32, layout, num_rings=4, num_snapshots=1, device="cpu", segment_plan=plan
+    )
+    pool.cache = SimpleNamespace(segments=SegmentStore.for_pool(pool), pool=pool)
+    return layout, pool, pool.cache
+
+
+def registration_req(ids, rpi, namespace="kb", pin=True, register=True):
+    mark = SegmentMark(0, len(ids), namespace, segment_id(namespace, ids))
+    params = encode_marks([mark], register=register, pin=pin)
+    return SimpleNamespace(
+        origin_input_ids=list(ids), sampling_params=SimpleNamespace(custom_params=params),
+        req_pool_idx=rpi,
+    )  # fmt: skip
+
+
+def write_extend(pool, rpis, prefix, lens, k, v):
+    """What the backend does for one extend: plan, then write every layer's K/V."""
+    writes = registration.plan_writes(pool, rpis, prefix, lens, "cpu")
+    if writes is not None:
+        for layer in range(SHAPE.num_layers):
+            pool.segments.write(layer, writes.rows_gpu, k[layer][writes.tokens_gpu],
+                                v[layer][writes.tokens_gpu])  # fmt: skip
+    return writes
+
+
+def test_chunked_registration_fills_the_segment_then_makes_it_ready():
+    layout, pool, cache = make_world()
+    store = cache.segments
+    ids = list(range(100, 113))  # 13 tokens: 4 pages of 4
+    req = registration_req(ids, rpi=2)
+    other = registration_req([7, 8, 9], rpi=1, register=False)  # an ordinary marked request
+    registration.start(cache, req)
+    registration.start(cache, other)
+    assert set(pool.segment_jobs) == {2}
+    assert store.lookup("kb", ids) is None  # not ready while being written
+    k = [torch.randn(20, 4, 8) for _ in range(3)]
+    v = [torch.randn(20, 4, 8) for _ in range(3)]
+    # batch: request 1 (3 tokens) then request 2's first chunk (5 tokens)
+    w = write_extend(pool, [1, 2], [0, 0], [3, 5], k, v)
+    assert w.tokens_gpu.tolist() == [3, 4, 5, 6, 7]
+    # second chunk: request 2's tokens 5..12 at batch offset 0
+    k2 = [torch.randn(8, 4, 8) for _ in range(3)]
+    v2 = [torch.randn(8, 4, 8) for _ in range(3)]
+    write_extend(pool, [2], [5], [8], k2, v2)
+    assert not pool.segment_jobs
+    entry = store.lookup("kb", ids)
+    assert entry is not None and entry.pinned and store.stats()["referenced"] == 0
+    rows = entry.rows()
+    for layer in range(3):
+        local = layout.local_heads(layer)
+        want_k = torch.cat([k[layer][3:8], k2[layer]])[:, local]
+        want_v = torch.cat([v[layer][3:8], v2[layer]])[:, local]
+        got_k, got_v = pool.segments.read(layer, rows)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    store.check()
+
+
+def test_registering_a_stored_segment_writes_nothing():
+    _, pool, cache = make_world()
+    ids = [5, 6, 7, 8, 9]
+    registration.start(cache, registration_req(ids, rpi=1))
+    k = [torch.randn(5, 4, 8) for _ in range(3)]
+    write_extend(pool, [1], [0], [5], k, k)
+    registration.start(cache, registration_req(ids, rpi=3, pin=False))
+    assert not pool.segment_jobs
+    assert cache.segments.stats()["referenced"] == 0
+    assert cache.segments.lookup("kb", ids).pinned is False  # the latest registration's pin
+
+
+@pytest.mark.parametrize("how", ["aborted", "prefix reused"])
+def test_an_unfinished_registration_leaves_nothing_behind(how):
+    _, pool, cache = make_world()
+    store = cache.segments
+    ids = list(range(30, 40))
+    registration.start(cache, registration_req(ids, rpi=2))
+    assert store.stats()["bytes_used"] > 0
+    k = [torch.randn(10, 4, 8) for _ in range(3)]
+    write_extend(pool, [2], [0], [4], k, k)
+    if how == "aborted":
+        registration.finish(pool, 2)
+    else:  # an extend that does not continue where the writes stopped cannot fill it
+        assert write_extend(pool, [2], [6], [4], k, k) is None
+    assert not pool.segment_jobs
+    assert store.lookup("kb", ids) is None and store.list("kb") == []
+    assert store.stats()["bytes_used"] == 0 and store.stats()["referenced"] == 0
+    store.check()
+
+
+def test_malformed_marks_are_not_a_registration():
+    req = registration_req([1, 2, 3], rpi=0)
+    req.origin_input_ids = [1, 2]  # the mark no longer fits the prompt
+    assert registration.is_registration(req) is False
+    assert registration.is_registration(None) is False
