@@ -1,7 +1,8 @@
 """GPU smoke of the request API against a real server (not collected by pytest).
 
 Starts ``python -m sglang.launch_server --attention-backend redknot`` on the Llama-3.1-8B shape
-with dummy weights (``--skip-tokenizer-init``: token spans only), then exercises ``/generate``
+with dummy weights and the synthetic 1/8-global map (``HEAD_MAP=all-global`` for every head
+global, where segments keep nothing) (``--skip-tokenizer-init``: token spans only), then exercises ``/generate``
 markup, a 400 and recovery, and the ``/redknot`` endpoints through the real launcher, IPC and
 scheduler. Writes ``$OUT/api_smoke.json`` and the server log. On the GPU machine, after the
 bundle unpack line: ``python3 tests/api/gpu_smoke.py``.
@@ -40,7 +41,11 @@ def main() -> int:
     argv += ["--load-format", "dummy", "--skip-tokenizer-init", "--grammar-backend", "none"]
     argv += ["--sampling-backend", "pytorch", "--context-length", "8192", "--port", str(PORT)]
     argv += ["--disable-prefill-cuda-graph", "--cuda-graph-max-bs-decode", "4"]
-    argv += ["--attention-backend", "redknot", "--redknot-all-global"]
+    head_map = os.environ.get("HEAD_MAP", "configs/heads/synthetic/llama-3.1-8b-g0.125.json")
+    argv += ["--attention-backend", "redknot"]
+    argv += (
+        ["--redknot-all-global"] if head_map == "all-global" else ["--redknot-head-map", head_map]
+    )
     argv += ["--redknot-namespaces", "kb"]
     with open(os.path.join(OUT, "api_smoke_server.log"), "w") as log:
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -78,6 +83,9 @@ def main() -> int:
             "POST", "/redknot/segments", {"namespace": "kb", "input_ids": ids[10:200], "pin": True}
         )
         results["register"] = reg
+        results["register_again"] = call(
+            "POST", "/redknot/segments", {"namespace": "kb", "input_ids": ids[10:200]}
+        )
         results["list"] = call("GET", "/redknot/segments?namespace=kb")
         results["stats"] = call("GET", "/redknot/stats")
         sid = reg[1].get("segment_id") if isinstance(reg[1], dict) else "none"
