@@ -172,7 +172,7 @@ def make_backend(args: argparse.Namespace) -> FidelityBackend:
         )
     from redknot.eval.reference_backend import ReferenceBackend
 
-    return ReferenceBackend(
+    return ReferenceBackend.load(
         args.model, args.head_map, device=args.device, max_new_tokens=args.max_new_tokens
     )
 

@@ -26,29 +26,49 @@ from redknot.reference import ReferenceRunner, load_model
 
 
 class ReferenceBackend(FidelityBackend):
-    """Loads ``model`` (a :func:`redknot.reference.resolve_source` spec) and ``head_map``."""
+    """Serves cases with a loaded Hugging Face model, its tokenizer and a head map (see
+    :meth:`load`)."""
 
     name = "reference"
 
     def __init__(
         self,
-        model: str,
-        head_map: str,
+        hf_model: torch.nn.Module,
+        tokenizer,
+        head_map: HeadMap,
         *,
+        model_name: str,
+        head_map_path: str = "",
         device: str = "cpu",
         max_new_tokens: int = 16,
     ) -> None:
-        hf_model, tokenizer, source = load_model(model, device=device)
         self.runner = ReferenceRunner(hf_model)
         self.tokenizer = tokenizer
-        self.source = source
+        self.model_name = model_name
         self.device = device
-        self.head_map_path = head_map
-        self.head_map = HeadMap.load(head_map)
-        self.head_map.validate_against(self.runner.shape, source=head_map)
+        self.head_map_path = head_map_path
+        self.head_map = head_map
+        self.head_map.validate_against(self.runner.shape, source=head_map_path or "head map")
         self.max_new_tokens = max_new_tokens
         stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
         self.stop_token_ids = sorted(t for t in stops if isinstance(t, int) and t >= 0)
+
+    @classmethod
+    def load(
+        cls, model: str, head_map: str, *, device: str = "cpu", max_new_tokens: int = 16
+    ) -> ReferenceBackend:
+        """Load ``model`` (a :func:`redknot.reference.resolve_source` spec, never downloaded)
+        and the head map file ``head_map``."""
+        hf_model, tokenizer, source = load_model(model, device=device)
+        return cls(
+            hf_model,
+            tokenizer,
+            HeadMap.load(head_map),
+            model_name=source.name,
+            head_map_path=head_map,
+            device=device,
+            max_new_tokens=max_new_tokens,
+        )
 
     def describe(self) -> dict[str, Any]:
         hm = self.head_map
@@ -58,7 +78,7 @@ class ReferenceBackend(FidelityBackend):
             "device": self.device,
             "device_detail": f"{self.device} ({torch.get_num_threads()} threads, {detail}, "
             f"{platform.platform()})",
-            "model": self.source.name,
+            "model": self.model_name,
             "head_map": {
                 "path": self.head_map_path,
                 "global_fraction": hm.global_fraction,
@@ -93,17 +113,15 @@ class ReferenceBackend(FidelityBackend):
             serving_map = None
             if setting.policy == "redknot":
                 serving_map = (setting.options or RecoveryOptions()).head_map(self.head_map)
-            if setting.policy == "full":
-                prompt = ReusePrompt(composed.ids)
-            else:
-                key = (
-                    None
-                    if serving_map is None
-                    else (serving_map.window, serving_map.sink, serving_map.classes)
-                )
-                if key not in prompts:
-                    prompts[key] = self._prompt(composed, serving_map)
-                prompt = prompts[key]
+            # full serves without reuse; its prompt's segments only label rows for the record
+            key = (
+                None
+                if serving_map is None
+                else (serving_map.window, serving_map.sink, serving_map.classes)
+            )
+            if key not in prompts:
+                prompts[key] = self._prompt(composed, serving_map)
+            prompt = prompts[key]
             policy = create_policy(
                 setting.policy,
                 prompt,

@@ -1,0 +1,126 @@
+"""The evaluation loop and the CLI on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from redknot.eval import Case, PolicySetting, write_cases
+from redknot.eval.cli import build_parser, main, settings_of
+from redknot.eval.compose import compose
+from redknot.eval.fidelity import evaluate
+from redknot.recovery import RecoveryOptions
+
+CASES = [
+    Case(
+        "rag-1",
+        ("the cat sat on the mat. " * 3, "a dog ran in the park. " * 3),
+        "\nwho sat? ",
+        ("cat",),
+        system="read: ",
+        between=("", "\n"),
+    ),
+    Case("needle-2", ("x marks the spot. " * 4,), " where? ", ("spot",)),
+]
+SETTINGS = [
+    PolicySetting("full"),
+    PolicySetting("naive"),
+    PolicySetting("redknot", RecoveryOptions(dense_layers=1, mass_thresh=0.5, recent_n=4)),
+    PolicySetting("redknot", RecoveryOptions(dense_layers=3), "redknot-dense"),
+]
+
+
+def test_compose_marks_segments_where_their_tokens_are(backend):
+    c = compose(backend.tokenizer, CASES[0])
+    tok = backend.tokenizer
+    assert c.prefix_len == len("read: ")
+    for (s, e), text in zip(c.segments, CASES[0].segments):
+        assert list(c.ids[s:e]) == tok(text)["input_ids"]
+    assert c.segments[1][0] == c.segments[0][1] + 1  # "\n" between
+    assert len(c.ids) == c.segments[1][1] + len(CASES[0].question)
+
+
+def test_evaluate_scores_every_setting_against_dense(backend, tmp_path):
+    result = evaluate(backend, CASES, SETTINGS, work_dir=tmp_path, log=lambda s: None)
+    s = result["summary"]
+    assert s["full"]["top1"] == s["full"]["top10"] == 1.0
+    assert s["full"]["cosine"] == pytest.approx(1.0)
+    assert s["full"]["flops_fraction"] == 1.0 and s["full"]["ffn_fraction"] == 1.0
+    assert s["naive"]["ffn_fraction"] == s["naive"]["kv_head_fraction"] == 0.0
+    assert 0.0 < s["naive"]["flops_fraction"] < s["redknot"]["flops_fraction"] < 1.0
+    # needle-2's segment starts the prompt: an exact-prefix hit, nothing of it is recomputed
+    rows = {c["id"]: c["settings"]["redknot-dense"] for c in result["per_case"]}
+    assert rows["rag-1"]["ffn_fraction"] == 1.0 and rows["needle-2"]["ffn_fraction"] == 0.0
+    assert rows["rag-1"]["kv_head_fraction"] == pytest.approx(0.5)
+    assert rows["needle-2"]["kv_head_fraction"] == 0.0
+    assert result["cases"]["count"] == 2 and result["cases"]["by_kind"] == {"needle": 1, "rag": 1}
+    row = result["per_case"][0]
+    assert set(row["settings"]) == {"full", "naive", "redknot", "redknot-dense"}
+    assert row["prefix_tokens"] == len("read: ")
+    json.dumps(result)  # serialisable
+    front = result["pareto"]["top1_vs_flops"]
+    costs = [s[label]["flops_fraction"] for label in front]
+    assert front and costs == sorted(costs) and min(s[x]["flops_fraction"] for x in s) == costs[0]
+    again = evaluate(backend, CASES, SETTINGS, work_dir=tmp_path, log=lambda s: None)
+    assert again["cases"]["reused_from_work_dir"] == 2
+    assert again["summary"] == result["summary"]
+
+
+def test_settings_need_the_reference(backend):
+    with pytest.raises(ValueError, match="full"):
+        evaluate(backend, CASES, SETTINGS[1:], log=lambda s: None)
+
+
+def _args(*extra):
+    return build_parser().parse_args(
+        ["fidelity", "--cases", "c.jsonl", "--head-map", "m.json", "--out", "o.json", *extra]
+    )
+
+
+def test_cli_builds_the_sweep():
+    labels = [s.label for s in settings_of(_args("--dense-layers", "4,8", "--mass-thresh", "0.5"))]
+    assert labels == [
+        "full",
+        "naive",
+        "redknot[dense_layers=4,mass_thresh=0.5]",
+        "redknot[dense_layers=8,mass_thresh=0.5]",
+    ]
+    explicit = settings_of(
+        _args(
+            "--policies",
+            "full,redknot",
+            "--recent-n",
+            "64",
+            "--redknot-settings",
+            "dense_layers=30;dense_layers=8,skipped=cached,restore_thresh=off",
+        )
+    )
+    assert [s.options.recent_n for s in explicit[1:]] == [64, 64]
+    assert explicit[2].options.skipped == "cached" and explicit[2].options.restore_thresh is None
+    assert [s.label for s in settings_of(_args("--policies", "full"))] == ["full"]
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--backend", "server"], "server backend .* not built yet"),
+        (["--policies", "full,cacheblend"], "unknown policy 'cacheblend'"),
+        (["--mass-thresh", "2"], "mass_thresh must lie in"),
+        (["--redknot-settings", "dense=3"], "not knob=value"),
+        (["--dense-layers", "4,8", "--redknot-settings", "mass_thresh=0.5"], "several values"),
+    ],
+)
+def test_cli_errors_are_clear(tmp_path, capsys, extra, match):
+    cases = tmp_path / "c.jsonl"
+    write_cases(CASES, cases)
+    argv = ["fidelity", "--cases", str(cases), "--head-map", "m.json", "--out", "o.json"]
+    with pytest.raises(SystemExit, match=match):
+        main(argv + extra)
+
+
+def test_cli_reports_a_bad_case_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a"}\n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: missing field"):
+        main(["fidelity", "--cases", str(bad), "--head-map", "m.json", "--out", "o.json"])
