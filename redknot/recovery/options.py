@@ -56,10 +56,10 @@ class RecoveryOptions:
     dense_layers: int = 8
     mass_thresh: float = 0.5
     recent_n: int = 128
-    restore_thresh: float | None = None
+    restore_thresh: float | None = 0.1
     restore_edge: int = 32
     local_kv: LocalKV = "cached"
-    skipped: Skipped = "residual"
+    skipped: Skipped = "cached"
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:

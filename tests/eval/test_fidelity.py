@@ -27,7 +27,7 @@ SETTINGS = [
     PolicySetting("full"),
     PolicySetting("naive"),
     PolicySetting("redknot", RecoveryOptions(dense_layers=1, mass_thresh=0.5, recent_n=4)),
-    PolicySetting("redknot", RecoveryOptions(dense_layers=3), "redknot-dense"),
+    PolicySetting("redknot", RecoveryOptions(dense_layers=3, restore_thresh=None), "redknot-dense"),
 ]
 
 

@@ -67,7 +67,9 @@ def test_naive_hand_count(runner, prompt):
 def test_redknot_hand_count(runner, prompt):
     """Map GL in every layer, window 2, sink 1; dense FFN in layer 0 only; no importance."""
     hm = HeadMap(runner.shape, ("GL",) * LAYERS, window=2, sink=1, dense_layers=1)
-    opts = RecoveryOptions(dense_layers=1, mass_thresh=0.0, recent_n=1)
+    opts = RecoveryOptions(
+        dense_layers=1, mass_thresh=0.0, recent_n=1, restore_thresh=None, skipped="residual"
+    )
     policy = create_policy(
         "redknot", compose(runner, prompt, hm), shape=runner.shape, head_map=hm, options=opts
     )
@@ -88,7 +90,9 @@ def test_redknot_skipped_tokens_left_to_cache_hand_count(runner, prompt):
     """skipped="cached": segment rows 3..6 skip the FFN of layer 1 (nothing is important at
     mass_thresh 0), so in layer 2 they take the cached KV in every head and compute nothing."""
     hm = HeadMap(runner.shape, ("GL",) * LAYERS, window=2, sink=1, dense_layers=1)
-    opts = RecoveryOptions(dense_layers=1, mass_thresh=0.0, recent_n=1, skipped="cached")
+    opts = RecoveryOptions(
+        dense_layers=1, mass_thresh=0.0, recent_n=1, restore_thresh=None, skipped="cached"
+    )
     policy = create_policy(
         "redknot", compose(runner, prompt, hm), shape=runner.shape, head_map=hm, options=opts
     )

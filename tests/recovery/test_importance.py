@@ -63,7 +63,9 @@ def test_elastic_ffn_rows_follow_the_schedule(runner, pieces):
     segment rows, chosen from the newest rows' attention mass as a brute force recomputes it."""
     hm = synthetic_map(runner.shape, 0.5, window=16, sink=2, seed=0)
     prompt = compose(runner, pieces, hm)
-    opts = RecoveryOptions(dense_layers=1, mass_thresh=0.6, recent_n=8)
+    opts = RecoveryOptions(
+        dense_layers=1, mass_thresh=0.6, recent_n=8, restore_thresh=None, skipped="residual"
+    )
     policy = create_policy("redknot", prompt, shape=runner.shape, head_map=hm, options=opts)
     seen = []
     original = policy.choose_ffn_rows
