@@ -21,10 +21,12 @@ import torch
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import plan_extend, run_extend
 from redknot.kernels.geometry import LayerHeads, SegGeometry
+from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
-from redknot.segcache import registration
+from redknot.segcache import registration, reuse
 from redknot.segcache.registration import SegmentWrites
+from redknot.segcache.reuse import SegmentReads
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -42,6 +44,28 @@ class ExtendState:
     capture: tuple[torch.Tensor, ...] | None = None  # (dst<-ring, src ring, dst<-new, src tok)
     # Tokens of segments being registered, and their segment-region rows:
     segment_writes: SegmentWrites | None = None
+    # Tokens that reuse a stored segment's local K/V (redknot.segcache.reuse):
+    segment_reads: SegmentReads | None = None
+
+
+def model_rope(model: torch.nn.Module) -> AlignableRope:
+    """The RoPE of a loaded SGLang model (its first rotary embedding), checked for alignment.
+
+    Raises ``NotImplementedError`` naming the variant when cached segment keys cannot be
+    re-rotated (then serve with ``--redknot-segment-fraction 0``)."""
+    for module in model.modules():
+        if type(module).__module__.startswith("sglang.srt.layers.rotary_embedding"):
+            try:
+                return alignable_rope(module)
+            except NotImplementedError as e:
+                raise NotImplementedError(
+                    f"{e}; cached segments cannot be reused at new positions with this model: "
+                    "start the server with --redknot-segment-fraction 0"
+                ) from e
+    raise NotImplementedError(
+        "found no SGLang rotary embedding in the model, so cached segments cannot be re-rotated: "
+        "start the server with --redknot-segment-fraction 0"
+    )
 
 
 class SegPagedRunner:
@@ -79,6 +103,9 @@ class SegPagedRunner:
             self.geo, max_batch_size, self.num_sms, device, max_splits=MAX_SPLITS
         )
         self._dummy = torch.zeros((1, 1, layout.head_dim), dtype=pool.dtype, device=device)
+        # RoPE of the model, for re-rotating reused segment keys (set when segments are on)
+        self.rope: AlignableRope | None = None
+        self._arange = torch.arange(max_context_len, device=device)
         self.decode_plan = None
         self.decode_rows: torch.Tensor | None = None  # [B] int64 ring rows of the new tokens
         self.graph_plans: dict[int, object] = {}
@@ -88,7 +115,7 @@ class SegPagedRunner:
     @classmethod
     def from_model_runner(cls, model_runner, layout: HeadLayout) -> SegPagedRunner:
         req_pool = model_runner.req_to_token_pool
-        return cls(
+        runner = cls(
             layout,
             model_runner.token_to_kv_pool,
             req_pool.req_to_token,
@@ -96,6 +123,9 @@ class SegPagedRunner:
             max_context_len=model_runner.model_config.context_len,
             device=torch.device(model_runner.device),
         )
+        if runner.pool.segments is not None:
+            runner.rope = model_rope(model_runner.model)
+        return runner
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -169,7 +199,11 @@ class SegPagedRunner:
         if self.pool.segment_jobs:
             rpis = fb.req_pool_indices.tolist()
             writes = registration.plan_writes(self.pool, rpis, prefix_cpu, lens_cpu, self.device)
-        self.extend_state = ExtendState(plan, keep_tokens, keep_rows, capture, writes)
+        reads = None
+        if self.pool.segment_reads:
+            rpis = fb.req_pool_indices.tolist()
+            reads = reuse.plan_reads(self.pool, rpis, prefix_cpu, lens_cpu, self.device)
+        self.extend_state = ExtendState(plan, keep_tokens, keep_rows, capture, writes, reads)
 
     def _plan_captures(self, fb: ForwardBatch, prefix_cpu, lens_cpu):
         """Rows of the snapshot captures whose branch point this extend computes."""
@@ -240,6 +274,8 @@ class SegPagedRunner:
         if save_kv_cache:
             self.pool.write_global(lid, fb.out_cache_loc, k, v)
         state = self.extend_state
+        if state.segment_reads is not None:
+            self._reuse_local_kv(lid, k, v, state.segment_reads)
         out = q.new_empty(q.shape)
         run_extend(
             state.plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
@@ -256,6 +292,29 @@ class SegPagedRunner:
             idx = state.segment_writes.tokens_gpu
             self.pool.segments.write(lid, state.segment_writes.rows_gpu, k[idx], v[idx])
         return out.flatten(1)
+
+    def _reuse_local_kv(self, lid: int, k, v, reads: SegmentReads) -> None:
+        """Local heads of reused segment tokens take the cached K/V, re-rotated to their
+        positions in this prompt (in place in this layer's ``k``, ``v``: [T, H_kv, D])."""
+        region = self.pool.segments
+        stored = region.heads[lid]
+        local = self.layout.local_heads(lid)
+        if not local:
+            return
+        n = reads.rows_gpu.numel()
+        k_new = region.k[lid].new_empty((n, len(stored), k.shape[2]))
+        v_new = region.v[lid].new_empty((n, len(stored), v.shape[2]))
+        rope_align(
+            region.k[lid], reads.rows_gpu, k_new, self._arange[:n], reads.pos_off_gpu,
+            reads.pos_on_gpu, self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
+            rotary_dim=self.rope.rotary_dim, v_src=region.v[lid], v_dst=v_new,
+        )  # fmt: skip
+        cols = [stored.index(h) for h in local]
+        heads = torch.tensor(local, device=k.device)
+        pick = torch.tensor(cols, device=k.device)
+        tok = reads.tokens_gpu[:, None]
+        k[tok, heads[None, :]] = k_new[:, pick].to(k.dtype)
+        v[tok, heads[None, :]] = v_new[:, pick].to(v.dtype)
 
     def decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):
         lid = layer.layer_id

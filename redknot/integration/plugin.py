@@ -19,7 +19,7 @@ from redknot import SGLANG_VERSION
 from redknot.api import hooks as api_hooks
 from redknot.integration import segments as segment_hooks
 from redknot.integration import server_args as sa_hooks
-from redknot.segcache import registration
+from redknot.segcache import registration, reuse
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ def _around_build_pool(original, self, **kwargs):
 def _around_req_slot_alloc(original, self, reqs):
     """A new request slot: restore its ring from the snapshot of its cached prefix, plan the
     capture of its branch point (see redknot.segcache.radix), and start filling the segment a
-    registration request carries (redknot.segcache.registration)."""
+    registration request carries (redknot.segcache.registration) or take the stored segments a
+    marked request reuses (redknot.segcache.reuse)."""
     fresh = [r for r in reqs if r.req_pool_idx is None]
     result = original(self, reqs)
     cache = getattr(self, "redknot_cache", None)
@@ -96,6 +97,7 @@ def _around_req_slot_alloc(original, self, reqs):
                 cache.plan_capture(req)
             if cache.segments.enabled:
                 registration.start(cache, req)
+                reuse.start(cache, req)
     return result
 
 

@@ -99,6 +99,8 @@ class RedknotKVPool(KVCache):
         self.capture_jobs: dict[int, CaptureJob] = {}  # req_pool_idx -> job
         # req_pool_idx -> redknot.segcache.registration.WriteJob (segments being registered)
         self.segment_jobs: dict[int, Any] = {}
+        # req_pool_idx -> [redknot.segcache.reuse.SegmentUse] (stored segments a request reuses)
+        self.segment_reads: dict[int, list[Any]] = {}
         self.is_local = tables["is_local"].to(device)
         self.column = tables["column"].to(device)
         d = layout.head_dim

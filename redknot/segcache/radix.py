@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from redknot.pool.kv_pool import CaptureJob, RedknotKVPool
-from redknot.segcache import registration
+from redknot.segcache import registration, reuse
 from redknot.segcache.store import SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class RedknotRadixCache(RadixCache):
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int):
         self._cancel_capture(req.req_pool_idx)
         registration.finish(self.pool, req.req_pool_idx)
+        reuse.finish(self, req.req_pool_idx)
         self._last_inserted = None
         self._inside_insert_path = True
         try:

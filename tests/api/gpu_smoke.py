@@ -86,6 +86,13 @@ def main() -> int:
         results["register_again"] = call(
             "POST", "/redknot/segments", {"namespace": "kb", "input_ids": ids[10:200]}
         )
+        moved = [5] * 37 + ids[10:200] + [9] * 20  # the segment at another position
+        results["generate_reusing"] = call(
+            "POST",
+            "/generate",
+            {"input_ids": moved, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+            | {"redknot_segments": [{"start": 37, "end": 227, "namespace": "kb"}]},
+        )
         results["list"] = call("GET", "/redknot/segments?namespace=kb")
         results["stats"] = call("GET", "/redknot/stats")
         sid = reg[1].get("segment_id") if isinstance(reg[1], dict) else "none"

@@ -191,3 +191,40 @@ def test_extend_fills_a_segment_being_registered():
         local = w.layout.local_heads(layer)
         got_k, got_v = w.pool.segments.read(layer, entry.rows())
         assert torch.equal(got_k, keys[:, local]) and torch.equal(got_v, values[:, local])
+
+
+def test_extend_reuses_a_stored_segment_at_a_new_position():
+    """A request holding a stored segment at tokens 5..14, prefilled in two chunks: local heads
+    of those tokens attend the cached K/V re-rotated from positions 0..9 to 5..14; global heads
+    and the other tokens keep their fresh K/V (the attention check in ``World.step`` runs on
+    the K/V as served)."""
+    from redknot.kernels.rope_align import alignable_rope
+    from redknot.kernels.rope_reference import alignment_tolerance, delta_rotate, sglang_rope
+    from redknot.segcache.registration import WriteJob
+    from redknot.segcache.reuse import SegmentUse
+    from redknot.segcache.store import SegmentStore
+
+    w = World(("GLLL", "LLGL"), 2, torch.bfloat16, segment_fraction=0.1)
+    store = SegmentStore.for_pool(w.pool)
+    w.pool.cache = SimpleNamespace(segments=store)
+    w.runner.rope = alignable_rope(sglang_rope(D, D, 512, 10000.0, True))
+    ids = list(range(50, 60))
+    entry = store.register("kb", ids, pin=False)
+    w.pool.segment_jobs[4] = WriteJob(entry)
+    w.step(w.FM.EXTEND, [4], [10])  # the segment alone, positions 0..9
+    cached = [w.hist[(4, layer)] for layer in range(2)]
+    store.acquire(entry)
+    w.pool.segment_reads[2] = [SegmentUse(5, entry)]
+    w.step(w.FM.EXTEND, [2], [8])  # tokens 0..7: segment tokens 5..7
+    w.step(w.FM.EXTEND, [2], [10])  # tokens 8..17: segment tokens 8..14
+    cache = w.runner.rope.cos_sin_cache
+    for layer in range(2):
+        keys, values = w.hist[(2, layer)]
+        local, glob = w.layout.local_heads(layer), w.layout.global_heads(layer)
+        want = delta_rotate(
+            cached[layer][0][:, local], torch.arange(10), torch.arange(5, 15), cache, is_neox=True
+        ).to(torch.bfloat16)
+        diff = (keys[5:15, local].float() - want.float()).abs()
+        assert (diff <= alignment_tolerance(want, D, True)).all()
+        assert torch.equal(values[5:15, local], cached[layer][1][:, local])
+        assert not torch.equal(keys[5:15, glob], cached[layer][0][:, glob])  # fresh

@@ -1,4 +1,5 @@
-"""A registration request's prefill fills its segment: write jobs, chunked extends, abort."""
+"""A registration request's prefill fills its segment (write jobs, chunked extends, abort); a
+marked request finds stored segments and reads them (hits, references, prefix-covered tokens)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from redknot.headmap import ModelShape, synthetic_map
 from redknot.pool.kv_pool import RedknotKVPool
 from redknot.pool.layout import HeadLayout
 from redknot.pool.segment_region import plan_segments
-from redknot.segcache import registration
+from redknot.segcache import registration, reuse
 from redknot.segcache.entry import segment_id
 from redknot.segcache.store import SegmentStore
 
@@ -118,3 +119,34 @@ def test_malformed_marks_are_not_a_registration():
     req.origin_input_ids = [1, 2]  # the mark no longer fits the prompt
     assert registration.is_registration(req) is False
     assert registration.is_registration(None) is False
+
+
+def test_a_marked_request_reads_stored_segments_where_its_extends_compute_them():
+    _, pool, cache = make_world()
+    store = cache.segments
+    doc_a, doc_b = list(range(200, 209)), list(range(300, 306))
+    for rpi, ids in ((1, doc_a), (3, doc_b)):
+        registration.start(cache, registration_req(ids, rpi))
+        k = [torch.randn(len(ids), 4, 8) for _ in range(3)]
+        write_extend(pool, [rpi], [0], [len(ids)], k, k)
+    # prompt: 4 new tokens, doc_a at 4..12, 2 new, doc_b at 15..20, an unknown segment at 21..23
+    prompt = [1, 2, 3, 4] + doc_a + [5, 6] + doc_b + [7, 8, 9]
+    marks = [(4, 13, doc_a), (15, 21, doc_b), (21, 24, [7, 8, 9])]
+    params = encode_marks([SegmentMark(s, e, "kb", segment_id("kb", ids)) for s, e, ids in marks])
+    req = SimpleNamespace(origin_input_ids=prompt, rid="r",
+                          sampling_params=SimpleNamespace(custom_params=params), req_pool_idx=2)  # fmt: skip
+    reuse.start(cache, req)
+    assert store.stats()["hits"] == 2 and store.stats()["misses"] == 1
+    assert store.stats()["referenced"] == 2
+    # an exact-prefix hit covered tokens 0..5; this extend computes 6..23 (batch offset 3)
+    reads = reuse.plan_reads(pool, [0, 2], [0, 6], [3, 18], "cpu")
+    want_on = list(range(6, 13)) + list(range(15, 21))
+    assert reads.pos_on_gpu.tolist() == want_on
+    assert reads.pos_off_gpu.tolist() == list(range(2, 9)) + list(range(6))
+    assert reads.tokens_gpu.tolist() == [3 + p - 6 for p in want_on]
+    a, b = store.lookup("kb", doc_a), store.lookup("kb", doc_b)
+    assert reads.rows_gpu.tolist() == a.rows()[2:].tolist() + b.rows().tolist()
+    assert reuse.plan_reads(pool, [2], [24], [1], "cpu") is None  # decode-like step: nothing
+    reuse.finish(cache, 2)
+    assert store.stats()["referenced"] == 0 and not pool.segment_reads
+    store.check()

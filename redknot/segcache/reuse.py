@@ -1,0 +1,106 @@
+"""Reusing stored segments at any position: which tokens of an extend take cached local K/V.
+
+A request whose marks (``redknot.api.marks.segments_of``) name segments that are stored and
+ready reuses them: for every segment token the extend computes, each local head takes the
+segment's cached K/V, re-rotated from its standalone position ``t - start`` to its position
+``t`` in this prompt (RedKnot's head-aware recovery); global heads keep their fresh K/V,
+recomputed under the new prefix. Tokens an exact-prefix hit already covers are not computed and
+need nothing.
+
+| when                                 | what                                                      |
+| ------------------------------------ | --------------------------------------------------------- |
+| it gets a request slot (``start``)   | look each mark up (hits and misses are counted); take a reference on each hit |
+| each extend (``plan_reads``)         | the segment tokens it computes: batch token, region row, offline and online position |
+| it finishes or is aborted (``finish``) | drop the references                                     |
+
+What this does not do yet: skip the FFN of unimportant tokens in deep layers (the compute
+saving of RedKnot's layer schedule) or restore local heads by edge mass; requests are computed
+in full, with the cached local K/V in place of the fresh one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from redknot.segcache.entry import SegmentEntry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SegmentUse:
+    start: int  # the segment's first token in the prompt
+    entry: SegmentEntry
+
+
+@dataclass(frozen=True)
+class SegmentReads:
+    """One extend's reuse: batch token ``tokens_gpu[i]`` takes region row ``rows_gpu[i]``,
+    rotated from ``pos_off_gpu[i]`` to ``pos_on_gpu[i]`` (int64 [R] each, on the device)."""
+
+    tokens_gpu: torch.Tensor
+    rows_gpu: torch.Tensor
+    pos_off_gpu: torch.Tensor
+    pos_on_gpu: torch.Tensor
+
+
+def start(cache: Any, req: Any) -> None:
+    """``req`` got its request slot: find its stored segments and hold them while it runs."""
+    from redknot.api.marks import SegmentMarkError, registration_of, segments_of
+
+    if getattr(req, "sampling_params", None) is None:
+        return
+    try:
+        if registration_of(req) is not None:
+            return
+        marks = segments_of(req)
+    except SegmentMarkError as e:  # validated by the API; never fail the scheduler on it
+        logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
+        return
+    if not marks:
+        return
+    ids = list(req.origin_input_ids)
+    uses = []
+    for mark in marks:
+        entry = cache.segments.lookup(mark.namespace, ids[mark.start : mark.end])
+        if entry is not None:
+            cache.segments.acquire(entry)
+            uses.append(SegmentUse(mark.start, entry))
+    if uses:
+        cache.pool.segment_reads[req.req_pool_idx] = uses
+
+
+def plan_reads(
+    pool: Any, req_pool_indices: list[int], prefix_cpu, lens_cpu, device
+) -> SegmentReads | None:
+    """The segment tokens one extend batch computes, with where their cached K/V lies."""
+    parts: list[tuple[torch.Tensor, ...]] = []
+    offset = 0
+    for rpi, p, e in zip(req_pool_indices, list(prefix_cpu), list(lens_cpu)):
+        p, e = int(p), int(e)
+        for use in pool.segment_reads.get(rpi, ()):
+            lo = max(use.start, p)
+            hi = min(use.start + use.entry.num_tokens, p + e)
+            if lo < hi:
+                online = torch.arange(lo, hi)
+                offline = online - use.start
+                parts.append((offset + online - p, use.entry.rows()[offline], offline, online))
+        offset += e
+    if not parts:
+        return None
+    tokens, rows, pos_off, pos_on = (
+        torch.cat(column).to(torch.int64).to(device, non_blocking=True) for column in zip(*parts)
+    )
+    return SegmentReads(tokens, rows, pos_off, pos_on)
+
+
+def finish(cache: Any, req_pool_idx: int | None) -> None:
+    """A request left its slot: release the segments it read."""
+    if req_pool_idx is None:
+        return
+    for use in cache.pool.segment_reads.pop(req_pool_idx, ()):
+        cache.segments.release(use.entry)
