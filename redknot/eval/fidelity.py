@@ -13,8 +13,6 @@ first-token top-1 agreement.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 from redknot.eval.base import REFERENCE_LABEL, FidelityBackend, PolicyOutput, PolicySetting
 from redknot.eval.cases import Case
 from redknot.eval.metrics import answer_scores, first_token_scores
+from redknot.eval.store import CaseStore
 
 SCORES = ("top1", "top10", "cosine", "contains", "exact_match", "f1")
 COSTS = ("flops_fraction", "attention_fraction", "ffn_fraction", "kv_head_fraction")
@@ -84,10 +83,6 @@ def pareto(summary: dict[str, dict], cost: str = "flops_fraction", gain: str = "
     return [label for _, _, label in sorted(front)]
 
 
-def _digest(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def evaluate(
     backend: FidelityBackend,
     cases: Sequence[Case],
@@ -97,49 +92,53 @@ def evaluate(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run every case (``settings`` must contain the ``full`` reference; it runs first).
-    With ``work_dir``, each finished case is kept there and reused by a rerun of the same
-    backend, case and settings."""
+    With ``work_dir``, every finished (case, setting) and each case's reference output are
+    kept there (:class:`~redknot.eval.store.CaseStore`): a rerun runs only what is missing."""
     labels = [s.label for s in settings]
     if REFERENCE_LABEL not in labels or len(set(labels)) != len(labels):
         raise ValueError(f"settings need unique labels and one named {REFERENCE_LABEL!r}")
     ordered = sorted(settings, key=lambda s: s.label != REFERENCE_LABEL)
-    key = _digest(backend.describe(), [s.to_json() for s in ordered])
-    work = Path(work_dir) if work_dir else None
-    if work:
-        work.mkdir(parents=True, exist_ok=True)
+    reference = ordered[0]
+    described = backend.describe()
     started = time.perf_counter()
     per_case, reused = [], 0
     for i, case in enumerate(cases):
-        path = work / f"{case.id}-{_digest(key, case.to_json())}.json" if work else None
-        if path is not None and path.is_file():
-            per_case.append(json.loads(path.read_text()))
-            reused += 1
-            continue
-        shape = backend.shape_of(case)
-        outputs = backend.run_case(case, ordered)
-        dense = outputs[REFERENCE_LABEL]
-        row = {
-            "id": case.id,
-            "kind": case.kind,
-            "prompt_tokens": shape.prompt,
-            "segment_tokens": shape.segments,
-            "prefix_tokens": shape.prefix,
-            "segments": len(case.segments),
-            "answers": list(case.answers),
-            "settings": {s.label: score(outputs[s.label], dense, case) for s in ordered},
-        }
-        per_case.append(row)
-        if path is not None:
-            path.write_text(json.dumps(row))
-        d = row["settings"][REFERENCE_LABEL]
+        store = CaseStore(work_dir, described, case)
+        rows = {s.label: store.row(s) for s in ordered}
+        missing = [s for s in ordered if rows[s.label] is None]
+        reused += len(ordered) - len(missing)
+        if missing:
+            dense = store.dense()
+            to_run = missing if dense is not None or reference in missing else [reference] + missing
+            outputs = backend.run_case(case, to_run)
+            if dense is None:
+                dense = outputs[REFERENCE_LABEL]
+                store.put_dense(dense)
+            for s in missing:
+                rows[s.label] = score(outputs[s.label], dense, case)
+                store.put_row(s, rows[s.label])
+        meta = store.meta()
+        if meta is None:
+            shape = backend.shape_of(case)
+            meta = {
+                "id": case.id,
+                "kind": case.kind,
+                "prompt_tokens": shape.prompt,
+                "segment_tokens": shape.segments,
+                "prefix_tokens": shape.prefix,
+                "segments": len(case.segments),
+                "answers": list(case.answers),
+            }
+            store.put_meta(meta)
+        per_case.append({**meta, "settings": rows})
         others = ", ".join(
-            f"{s.label} {row['settings'][s.label]['top1']:.0f}/{row['settings'][s.label]['contains']:.0f}"
+            f"{s.label} {rows[s.label]['top1']:.0f}/{rows[s.label]['contains']:.0f}"
             for s in ordered[1:]
         )
         log(
-            f"[{i + 1}/{len(cases)}] {case.id}: {shape.prompt} tokens, dense {d['output']!r} "
-            f"(answer {case.answers[0]!r}); top1/contains: {others}; "
-            f"{time.perf_counter() - started:.0f} s"
+            f"[{i + 1}/{len(cases)}] {case.id}: {meta['prompt_tokens']} tokens, dense "
+            f"{rows[REFERENCE_LABEL]['output']!r} (answer {case.answers[0]!r}); top1/contains: "
+            f"{others}; {len(missing)} settings run, {time.perf_counter() - started:.0f} s"
         )
     summary = summarise(per_case, [s.label for s in ordered])
     kinds = sorted({c["kind"] for c in per_case})
@@ -165,7 +164,7 @@ def evaluate(
                 "max": max(c["prompt_tokens"] for c in per_case),
                 "mean": round(sum(c["prompt_tokens"] for c in per_case) / len(per_case), 1),
             },
-            "reused_from_work_dir": reused,
+            "case_settings_reused_from_work_dir": reused,
         },
         "per_case": per_case,
         "seconds": round(time.perf_counter() - started, 1),

@@ -63,8 +63,15 @@ def test_evaluate_scores_every_setting_against_dense(backend, tmp_path):
     costs = [s[label]["flops_fraction"] for label in front]
     assert front and costs == sorted(costs) and min(s[x]["flops_fraction"] for x in s) == costs[0]
     again = evaluate(backend, CASES, SETTINGS, work_dir=tmp_path, log=lambda s: None)
-    assert again["cases"]["reused_from_work_dir"] == 2
+    assert again["cases"]["case_settings_reused_from_work_dir"] == 8
     assert again["summary"] == result["summary"]
+    # a grown sweep runs only the new setting, scored against the stored reference
+    grown = SETTINGS + [PolicySetting("redknot", RecoveryOptions(dense_layers=0), "r0")]
+    more = evaluate(backend, CASES, grown, work_dir=tmp_path, log=lambda s: None)
+    assert more["cases"]["case_settings_reused_from_work_dir"] == 8
+    fresh = evaluate(backend, CASES, grown, log=lambda s: None)
+    for label in ("full", "naive", "r0"):
+        assert more["summary"][label] == fresh["summary"][label]
 
 
 def test_settings_need_the_reference(backend):
