@@ -14,8 +14,9 @@ documents of ``L / segments`` tokens each, and a ``--question``-token question; 
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
 ``--reps`` after one warm-up at each length). ``flops`` is the analytical prefill FLOPs of the
 schedule each variant runs (projections and FFN of every token, attention over the keys each
-head sees). The reuse variant does not yet skip the FFN of unimportant tokens, so its schedule
-is the head-class prefill's.
+head sees); for ``redknot-g0.125-reuse-sparse-ffn`` (``--redknot-dense-layers 8``: the FFN of
+deeper layers runs only on the segment tokens the question attends to most) minus the FFNs the
+server reports it skipped.
 
     python benchmarks/ttft.py --out benchmarks/results/ttft.json
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -33,13 +35,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_common as common
 
-VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reuse segments)
-    "flashinfer": (None, False, False),
-    "redknot-all-global": (1.0, True, False),
-    "redknot-g0.125": (0.125, False, False),
-    "redknot-g0.125-reuse": (0.125, False, True),
-}
 SINK, WINDOW = 64, 256
+DENSE_LAYERS = 8  # a quarter of Llama-3.1-8B's 32 layers, the paper's proportion (20 of 80)
+SKIPPED = re.compile(r"redknot sparse FFN: (\d+) token-layer FFNs skipped")
+
+VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reuse, dense layers)
+    "flashinfer": (None, False, False, None),
+    "redknot-all-global": (1.0, True, False, None),
+    "redknot-g0.125": (0.125, False, False, None),
+    "redknot-g0.125-reuse": (0.125, False, True, None),
+    "redknot-g0.125-reuse-sparse-ffn": (0.125, False, True, DENSE_LAYERS),
+}
 
 
 def prefill_flops(cfg: dict, length: int, global_fraction: float | None) -> float:
@@ -65,13 +71,20 @@ def child(args) -> None:
     from redknot.api.marks import SegmentMark, encode_marks
     from redknot.segcache.entry import segment_id
 
-    fraction, all_global, reuse = VARIANTS[args.child]
+    fraction, all_global, reuse, dense_layers = VARIANTS[args.child]
     lengths = [int(x) for x in args.lengths.split(",")]
-    extra = {"mem_fraction_static": args.mem_fraction_static, "disable_prefill_cuda_graph": True}
+    extra = {
+        "mem_fraction_static": args.mem_fraction_static,
+        "disable_prefill_cuda_graph": True,
+        "chunked_prefill_size": args.chunked_prefill_size,
+    }
     if fraction is None:
         extra["attention_backend"] = "flashinfer"
     else:
         extra["attention_backend"] = "redknot"
+        if dense_layers is not None:
+            extra["redknot_dense_layers"] = dense_layers
+            extra["log_level"] = "info"  # the sparse-FFN log lines count what was skipped
         if all_global:
             extra["redknot_all_global"] = True
         else:
@@ -135,6 +148,13 @@ def main() -> None:
     ap.add_argument("--question", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mem-fraction-static", type=float, default=0.8)
+    ap.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=-1,
+        help="SGLang's prefill chunk (-1: one chunk per prompt; the sparse FFN acts on the chunk "
+        "that ends the prompt, so chunking limits it to that chunk)",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -144,23 +164,47 @@ def main() -> None:
         return
     cfg = json.loads(Path(args.model, "config.json").read_text())
     base = common.forward_args(
-        args, "model", "lengths", "segments", "question", "reps", "mem_fraction_static"
+        args,
+        "model",
+        "lengths",
+        "segments",
+        "question",
+        "reps",
+        "mem_fraction_static",
+        "chunked_prefill_size",
     )
     results = {}
     for name in args.variants.split(","):
-        results[name] = common.run_child(__file__, base + ["--child", name])
+        results[name] = common.run_child(
+            __file__, base + ["--child", name], log_grep="redknot sparse FFN"
+        )
+        lines = results[name].pop("log_lines", [])
+        # per measured prompt (warm-up included), in order: token-layer FFNs skipped
+        results[name]["ffn_skipped_per_prompt"] = [
+            int(m.group(1)) for m in map(SKIPPED.search, lines) if m
+        ]
         print(name, json.dumps(results[name])[:400], flush=True)
     summary = {}
     ref = results.get("flashinfer", {}).get("lengths", {})
     for name, res in results.items():
         fraction = VARIANTS[name][0]
-        for length, row in res.get("lengths", {}).items():
+        skipped = res.get("ffn_skipped_per_prompt", [])
+        per_length = args.reps + 1
+        for i, (length, row) in enumerate(res.get("lengths", {}).items()):
             n = row["prompt_tokens"]
             flops = prefill_flops(cfg, n, fraction)
+            mine = skipped[i * per_length : (i + 1) * per_length][1:]  # the measured prompts
+            if mine:
+                ffn = 2 * 3 * cfg["hidden_size"] * cfg["intermediate_size"]
+                flops -= statistics.median(mine) * ffn
             entry = summary.setdefault(name, {})[length] = {
                 "ttft_s": row["ttft_s"],
                 "flops": flops,
             }
+            if mine:
+                layers = cfg["num_hidden_layers"]
+                entry["ffn_token_layers_skipped"] = statistics.median(mine)
+                entry["ffn_fraction_run"] = 1 - statistics.median(mine) / (n * layers)
             if length in ref:
                 entry["speedup_vs_flashinfer"] = ref[length]["ttft_s"] / row["ttft_s"]
                 entry["flop_ratio_vs_flashinfer"] = prefill_flops(cfg, n, None) / flops
@@ -169,9 +213,13 @@ def main() -> None:
                 )
     common.write_json(args.out, common.record(
         model=args.model, load_format="dummy", segments=args.segments, question=args.question,
-        reps=args.reps, sink=SINK, window=WINDOW, mem_fraction_static=args.mem_fraction_static,
-        note="the reuse variant does not skip FFN work yet: its schedule is the head-class "
-        "prefill's, with cached, re-aligned local-head K/V for segment tokens",
+        reps=args.reps, chunked_prefill_size=args.chunked_prefill_size, sink=SINK,
+        window=WINDOW, mem_fraction_static=args.mem_fraction_static,
+        dense_layers_of_sparse_variant=DENSE_LAYERS,
+        note="reuse: cached, re-aligned local-head K/V for segment tokens, every FFN run; "
+        "reuse-sparse-ffn: also FFN only on important segment tokens above the dense layers "
+        "(dummy weights give nearly uniform attention, so importance selects about mass_thresh "
+        "of the candidates); flops of that variant subtract the FFNs it skipped",
         variants=results, summary=summary,
     ))  # fmt: skip
     print(json.dumps(summary, indent=1))

@@ -63,6 +63,22 @@ class RedknotConfig:
         "reusable segment) or 'min-tokens:N' (messages of N tokens or more).",
         default="off",
     )
+    dense_layers: int | None = _opt(
+        "Segment reuse: layers below this run the FFN on every token; deeper layers only on the "
+        "segment tokens the newest tokens attend to most (overrides the map's dense_layers; "
+        "the number of layers turns FFN skipping off).",
+        default=None,
+    )
+    mass_thresh: float = _opt(
+        "Segment reuse: deeper layers run the FFN on the fewest segment tokens holding this "
+        "fraction of the newest tokens' attention mass (1 keeps every token).",
+        default=0.5,
+    )
+    recent_n: int = _opt(
+        "Segment reuse: the newest tokens (the question, at least this many) whose attention "
+        "decides importance; they always run the FFN.",
+        default=128,
+    )
     namespaces: str | None = _opt(
         "Comma-separated segment namespaces requests may use ('default' is always there). "
         "Without it, registering a segment (POST /redknot/segments) creates its namespace.",
@@ -105,6 +121,20 @@ class RedknotConfig:
                 parse()
             except ValueError as e:
                 raise RedknotConfigError(str(e)) from None
+        if isinstance(self.mass_thresh, bool) or not (
+            isinstance(self.mass_thresh, (int, float)) and 0 <= self.mass_thresh <= 1
+        ):
+            raise RedknotConfigError(
+                f"--redknot-mass-thresh must be a number in [0, 1], got {self.mass_thresh!r}"
+            )
+        for name, low in (("dense_layers", 0), ("recent_n", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < low):  # fmt: skip
+                flag = name.replace("_", "-")
+                raise RedknotConfigError(
+                    f"--redknot-{flag} must be an integer >= {low}, got {value!r}"
+                )
         for name in ("window", "sink"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (name == "window")):

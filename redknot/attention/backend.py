@@ -86,6 +86,7 @@ class RedknotAttnBackend(AttentionBackend):
 
             self.segpaged = SegPagedRunner.from_model_runner(model_runner, self.layout)
             self.path = "segpaged"
+            self._set_layer_schedule(model_runner, config, tp_size)
         logger.info(
             "redknot backend (TP rank %d/%d): %s path, %d global / %d local KV heads per rank",
             tp_rank,
@@ -93,6 +94,32 @@ class RedknotAttnBackend(AttentionBackend):
             self.path,
             sum(self.layout.num_global(i) for i in range(self.layout.num_layers)),
             sum(self.layout.num_local(i) for i in range(self.layout.num_layers)),
+        )
+
+    def _set_layer_schedule(self, model_runner: ModelRunner, config: RedknotConfig, tp: int):
+        """Segment reuse's sparse FFN above ``dense_layers`` (the map's, or the option's)."""
+        from redknot.headmap import ModelShape
+
+        mc = model_runner.model_config
+        shape = ModelShape.from_hf_config(mc.hf_config)
+        dense = config.dense_layers
+        if dense is None:
+            dense = config.resolve_head_map(shape, tp_size=tp, context_len=mc.context_len)
+            dense = dense.dense_layers
+        if dense > shape.num_layers:
+            raise ValueError(
+                f"--redknot-dense-layers {dense} exceeds the model's {shape.num_layers} layers: "
+                f"give at most {shape.num_layers} (that many turns FFN skipping off)"
+            )
+        runner = self.segpaged
+        runner.dense_layers, runner.mass_thresh = dense, config.mass_thresh
+        runner.recent_n, runner.tp_size = config.recent_n, tp
+        logger.info(
+            "redknot segment reuse: FFN on every token below layer %d, above it on the segment "
+            "tokens holding %.2f of the newest %d tokens' attention mass",
+            dense,
+            config.mass_thresh,
+            config.recent_n,
         )
 
     # ---- planning: once per batch ------------------------------------------------------------

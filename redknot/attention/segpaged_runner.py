@@ -13,11 +13,13 @@ token overwrites exactly the position that just left the window.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from redknot.attention.ffn_schedule import SCHEDULE, ffn_rows, important_rows, key_mass
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import plan_extend, run_extend
 from redknot.kernels.geometry import LayerHeads, SegGeometry
@@ -31,6 +33,8 @@ from redknot.segcache.reuse import SegmentReads
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 MAX_SPLITS = 128  # long rows of small batches split this far (measured up to 128 useful)
 
@@ -105,6 +109,11 @@ class SegPagedRunner:
         self._dummy = torch.zeros((1, 1, layout.head_dim), dtype=pool.dtype, device=device)
         # RoPE of the model, for re-rotating reused segment keys (set when segments are on)
         self.rope: AlignableRope | None = None
+        # Segment reuse's layer schedule (redknot.attention.ffn_schedule); off by default
+        self.dense_layers = layout.num_layers
+        self.mass_thresh = 1.0
+        self.recent_n = 128
+        self.tp_size = 1
         self._arange = torch.arange(max_context_len, device=device)
         self.decode_plan = None
         self.decode_rows: torch.Tensor | None = None  # [B] int64 ring rows of the new tokens
@@ -131,6 +140,7 @@ class SegPagedRunner:
 
     def plan(self, fb: ForwardBatch, for_graph: bool = False, in_capture: bool = False) -> None:
         self.pool.pending.run(self.pool)
+        SCHEDULE.reset()
         mode = fb.forward_mode
         if mode.is_idle():
             return
@@ -202,7 +212,9 @@ class SegPagedRunner:
         reads = None
         if self.pool.segment_reads:
             rpis = fb.req_pool_indices.tolist()
-            reads = reuse.plan_reads(self.pool, rpis, prefix_cpu, lens_cpu, self.device)
+            reads = reuse.plan_reads(
+                self.pool, rpis, prefix_cpu, lens_cpu, self.device, self.recent_n
+            )
         self.extend_state = ExtendState(plan, keep_tokens, keep_rows, capture, writes, reads)
 
     def _plan_captures(self, fb: ForwardBatch, prefix_cpu, lens_cpu):
@@ -274,6 +286,7 @@ class SegPagedRunner:
         if save_kv_cache:
             self.pool.write_global(lid, fb.out_cache_loc, k, v)
         state = self.extend_state
+        SCHEDULE.layer = lid
         if state.segment_reads is not None:
             self._reuse_local_kv(lid, k, v, state.segment_reads)
         out = q.new_empty(q.shape)
@@ -291,7 +304,45 @@ class SegPagedRunner:
         if save_kv_cache and state.segment_writes is not None:
             idx = state.segment_writes.tokens_gpu
             self.pool.segments.write(lid, state.segment_writes.rows_gpu, k[idx], v[idx])
+        reads = state.segment_reads
+        if reads is not None and reads.sparse and lid >= self.dense_layers and save_kv_cache:
+            self._schedule_ffn(lid, q, layer.scaling, reads)
         return out.flatten(1)
+
+    def _schedule_ffn(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
+        """Decide which rows of this layer run the FFN (after the layer's global K/V is stored)."""
+        glob = self.layout.global_heads(lid)
+        grp = self.layout.group_size
+        skipped = []
+        for spec in reads.sparse:
+            end = spec.prefix + spec.length
+            probe = torch.arange(spec.probe_start, end, device=q.device)
+            mass = torch.zeros(end, dtype=torch.float32, device=q.device)
+            if glob:
+                keys = self.pool.k_global[lid][self.req_to_token[spec.req_pool_idx, :end].long()]
+                qidx = torch.tensor(
+                    [h * grp + j for h in glob for j in range(grp)], device=q.device
+                )
+                probe_q = q[spec.rows_of(probe)][:, qidx].view(len(probe), len(glob), grp, -1)
+                mass = key_mass(probe_q, keys, probe, scale)
+            if self.tp_size > 1:  # every rank must skip the same rows (the MLP all-reduces)
+                from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+                mass = tensor_model_parallel_all_reduce(mass)
+            skipped.append(important_rows(spec, mass, self.mass_thresh, q.shape[0]))
+        rows = ffn_rows(q.shape[0], skipped, q.device)
+        if rows is not None:
+            SCHEDULE.rows[lid] = rows
+        SCHEDULE.skipped += q.shape[0] - (q.shape[0] if rows is None else rows.numel())
+        if lid == self.layout.num_layers - 1:
+            logger.info(
+                "redknot sparse FFN: %d token-layer FFNs skipped in layers %d-%d of this "
+                "extend (%d tokens)",
+                SCHEDULE.skipped,
+                self.dense_layers,
+                lid,
+                q.shape[0],
+            )
 
     def _reuse_local_kv(self, lid: int, k, v, reads: SegmentReads) -> None:
         """Local heads of reused segment tokens take the cached K/V, re-rotated to their

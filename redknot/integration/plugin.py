@@ -17,6 +17,7 @@ from typing import Any
 
 from redknot import SGLANG_VERSION
 from redknot.api import hooks as api_hooks
+from redknot.attention import ffn_schedule
 from redknot.integration import segments as segment_hooks
 from redknot.integration import server_args as sa_hooks
 from redknot.segcache import registration, reuse
@@ -117,6 +118,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_KVC}.resolve_max_num_reqs", "AFTER", _after_max_num_reqs),
     Hook(f"{_KVC}._build_token_to_kv_pool", "AROUND", _around_build_pool),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", "AROUND", _around_req_slot_alloc),
+    # Segment reuse's sparse FFN (redknot.attention.ffn_schedule) on the served MLP classes
+    Hook("sglang.srt.models.llama.LlamaMLP.forward", "AROUND", ffn_schedule.around_mlp),
+    Hook("sglang.srt.models.qwen2.Qwen2MLP.forward", "AROUND", ffn_schedule.around_mlp),
     *(Hook(*h) for h in segment_hooks.HOOKS),
     *(Hook(*h) for h in api_hooks.HOOKS),
 )

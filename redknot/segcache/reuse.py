@@ -13,9 +13,9 @@ need nothing.
 | each extend (``plan_reads``)         | the segment tokens it computes: batch token, region row, offline and online position |
 | it finishes or is aborted (``finish``) | drop the references                                     |
 
-What this does not do yet: skip the FFN of unimportant tokens in deep layers (the compute
-saving of RedKnot's layer schedule) or restore local heads by edge mass; requests are computed
-in full, with the cached local K/V in place of the fresh one.
+The extend that completes a reusing request's prompt also carries its sparse-FFN inputs (the
+probed newest tokens and the candidate segment tokens; ``redknot.attention.ffn_schedule``).
+Not done here: adaptive restore of local heads by edge mass.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from redknot.attention.ffn_schedule import SparseFfn
 from redknot.segcache.entry import SegmentEntry
 
 logger = logging.getLogger(__name__)
@@ -35,17 +36,20 @@ logger = logging.getLogger(__name__)
 class SegmentUse:
     start: int  # the segment's first token in the prompt
     entry: SegmentEntry
+    prompt_len: int = 0  # tokens of the whole prompt (0: unknown, no sparse FFN)
 
 
 @dataclass(frozen=True)
 class SegmentReads:
     """One extend's reuse: batch token ``tokens_gpu[i]`` takes region row ``rows_gpu[i]``,
-    rotated from ``pos_off_gpu[i]`` to ``pos_on_gpu[i]`` (int64 [R] each, on the device)."""
+    rotated from ``pos_off_gpu[i]`` to ``pos_on_gpu[i]`` (int64 [R] each, on the device);
+    ``sparse``: the requests whose extend ends their prompt, for the deep layers' sparse FFN."""
 
     tokens_gpu: torch.Tensor
     rows_gpu: torch.Tensor
     pos_off_gpu: torch.Tensor
     pos_on_gpu: torch.Tensor
+    sparse: tuple[SparseFfn, ...] = ()
 
 
 def start(cache: Any, req: Any) -> None:
@@ -69,33 +73,43 @@ def start(cache: Any, req: Any) -> None:
         entry = cache.segments.lookup(mark.namespace, ids[mark.start : mark.end])
         if entry is not None:
             cache.segments.acquire(entry)
-            uses.append(SegmentUse(mark.start, entry))
+            uses.append(SegmentUse(mark.start, entry, len(ids)))
     if uses:
         cache.pool.segment_reads[req.req_pool_idx] = uses
 
 
 def plan_reads(
-    pool: Any, req_pool_indices: list[int], prefix_cpu, lens_cpu, device
+    pool: Any, req_pool_indices: list[int], prefix_cpu, lens_cpu, device, recent_n: int = 128
 ) -> SegmentReads | None:
-    """The segment tokens one extend batch computes, with where their cached K/V lies."""
+    """The segment tokens one extend batch computes, with where their cached K/V lies, and the
+    sparse-FFN inputs of the requests whose prompt this extend completes."""
     parts: list[tuple[torch.Tensor, ...]] = []
+    sparse: list[SparseFfn] = []
     offset = 0
     for rpi, p, e in zip(req_pool_indices, list(prefix_cpu), list(lens_cpu)):
         p, e = int(p), int(e)
-        for use in pool.segment_reads.get(rpi, ()):
+        uses = pool.segment_reads.get(rpi, ())
+        positions = []
+        for use in uses:
             lo = max(use.start, p)
             hi = min(use.start + use.entry.num_tokens, p + e)
             if lo < hi:
                 online = torch.arange(lo, hi)
                 offline = online - use.start
                 parts.append((offset + online - p, use.entry.rows()[offline], offline, online))
+                positions.append(online)
+        if positions and uses[0].prompt_len == p + e:
+            question = max(u.start + u.entry.num_tokens for u in uses)
+            probe = max(min(question, p + e - recent_n), p)
+            cand = torch.cat(positions)
+            sparse.append(SparseFfn(rpi, offset, p, e, probe, cand[cand < probe]))
         offset += e
     if not parts:
         return None
     tokens, rows, pos_off, pos_on = (
         torch.cat(column).to(torch.int64).to(device, non_blocking=True) for column in zip(*parts)
     )
-    return SegmentReads(tokens, rows, pos_off, pos_on)
+    return SegmentReads(tokens, rows, pos_off, pos_on, tuple(sparse))
 
 
 def finish(cache: Any, req_pool_idx: int | None) -> None:

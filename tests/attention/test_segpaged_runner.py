@@ -228,3 +228,55 @@ def test_extend_reuses_a_stored_segment_at_a_new_position():
         assert (diff <= alignment_tolerance(want, D, True)).all()
         assert torch.equal(values[5:15, local], cached[layer][1][:, local])
         assert not torch.equal(keys[5:15, glob], cached[layer][0][:, glob])  # fresh
+
+
+@pytest.mark.parametrize("dense_layers, thresh", [(1, 0.5), (1, 1.0), (2, 0.5), (0, 0.3)])
+def test_extend_completing_a_reusing_prompt_schedules_the_deep_layers_ffn(dense_layers, thresh):
+    """Prompt = 3 new tokens, a stored 10-token segment, a 5-token question; layers from
+    ``dense_layers`` run the FFN on the segment tokens the question attends to most (global
+    heads' mass, brute force here); mass_thresh 1 or dense_layers = layers skip nothing."""
+    from redknot.attention.ffn_schedule import SCHEDULE
+    from redknot.kernels.rope_align import alignable_rope
+    from redknot.kernels.rope_reference import sglang_rope
+    from redknot.segcache.registration import WriteJob
+    from redknot.segcache.reuse import SegmentUse
+    from redknot.segcache.store import SegmentStore
+
+    from .test_ffn_schedule import brute_mass, brute_skip
+
+    w = World(("GLLL", "LLGL"), 2, torch.bfloat16, segment_fraction=0.1)
+    store = SegmentStore.for_pool(w.pool)
+    w.pool.cache = SimpleNamespace(segments=store)
+    w.runner.rope = alignable_rope(sglang_rope(D, D, 512, 10000.0, True))
+    w.runner.dense_layers, w.runner.mass_thresh, w.runner.recent_n = dense_layers, thresh, 4
+    entry = store.register("kb", list(range(10)), pin=False)
+    w.pool.segment_jobs[4] = WriteJob(entry)
+    w.step(w.FM.EXTEND, [4], [10])
+    store.acquire(entry)
+    w.pool.segment_reads[2] = [SegmentUse(3, entry, prompt_len=18)]
+    probes = {}
+    schedule = w.runner._schedule_ffn
+
+    def spy(lid, q, scale, reads):
+        probes[lid] = (q.clone(), scale)
+        schedule(lid, q, scale, reads)
+
+    w.runner._schedule_ffn = spy
+    w.step(w.FM.EXTEND, [2], [18])
+    assert sorted(probes) == list(range(dense_layers, 2))
+    for layer in range(2):
+        rows = SCHEDULE.rows.get(layer)
+        if layer < dense_layers or thresh == 1.0:
+            assert rows is None
+            continue
+        q, scale = probes[layer]
+        keys, _ = w.hist[(2, layer)]
+        glob = w.layout.global_heads(layer)
+        qh = [h * 2 + j for h in glob for j in range(2)]
+        pos = torch.arange(13, 18)
+        mass = brute_mass(
+            q[13:18][:, qh].float().view(5, len(glob), 2, D), keys[:, glob].float(), pos, scale
+        )
+        skip = brute_skip(mass, list(range(3, 13)), thresh)
+        assert skip, "the test needs a case that skips some rows"
+        assert rows.tolist() == [r for r in range(18) if r not in skip]

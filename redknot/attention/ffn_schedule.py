@@ -1,0 +1,118 @@
+"""The layer schedule of segment reuse: deep layers run the FFN on important tokens only.
+
+RedKnot's recovery (REDKNOT.md part 5) runs the FFN of layers ``< dense_layers`` on every
+token; deeper layers run it only on the segment tokens that the newest tokens (the question, at
+least the last ``recent_n``) attend to most, taken in decreasing mass until ``mass_thresh`` of
+the candidates' mass is covered; new (non-segment) tokens and the newest ones always run it.
+The others take the residual path: their FFN output is zero.
+
+In the server, the attention backend decides the rows of each layer while it attends
+(:func:`important_rows`) and records them in :data:`SCHEDULE`; a hook around the model's MLP
+(:func:`around_mlp`) runs the MLP on those rows only. Importance comes from the layer's global
+heads (causal softmax of the probed queries over every key of the request, summed over heads
+and probes); local heads, which see only sink + window, do not vote. A layer whose rank holds
+no global head (and every rank under tensor parallelism, where the mass is summed over ranks
+first) keeps every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from redknot.recovery.importance import select_important
+
+
+@dataclass
+class FfnSchedule:
+    """Rows of the current forward that run the FFN, per layer (absent: every row)."""
+
+    layer: int = -1  # the layer whose attention ran last (its MLP runs next)
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int64 [R] rows
+    skipped: int = 0  # token-layer FFNs skipped in this forward
+
+    def reset(self) -> None:
+        self.layer = -1
+        self.rows.clear()
+        self.skipped = 0
+
+    def current(self) -> torch.Tensor | None:
+        return self.rows.get(self.layer)
+
+
+SCHEDULE = FfnSchedule()  # one per process: a scheduler runs one forward at a time
+
+
+@dataclass(frozen=True)
+class SparseFfn:
+    """One request of an extend batch whose deep-layer FFN is sparse.
+
+    Positions are absolute in the request; batch rows are ``batch_offset + pos - prefix``."""
+
+    req_pool_idx: int
+    batch_offset: int  # the request's first row in the batch
+    prefix: int  # tokens before this extend
+    length: int  # tokens this extend computes (its last one is the prompt's last)
+    probe_start: int  # first probed position: the question, at least the last recent_n
+    candidates: torch.Tensor  # int64 [C] positions of segment tokens before probe_start
+
+    def rows_of(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions - self.prefix + self.batch_offset
+
+
+def key_mass(
+    q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention mass each key receives from the probed queries, summed over queries and heads.
+
+    Parameters
+    ----------
+    q : [P, G, grp, D] probed queries of the global heads (``grp`` query heads per KV head).
+    keys : [L, G, D] every key of the request (position = row).
+    q_pos : [P] int64 positions of the probed queries (causal: a query sees keys ``<= pos``).
+    scale : softmax scale.
+
+    Returns
+    -------
+    [L] float32 mass per key.
+    """
+    scores = torch.einsum("pgjd,lgd->pgjl", q.float(), keys.float()) * scale
+    future = torch.arange(keys.shape[0], device=keys.device)[None, :] > q_pos[:, None]
+    scores.masked_fill_(future[:, None, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+
+
+def important_rows(
+    spec: SparseFfn, mass: torch.Tensor, mass_thresh: float, num_rows: int
+) -> torch.Tensor:
+    """Batch rows of ``spec``'s request that skip the FFN (unselected candidates), int64 [S]."""
+    if float(mass.sum()) <= 0.0:
+        return spec.candidates[:0]
+    cand = spec.candidates.to(mass.device)
+    chosen = select_important(mass, cand, mass_thresh)
+    skip = cand[~torch.isin(cand, chosen)]
+    rows = spec.rows_of(skip)
+    assert rows.numel() == 0 or int(rows.max()) < num_rows
+    return rows
+
+
+def ffn_rows(num_rows: int, skipped: list[torch.Tensor], device: Any) -> torch.Tensor | None:
+    """Rows ``0 .. num_rows - 1`` without the skipped ones; ``None`` when none is skipped."""
+    if not skipped or all(s.numel() == 0 for s in skipped):
+        return None
+    keep = torch.ones(num_rows, dtype=torch.bool, device=device)
+    keep[torch.cat(skipped).to(device)] = False
+    return keep.nonzero().squeeze(1)
+
+
+def around_mlp(original, self, x, *args, **kwargs):
+    """The model's MLP on the rows the schedule keeps; zeros (the residual path) elsewhere."""
+    rows = SCHEDULE.current()
+    if rows is None or rows.numel() == x.shape[0]:
+        return original(self, x, *args, **kwargs)
+    out = x.new_zeros(x.shape)
+    if rows.numel():
+        out[rows] = original(self, x[rows], *args, **kwargs)
+    return out
