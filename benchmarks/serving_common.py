@@ -22,7 +22,9 @@ def git_commit() -> str:
     """The checkout's commit; the GPU machine's copy has no .git, so runs pass REDKNOT_COMMIT."""
     if os.environ.get("REDKNOT_COMMIT"):
         return os.environ["REDKNOT_COMMIT"]
-    proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        ["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True, cwd=ROOT
+    )
     return proc.stdout.strip() if proc.returncode == 0 else "unknown"
 
 
@@ -59,16 +61,16 @@ def synthetic_map_file(model_dir: str, global_fraction: float, out_dir: str | Pa
 
 def engine_kwargs(model: str, context_length: int, **extra) -> dict:
     """Options every benchmark engine shares (dummy weights, token ids in, no grammar)."""
-    kwargs = dict(
-        model_path=model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        grammar_backend="none",
-        sampling_backend="pytorch",
-        context_length=context_length,
-        random_seed=0,
-        log_level="warning",
-    )
+    kwargs = {
+        "model_path": model,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "grammar_backend": "none",
+        "sampling_backend": "pytorch",
+        "context_length": context_length,
+        "random_seed": 0,
+        "log_level": "warning",
+    }
     kwargs.update(extra)
     return kwargs
 
@@ -88,7 +90,11 @@ def run_child(script: str, args: list[str], log_grep: str | None = None) -> dict
     are returned under ``log_lines``.
     """
     proc = subprocess.run(
-        [sys.executable, script, *args], capture_output=True, text=True, env=os.environ.copy()
+        [sys.executable, script, *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

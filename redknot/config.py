@@ -65,8 +65,8 @@ class RedknotConfig:
     )
     dense_layers: int | None = _opt(
         "Segment reuse: layers below this run the FFN on every token; deeper layers only on the "
-        "segment tokens the newest tokens attend to most (overrides the map's dense_layers; "
-        "the number of layers turns FFN skipping off).",
+        "segment tokens the newest tokens attend to most. Not given: every layer runs every FFN "
+        "(sparse FFN is opt-in until it is measured on a GPU).",
         default=None,
     )
     mass_thresh: float = _opt(

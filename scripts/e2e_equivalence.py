@@ -37,7 +37,9 @@ VARIANTS = {
 
 def git_commit() -> str:
     """The checkout's commit; the GPU machine's copy has no .git, so scripts pass REDKNOT_COMMIT."""
-    proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        ["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True, cwd=ROOT
+    )
     return proc.stdout.strip() if proc.returncode == 0 else "unknown"
 
 
@@ -158,7 +160,7 @@ def main() -> None:
         if args.disable_prefill_cuda_graph:
             cmd.append("--disable-prefill-cuda-graph")
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=os.environ.copy())
+        proc = subprocess.run(cmd, check=False, env=os.environ.copy())
         if proc.returncode != 0 or not child_out.exists():
             results[name] = {"error": f"variant exited with {proc.returncode}"}
             continue

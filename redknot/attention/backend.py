@@ -97,30 +97,28 @@ class RedknotAttnBackend(AttentionBackend):
         )
 
     def _set_layer_schedule(self, model_runner: ModelRunner, config: RedknotConfig, tp: int):
-        """Segment reuse's sparse FFN above ``dense_layers`` (the map's, or the option's)."""
+        """Segment reuse's sparse FFN above ``--redknot-dense-layers`` (opt-in: it has CPU tests
+        but no GPU measurement yet, so without the option every layer runs every FFN)."""
         from redknot.headmap import ModelShape
 
-        mc = model_runner.model_config
-        shape = ModelShape.from_hf_config(mc.hf_config)
-        dense = config.dense_layers
-        if dense is None:
-            dense = config.resolve_head_map(shape, tp_size=tp, context_len=mc.context_len)
-            dense = dense.dense_layers
-        if dense > shape.num_layers:
+        layers = ModelShape.from_hf_config(model_runner.model_config.hf_config).num_layers
+        dense = layers if config.dense_layers is None else config.dense_layers
+        if dense > layers:
             raise ValueError(
-                f"--redknot-dense-layers {dense} exceeds the model's {shape.num_layers} layers: "
-                f"give at most {shape.num_layers} (that many turns FFN skipping off)"
+                f"--redknot-dense-layers {dense} exceeds the model's {layers} layers: give at "
+                f"most {layers} (that many turns FFN skipping off)"
             )
         runner = self.segpaged
         runner.dense_layers, runner.mass_thresh = dense, config.mass_thresh
         runner.recent_n, runner.tp_size = config.recent_n, tp
-        logger.info(
-            "redknot segment reuse: FFN on every token below layer %d, above it on the segment "
-            "tokens holding %.2f of the newest %d tokens' attention mass",
-            dense,
-            config.mass_thresh,
-            config.recent_n,
-        )
+        if dense < layers:
+            logger.info(
+                "redknot segment reuse: FFN on every token below layer %d, above it on the "
+                "segment tokens holding %.2f of the newest %d tokens' attention mass",
+                dense,
+                config.mass_thresh,
+                config.recent_n,
+            )
 
     # ---- planning: once per batch ------------------------------------------------------------
 

@@ -59,7 +59,7 @@ def _scheduler_like_process(queue):
     try:
         plugin.verify()
         queue.put(("ok", server_args.published_config().to_json()))
-    except Exception as e:  # report to the parent, which asserts
+    except Exception as e:  # noqa: BLE001 -- report to the parent, which asserts
         queue.put(("error", repr(e)))
 
 
