@@ -4,7 +4,7 @@ return, per setting, the first token and the greedy answer (and what it cost).
 | backend     | where                                              | status              |
 | ----------- | -------------------------------------------------- | ------------------- |
 | ``reference`` | the pure-PyTorch reference runner, CPU or GPU    | :mod:`.reference_backend` |
-| ``server``  | a redknot SGLang server over HTTP (TTFT measured)  | not built yet       |
+| ``server``  | a redknot SGLang server over HTTP (TTFT measured)  | :mod:`.server_backend` |
 
 A backend serves every setting of a case from the same segment caches, in the order given;
 the evaluation compares each with the setting named ``full`` (dense prefill, the reference).
