@@ -1,15 +1,17 @@
 """``python -m redknot.eval``: evaluation commands.
 
 ``fidelity``: serve a case file (``shared/eval/FORMAT.md``) under ``full`` (dense prefill, the
-reference), ``naive`` and ``redknot`` and write every metric per setting::
+reference) and the policies asked for (:data:`redknot.recovery.POLICIES`: ``naive``,
+``redknot``, ``cacheblend``, ``epic``, ``sparsex``, ``redknot+sparseq``) and write every
+metric per setting::
 
     python -m redknot.eval fidelity --cases benchmarks/cases/rag_v1.jsonl --model smollm2 \\
         --head-map configs/heads/smollm2-135m-instruct.json --policies full,naive,redknot \\
         --dense-layers 4,8 --mass-thresh 0.3,0.6 --out benchmarks/results/fidelity.json
 
 Every recovery knob (:class:`redknot.recovery.RecoveryOptions`) is a flag taking one value or
-a comma list; ``redknot`` runs once per combination (the cartesian product), labelled by the
-knobs given on the command line. ``--redknot-settings "dense_layers=8,mass_thresh=0.5;
+a comma list; each policy runs once per combination (the cartesian product) of the knobs it
+reads (``ReusePolicy.knobs``), labelled by those given on the command line. ``--redknot-settings "dense_layers=8,mass_thresh=0.5;
 dense_layers=30,mass_thresh=1"`` lists settings explicitly instead (knob flags, single-valued,
 then apply to each).
 """
@@ -49,6 +51,12 @@ KNOB_TYPES: dict[str, Callable[[str], Any]] = {
     "restore_edge": int,
     "local_kv": str,
     "skipped": str,
+    "blend_check_layer": int,
+    "blend_ratio": float,
+    "epic_k": int,
+    "sparseq_boundary": int,
+    "sparseq_k": int,
+    "sparseq_block": int,
 }
 assert set(KNOB_TYPES) == set(KNOBS), "every recovery knob needs a CLI type"
 
@@ -94,12 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     defaults = RecoveryOptions()
     for name in KNOBS:
+        readers = ", ".join(p for p, cls in POLICIES.items() if name in cls.knobs)
         p.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             type=_list(KNOB_TYPES[name], name),
             default=None,
-            help=f"recovery knob (default {getattr(defaults, name)!r}); comma list to sweep",
+            help=f"knob of {readers} (default {getattr(defaults, name)!r}); comma list to sweep",
         )
     return parser
 
@@ -128,10 +137,13 @@ def parse_settings(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def redknot_settings(args: argparse.Namespace) -> list[PolicySetting]:
-    """One setting per combination of the knob values given, or per explicit setting."""
-    given = {k: getattr(args, k) for k in KNOBS if getattr(args, k) is not None}
-    if args.redknot_settings:
+def policy_settings(args: argparse.Namespace, policy: str) -> list[PolicySetting]:
+    """Settings of a tunable ``policy``: one per combination of the values given for the knobs
+    it reads (``POLICIES[policy].knobs``), or for ``redknot`` one per explicit setting of
+    ``--redknot-settings``; labelled by the knobs that were given."""
+    knobs = POLICIES[policy].knobs
+    given = {k: getattr(args, k) for k in knobs if getattr(args, k) is not None}
+    if policy == "redknot" and args.redknot_settings:
         many = [k for k, v in given.items() if len(v) > 1]
         if many:
             raise SystemExit(
@@ -145,10 +157,10 @@ def redknot_settings(args: argparse.Namespace) -> list[PolicySetting]:
     out = []
     for changes in combos:
         options = RecoveryOptions().replace(**changes)
-        label = "redknot"
+        label = policy
         if changes:
             label += "[" + ",".join(f"{k}={v}" for k, v in changes.items()) + "]"
-        out.append(PolicySetting("redknot", options, label))
+        out.append(PolicySetting(policy, options, label))
     return out
 
 
@@ -157,10 +169,13 @@ def settings_of(args: argparse.Namespace) -> list[PolicySetting]:
     if unknown:
         raise SystemExit(f"error: unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
     settings = [PolicySetting(REFERENCE_LABEL)]
-    if "naive" in args.policies:
-        settings.append(PolicySetting("naive"))
-    if "redknot" in args.policies:
-        settings += redknot_settings(args)
+    for policy in dict.fromkeys(args.policies):  # in the order given, once each
+        if policy == REFERENCE_LABEL:
+            continue
+        if POLICIES[policy].knobs:
+            settings += policy_settings(args, policy)
+        else:
+            settings.append(PolicySetting(policy))
     return settings
 
 

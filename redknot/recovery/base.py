@@ -30,6 +30,8 @@ class ReusePolicy(LayerHooks):
     """Base of the policies; by itself it reuses nothing and computes everything."""
 
     name: ClassVar[str] = ""
+    knobs: ClassVar[tuple[str, ...]] = ()  # the RecoveryOptions fields this policy reads
+    uses_head_map: ClassVar[bool] = False  # True: serves (and caches segments) under a head map
 
     def __init__(
         self,
@@ -62,7 +64,9 @@ class ReusePolicy(LayerHooks):
 
     def serving_map(self, head_map: HeadMap | None) -> HeadMap | None:
         """The head map this policy runs under (``None``: every head global)."""
-        return None
+        if not self.uses_head_map or head_map is None:
+            return None
+        return self.options.head_map(head_map)
 
     def reused_heads(self, ctx: LayerContext) -> list[int]:
         """KV heads whose segment rows take the cached, re-aligned KV in this prefill layer."""
@@ -86,6 +90,10 @@ class ReusePolicy(LayerHooks):
         """``[N]`` int64 rows of the prefill call that belong to no segment."""
         mask = self._segment_mask(ctx)
         return torch.nonzero(~mask).flatten()
+
+    def segment_spans(self, ctx: LayerContext) -> list[tuple[int, int]]:
+        """The served segments as ``(start, end)`` rows of the prefill call, ascending."""
+        return [(seg.start - ctx.past_len, seg.end - ctx.past_len) for seg in self.served.segments]
 
     def _segment_mask(self, ctx: LayerContext) -> Tensor:
         """``[T]`` bool over the rows of the prefill call: rows the served segments cover."""
@@ -184,6 +192,7 @@ class ReusePolicy(LayerHooks):
         original = self._count(segment, None)  # segment rows of the prompt in this call
         attention, ffn = choices.get("attention"), choices.get("ffn")
         reused = choices.get("reused_rows", {})  # KV head -> segment rows served from cache
+        compared = choices.get("compared", 0)  # (row, KV head) cached KV compared with fresh KV
         pairs_global, pairs_local = self._pairs(ctx, attention, ctx.classes)
         self.record.layers.append(
             LayerRecord(
@@ -194,7 +203,8 @@ class ReusePolicy(LayerHooks):
                 pairs_local=pairs_local,
                 ffn_rows=ctx.num_rows if ffn is None else int(ffn.numel()),
                 probe_pairs=choices.get("probe_pairs", 0),
-                realigned=sum(reused.values()),
+                realigned=sum(reused.values()) + compared,
+                compared=compared,
                 segment_attention_rows=self._count(segment, attention),
                 segment_kv_rows=original * self.shape.num_kv_heads - sum(reused.values()),
                 segment_ffn_rows=self._count(segment, ffn),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from redknot.headmap import LOCAL, HeadMap
+from redknot.headmap import LOCAL
 from redknot.recovery.base import ReusePolicy
 from redknot.recovery.importance import newest_rows, select_important
 from redknot.recovery.restore import edge_mass, promote
@@ -32,6 +32,18 @@ class ElasticRecovery(ReusePolicy):
     """The ``redknot`` policy; knobs in :class:`~redknot.recovery.RecoveryOptions`."""
 
     name = "redknot"
+    knobs = (
+        "window",
+        "sink",
+        "dense_layers",
+        "mass_thresh",
+        "recent_n",
+        "restore_thresh",
+        "restore_edge",
+        "local_kv",
+        "skipped",
+    )
+    uses_head_map = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -44,9 +56,6 @@ class ElasticRecovery(ReusePolicy):
     @property
     def active(self) -> bool:
         return bool(self.served.segments)
-
-    def serving_map(self, head_map: HeadMap | None) -> HeadMap | None:
-        return None if head_map is None else self.options.head_map(head_map)
 
     def newest(self, ctx: LayerContext) -> Tensor:
         """The probed rows: the question and at least the last ``recent_n`` rows."""

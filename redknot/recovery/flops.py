@@ -12,10 +12,11 @@ A multiply-add counts 2 FLOPs. Per layer, with ``D`` hidden size, ``I`` FFN size
 | ``ffn``       | ``2 m D I`` per FFN row (``m`` = 3 matrices for gated MLPs, else 2) |
 | ``probe``     | ``2 d`` per probed (query, key) pair per query head (importance / restore scores) |
 | ``rope_align``| ``3 d`` per re-aligned cached key (row, KV head)                    |
+| ``deviation`` | ``6 d`` per (row, KV head) whose cached K and V are compared with fresh ones (difference, square, sum over ``2 d`` elements) |
 | ``lm_head``   | ``2 D V`` per logits row                                            |
 
-Norms, RoPE of fresh rows, softmax and the residual adds are left out (linear in the rows and
-small). Exact-prefix rows cost nothing.
+Norms, RoPE of fresh rows, softmax, top-k sorting and the residual adds are left out (linear in
+the rows, or ``T log T`` comparisons, and small). Exact-prefix rows cost nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ TERMS = (
     "ffn",
     "probe",
     "rope_align",
+    "deviation",
     "lm_head",
 )
 
@@ -77,6 +79,7 @@ class FlopCount:
     ffn: int
     probe: int
     rope_align: int
+    deviation: int
     lm_head: int
 
     @property
@@ -100,5 +103,6 @@ def prefill_flops(shape: FlopShape, record: PrefillRecord) -> FlopCount:
         terms["ffn"] += 2 * shape.ffn_matrices * D * shape.intermediate * layer.ffn_rows
         terms["probe"] += 2 * d * layer.probe_pairs
         terms["rope_align"] += 3 * d * layer.realigned
+        terms["deviation"] += 6 * d * layer.compared
     terms["lm_head"] = 2 * D * shape.vocab * record.logits_rows
     return FlopCount(**terms)

@@ -1,4 +1,5 @@
-"""Token importance for the sparse FFN of deep layers (RedKnot §4.2, "partial sparse FFN").
+"""Token importance for the sparse FFN of deep layers (RedKnot §4.2, "partial sparse FFN"),
+and the plain top-k of a score that the token-level policies select with (:func:`top_rows`).
 
 Importance of a key row = attention mass the newest tokens put on it, summed over the probed
 query rows and over query heads (``AttentionProbe.key_mass.sum(0)``), as the layer actually
@@ -47,4 +48,25 @@ def select_important(mass: Tensor, candidates: Tensor, mass_thresh: float) -> Te
     covered = torch.cumsum(m[order], dim=0)
     target = torch.tensor([mass_thresh * total], dtype=torch.float64, device=m.device)
     count = min(int(torch.searchsorted(covered, target)) + 1, int(candidates.numel()))
+    return torch.sort(candidates[order[:count]]).values
+
+
+def top_rows(scores: Tensor, candidates: Tensor, count: int) -> Tensor:
+    """The ``count`` ``candidates`` of highest score.
+
+    Parameters
+    ----------
+    scores : ``[T]`` float, the score of every row.
+    candidates : ``[C]`` int64 ascending rows to choose from.
+    count : how many to take (all when ``count >= C``).
+
+    Returns
+    -------
+    ``[min(count, C)]`` int64 ascending; ties: the lower row first.
+    """
+    if count <= 0 or candidates.numel() == 0:
+        return candidates[:0]
+    if count >= candidates.numel():
+        return candidates
+    order = torch.argsort(scores[candidates].to(torch.float64), descending=True, stable=True)
     return torch.sort(candidates[order[:count]]).values

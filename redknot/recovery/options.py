@@ -25,7 +25,8 @@ class RecoveryOptionsError(ValueError):
 
 @dataclass(frozen=True)
 class RecoveryOptions:
-    """How RedKnot's elastic recovery treats a prompt that reuses cached segments.
+    """How the recovery policies treat a prompt that reuses cached segments (each policy reads
+    its own knobs: ``ReusePolicy.knobs``).
 
     | field            | meaning                                                              |
     | ---------------- | -------------------------------------------------------------------- |
@@ -38,6 +39,12 @@ class RecoveryOptions:
     | ``restore_edge`` | width in tokens of the oldest edge of a window (see :mod:`redknot.recovery.restore`) |
     | ``local_kv``     | ``cached``: local heads take a segment's cached, re-aligned KV; ``fresh``: recompute it |
     | ``skipped``      | a segment token that skipped the FFN of a deep layer: ``residual`` (the paper) goes on along the residual path and its global heads' KV is recomputed from it; ``cached`` leaves recovery, from the next layer on every head takes its cached KV and nothing of it is computed |
+    | ``blend_check_layer`` | ``cacheblend``: layers ``<= blend_check_layer`` recompute every token; the KV deviation is measured in this layer |
+    | ``blend_ratio``  | ``cacheblend``: fraction of the segment tokens (largest KV deviation) recomputed above the check layer, in ``[0, 1]`` |
+    | ``epic_k``       | ``epic``: the first ``epic_k`` tokens of every segment are recomputed in every layer |
+    | ``sparseq_boundary`` | ``sparsex`` and ``redknot+sparseq``: layers ``< sparseq_boundary`` recompute every token (global heads, for the hybrid); 0: sparse from the first layer |
+    | ``sparseq_k``    | ``sparsex`` and ``redknot+sparseq``: the top-k budget, tokens ranked by the attention mass of the non-reused queries |
+    | ``sparseq_block``| ``sparsex`` and ``redknot+sparseq``: overflow block, reused tokens recomputed on each side of a non-reused span |
 
     Defaults were chosen by measurement on SmolLM2-135M-Instruct (the profiled 15%-global map,
     window 256, sink 64), from the fidelity-vs-FLOPs sweep in
@@ -49,6 +56,12 @@ class RecoveryOptions:
     * ``recent_n=128``: the paper's value; it covers every question of the case set.
     * ``restore_thresh=None`` (off), ``restore_edge=32``: see the sweep.
     * ``local_kv="cached"``: the point of reuse; ``fresh`` is the limit used in tests.
+
+    The knobs of the token-level policies are the published settings, not tuned here:
+    CacheBlend's check layer 1 and ~15% of the tokens, EPIC's 16 initial tokens, SparseX's
+    block of 16 (vLLM's block size) and a boundary at ~17% of SmolLM2's 30 layers (SparseX
+    §3.4: 15-20% for small dense models). SparseX gives no value for ``k``; 512 is ~15% of the
+    segment tokens of the ``rag_v1`` case set.
     """
 
     window: int | None = None
@@ -60,6 +73,12 @@ class RecoveryOptions:
     restore_edge: int = 32
     local_kv: LocalKV = "cached"
     skipped: Skipped = "cached"
+    blend_check_layer: int = 1
+    blend_ratio: float = 0.15
+    epic_k: int = 16
+    sparseq_boundary: int = 5
+    sparseq_k: int = 512
+    sparseq_block: int = 16
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -86,6 +105,14 @@ class RecoveryOptions:
             raise RecoveryOptionsError(
                 f"local_kv must be one of {', '.join(LOCAL_KV_SOURCES)}, got {self.local_kv!r}"
             )
+        for name in ("blend_check_layer", "sparseq_boundary"):
+            if getattr(self, name) < 0:
+                raise RecoveryOptionsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.blend_ratio <= 1.0:
+            raise RecoveryOptionsError(f"blend_ratio must lie in [0, 1], got {self.blend_ratio}")
+        for name in ("epic_k", "sparseq_k", "sparseq_block"):
+            if getattr(self, name) < 0:
+                raise RecoveryOptionsError(f"{name} must be >= 0 tokens, got {getattr(self, name)}")
 
     def replace(self, **changes: Any) -> RecoveryOptions:
         """A copy with some fields changed (checked like a new instance)."""

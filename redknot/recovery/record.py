@@ -13,6 +13,7 @@ Counted is what the policy needs computed, not what the reference runner happens
 | ``ffn_rows``          | rows that ran the FFN                                               |
 | ``probe_pairs``       | (probed query, key) pairs scored for importance or restore, over query heads |
 | ``realigned``         | (row, KV head) cached keys rotated to a new position                |
+| ``compared``          | (row, KV head) cached KV compared with the fresh KV (CacheBlend's deviation) |
 | ``segment_*``         | the same, restricted to segment rows (for the recomputed fractions) |
 """
 
@@ -48,6 +49,7 @@ class LayerRecord:
     ffn_rows: int
     probe_pairs: int = 0
     realigned: int = 0
+    compared: int = 0
     segment_attention_rows: int = 0
     segment_kv_rows: int = 0  # summed over KV heads
     segment_ffn_rows: int = 0

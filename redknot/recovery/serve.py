@@ -15,14 +15,19 @@ from dataclasses import dataclass
 from redknot.headmap import HeadMap, ModelShape
 from redknot.recovery.base import ReusePolicy
 from redknot.recovery.baselines import FullPrefill, NaiveReuse
+from redknot.recovery.cacheblend import CacheBlend
 from redknot.recovery.elastic import ElasticRecovery
+from redknot.recovery.epic import Epic
 from redknot.recovery.flops import FlopCount, FlopShape, prefill_flops
+from redknot.recovery.hybrid import ElasticSparseQ
 from redknot.recovery.options import RecoveryOptions
 from redknot.recovery.prompt import ReusePrompt
+from redknot.recovery.sparsex import SparseX
 from redknot.reference import Generation, ReferenceRunner
 
 POLICIES: dict[str, type[ReusePolicy]] = {
-    cls.name: cls for cls in (FullPrefill, NaiveReuse, ElasticRecovery)
+    cls.name: cls
+    for cls in (FullPrefill, NaiveReuse, ElasticRecovery, CacheBlend, Epic, SparseX, ElasticSparseQ)
 }
 
 

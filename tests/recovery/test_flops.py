@@ -111,3 +111,67 @@ def test_redknot_skipped_tokens_left_to_cache_hand_count(runner, prompt):
         "kv_heads": pytest.approx(1 / 3),
     }
     assert policy.frozen.tolist() == [False] * 3 + [True] * 4 + [False] * 2
+
+
+def _token_policy(runner, prompt, name, **knobs):
+    policy = create_policy(
+        name, compose(runner, prompt), shape=runner.shape, options=RecoveryOptions(**knobs)
+    )
+    return policy, serve(runner, policy)
+
+
+def test_epic_hand_count(runner, prompt):
+    """epic_k 2: rows 0-4 and 7-8 computed in every layer, rows 5-6 served from the cache."""
+    _, out = _token_policy(runner, prompt, "epic", epic_k=2)
+    kept = [0, 1, 2, 3, 4, 7, 8]
+    got = out.flops.to_json()
+    assert got["q_proj"] == got["o_proj"] == LAYERS * 2 * D * HQ * D_HEAD * 7
+    assert got["kv_proj"] == LAYERS * 4 * D * D_HEAD * 2 * 7
+    assert got["attention_global"] == LAYERS * 4 * D_HEAD * HQ * (1 + 2 + 3 + 4 + 5 + 8 + 9)
+    assert sum(p + 1 for p in kept) == 32
+    assert got["ffn"] == LAYERS * 2 * 3 * D * I * 7
+    assert got["rope_align"] == LAYERS * 3 * D_HEAD * 2 * 2  # 2 KV heads x rows 5, 6
+    assert got["attention_local"] == got["probe"] == got["deviation"] == 0
+    assert got["total"] == sum(v for k, v in got.items() if k != "total")
+    assert out.fractions == {"attention": 0.5, "ffn": 0.5, "kv_heads": 0.5}
+
+
+def test_cacheblend_hand_count(runner, prompt):
+    """Check layer 0, ratio 0.5: layer 0 dense plus the deviation of 4 segment rows x 2 KV
+    heads (each cached key re-aligned to compare); layers 1-2 compute the new rows and the 2
+    selected rows, the other 2 segment rows come from the cache."""
+    policy, out = _token_policy(runner, prompt, "cacheblend", blend_check_layer=0, blend_ratio=0.5)
+    chosen = policy.selected.tolist()
+    assert len(chosen) == 2 and set(chosen) <= {3, 4, 5, 6}
+    kept = [0, 1, 2, 7, 8] + chosen
+    got = out.flops.to_json()
+    assert got["q_proj"] == 2 * D * HQ * D_HEAD * (9 + 7 + 7)
+    assert got["kv_proj"] == 4 * D * D_HEAD * 2 * (9 + 7 + 7)
+    dense_pairs = sum(p + 1 for p in range(9))
+    kept_pairs = sum(p + 1 for p in kept)
+    assert got["attention_global"] == 4 * D_HEAD * HQ * (dense_pairs + 2 * kept_pairs)
+    assert got["ffn"] == 2 * 3 * D * I * (9 + 7 + 7)
+    assert got["deviation"] == 6 * D_HEAD * 4 * 2
+    assert got["rope_align"] == 3 * D_HEAD * (4 * 2 + 2 * 2 + 2 * 2)
+    assert got["probe"] == 0 and got["lm_head"] == 2 * D * V
+    assert out.fractions["ffn"] == pytest.approx((4 + 2 + 2) / 12)
+
+
+def test_sparsex_hand_count(runner, prompt):
+    """Boundary 1, k 1, block 1: layer 0 dense, and the new rows 0-2, 7-8 probe every key they
+    see (4 query heads); the overflow is rows 3 and 6 (a block either side of the segment);
+    layers 1-2 compute the new rows, the overflow and the top-1 row."""
+    policy, out = _token_policy(
+        runner, prompt, "sparsex", sparseq_boundary=1, sparseq_k=1, sparseq_block=1
+    )
+    kept = sorted({0, 1, 2, 3, 6, 7, 8} | set(policy.selection.key.tolist()))
+    n = len(kept)
+    reused = 9 - n  # segment rows served from the cache above the boundary
+    got = out.flops.to_json()
+    assert got["probe"] == 2 * D_HEAD * HQ * (1 + 2 + 3 + 8 + 9)
+    assert got["q_proj"] == 2 * D * HQ * D_HEAD * (9 + 2 * n)
+    assert got["kv_proj"] == 4 * D * D_HEAD * 2 * (9 + 2 * n)
+    assert got["attention_global"] == 4 * D_HEAD * HQ * (45 + 2 * sum(p + 1 for p in kept))
+    assert got["ffn"] == 2 * 3 * D * I * (9 + 2 * n)
+    assert got["rope_align"] == 3 * D_HEAD * 2 * 2 * reused
+    assert got["deviation"] == 0

@@ -19,6 +19,13 @@ from redknot.recovery import KNOBS, RecoveryOptions, RecoveryOptionsError
         ({"restore_thresh": -0.1}, "restore_thresh"),
         ({"restore_edge": 0}, "restore_edge"),
         ({"local_kv": "stale"}, "local_kv"),
+        ({"blend_check_layer": -1}, r"blend_check_layer must be >= 0"),
+        ({"blend_ratio": 1.2}, r"blend_ratio must lie in \[0, 1\]"),
+        ({"blend_ratio": -0.1}, r"blend_ratio must lie in \[0, 1\]"),
+        ({"epic_k": -1}, r"epic_k must be >= 0 tokens"),
+        ({"sparseq_boundary": -1}, r"sparseq_boundary must be >= 0"),
+        ({"sparseq_k": -5}, r"sparseq_k must be >= 0 tokens"),
+        ({"sparseq_block": -1}, r"sparseq_block must be >= 0 tokens"),
     ],
 )
 def test_out_of_range_options_are_refused(knobs, match):
@@ -41,3 +48,48 @@ def test_window_and_sink_override_the_map():
     assert RecoveryOptions().head_map(hm) is hm
     moved = RecoveryOptions(window=128, sink=0).head_map(hm)
     assert (moved.window, moved.sink, moved.classes) == (128, 0, hm.classes)
+
+
+def test_every_policy_reads_known_knobs_and_the_cli_sweeps_each_over_its_own():
+    from redknot.eval.cli import build_parser, settings_of
+    from redknot.recovery import POLICIES
+
+    for cls in POLICIES.values():
+        assert set(cls.knobs) <= set(KNOBS), cls.name
+    args = build_parser().parse_args(
+        [
+            "fidelity",
+            "--cases",
+            "c.jsonl",
+            "--head-map",
+            "m.json",
+            "--out",
+            "o.json",
+            "--policies",
+            "full,naive,cacheblend,epic,sparsex,redknot+sparseq",
+            "--blend-ratio",
+            "0.15,0.3",
+            "--epic-k",
+            "16",
+            "--sparseq-boundary",
+            "0,5",
+            "--dense-layers",
+            "4,8",  # read by redknot only, which is not asked for
+        ]
+    )
+    settings = settings_of(args)
+    assert [s.label for s in settings] == [
+        "full",
+        "naive",
+        "cacheblend[blend_ratio=0.15]",
+        "cacheblend[blend_ratio=0.3]",
+        "epic[epic_k=16]",
+        "sparsex[sparseq_boundary=0]",
+        "sparsex[sparseq_boundary=5]",
+        "redknot+sparseq[sparseq_boundary=0]",
+        "redknot+sparseq[sparseq_boundary=5]",
+    ]
+    assert settings[3].options.blend_ratio == 0.3 and settings[3].options.epic_k == 16
+    with pytest.raises(RecoveryOptionsError, match="blend_ratio must lie in"):
+        args.blend_ratio = [2.0]
+        settings_of(args)
