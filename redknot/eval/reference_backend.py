@@ -15,6 +15,7 @@ from redknot.eval.cases import Case
 from redknot.eval.compose import ComposedCase, compose
 from redknot.headmap import HeadMap
 from redknot.recovery import (
+    POLICIES,
     RecoveryOptions,
     ReusePrompt,
     Segment,
@@ -111,7 +112,7 @@ class ReferenceBackend(FidelityBackend):
         outputs = {}
         for setting in settings:
             serving_map = None
-            if setting.policy == "redknot":
+            if POLICIES[setting.policy].uses_head_map:
                 serving_map = (setting.options or RecoveryOptions()).head_map(self.head_map)
             # full serves without reuse; its prompt's segments only label rows for the record
             key = (

@@ -112,7 +112,7 @@ def test_cli_builds_the_sweep():
     "extra,match",
     [
         (["--backend", "server"], "server backend .* not built yet"),
-        (["--policies", "full,cacheblend"], "unknown policy 'cacheblend'"),
+        (["--policies", "full,prophetkv"], "unknown policy 'prophetkv'"),
         (["--mass-thresh", "2"], "mass_thresh must lie in"),
         (["--redknot-settings", "dense=3"], "not knob=value"),
         (["--dense-layers", "4,8", "--redknot-settings", "mass_thresh=0.5"], "several values"),
