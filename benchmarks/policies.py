@@ -1,0 +1,168 @@
+"""Fidelity against FLOPs of every recovery policy, side by side on the ``rag_v1`` case set.
+
+Runs the fidelity evaluation (``python -m redknot.eval fidelity``, reused in-process) on the
+reference path with SmolLM2-135M-Instruct and its profiled head map, for ``full``, ``naive``,
+``redknot`` (defaults) and a small knob sweep of the token-level baselines and SparseX:
+
+| policy            | settings                                 |
+| ----------------- | ---------------------------------------- |
+| ``cacheblend``    | ``blend_ratio`` 0.15, 0.3 (check layer 1) |
+| ``epic``          | ``epic_k`` 16, 64                        |
+| ``sparsex``       | ``sparseq_boundary`` 0 (without, SparseX's "hybrid attention") and 5 (with), ``sparseq_k`` 512 |
+| ``redknot+sparseq`` | the same two boundaries                |
+
+then writes one row per (policy, setting) to ``benchmarks/results/policies.json`` and a plot
+of first-token top-1 agreement against the FLOPs fraction (when matplotlib is installed)::
+
+    python benchmarks/policies.py --limit 4
+
+Finished (case, setting) pairs are kept in ``--work-dir``: a rerun (or a larger ``--limit``)
+runs only what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from redknot.eval.cli import main as eval_main
+
+CASES = "benchmarks/cases/rag_v1.jsonl"
+HEAD_MAP = "configs/heads/smollm2-135m-instruct.json"
+POLICIES = "full,naive,redknot,cacheblend,epic,sparsex,redknot+sparseq"
+SWEEP = {
+    "blend-ratio": "0.15,0.3",
+    "epic-k": "16,64",
+    "sparseq-boundary": "0,5",
+}
+COLUMNS = (
+    "top1",
+    "top10",
+    "cosine",
+    "contains",
+    "exact_match",
+    "f1",
+    "flops_fraction",
+    "attention_fraction",
+    "ffn_fraction",
+    "kv_head_fraction",
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--limit", type=int, default=4, help="first N cases of the case set")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--work-dir", default="benchmarks/policies.work")
+    p.add_argument("--out", default="benchmarks/results/policies.json")
+    p.add_argument("--plot", default="benchmarks/results/policies.png")
+    return p.parse_args(argv)
+
+
+def eval_argv(args: argparse.Namespace, raw: Path) -> list[str]:
+    argv = ["fidelity", "--cases", CASES, "--model", args.model, "--head-map", HEAD_MAP]
+    argv += ["--policies", POLICIES, "--max-new-tokens", str(args.max_new_tokens)]
+    for flag, values in SWEEP.items():
+        argv += [f"--{flag}", values]
+    argv += ["--limit", str(args.limit), "--work-dir", args.work_dir, "--out", str(raw)]
+    return argv
+
+
+def rows_of(result: dict) -> list[dict]:
+    """One row per setting: its policy, the knobs it changed, the mean metrics."""
+    out = []
+    for setting in result["settings"]:
+        label = setting["label"]
+        summary = result["summary"][label]
+        row = {"policy": setting["policy"], "setting": label}
+        row.update({k: summary[k] for k in COLUMNS})
+        row["on_dense_correct"] = summary["on_dense_correct"]
+        row["options"] = setting["options"]
+        out.append(row)
+    return out
+
+
+def plot(rows: list[dict], path: str, title: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"matplotlib is not installed: no plot written ({path} skipped)"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        points = sorted(
+            (r["flops_fraction"], r["top1"], r["setting"]) for r in rows if r["policy"] == policy
+        )
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=policy)
+    ax.set_xlabel("prefill FLOPs / dense prefill FLOPs")
+    ax.set_ylabel("first-token top-1 agreement with dense")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"wrote {path}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    raw = work / "fidelity.json"
+    command = "python benchmarks/policies.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    started = time.perf_counter()
+    eval_main(eval_argv(args, raw))
+    seconds = round(time.perf_counter() - started, 1)
+    result = json.loads(raw.read_text())
+    rows = rows_of(result)
+    out = {
+        "benchmark": "policies",
+        "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
+        "device": result["device"],
+        "device_detail": result["device_detail"],
+        "git_commit": result["git_commit"],
+        "git_dirty": result["git_dirty"],
+        "command": command,
+        "eval_command": result["command"],
+        "limit": args.limit,
+        "seconds": seconds,
+        "eval_seconds": result["seconds"],
+        "model": result["model"],
+        "head_map": result["head_map"],
+        "max_new_tokens": result["max_new_tokens"],
+        "cases_file": result["cases_file"],
+        "cases": result["cases"],
+        "default_options": result["default_options"],
+        "rows": rows,
+        "pareto": result["pareto"],
+        "per_case": [
+            {
+                "id": c["id"],
+                "prompt_tokens": c["prompt_tokens"],
+                "segment_tokens": c["segment_tokens"],
+                "settings": {
+                    label: {k: s.get(k) for k in ("top1", "contains", "flops_fraction", "output")}
+                    for label, s in c["settings"].items()
+                },
+            }
+            for c in result["per_case"]
+        ],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out} ({len(rows)} settings, {out['cases']['count']} cases, {seconds} s)")
+    title = f"{result['model']}, {out['cases']['count']} cases of {Path(CASES).name}, {result['device']}"
+    print(plot(rows, args.plot, title))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
