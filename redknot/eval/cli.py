@@ -14,6 +14,13 @@ a comma list; each policy runs once per combination (the cartesian product) of t
 reads (``ReusePolicy.knobs``), labelled by those given on the command line. ``--redknot-settings "dense_layers=8,mass_thresh=0.5;
 dense_layers=30,mass_thresh=1"`` lists settings explicitly instead (knob flags, single-valued,
 then apply to each).
+
+``--backend server`` scores a running redknot server against a dense server of the same model
+(:mod:`redknot.eval.server_backend`), with TTFT; the recovery knobs are the server's options::
+
+    python -m redknot.eval fidelity --cases benchmarks/cases/rag_v1.jsonl --backend server \
+        --server http://localhost:30000 --reference-server http://localhost:30001 \
+        --out benchmarks/results/fidelity_server.json
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from redknot.eval.cases import CaseFormatError, load_cases
 from redknot.recovery import KNOBS, POLICIES, RecoveryOptions, RecoveryOptionsError
 
 BACKENDS = ("reference", "server")
+DEFAULT_POLICIES = ("full", "naive", "redknot")
 
 
 def _optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -77,19 +85,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fidelity", help="first-token and answer fidelity of reuse policies")
     p.add_argument("--cases", required=True, help="case file (JSON Lines, FORMAT.md)")
     p.add_argument("--model", default="smollm2", help="model spec (reference backend)")
-    p.add_argument("--head-map", required=True, help="head-class map JSON of the model")
+    p.add_argument(
+        "--head-map", default=None, help="head-class map JSON of the model (reference backend)"
+    )
     p.add_argument(
         "--policies",
-        default="full,naive,redknot",
+        default=None,
         type=_list(str, "policies"),
-        help=f"comma list of {', '.join(POLICIES)} (full is always run: it is the reference)",
+        help=f"comma list of {', '.join(POLICIES)} (full is always run: it is the reference; "
+        "default full,naive,redknot, with --backend server full,redknot)",
     )
     p.add_argument(
         "--backend",
         default="reference",
         choices=BACKENDS,
-        help="reference: PyTorch reference path; server: not built yet",
+        help="reference: PyTorch reference path; server: a redknot server against a dense "
+        "reference server over HTTP (full and redknot only, TTFT measured)",
     )
+    p.add_argument("--server", default=None, help="server backend: redknot server URL")
+    p.add_argument(
+        "--reference-server",
+        default=None,
+        help="server backend: URL of a dense server of the same model (flashinfer, or redknot "
+        "with --redknot-all-global)",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="server backend: tokenizer path (default: the server's)"
+    )
+    p.add_argument("--namespace", default="default", help="server backend: segment namespace")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--limit", type=int, default=None, help="first N cases only")
@@ -164,12 +187,20 @@ def policy_settings(args: argparse.Namespace, policy: str) -> list[PolicySetting
     return out
 
 
+def policies_of(args: argparse.Namespace) -> list[str]:
+    """The policies asked for, or the backend's default list."""
+    if args.policies is not None:
+        return args.policies
+    return ["full", "redknot"] if args.backend == "server" else list(DEFAULT_POLICIES)
+
+
 def settings_of(args: argparse.Namespace) -> list[PolicySetting]:
-    unknown = [p for p in args.policies if p not in POLICIES]
+    policies = policies_of(args)
+    unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"error: unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
     settings = [PolicySetting(REFERENCE_LABEL)]
-    for policy in dict.fromkeys(args.policies):  # in the order given, once each
+    for policy in dict.fromkeys(policies):  # in the order given, once each
         if policy == REFERENCE_LABEL:
             continue
         if POLICIES[policy].knobs:
@@ -181,15 +212,43 @@ def settings_of(args: argparse.Namespace) -> list[PolicySetting]:
 
 def make_backend(args: argparse.Namespace) -> FidelityBackend:
     if args.backend == "server":
-        raise SystemExit(
-            "error: the server backend (redknot SGLang server over HTTP, with TTFT) is not "
-            "built yet; use --backend reference"
-        )
+        return server_backend(args)
+    if not args.head_map:
+        raise SystemExit("error: --head-map is required with --backend reference")
     from redknot.eval.reference_backend import ReferenceBackend
 
     return ReferenceBackend.load(
         args.model, args.head_map, device=args.device, max_new_tokens=args.max_new_tokens
     )
+
+
+def server_backend(args: argparse.Namespace) -> FidelityBackend:
+    """The server backend; its recovery knobs are the redknot server's own options."""
+    from redknot.eval.server_backend import SERVER_POLICIES, ServerBackend, ServerEvalError
+
+    if not args.server or not args.reference_server:
+        raise SystemExit("error: --backend server needs --server URL and --reference-server URL")
+    other = [p for p in policies_of(args) if p not in SERVER_POLICIES]
+    knobs = [k for k in KNOBS if getattr(args, k) is not None] + (
+        ["redknot_settings"] if args.redknot_settings else []
+    )
+    if other or knobs:
+        what = f"policy {other[0]!r}" if other else f"--{knobs[0].replace('_', '-')}"
+        raise SystemExit(
+            f"error: {what} cannot be used with --backend server: it serves "
+            f"{', '.join(SERVER_POLICIES)} with the redknot server's own options (start the "
+            "server with --redknot-dense-layers etc.)"
+        )
+    try:
+        return ServerBackend(
+            args.server,
+            args.reference_server,
+            tokenizer_path=args.tokenizer,
+            namespace=args.namespace,
+            max_new_tokens=args.max_new_tokens,
+        )
+    except ServerEvalError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def fidelity(args: argparse.Namespace) -> int:
@@ -217,17 +276,25 @@ def fidelity(args: argparse.Namespace) -> int:
         "command": "python -m redknot.eval " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "cases_file": args.cases,
         **info,
-        "default_options": dataclasses.asdict(RecoveryOptions()),
+        **(
+            {"default_options": dataclasses.asdict(RecoveryOptions())}
+            if args.backend == "reference"
+            else {}
+        ),
         **result,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+    def fmt(value: float | None, digits: int = 3) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
     for label, s in result["summary"].items():
-        flops = s["flops_fraction"]
         print(
-            f"{label:60s} top1 {s['top1']:.3f} top10 {s['top10']:.3f} cos {s['cosine']:.4f} "
-            f"EM {s['exact_match']:.3f} contains {s['contains']:.3f} F1 {s['f1']:.3f} "
-            f"FLOPs {flops:.3f}"
+            f"{label:60s} top1 {fmt(s['top1'])} top10 {fmt(s['top10'])} "
+            f"cos {fmt(s['cosine'], 4)} EM {fmt(s['exact_match'])} "
+            f"contains {fmt(s['contains'])} F1 {fmt(s['f1'])} FLOPs {fmt(s['flops_fraction'])} "
+            f"TTFT {fmt(s['ttft_s'])}"
         )
     print(f"{result['cases']['count']} cases, {result['seconds']} s; wrote {args.out}")
     return 0

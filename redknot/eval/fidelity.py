@@ -59,7 +59,7 @@ def summarise(per_case: list[dict], labels: Sequence[str]) -> dict[str, dict]:
     for label in labels:
         rows = [c["settings"][label] for c in per_case]
         kept = [c["settings"][label] for c in solved]
-        summary = {k: _mean(rows, k) for k in SCORES + COSTS + ("matches_dense_output",)}
+        summary = {k: _mean(rows, k) for k in SCORES + COSTS + ("matches_dense_output", "ttft_s")}
         summary["restored_heads"] = _mean(rows, "restored_heads")
         summary["on_dense_correct"] = {k: _mean(kept, k) for k in SCORES}
         summary["cases"] = len(rows)

@@ -111,7 +111,6 @@ def test_cli_builds_the_sweep():
 @pytest.mark.parametrize(
     "extra,match",
     [
-        (["--backend", "server"], "server backend .* not built yet"),
         (["--policies", "full,prophetkv"], "unknown policy 'prophetkv'"),
         (["--mass-thresh", "2"], "mass_thresh must lie in"),
         (["--redknot-settings", "dense=3"], "not knob=value"),

@@ -225,3 +225,58 @@ def test_unreachable_server_is_a_clear_error(servers):
 def test_no_top_logprobs_is_an_error():
     with pytest.raises(ServerEvalError, match="top logprobs"):
         _final_output([{"output_ids": [3], "meta_info": {}}], incremental=False)
+
+
+def test_cli_runs_the_server_backend(servers, tmp_path, monkeypatch):
+    from redknot.eval import server_backend
+    from redknot.eval.cli import main
+
+    redknot, dense = servers(backend="redknot"), servers(backend="flashinfer", shift=5)
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text(json.dumps(CASE.to_json()) + "\n")
+    monkeypatch.setattr(
+        "transformers.AutoTokenizer.from_pretrained", lambda path, **kw: Tokenizer()
+    )
+    out = tmp_path / "out.json"
+    argv = ["fidelity", "--cases", str(cases), "--backend", "server", "--server", redknot.url]
+    argv += ["--reference-server", dense.url, "--max-new-tokens", "3", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [s["label"] for s in result["settings"]] == ["full", "redknot"]
+    assert result["device"] == "server" and "default_options" not in result
+    assert result["servers"]["redknot"]["redknot_head_map"] == "map.json"
+    assert result["per_case"][0]["settings"]["redknot"]["top10"] == 0.5
+    assert server_backend.SERVER_POLICIES == ("full", "redknot")
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ([], "needs --server URL and --reference-server URL"),
+        (
+            ["--server", "http://a", "--reference-server", "http://b", "--policies", "full,naive"],
+            "policy 'naive' cannot be used with --backend server",
+        ),
+        (
+            ["--server", "http://a", "--reference-server", "http://b", "--mass-thresh", "0.3"],
+            "--mass-thresh cannot be used with --backend server",
+        ),
+    ],
+)
+def test_cli_server_backend_errors(tmp_path, capsys, extra, match):
+    from redknot.eval.cli import main
+
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text(json.dumps(CASE.to_json()) + "\n")
+    argv = ["fidelity", "--cases", str(cases), "--backend", "server", "--out", "o.json"]
+    with pytest.raises(SystemExit, match=match):
+        main(argv + extra)
+
+
+def test_cli_reference_backend_needs_a_map(tmp_path):
+    from redknot.eval.cli import main
+
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text(json.dumps(CASE.to_json()) + "\n")
+    with pytest.raises(SystemExit, match="--head-map is required"):
+        main(["fidelity", "--cases", str(cases), "--out", "o.json"])
