@@ -20,6 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from redknot.eval.cases import Case
+from redknot.eval.compose import compose
 from redknot.recovery import RecoveryOptions
 
 REFERENCE_LABEL = "full"
@@ -87,9 +88,12 @@ class FidelityBackend(ABC):
     def describe(self) -> dict[str, Any]:
         """Model, head map, device and anything else the result file should record."""
 
-    @abstractmethod
+    tokenizer: Any = None  # the served model's tokenizer; cases are composed with it
+
     def shape_of(self, case: Case) -> CaseShape:
         """Token counts of ``case`` as this backend composes it."""
+        c = compose(self.tokenizer, case)
+        return CaseShape(len(c.ids), c.segment_tokens, c.prefix_len)
 
     @abstractmethod
     def run_case(self, case: Case, settings: Sequence[PolicySetting]) -> dict[str, PolicyOutput]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from redknot.eval.base import CaseShape, FidelityBackend, PolicyOutput, PolicySetting
+from redknot.eval.base import FidelityBackend, PolicyOutput, PolicySetting
 from redknot.eval.cases import Case
 from redknot.eval.compose import ComposedCase, compose
 from redknot.headmap import HeadMap
@@ -90,10 +90,6 @@ class ReferenceBackend(FidelityBackend):
             "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": self.stop_token_ids,
         }
-
-    def shape_of(self, case: Case) -> CaseShape:
-        c = compose(self.tokenizer, case)
-        return CaseShape(len(c.ids), c.segment_tokens, c.prefix_len)
 
     def _prompt(self, composed: ComposedCase, head_map: HeadMap | None) -> ReusePrompt:
         """The case with its prefix and segments cached under ``head_map`` (``None``: dense)."""

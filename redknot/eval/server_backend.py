@@ -32,7 +32,6 @@ import requests
 
 from redknot.eval.base import (
     REFERENCE_LABEL,
-    CaseShape,
     FidelityBackend,
     PolicyOutput,
     PolicySetting,
@@ -160,10 +159,6 @@ class ServerBackend(FidelityBackend):
             "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": self.stop_token_ids,
         }
-
-    def shape_of(self, case: Case) -> CaseShape:
-        c = compose(self.tokenizer, case)
-        return CaseShape(len(c.ids), c.segment_tokens, c.prefix_len)
 
     def run_case(self, case: Case, settings: Sequence[PolicySetting]) -> dict[str, PolicyOutput]:
         composed = compose(self.tokenizer, case)
