@@ -16,7 +16,8 @@ in ``OpenAIServingChat._apply_jinja_template``. redknot wraps that method (an AR
 
 The messages' namespace is ``custom_params["redknot_namespace"]`` of the request, else
 ``default``. Chat requests on models with a Python chat encoder, multimodal models, or a named
-``--chat-template`` (conversation templates) are served without segments.
+``--chat-template`` (conversation templates) are served without segments, and so are requests
+whose messages hold a sentinel character themselves.
 """
 
 from __future__ import annotations
@@ -126,6 +127,20 @@ def _namespace(request: Any, api: Any) -> str:
     return ns
 
 
+def _holds_sentinel(content: Any) -> bool:
+    """Whether a message content (a string or a list of parts) holds a sentinel character."""
+    if isinstance(content, str):
+        return S_OPEN in content or S_CLOSE in content
+    if isinstance(content, list):
+        return any(
+            _holds_sentinel(
+                part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
+            )
+            for part in content
+        )
+    return False
+
+
 def around_apply_jinja_template(
     original: Any, self: Any, request: Any, tools: Any, is_multimodal: bool
 ) -> Any:
@@ -144,6 +159,11 @@ def around_apply_jinja_template(
     if is_multimodal or getattr(self, "chat_encoding_spec", None) is not None:
         _warn_once("model", "this model's chat encoding is not a plain Jinja template")
         return original(self, request, tools, is_multimodal)
+    if any(_holds_sentinel(getattr(m, "content", None)) for m in request.messages):
+        # A content holding the sentinels could pass for another message's sentinel and be
+        # swapped for that message's text: serve such a request as SGLang would.
+        _warn_once("sentinel", "a message holds U+F0010/U+F0011; served unsegmented")
+        return original(self, request, tools, is_multimodal)
 
     piecewise = api.tokenizer
     last = len(request.messages) - 1
@@ -155,7 +175,6 @@ def around_apply_jinja_template(
         keep = (
             isinstance(content, str)
             and content
-            and S_OPEN not in content
             and not (i == last and msg.role == "assistant" and request.continue_final_message)
         )
         if keep:

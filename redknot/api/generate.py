@@ -42,13 +42,22 @@ def _sampling_params(body: dict, n: int) -> list[dict]:
     if sp is None:
         sp = {}
     if isinstance(sp, dict):
-        return [dict(sp) for _ in range(n)]
-    if isinstance(sp, list) and len(sp) == n and all(isinstance(x, dict) for x in sp):
-        return [dict(x) for x in sp]
-    raise SegmentMarkError(
-        "sampling_params must be an object, or a list with one object per prompt, "
-        "when segments are marked"
-    )
+        out = [dict(sp) for _ in range(n)]
+    elif isinstance(sp, list) and len(sp) == n and all(isinstance(x, dict) for x in sp):
+        out = [dict(x) for x in sp]
+    else:
+        raise SegmentMarkError(
+            "sampling_params must be an object, or a list with one object per prompt, "
+            "when segments are marked"
+        )
+    for p in out:
+        custom = p.get("custom_params")
+        if custom is not None and not isinstance(custom, dict):
+            raise SegmentMarkError(
+                "sampling_params.custom_params must be an object (or null), "
+                f"got {type(custom).__name__}"
+            )
+    return out
 
 
 def needs_rewrite(body: Any) -> bool:
@@ -101,21 +110,24 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
     if not prompts:
         raise SegmentMarkError("the request has no prompts")
     field = body.get(FIELD)
-    if batch and field is not None:
-        if not (isinstance(field, list) and len(field) == len(prompts)):
-            raise SegmentMarkError(
-                f"{FIELD} of a batch must be a list with one list of spans (or null) per prompt "
-                f"({len(prompts)} prompts)"
-            )
+    if not batch:
+        fields = [field]
+    elif field is None:  # a batch marked only by in-band markers
+        fields = [None] * len(prompts)
+    elif isinstance(field, list) and len(field) == len(prompts):
         fields = field
     else:
-        fields = [field]
+        raise SegmentMarkError(
+            f"{FIELD} of a batch must be a list with one list of spans (or null) per prompt "
+            f"({len(prompts)} prompts)"
+        )
 
     out_ids: list[list[int]] = []
     params = _sampling_params(body, len(prompts))
     marked = 0
     for k, (prompt, spans_value) in enumerate(zip(prompts, fields, strict=True)):
         where = f"prompt {k}" if batch else "the prompt"
+        field_at = f"{FIELD}[{k}]" if batch else FIELD  # names the prompt of a batch
         if text is not None:
             if not isinstance(prompt, str):
                 raise SegmentMarkError(f"{where} text must be a string")
@@ -126,7 +138,7 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
                         f"{where} marks segments both with markers and with '{FIELD}': use one"
                     )
                 spans = parse_spans(
-                    spans_value, unit="character", length=len(clean), where=f"{FIELD}"
+                    spans_value, unit="character", length=len(clean), where=field_at
                 )
             if spans:
                 input_ids, token_spans = api.tokenizer.encode(clean, spans)
@@ -137,7 +149,7 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
             spans = (
                 []
                 if spans_value is None
-                else parse_spans(spans_value, unit="token", length=len(input_ids), where=f"{FIELD}")
+                else parse_spans(spans_value, unit="token", length=len(input_ids), where=field_at)
             )
             token_spans = [(s.start, s.end) for s in spans]
         marks = api.marks(input_ids, token_spans, [s.namespace for s in spans], where=where)

@@ -78,10 +78,18 @@ class Registration:
 
 
 def segment_id(namespace: str, token_ids: Sequence[int]) -> str:
-    """The content address of a segment; one definition, the segment store's."""
+    """The content address of a segment; one definition, the segment store's.
+
+    Raises :class:`SegmentMarkError` for what the store refuses (a namespace longer than it
+    keys, say): marks that reach the scheduler without the HTTP side's checks (``sgl.Engine``
+    callers set ``custom_params`` themselves) must not raise anything else there."""
+    from redknot.segcache.entry import SegmentError
     from redknot.segcache.entry import segment_id as store_segment_id
 
-    return store_segment_id(namespace, list(token_ids))
+    try:
+        return store_segment_id(namespace, list(token_ids))
+    except SegmentError as e:
+        raise SegmentMarkError(str(e)) from None
 
 
 def check_marks(
@@ -135,9 +143,12 @@ def encode_marks(
     return out
 
 
-def reserved_keys(custom_params: Mapping[str, Any] | None) -> list[str]:
-    """Keys of a client's ``custom_params`` that only redknot may set."""
-    return sorted(k for k in (custom_params or {}) if str(k).startswith(RESERVED_PREFIX))
+def reserved_keys(custom_params: Any) -> list[str]:
+    """Keys of a client's ``custom_params`` that only redknot may set (none when it is not an
+    object: SGLang refuses such ``custom_params`` itself)."""
+    if not isinstance(custom_params, Mapping):
+        return []
+    return sorted(k for k in custom_params if str(k).startswith(RESERVED_PREFIX))
 
 
 def decode_marks(

@@ -1,14 +1,21 @@
 """ASGI middleware that rewrites ``/generate`` bodies marking segments (see ``generate.py``)
 and refuses redknot's reserved ``custom_params`` keys set by clients on any JSON endpoint.
 
-It sits inside SGLang's app middleware (CORS, API key) and in front of SGLang's own
-``/generate`` route, which then parses the rewritten body as usual. Bodies without segment
-markup pass through untouched after a byte scan; bodies that are not JSON are left for SGLang
-to reject. Invalid markup is answered here with a 400 and never reaches the engine.
+It is the app's innermost middleware (inside SGLang's request decompression, CORS and API-key
+checks: ``server.install``), in front of SGLang's own ``/generate`` route, which then parses the
+rewritten body as usual. Bodies without segment markup pass through untouched after a byte
+scan; bodies that are not JSON are left for SGLang to reject. Invalid markup is answered here
+with a 400 and never reaches the engine.
+
+The byte scan must see every spelling of markup that SGLang's JSON parser would read: a body is
+parsed when it holds ``redknot_``, a marker character in UTF-8, or any JSON ``\\u`` escape
+(``"\\u0072edknot_seg_ids"`` is a reserved key, ``"\\uDB80\\uDC01"`` a marker); and every
+content type FastAPI parses as JSON (``application/json``, ``application/*+json``) is scanned.
 """
 
 from __future__ import annotations
 
+import email.message
 import logging
 from collections.abc import Callable
 
@@ -23,10 +30,10 @@ logger = logging.getLogger(__name__)
 
 PATHS = ("/generate",)  # rewritten; every other JSON POST is only checked for reserved keys
 ALLOWED = {"/v1/chat/completions": ("redknot_namespace",)}  # reserved keys a path may carry
-# Byte patterns that occur in every body that marks segments: the field or a reserved
-# custom-params key ("redknot_"), or a marker character (U+F0001..U+F0003) raw in UTF-8 or
-# JSON-escaped as a surrogate pair (high surrogate U+DB80).
-_TRIGGERS = (RESERVED_PREFIX.encode(), "\U000f0000".encode()[:3], b"\\udb80", b"\\uDB80")
+# Byte patterns of which one occurs in every body that marks segments: the field or a
+# reserved custom-params key ("redknot_"), a marker character (U+F0001..U+F0003) in UTF-8, or a
+# JSON escape (which may spell either).
+_TRIGGERS = (RESERVED_PREFIX.encode(), "\U000f0000".encode()[:3], b"\\u")
 
 
 def error_body(message: str, status: int = 400) -> bytes:
@@ -94,9 +101,15 @@ def _check_other(body, path) -> None:
 
 
 def _is_json(scope) -> bool:
+    """Whether FastAPI reads the body as JSON: the content type test of ``fastapi.routing``."""
     for key, value in scope.get("headers", ()):
         if key.lower() == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() == b"application/json"
+            message = email.message.Message()
+            message["content-type"] = value.decode("latin-1")
+            subtype = message.get_content_subtype()
+            return message.get_content_maintype() == "application" and (
+                subtype == "json" or subtype.endswith("+json")
+            )
     return scope.get("path") in PATHS  # SGLang's /generate parses bodies without a type too
 
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 CHAT_MODES = ("off", "messages", "min-tokens:N")
-NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}$")
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}")  # the whole name
 DEFAULT_NAMESPACE = "default"
 
 
@@ -44,7 +44,7 @@ class ChatSegments:
 
 def check_namespace_name(name: object, *, where: str = "namespace") -> str:
     """``name`` if it is a valid namespace name, else ValueError saying what is allowed."""
-    if not (isinstance(name, str) and NAMESPACE_PATTERN.match(name)):
+    if not (isinstance(name, str) and NAMESPACE_PATTERN.fullmatch(name)):
         raise ValueError(
             f"{where} {name!r} is not a valid namespace name: use a string of 1 to 64 "
             "characters from letters, digits and _ . : / -, starting with a letter or digit"

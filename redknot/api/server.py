@@ -5,8 +5,9 @@ in the launching process, after the scheduler processes are up. A BEFORE hook on
 (registered by the plugin) calls :func:`install` with the live tokenizer manager, so that before
 uvicorn starts:
 
-- ``SegmentMarkupMiddleware`` is added (it ends up inside SGLang's own middleware, API-key
-  checks included, and in front of every route);
+- ``SegmentMarkupMiddleware`` is added as the innermost middleware: inside everything SGLang
+  adds (CORS and request decompression at import, API-key checks after this hook), so that it
+  reads bodies as the routes will, and in front of every route;
 - the ``/redknot`` routes are added;
 - :func:`check_installed` confirms both, or the server does not start.
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+
+from starlette.middleware import Middleware
 
 from redknot.api.middleware import SegmentMarkupMiddleware
 from redknot.api.routes import PREFIX, build_router
@@ -38,7 +41,11 @@ def install(app: Any, api: SegmentApi) -> None:
     global _api
     _api = api
     if not any(m.cls is SegmentMarkupMiddleware for m in app.user_middleware):
-        app.add_middleware(SegmentMarkupMiddleware, api=current_api)
+        if app.middleware_stack is not None:
+            raise RuntimeError("redknot: the HTTP app has started; its middleware is fixed")
+        # user_middleware runs outermost first: the last entry sees the body the routes see
+        # (after SGLang's RequestDecompressionMiddleware, say)
+        app.user_middleware.append(Middleware(SegmentMarkupMiddleware, api=current_api))
     if not _has_routes(app):
         # Added one by one (not include_router): plain routes of the app, as SGLang's own are,
         # so that SGLang's API-key middleware finds their auth levels.
@@ -55,6 +62,8 @@ def check_installed(app: Any) -> None:
     problems = []
     if not any(m.cls is SegmentMarkupMiddleware for m in app.user_middleware):
         problems.append("the /generate segment middleware is not in the app")
+    elif app.user_middleware[-1].cls is not SegmentMarkupMiddleware:
+        problems.append("the /generate segment middleware is not the innermost one")
     if not _has_routes(app):
         problems.append(f"the {PREFIX} routes are not in the app")
     if _api is None:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 import types
 from pathlib import Path
 
@@ -63,23 +62,9 @@ def smollm_tokenizer():
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     """A Llama-shaped model directory (config only: --load-format dummy)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "vocab_size": 512,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "torch_dtype": "bfloat16",
-    }
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps(config))
-    return d
+    from tests.api.cpu_server import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 class FakeStore:
@@ -169,39 +154,18 @@ class FakeTokenizerManager:
 
 @pytest.fixture(scope="session")
 def server_args(sglang_plugins, model_dir):
-    from sglang.srt.server_args import prepare_server_args
+    from tests.api.cpu_server import make_server_args
 
-    return prepare_server_args(
-        [
-            "--model-path",
-            str(model_dir),
-            "--load-format",
-            "dummy",
-            "--device",
-            "cpu",
-            "--attention-backend",
-            "redknot",
-            "--redknot-all-global",
-        ]
-    )
+    return make_server_args(model_dir)
 
 
 @pytest.fixture(scope="session")
 def http_app(server_args):
     """SGLang's real FastAPI app, set up by SGLang's own ``_setup_and_run_http_server`` (with
     redknot's hook) around a fake tokenizer manager; uvicorn is not started."""
-    from sglang.srt.entrypoints import http_server
+    from tests.api.cpu_server import setup_http_app
 
-    run, logs = http_server.uvicorn.run, http_server.set_uvicorn_logging_configs
-    http_server.uvicorn.run = lambda *a, **k: None
-    http_server.set_uvicorn_logging_configs = lambda *a, **k: None
-    try:
-        http_server._setup_and_run_http_server(
-            server_args, FakeTokenizerManager(None), None, None, [{}], None
-        )
-    finally:
-        http_server.uvicorn.run, http_server.set_uvicorn_logging_configs = run, logs
-    return http_server.app
+    return setup_http_app(server_args)
 
 
 @pytest.fixture

@@ -1,0 +1,320 @@
+"""A CPU stand-in for a redknot SGLang server: SGLang's real HTTP app and redknot's real request
+API in front, redknot's real scheduler-side segment code behind, no model.
+
+| layer                      | here                                                          |
+| -------------------------- | ------------------------------------------------------------- |
+| HTTP app, routes, ASGI     | real: SGLang's FastAPI ``app``, set up by SGLang's own        |
+|                            | ``_setup_and_run_http_server`` with redknot's hook            |
+| redknot request API        | real: middleware, ``/redknot`` routes, chat hook, namespaces  |
+| OpenAI chat serving        | real ``OpenAIServingChat`` (installed by :meth:`CpuServer.    |
+|                            | enable_chat`; SGLang builds it in the app's lifespan)         |
+| tokenizer manager          | faked (:class:`CpuTokenizerManager`): SGLang's own            |
+|                            | ``normalize_batch_and_arguments``, ``SamplingParams``         |
+|                            | normalize/verify and the typed msgpack hop of the sampling    |
+|                            | params run for real; tokenisation is the tokenizer's; the     |
+|                            | context-length and vocabulary checks are SGLang's, restated   |
+| control path               | real ``redknot.api.control`` both ends, through SGLang's      |
+|                            | msgpack codec; the scheduler's dispatcher is a direct call    |
+| scheduler                  | faked (:class:`CpuScheduler`): no batching, no radix cache;   |
+|                            | per prompt it calls redknot's real ``registration.start`` /   |
+|                            | ``reuse.start``, ``plan_writes`` / ``plan_reads``, the        |
+|                            | segment region's ``write`` / ``read`` and ``finish``, on a    |
+|                            | real ``SegmentStore`` over a real ``RedknotKVPool`` region    |
+| model forward              | faked: the K/V written for a registration are random          |
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import types
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.api.conftest import FakeTokenizerManager
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+}
+
+
+def write_model_dir(directory: Path) -> Path:
+    """A Llama-shaped model directory (config only: ``--load-format dummy``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return directory
+
+
+def make_server_args(model_dir: Path) -> Any:
+    """Server arguments of a redknot server on the CPU (SGLang's plugins loaded first)."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    from redknot.integration import plugin
+
+    plugin.verify()
+    args = ["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu"]
+    return prepare_server_args(args + ["--attention-backend", "redknot", "--redknot-all-global"])
+
+
+def setup_http_app(server_args: Any) -> Any:
+    """SGLang's real FastAPI app, set up by SGLang's own ``_setup_and_run_http_server`` (with
+    redknot's hook) around a fake tokenizer manager; uvicorn is not started."""
+    from sglang.srt.entrypoints import http_server
+
+    run, logs = http_server.uvicorn.run, http_server.set_uvicorn_logging_configs
+    http_server.uvicorn.run = lambda *a, **k: None
+    http_server.set_uvicorn_logging_configs = lambda *a, **k: None
+    try:
+        http_server._setup_and_run_http_server(
+            server_args, FakeTokenizerManager(None), None, None, [{}], None
+        )
+    finally:
+        http_server.uvicorn.run, http_server.set_uvicorn_logging_configs = run, logs
+    return http_server.app
+
+
+class CpuScheduler:
+    """The scheduler's segment state (``tree_cache.segments`` and the pool's segment region) and
+    what the scheduler does with one request, in the order SGLang's scheduler calls redknot's
+    hooks: slot allocation (``start``), the extends of the prompt (plan, write, read), request
+    end (``finish``).
+
+    ``hold(n)`` keeps the next ``n`` requests running until :meth:`finish_running`: a reader
+    keeps its segment references; a registration has computed only the first half of its
+    prompt (its write job open), and finishes it then, or is aborted."""
+
+    PAGE_TOKENS = 4
+
+    def __init__(self, region_tokens: int = 2048, slots: int = 256):
+        from redknot.headmap import ModelShape, synthetic_map
+        from redknot.pool.kv_pool import RedknotKVPool
+        from redknot.pool.layout import HeadLayout
+        from redknot.pool.segment_region import bytes_per_segment_token, plan_segments
+        from redknot.segcache.store import SegmentStore
+
+        self.shape = ModelShape(
+            "LlamaForCausalLM", num_layers=2, num_kv_heads=4, num_attention_heads=8, head_dim=8
+        )
+        layout = HeadLayout.from_head_map(synthetic_map(self.shape, 0.25, window=8, sink=2))
+        per_token = bytes_per_segment_token(layout, torch.float32, "local")
+        budget = 2 * region_tokens * per_token  # half of it is the region
+        plan = plan_segments([layout], torch.float32, budget, 0.5, "local", self.PAGE_TOKENS)
+        self.pool = RedknotKVPool(
+            64,
+            1,
+            torch.float32,
+            layout,
+            num_rings=4,
+            num_snapshots=1,
+            device="cpu",
+            segment_plan=plan,
+        )
+        self.store = SegmentStore.for_pool(self.pool)
+        self.tree_cache = types.SimpleNamespace(segments=self.store, pool=self.pool)
+        self.pool.cache = self.tree_cache
+        self._free_slots = list(range(slots - 1, 0, -1))
+        self._hold = 0
+        self.running: dict[int, tuple[int, int]] = {}  # slot -> (tokens computed, prompt tokens)
+        self._gen = torch.Generator().manual_seed(0)
+
+    def hold(self, n: int = 1) -> None:
+        self._hold += n
+
+    def serve(self, rid: str, ids: list[int], sampling_params: Any) -> int:
+        """Run one prompt; the number of its tokens that read cached segment K/V."""
+        from redknot.segcache import registration, reuse
+
+        rpi = self._free_slots.pop()
+        req = types.SimpleNamespace(
+            rid=rid, origin_input_ids=ids, sampling_params=sampling_params, req_pool_idx=rpi
+        )
+        registration.start(self.tree_cache, req)
+        reuse.start(self.tree_cache, req)
+        n = len(ids)
+        held = self._hold > 0
+        first = n // 2 if held and rpi in self.pool.segment_jobs and n > 1 else n
+        cached = self._extend(rpi, 0, first)
+        if held:
+            self._hold -= 1
+            self.running[rpi] = (first, n)
+        else:
+            self._finish(rpi)
+        return cached
+
+    def finish_running(self, *, complete: bool = True) -> None:
+        """End the held requests; ``complete=False`` aborts those with tokens left to compute."""
+        for rpi, (done, n) in sorted(self.running.items()):
+            if complete and done < n:
+                self._extend(rpi, done, n - done)
+            self._finish(rpi)
+        self.running.clear()
+
+    def _extend(self, rpi: int, prefix: int, length: int) -> int:
+        """One extend of ``length`` tokens after ``prefix``: the backend's plans, then the
+        region writes (random K/V: the model forward) and reads; the tokens read."""
+        from redknot.segcache import registration, reuse
+
+        heads, dim = self.shape.num_kv_heads, self.shape.head_dim
+        writes = registration.plan_writes(self.pool, [rpi], [prefix], [length], "cpu")
+        reads = reuse.plan_reads(self.pool, [rpi], [prefix], [length], "cpu")
+        for layer in range(self.shape.num_layers):
+            if writes is not None:
+                k, v = torch.randn(2, length, heads, dim, generator=self._gen)
+                self.pool.segments.write(
+                    layer, writes.rows_gpu, k[writes.tokens_gpu], v[writes.tokens_gpu]
+                )
+            if reads is not None:
+                self.pool.segments.read(layer, reads.rows_gpu)
+        return 0 if reads is None else len(reads.tokens_gpu)
+
+    def _finish(self, rpi: int) -> None:
+        from redknot.segcache import registration, reuse
+
+        registration.finish(self.pool, rpi)
+        reuse.finish(self.tree_cache, rpi)
+        self._free_slots.append(rpi)
+
+
+class CpuTokenizerManager(FakeTokenizerManager):
+    """A tokenizer manager in front of a :class:`CpuScheduler`; ``received`` holds a copy of
+    every request object as it reached the tokenizer manager (before SGLang normalises it)."""
+
+    def __init__(self, tokenizer: Any, scheduler: CpuScheduler, **kwargs: Any):
+        from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
+
+        from redknot.api import control
+
+        super().__init__(tokenizer, **kwargs)
+        self.store = scheduler.store
+        self.scheduler = scheduler
+        self._rids = count()
+
+        async def communicator(req):  # the zmq hop both ways, through SGLang's msgpack codec
+            out = control.handle(scheduler, msgpack_decode(msgpack_encode(req)))
+            return [msgpack_decode(msgpack_encode(out))]
+
+        self.redknot_segments_communicator = communicator
+
+    async def generate_request(self, obj: Any, request: Any = None):
+        self.received.append(copy.deepcopy(obj))
+        obj.normalize_batch_and_arguments()
+        subs = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
+        outs = [self._serve_one(sub) for sub in subs]
+        yield outs[0] if obj.is_single else outs
+
+    def _serve_one(self, obj: Any) -> dict:
+        import msgspec
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        if obj.input_ids is not None:
+            ids = list(obj.input_ids)
+        elif self.tokenizer is None:
+            raise ValueError(
+                "The engine initialized with skip_tokenizer_init=True cannot accept text"
+            )
+        else:
+            ids = list(self.tokenizer.encode(obj.text))
+        if len(ids) >= self.context_len:
+            raise ValueError(
+                f"The input ({len(ids)} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens)."
+            )
+        if ids and max(ids) >= self.model_config.vocab_size:
+            raise ValueError(
+                f"The input_ids contains values greater than the vocab size "
+                f"({self.model_config.vocab_size})."
+            )
+        params = SamplingParams(**obj.sampling_params)
+        params.normalize(self.tokenizer)
+        params.verify(self.model_config.vocab_size)
+        # what the scheduler decodes (SGLang sends sampling params inside its typed IPC messages)
+        params = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+        rid = obj.rid or f"r{next(self._rids)}"
+        cached = self.scheduler.serve(rid, ids, params)
+        return {
+            "text": " ok",
+            "output_ids": [0],
+            "meta_info": {
+                "id": rid,
+                "finish_reason": {"type": "length", "length": 1},
+                "prompt_tokens": len(ids),
+                "completion_tokens": 1,
+                "cached_tokens": cached,
+                "weight_version": "default",
+            },
+        }
+
+
+class CpuServer:
+    """A :class:`CpuScheduler` and :class:`CpuTokenizerManager` behind a fresh ``SegmentApi``,
+    made current in ``app``."""
+
+    def __init__(
+        self,
+        app: Any,
+        tokenizer: Any,
+        *,
+        context_len: int = 2048,
+        region_tokens: int = 1024,
+        namespaces: str | None = None,
+        chat: str = "off",
+        server_args: Any = None,
+        vocab_size: int | None = None,
+    ):
+        from sglang.srt.entrypoints import http_server
+
+        from redknot.api.namespaces import NamespaceRegistry
+        from redknot.api.options import ChatSegments
+        from redknot.api.server import install
+        from redknot.api.service import SegmentApi
+
+        vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 512)
+        self.app = app
+        self.scheduler = CpuScheduler(region_tokens)
+        self.store = self.scheduler.store
+        self.tm = CpuTokenizerManager(
+            tokenizer, self.scheduler, context_len=context_len, vocab_size=vocab
+        )
+        self.api = SegmentApi(
+            self.tm,
+            chat=ChatSegments.parse(chat),
+            namespaces=NamespaceRegistry.from_option(namespaces),
+        )
+        install(app, self.api)
+        http_server._global_state.tokenizer_manager = self.tm
+        if chat != "off":
+            self.enable_chat(server_args)
+
+    def enable_chat(self, server_args: Any) -> None:
+        """The app's ``OpenAIServingChat`` over this tokenizer manager (the tokenizer's own Jinja
+        chat template); ``server_args``: the app's (:func:`make_server_args`)."""
+        from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+
+        tm = self.tm
+        tm.server_args = server_args
+        tm.model_config.is_multimodal = False
+        tm.model_config.get_default_sampling_params = dict
+        tm.request_logger = types.SimpleNamespace(log_requests=False)
+        templates = types.SimpleNamespace(
+            chat_template_name=None,
+            jinja_template_content_format="string",
+            reasoning_config=None,
+            force_reasoning=False,
+        )
+        self.app.state.openai_serving_chat = OpenAIServingChat(tm, templates)
