@@ -741,6 +741,7 @@ def main() -> None:
         "--baseline",
         help="a fuzz.json of another commit (the code before a fix, say), quoted in the output",
     )
+    p.add_argument("--baseline-note", default="", help="what the baseline run was")
     args = p.parse_args()
     source = smollm2_source()
     if source is None:
@@ -755,7 +756,7 @@ def main() -> None:
     if args.baseline:
         base = json.loads(Path(args.baseline).read_text())
         quoted = ("commit", "date", "command", *SUMMARY, "per_category", "examples")
-        record["baseline"] = {k: base[k] for k in quoted}
+        record["baseline"] = {"note": args.baseline_note, **{k: base[k] for k in quoted}}
     common.write_json(args.out, record)
     print(json.dumps({k: record[k] for k in SUMMARY}))
 
