@@ -84,6 +84,11 @@ class RedknotConfig:
         "Without it, registering a segment (POST /redknot/segments) creates its namespace.",
         default=None,
     )
+    skip_startup_check: bool = _opt(
+        "Start without the startup check of the attention kernels against the PyTorch "
+        "reference (redknot.attention.startup_check); the kernels are then unverified.",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         if self.head_map is not None and self.all_global:

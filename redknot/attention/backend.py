@@ -11,7 +11,9 @@ its recent window), as the head map says. Two execution paths, chosen once at st
   for all maps under ``--redknot-kernel triton``.
 
 Planning happens once per batch (``init_forward_metadata*``); ``forward_extend`` and
-``forward_decode`` only write KV and launch.
+``forward_decode`` only write KV and launch. Once built, the backend checks its path against the
+PyTorch reference on a synthetic batch (``redknot.attention.startup_check``) before the server
+serves; ``--redknot-skip-startup-check`` skips that.
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ class RedknotAttnBackend(AttentionBackend):
             sum(self.layout.num_global(i) for i in range(self.layout.num_layers)),
             sum(self.layout.num_local(i) for i in range(self.layout.num_layers)),
         )
+        # Built, with the model and the pool in place and the server not yet serving: check
+        # the path against the reference (raises StartupCheckError, which stops the server).
+        from redknot.attention.startup_check import check_backend
+
+        check_backend(self, model_runner, skip=config.skip_startup_check)
 
     def _set_layer_schedule(self, model_runner: ModelRunner, config: RedknotConfig, tp: int):
         """Segment reuse's sparse FFN above ``--redknot-dense-layers`` (opt-in: it has CPU tests

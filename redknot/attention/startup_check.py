@@ -1,0 +1,356 @@
+"""Startup correctness gate: before a server serves, each TP rank runs the attention path it will
+serve on a short synthetic batch (``redknot.attention.check_batch``) at its exact attention
+shape and compares every output with the PyTorch reference attention.
+
+| served path (``RedknotAttnBackend.path``) | what runs                                        |
+| ----------------------------------------- | ------------------------------------------------ |
+| ``dense`` (every head global, kernel auto) | SGLang's FlashInfer backend, built as the redknot backend builds it |
+| ``segpaged``                              | ``SegPagedRunner`` with every head global, and with each distinct row of this rank's head classes |
+
+Both run on a pool and a request table of their own (a few hundred token slots; one layer per
+checked head-class row), never on the serving pool, through the same planning and launch calls
+as serving: ``prefill``, ``extend`` and ``decode`` (for ``segpaged`` also decode planned as
+under CUDA graphs, with its fixed split count). The served attention layers (scaling, logit cap)
+are used as they are.
+
+Tolerance, as the kernel tests: ``|out - ref| <= tol + tol * |ref|`` with ``tol`` 2e-2 for
+bfloat16 and 4e-3 for float16 (inputs are standard normal, outputs of order 1).
+``--redknot-skip-startup-check`` skips the gate; the kernels are then unverified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from redknot.attention.check_batch import PHASES, SyntheticBatch, synthetic_requests
+from redknot.pool.layout import HeadLayout
+
+logger = logging.getLogger(__name__)
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}  # atol = rtol, per dtype
+SKIP_HINT = (
+    "To start anyway, pass --redknot-skip-startup-check (config-file key skip_startup_check): "
+    "the attention kernels are then unverified."
+)
+PATH_NAMES = {
+    "dense": "the FlashInfer path (dense dispatch)",
+    "segpaged": "the Triton path (redknot's SegPaged kernels)",
+}
+_MAX_LINES = 8  # failing cases listed in the error
+_passed: set[tuple] = set()  # what this process already checked (TBO builds two backends)
+
+
+class StartupCheckError(RuntimeError):
+    """The attention path differs from the reference; the message says where and by how much."""
+
+
+@dataclass(frozen=True)
+class ServedAttention:
+    """What one rank serves: the attention shape the check reproduces."""
+
+    layout: HeadLayout  # this rank's head classes, sink and window
+    dtype: torch.dtype  # of queries, keys and values
+    kv_dtype: torch.dtype  # of the KV pool
+    device: torch.device
+    max_context_len: int  # the model's context length (decode splits under CUDA graphs)
+    table_width: int  # columns of the server's req_to_token
+    layers: Mapping[int, Any] = field(default_factory=dict)  # layer_id -> served RadixAttention
+    model: str = "model"
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @classmethod
+    def of(cls, model_runner: Any, layout: HeadLayout) -> ServedAttention:
+        from sglang.srt.layers.radix_attention import RadixAttention
+        from sglang.srt.runtime_context import get_parallel
+
+        mc = model_runner.model_config
+        layers = {
+            m.layer_id: m for m in model_runner.model.modules() if isinstance(m, RadixAttention)
+        }
+        return cls(
+            layout=layout,
+            dtype=model_runner.dtype,
+            kv_dtype=model_runner.kv_cache_dtype,
+            device=torch.device(model_runner.device),
+            max_context_len=mc.context_len,
+            table_width=model_runner.req_to_token_pool.req_to_token.shape[1],
+            layers=layers,
+            model=",".join(mc.hf_config.architectures or ["?"]),
+            tp_rank=get_parallel().attn_tp_rank,
+            tp_size=get_parallel().attn_tp_size,
+        )
+
+    def describe(self) -> str:
+        lay = self.layout
+        return (
+            f"{self.model} on TP rank {self.tp_rank}/{self.tp_size}: {lay.num_q_heads} query / "
+            f"{lay.num_kv_heads} KV heads, head_dim {lay.head_dim}, "
+            f"{str(self.dtype).removeprefix('torch.')} on {self.device}, "
+            f"sink {lay.sink} + window {lay.window}"
+        )
+
+    def layer(self, layer_id: int) -> Any:
+        """The served attention layer ``layer_id``, or a stand-in with the usual scaling."""
+        if layer_id in self.layers:
+            return self.layers[layer_id]
+        lay = self.layout
+        return SimpleNamespace(
+            layer_id=layer_id, scaling=lay.head_dim**-0.5, logit_cap=0.0,
+            is_cross_attention=False, qk_head_dim=lay.head_dim, v_head_dim=lay.head_dim,
+            head_dim=lay.head_dim, tp_q_head_num=lay.num_q_heads, tp_k_head_num=lay.num_kv_heads,
+            tp_v_head_num=lay.num_kv_heads, sliding_window_size=-1, attn_type=None,
+            k_scale=None, v_scale=None, k_scale_float=None, v_scale_float=None,
+        )  # fmt: skip
+
+
+class _LayerAt:
+    """A served attention layer seen at another layer index (that of the check's pool)."""
+
+    def __init__(self, layer: Any, layer_id: int):
+        self._layer, self.layer_id = layer, layer_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
+
+
+def checked_rows(layout: HeadLayout, path: str) -> list[tuple[str, int]]:
+    """(head-class row, first served layer with it): every head global first, then for
+    ``segpaged`` each distinct row of ``layout`` in layer order."""
+    every_global = "G" * layout.num_kv_heads
+    rows = [(every_global, next((i for i, c in enumerate(layout.classes) if c == every_global), 0))]
+    if path == "segpaged":
+        for i, row in enumerate(layout.classes):
+            if row not in {r for r, _ in rows}:
+                rows.append((row, i))
+    return rows
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case: str  # phase, "decode (graph plan)" for the CUDA-graph plan
+    row: str  # head classes of the checked layer
+    layer_id: int  # served layer the row comes from
+    max_err: float
+    ratio: float  # worst |out - ref| / (tol + tol * |ref|) of any value; <= 1 passes
+    bad: int  # values beyond tolerance (NaN included)
+    numel: int
+    where: str  # the worst value: request, position, query head, KV head and its class
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float) -> tuple[float, float, int, tuple]:
+    """(max |out - ref|, the largest ratio of error to ``tol + tol * |ref|``, values beyond
+    tolerance, index of the value with the largest ratio); NaN counts as infinitely wrong."""
+    err = (out.float() - ref).abs().nan_to_num(float("inf"))
+    ratio = err / (tol + tol * ref.abs())
+    worst = int(ratio.argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), out.shape))
+    return float(err.max()), float(ratio.max()), int((ratio > 1).sum()), index
+
+
+# ---- the two paths ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """Silence the allocation logs of the check's own pool (it is not the serving pool)."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _pool(served: ServedAttention, layout: HeadLayout, batch: SyntheticBatch):
+    from redknot.pool.kv_pool import RedknotKVPool
+
+    with _quiet("redknot.pool.kv_pool", "sglang.srt.mem_cache.memory_pool"):
+        return RedknotKVPool(
+            batch.num_slots, 1, served.kv_dtype, layout, num_rings=batch.req_to_token_cpu.shape[0],
+            num_snapshots=0, device=str(served.device),
+        )  # fmt: skip
+
+
+class SegPagedPath:
+    """redknot's runner over the check's pool, planned and run as the backend does."""
+
+    graph_decode = True
+
+    def __init__(self, served: ServedAttention, layout: HeadLayout, batch: SyntheticBatch):
+        from redknot.attention.segpaged_runner import SegPagedRunner
+
+        self.req_to_token = batch.req_to_token_cpu.to(served.device)
+        rows = self.req_to_token.shape[0]
+        self.runner = SegPagedRunner(
+            layout, _pool(served, layout, batch), self.req_to_token, max_batch_size=rows,
+            max_context_len=served.max_context_len, device=served.device,
+        )  # fmt: skip
+        self.runner.init_cuda_graph_state(rows, rows)
+
+    def plan(self, fb, graph: bool = False) -> None:
+        self.runner.plan(fb, for_graph=graph, in_capture=graph)
+        if graph:
+            self.runner.plan_in_graph(fb)
+
+    def run(self, q, k, v, layer, fb) -> torch.Tensor:
+        run = self.runner.decode if fb.forward_mode.is_decode() else self.runner.extend
+        return run(q, k, v, layer, fb, True)
+
+
+class _RunnerWith:
+    """The server's model runner with the check's own pools in place of the serving ones."""
+
+    def __init__(self, model_runner: Any, **overrides: Any):
+        self._runner = model_runner
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+
+class DensePath:
+    """SGLang's FlashInfer backend over the check's pool (every head global; CUDA only)."""
+
+    graph_decode = False
+
+    def __init__(self, served, layout, batch, model_runner):
+        from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        rows, width = batch.req_to_token_cpu.shape
+        req_pool = ReqToTokenPool(rows - 1, width, str(served.device), enable_memory_saver=False)
+        req_pool.req_to_token.copy_(batch.req_to_token_cpu)
+        pool = _pool(served, layout, batch)
+        self.req_to_token = req_pool.req_to_token
+        runner = _RunnerWith(
+            model_runner, req_to_token_pool=req_pool, token_to_kv_pool=pool,
+            token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
+        )  # fmt: skip
+        self.backend = FlashInferAttnBackend(runner, init_new_workspace=False)
+
+    def plan(self, fb, graph: bool = False) -> None:
+        self.backend.init_forward_metadata(fb)
+
+    def run(self, q, k, v, layer, fb) -> torch.Tensor:
+        return self.backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+
+
+# ---- the gate --------------------------------------------------------------------------------
+
+
+def run_startup_check(
+    served: ServedAttention, path: str, model_runner: Any = None, seed: int = 0
+) -> list[CaseResult]:
+    """Run ``path`` ("dense" or "segpaged") on the synthetic batch and compare with the
+    reference; raise ``StartupCheckError`` naming every case beyond tolerance."""
+    start = time.perf_counter()
+    rows = checked_rows(served.layout, path)
+    lay = served.layout
+    layout = HeadLayout(
+        classes=tuple(r for r, _ in rows), num_q_heads=lay.num_q_heads, head_dim=lay.head_dim,
+        window=lay.window, sink=lay.sink,
+    )  # fmt: skip
+    requests = synthetic_requests(lay.sink, lay.window, served.table_width)
+    batch = SyntheticBatch(layout, requests, served.dtype, served.device, served.table_width, seed)
+    tol = TOLERANCE.get(served.dtype, TOLERANCE[torch.bfloat16])  # other dtypes fail to run
+    results: list[CaseResult] = []
+    doing = "building it"
+    try:
+        if path == "dense":
+            runner: Any = DensePath(served, layout, batch, model_runner)
+        else:
+            runner = SegPagedPath(served, layout, batch)
+        cases = [(phase, False) for phase in PHASES] + [("decode", True)] * runner.graph_decode
+        for phase, graph in cases:
+            doing = phase + (" (graph plan)" if graph else "")
+            results += _run_case(served, runner, batch, rows, phase, graph, tol)
+    except Exception as e:
+        raise StartupCheckError(
+            f"redknot startup check could not run {PATH_NAMES[path]} ({doing}) for "
+            f"{served.describe()}: {type(e).__name__}: {e}. {SKIP_HINT}"
+        ) from e
+    failed = [r for r in results if r.bad]
+    if failed:
+        raise StartupCheckError(_failure_message(served, path, tol, failed))
+    logger.info(
+        "redknot startup check passed (%s): %s matches the PyTorch reference on %d head-class "
+        "row(s), %d requests (%d tokens), %s; max |out - ref| %.2g, at most %.2f of the "
+        "tolerance %g + %g * |ref|; %.2f s",
+        served.describe(), PATH_NAMES[path], len(rows), len(requests),
+        sum(r.length for r in requests), ", ".join(dict.fromkeys(r.case for r in results)),
+        max(r.max_err for r in results), max(r.ratio for r in results), tol, tol,
+        time.perf_counter() - start,
+    )  # fmt: skip
+    return results
+
+
+def _run_case(served, runner, batch, rows, phase: str, graph: bool, tol: float):
+    """Plan one forward of every request, run it in each checked layer, compare."""
+    lay = served.layout
+    case = phase + (" (graph plan)" if graph else "")
+    fb = batch.forward_batch(phase, runner.req_to_token)
+    runner.plan(fb, graph=graph)
+    results = []
+    for i, (row, layer_id) in enumerate(rows):
+        layer = _LayerAt(served.layer(layer_id), i)
+        out = runner.run(*batch.qkv_of(i, phase), layer, fb)
+        out = out.view(-1, lay.num_q_heads, lay.head_dim)
+        ref = batch.reference(i, phase, layer.scaling)
+        max_err, ratio, bad, (t, hq, _) = compare(out, ref, tol)
+        b, pos = batch.locate(phase, t)
+        r, h = batch.requests[b], hq // lay.group_size
+        where = (
+            f"request {b} (prefix {r.prefix}, {r.new} new) position {pos}, query head {hq} "
+            f"(KV head {h}, {'global' if row[h] == 'G' else 'local'})"
+        )
+        results.append(CaseResult(case, row, layer_id, max_err, ratio, bad, out.numel(), where))
+    return results
+
+
+def _failure_message(served, path, tol, failed: list[CaseResult]) -> str:
+    dtype = str(served.dtype).removeprefix("torch.")
+    header = (
+        f"redknot startup check failed for {served.describe()}: {PATH_NAMES[path]} differs from "
+        f"the PyTorch reference attention (tolerance |out - ref| <= {tol:g} + {tol:g} * |ref| "
+        f"for {dtype}):"
+    )
+    lines = [header]
+    for r in failed[:_MAX_LINES]:
+        lines.append(
+            f"  - {r.case}, head classes {r.row} (of layer {r.layer_id}): max |out - ref| "
+            f"{r.max_err:.3g}, {r.bad} of {r.numel} values beyond tolerance, worst at {r.where}"
+        )
+    if len(failed) > _MAX_LINES:
+        lines.append(f"  - and {len(failed) - _MAX_LINES} more case(s)")
+    lines.append(f"Serving would compute wrong attention on this device. {SKIP_HINT}")
+    return "\n".join(lines)
+
+
+def check_backend(backend: Any, model_runner: Any, skip: bool) -> None:
+    """The gate as the redknot backend runs it once built (each TP rank, before serving)."""
+    served = ServedAttention.of(model_runner, backend.layout)
+    if skip:
+        logger.warning(
+            "redknot startup check skipped (--redknot-skip-startup-check) for %s: the "
+            "attention kernels (%s) are unverified",
+            served.describe(), PATH_NAMES[backend.path],
+        )  # fmt: skip
+        return
+    key = (backend.path, served.layout, served.dtype, served.kv_dtype, served.device)
+    if key not in _passed:
+        run_startup_check(served, backend.path, model_runner)
+        _passed.add(key)
+        if served.device.type == "cuda":
+            torch.cuda.empty_cache()  # the check's tensors, before CUDA-graph capture sizes memory

@@ -1,0 +1,168 @@
+"""The startup gate (redknot.attention.startup_check) on a tiny shape: the Triton path with local
+heads passes under the interpreter; kernels made wrong on purpose fail it with a message that
+says where, by how much, and how to skip it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from redknot.attention import segpaged_runner
+from redknot.attention.check_batch import synthetic_requests
+from redknot.attention.startup_check import (
+    ServedAttention,
+    StartupCheckError,
+    checked_rows,
+    run_startup_check,
+)
+from redknot.pool.layout import HeadLayout
+
+SINK, WINDOW = 2, 4
+
+
+def _served(classes=("GL", "LG", "GL"), dtype=torch.bfloat16) -> ServedAttention:
+    layout = HeadLayout(classes=classes, num_q_heads=4, head_dim=64, window=WINDOW, sink=SINK)
+    return ServedAttention(
+        layout=layout, dtype=dtype, kv_dtype=dtype, device=torch.device("cpu"),
+        max_context_len=512, table_width=160, model="TinyLlama",
+    )  # fmt: skip
+
+
+def test_requests_cover_short_long_and_crossing_the_span():
+    for sink, window in [(2, 4), (64, 256), (0, 1000), (4, 1)]:
+        span = sink + window
+        reqs = synthetic_requests(sink, window, max_len=4096)
+        assert len({r.row for r in reqs}) == 3 and min(r.row for r in reqs) >= 1
+        assert reqs[0].prefix > span  # its ring has wrapped before the extend
+        assert reqs[2].prefix < span < reqs[2].prefix + reqs[2].new  # the extend crosses it
+        if span > 5:
+            assert reqs[1].length < span
+    assert all(r.length <= 100 for r in synthetic_requests(64, 256, max_len=100))
+
+
+def test_checked_rows_are_every_head_global_then_each_distinct_row():
+    layout = _served(("GL", "LG", "GL", "GG")).layout
+    assert checked_rows(layout, "segpaged") == [("GG", 3), ("GL", 0), ("LG", 1)]
+    assert checked_rows(layout, "dense") == [("GG", 3)]
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def gate_log():
+    """The gate's log lines, from a handler on its own logger (SGLang may reconfigure the root
+    logger in the same test session)."""
+    lg = logging.getLogger("redknot.attention.startup_check")
+    handler, level = _Lines(), lg.level
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    yield handler.lines
+    lg.removeHandler(handler)
+    lg.setLevel(level)
+
+
+def test_triton_path_with_local_heads_passes(gate_log):
+    results = run_startup_check(_served(), "segpaged")
+    cases = ["prefill", "extend", "decode", "decode (graph plan)"]
+    assert [(r.case, r.row) for r in results] == [(c, row) for c in cases for row in
+                                                  ("GG", "GL", "LG")]  # fmt: skip
+    assert all(r.bad == 0 and r.ratio <= 1 for r in results)
+    (line,) = [m for m in gate_log if "startup check passed" in m]
+    assert "TinyLlama on TP rank 0/1: 4 query / 2 KV heads, head_dim 64" in line
+    assert "sink 2 + window 4" in line and "the Triton path" in line and " s" in line
+
+
+def test_a_perturbed_decode_kernel_fails_the_gate(monkeypatch):
+    real = segpaged_runner.run_decode
+
+    def perturbed(plan, q, *args, **kwargs):
+        out = real(plan, q, *args, **kwargs)
+        out[0, 1] += 0.25  # request 0, query head 1
+        return out
+
+    monkeypatch.setattr(segpaged_runner, "run_decode", perturbed)
+    with pytest.raises(StartupCheckError) as e:
+        run_startup_check(_served(), "segpaged")
+    msg = str(e.value)
+    assert "TinyLlama on TP rank 0/1: 4 query / 2 KV heads, head_dim 64, bfloat16 on cpu" in msg
+    assert "tolerance |out - ref| <= 0.02 + 0.02 * |ref| for bfloat16" in msg
+    lines = [x for x in msg.splitlines() if x.startswith("  - ")]
+    assert len(lines) == 6  # decode and decode (graph plan), each for GG, GL and LG
+    assert all(x.startswith(("  - decode, ", "  - decode (graph plan), ")) for x in lines)
+    # 3 requests x 4 query heads x 64 dims; the 64 values of request 0, query head 1 are off
+    assert all("64 of 768 values beyond tolerance" in x for x in lines)
+    assert all("query head 1 (KV head 0, " in x for x in lines)
+    assert "worst at request 0 (prefix " in lines[0]
+    max_err = float(lines[0].split("max |out - ref| ")[1].split(",")[0])
+    assert 0.2 < max_err < 0.3
+    assert "--redknot-skip-startup-check" in msg and "unverified" in msg
+
+
+def test_a_kernel_that_drops_the_sink_fails_on_local_heads_only(monkeypatch):
+    real = segpaged_runner.run_extend
+
+    def no_sink(plan, *args, **kwargs):
+        geo = dataclasses.replace(plan.geometry, sink=0)
+        return real(dataclasses.replace(plan, geometry=geo), *args, **kwargs)
+
+    monkeypatch.setattr(segpaged_runner, "run_extend", no_sink)
+    with pytest.raises(StartupCheckError) as e:
+        run_startup_check(_served(), "segpaged")
+    lines = [x for x in str(e.value).splitlines() if x.startswith("  - ")]
+    failed = {(x[4:].split(",")[0], x.split("head classes ")[1][:2]) for x in lines}
+    # every-head-global rows never read a sink; local heads of the long requests do
+    assert failed == {("prefill", "GL"), ("prefill", "LG"), ("extend", "GL"), ("extend", "LG")}
+    assert all(", local)" in x for x in lines)
+
+
+def test_a_kernel_that_cannot_run_stops_startup_with_the_case(monkeypatch):
+    def broken(*args, **kwargs):
+        raise AssertionError("k_global: shape mismatch")
+
+    monkeypatch.setattr(segpaged_runner, "run_extend", broken)
+    with pytest.raises(StartupCheckError) as e:
+        run_startup_check(_served(), "segpaged")
+    msg = str(e.value)
+    assert (
+        "could not run the Triton path (redknot's SegPaged kernels) (prefill) for TinyLlama" in msg
+    )
+    assert "AssertionError: k_global: shape mismatch" in msg
+    assert "--redknot-skip-startup-check" in msg
+
+
+# ---- GPU: compiled kernels at a real shape -----------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_path_passes_the_gate_at_llama_shape_on_gpu(dtype, monkeypatch):
+    """Llama-3.1-8B's attention shape (32 query / 8 KV heads, head_dim 128), sink 64 + window 256,
+    rows as a 1/8-global map has them; a perturbed decode output fails it."""
+    classes = ("GLLLLLLL", "LLLGLLLL", "GLGLGGLL", "LLLLLLLL", "GGGGGGGG")
+    layout = HeadLayout(classes=classes, num_q_heads=32, head_dim=128, window=256, sink=64)
+    served = ServedAttention(
+        layout=layout, dtype=dtype, kv_dtype=dtype, device=torch.device("cuda"),
+        max_context_len=131072, table_width=131076, model="Llama-3.1-8B shape",
+    )  # fmt: skip
+    results = run_startup_check(served, "segpaged")
+    assert len(results) == 4 * len(classes) and all(r.bad == 0 for r in results)
+    real = segpaged_runner.run_decode
+
+    def perturbed(plan, q, *args, **kwargs):
+        out = real(plan, q, *args, **kwargs)
+        out[2, 7] += 0.25  # request 2, query head 7 (KV head 1)
+        return out
+
+    monkeypatch.setattr(segpaged_runner, "run_decode", perturbed)
+    with pytest.raises(StartupCheckError, match=r"query head 7 \(KV head 1, "):
+        run_startup_check(served, "segpaged")
