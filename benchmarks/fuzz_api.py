@@ -51,6 +51,7 @@ from tests.api.fuzz_support import (
     check_registered,
     delete_status,
     received_marks,
+    registration_status,
     stats_match,
 )
 
@@ -122,10 +123,17 @@ class Generator:
         return Case(category, "POST", "/generate", body, names=names, **kw)
 
     def register(self, category: str, ns: str, doc: str, pin: bool = False, **kw: Any) -> Case:
-        """A valid registration of ``doc``'s text, checked against the store."""
-        kw.setdefault("check", check_registered(ns, self.o.enc(doc), pin))
+        """A valid registration of ``doc``'s text, checked against the store (202 while an
+        earlier registration of the same text is still being written)."""
+        ids = self.o.enc(doc)
+        sid = segment_id(ns, ids)
+        stored, writing = check_registered(ns, ids, pin), check_in_flight(ns, sid)
+        kw.setdefault(
+            "check", lambda server, r: (writing if r.status_code == 202 else stored)(server, r)
+        )
+        kw.setdefault("expect", registration_status(ns, sid))
         body = {"namespace": ns, "text": doc, "pin": pin}
-        return Case(category, "POST", "/redknot/segments", body, expect=200, **kw)
+        return Case(category, "POST", "/redknot/segments", body, **kw)
 
     def delete(self, category: str, ns: Any, sid: str, **kw: Any) -> Case:
         kw.setdefault("expect", delete_status(ns, sid))
@@ -478,21 +486,21 @@ class Generator:
         return [Case("register_bad", "POST", "/redknot/segments", body, names=names)]
 
     def f_register_giant(self) -> list[Case]:
-        """Longer than the segment region, within the context: the HTTP side accepts it, the
-        store refuses it (the scheduler logs a warning) and stays consistent."""
+        """Longer than the segment region, within the context: the store refuses it and the
+        registration is a 413 saying so."""
         ids = [
             self.rng.randrange(1, 40000)
             for _ in range(self.rng.randrange(REGION_TOKENS + 1, CONTEXT_LEN - 1))
         ]
         ns = self.pick(NAMESPACES)
         body = {"namespace": ns, "input_ids": ids}
-        check = check_registered(ns, ids, False)
-        return [Case("register_giant", "POST", "/redknot/segments", body, expect=200, check=check)]
+        names = ("longer than the segment region",)
+        return [Case("register_giant", "POST", "/redknot/segments", body, expect=413, names=names)]
 
     def f_region_pressure(self) -> list[Case]:
         """Registrations that fill the region: unpinned segments are evicted for new ones; when
-        pinned ones leave no room the store refuses (200 either way: the scheduler only logs
-        it). The pins are deleted at the end."""
+        pinned ones leave no room the store refuses and the registration is a 409 saying so.
+        The pins are deleted at the end."""
         ns, out, pins = self.pick(NAMESPACES), [], []
         for _ in range(self.rng.randrange(3, 7)):
             ids = [self.rng.randrange(1, 40000) for _ in range(self.rng.randrange(100, 400))]
@@ -530,7 +538,8 @@ class Generator:
             "POST",
             "/redknot/segments",
             body,
-            expect=200,
+            expect=lambda server: 200 if room["ok"] else 409,
+            names=("cannot hold",),
             before=before,
             check=check,
         )
@@ -612,8 +621,10 @@ class Generator:
             if op == 0:
                 out.append(self.register("races", ns, doc, pin=self.rng.random() < 0.5))
             elif op == 1:  # answered while its prefill is still being written
-                check = check_in_flight(ns, sid)
-                out.append(self.register("races", ns, doc, before=hold_one, check=check))
+                check, expect = check_in_flight(ns, sid), registration_status(ns, sid, held=True)
+                out.append(
+                    self.register("races", ns, doc, before=hold_one, check=check, expect=expect)
+                )
             elif op == 2:
                 out.append(self.delete("races", ns, sid))
             elif op == 3:

@@ -30,7 +30,7 @@ from sglang.srt.managers.io_struct import BaseReq
 
 logger = logging.getLogger(__name__)
 
-OPS = ("list", "delete", "stats")
+OPS = ("list", "delete", "stats", "registration")
 TIMEOUT_S = 60.0
 
 
@@ -92,6 +92,8 @@ def handle(scheduler: Any, req: RedknotSegmentsReq) -> RedknotSegmentsReqOutput:
             }
         elif req.op == "stats":
             payload = store.stats(req.namespace)
+        elif req.op == "registration":
+            payload = store.registration_state(req.namespace, req.segment_id)
         else:
             return RedknotSegmentsReqOutput(status=400, message=f"unknown op {req.op!r}")
     except LookupError as e:

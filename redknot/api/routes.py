@@ -4,7 +4,12 @@
 | -------------------------------------------- | -------------------------------------------- |
 | ``POST /redknot/segments``                   | register a segment ahead of use: prefill it  |
 |   ``{namespace, text | input_ids, pin}``     | standalone (a ``max_new_tokens=0`` generate  |
-|                                              | request marked as a registration)            |
+|                                              | request marked as a registration); 200 when  |
+|                                              | stored, 202 while another registration of    |
+|                                              | the same tokens writes it, 413 (longer than  |
+|                                              | the segment region) or 409 (region full of   |
+|                                              | pinned/live segments, caching off, aborted)  |
+|                                              | when nothing was stored                      |
 | ``GET /redknot/segments?namespace=``         | the namespace's segments                     |
 | ``DELETE /redknot/segments/{id}?namespace=`` | delete one (404 when unknown)                |
 | ``GET /redknot/stats[?namespace=]``          | store counters and usage, API counters,      |
@@ -100,18 +105,32 @@ def build_router(get_api: Callable[[], SegmentApi]) -> APIRouter:
             out = await api.tokenizer_manager.generate_request(obj, request).__anext__()
         except ValueError as e:
             return _error(getattr(e, "status_code", 400), str(e))
+        try:  # what the scheduler's store made of it
+            state = await control.call(
+                api.tokenizer_manager, "registration", namespace, mark.segment_id
+            )
+        except control.ControlError as e:
+            return _error(e.status, str(e))
+        if state["status"] != 200:
+            api.counters.add(rejected=1)
+            return _error(
+                state["status"],
+                f"segment {mark.segment_id} ({len(ids)} tokens, namespace {namespace!r}) was "
+                f"not stored: {state['reason']}",
+            )
         api.namespaces.create(namespace)
         api.counters.add(registrations=1)
         meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
-        return _json(
-            {
-                "segment_id": mark.segment_id,
-                "namespace": namespace,
-                "num_tokens": len(ids),
-                "pinned": pin,
-                "cached_tokens": meta.get("cached_tokens"),
-            }
-        )
+        answer = {
+            "segment_id": mark.segment_id,
+            "namespace": namespace,
+            "num_tokens": len(ids),
+            "pinned": pin,
+            "cached_tokens": meta.get("cached_tokens"),
+            "state": state["state"],
+        }
+        # writing: another registration of the same tokens is filling it; usable when it ends
+        return _json(answer, status=200 if state["state"] == "ready" else 202)
 
     @router.get("/segments")
     async def list_segments(namespace: str = DEFAULT_NAMESPACE):

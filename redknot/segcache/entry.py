@@ -33,6 +33,10 @@ class SegmentNotFound(SegmentError, LookupError):
     """No segment with this id in this namespace (unknown, deleted or evicted)."""
 
 
+class SegmentTooLong(SegmentError):
+    """A segment longer than the whole segment region."""
+
+
 class SegmentStoreFull(SegmentError):
     """The segment region cannot make room: the rest is pinned or read by live requests."""
 

@@ -65,9 +65,10 @@ def start(cache: Any, req: Any) -> None:
     try:
         entry = store.register(reg.mark.namespace, list(req.origin_input_ids), pin=reg.pin)
     except SegmentError as e:
+        store.note_failure(reg.mark.segment_id, e)
         logger.warning("redknot: segment registration not stored: %s", e)
         return
-    if entry.ready or entry.num_tokens != len(req.origin_input_ids):
+    if entry.num_tokens != len(req.origin_input_ids) or not store.claim_write(entry):
         store.release(entry)  # already stored, or being written by another registration
         return
     cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(entry)
@@ -119,11 +120,11 @@ def _drop(pool: Any, rpi: int) -> None:
     except SegmentNotFound:
         pass  # deleted through the API meanwhile
     store.release(entry)
+    reason = (
+        f"its registration ended after {job.written} of {entry.num_tokens} tokens (aborted, or "
+        "its prompt was served from a cached prefix)"
+    )
+    store.note_failure(entry.id, reason)
     logger.warning(
-        "redknot: segment %s of namespace %r was not stored: its registration ended after %d "
-        "of %d tokens",
-        entry.id,
-        entry.namespace,
-        job.written,
-        entry.num_tokens,
+        "redknot: segment %s of namespace %r was not stored: %s", entry.id, entry.namespace, reason
     )

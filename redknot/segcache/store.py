@@ -52,12 +52,15 @@ from redknot.segcache.entry import (
     SegmentNotFound,
     SegmentsDisabled,
     SegmentStoreFull,
+    SegmentTooLong,
     _digest,
     check_namespace,
     pack_tokens,
 )
 from redknot.segcache.eviction import choose_victims
 from redknot.segcache.pages import PageAllocator
+
+MAX_FAILURES = 1024  # registration failures remembered for their answers
 
 
 class SegmentObserver(Protocol):
@@ -83,6 +86,7 @@ class _Record:
     created: float
     last_used: float
     ready: bool = False
+    writing: bool = False  # a registration's forward is filling it (one writer at a time)
     refs: int = 0
     visible: bool = True  # False once deleted; the pages stay until the last release
 
@@ -114,6 +118,7 @@ class SegmentStore:
         self._by_namespace: dict[str, dict[int, _Record]] = {}  # visible, registration order
         self._lru: OrderedDict[int, _Record] = OrderedDict()  # visible, least recent first
         self._counters = Counters(lambda ns: ns in self._by_namespace)
+        self._failed: OrderedDict[str, tuple[int, str]] = OrderedDict()  # id -> (status, why)
 
     @classmethod
     def for_pool(cls, pool: Any, observer: SegmentObserver | None = None) -> SegmentStore:
@@ -177,11 +182,12 @@ class SegmentStore:
             )
         need = self.pages_for(num_tokens)
         if need > self._pages.num_pages:
-            raise SegmentError(
+            raise SegmentTooLong(
                 f"segment of {num_tokens} tokens is longer than the segment region, which holds "
                 f"{self.capacity_tokens} tokens (raise --redknot-segment-fraction)"
             )
         sid = _digest(namespace, packed)
+        self._failed.pop(sid, None)
         rec = self._by_id.get(sid)
         if rec is not None:
             if rec.packed != packed:
@@ -215,7 +221,39 @@ class SegmentStore:
 
     def mark_ready(self, entry: SegmentEntry) -> None:
         """The forward that writes ``entry``'s K/V has been issued: lookups may now return it."""
-        self._record(entry).ready = True
+        rec = self._record(entry)
+        rec.ready, rec.writing = True, False
+
+    def claim_write(self, entry: SegmentEntry) -> bool:
+        """Make the caller ``entry``'s only writer: False when it is ready or being written."""
+        rec = self._record(entry)
+        if rec.ready or rec.writing or not rec.visible:
+            return False
+        rec.writing = True
+        return True
+
+    def note_failure(self, segment_id: str, error: Exception | str) -> None:
+        """Remember why the registration of ``segment_id`` stored nothing, for its answer: the
+        HTTP status (413 too long for the region, else 409) and the reason."""
+        status = 413 if isinstance(error, SegmentTooLong) else 409
+        self._failed[segment_id] = (status, str(error))
+        self._failed.move_to_end(segment_id)
+        while len(self._failed) > MAX_FAILURES:
+            self._failed.popitem(last=False)
+
+    def registration_state(self, namespace: str, segment_id: str) -> dict[str, Any]:
+        """What a registration of ``segment_id`` left: ``{"state", "status", "reason"}`` with
+        state ``ready``, ``writing`` (another registration is still filling it), ``failed``
+        (nothing stored; ``status`` 413 or 409 and ``reason`` say why) or ``absent`` (stored,
+        then deleted or evicted at once)."""
+        try:
+            rec = self._find(namespace, segment_id)
+        except SegmentNotFound:
+            failed = self._failed.get(segment_id)
+            if failed is not None:
+                return {"state": "failed", "status": failed[0], "reason": failed[1]}
+            return {"state": "absent", "status": 409, "reason": "it was deleted or evicted"}
+        return {"state": "ready" if rec.ready else "writing", "status": 200, "reason": ""}
 
     def acquire(self, entry: SegmentEntry) -> None:
         """Take a reference for a reader: the segment is not evicted or freed until released."""

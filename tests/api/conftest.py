@@ -86,6 +86,11 @@ class FakeStore:
         held = [k for k in self.segments if namespace is None or k[0] == namespace]
         return {"segments": len(held), "hits": 0, "misses": 0}
 
+    def registration_state(self, namespace, segment_id):
+        if (namespace, segment_id) in self.segments:  # registrations are stored at once here
+            return {"state": "ready", "status": 200, "reason": ""}
+        return {"state": "absent", "status": 409, "reason": "it was deleted or evicted"}
+
 
 class FakeTokenizerManager:
     """What the HTTP side uses of SGLang's TokenizerManager; records what reaches it.

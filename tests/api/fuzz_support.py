@@ -94,8 +94,8 @@ def check_prompt(ids: list[int], marks: list, cached: int | None = None) -> Call
 
 
 def check_registered(ns: str, ids: list[int], pin: bool) -> Callable:
-    """The registration answer, its carrier request, and the store: the segment is ready with
-    this pin, or absent when it is longer than the segment region."""
+    """The registration answer (200), its carrier request, and the store: the segment is ready
+    with this pin."""
 
     def check(server, r):
         sid = segment_id(ns, ids)
@@ -105,15 +105,13 @@ def check_registered(ns: str, ids: list[int], pin: bool) -> Callable:
             "num_tokens": len(ids),
             "pinned": pin,
             "cached_tokens": 0,
+            "state": "ready",
         }
         if r.json() != want:
             return f"answer {r.json()}, want {want}"
         obj = server.tm.received[-1]
         if obj.input_ids != ids or obj.sampling_params.get("max_new_tokens") != 0:
             return f"carrier {obj.input_ids} {obj.sampling_params}"
-        if len(ids) > server.store.capacity_tokens:
-            listed = [e.id for e in server.store.list(ns)]
-            return f"{sid} is listed though longer than the region" if sid in listed else None
         entry = server.store.get(ns, sid)
         if not entry.ready or entry.pinned != pin:
             return f"store entry {entry}"
@@ -133,12 +131,28 @@ def check_listing(ns: str) -> Callable:
     return check
 
 
+def registration_status(ns: str, sid: str, *, held: bool = False) -> Callable:
+    """The status a valid registration must get, from the store just before it is sent: 200
+    when the segment is stored and ready, or will be by this registration; 202 when a
+    registration still writes it (an earlier one, or this one when the scheduler ``held`` it)."""
+
+    def status(server):
+        listed = [e for e in server.store.list(ns) if e.id == sid]
+        if listed:
+            return 200 if listed[0].ready else 202
+        return 202 if held else 200
+
+    return status
+
+
 def check_in_flight(ns: str, sid: str) -> Callable:
-    """A registration answered while its K/V is being written: the store lists it."""
+    """A registration answered while its K/V is being written (202, state ``writing``, listed),
+    or of a segment already stored (200, ready)."""
 
     def check(server, r):
-        if r.json().get("segment_id") != sid:
-            return f"answer {r.json()}"
+        want = "writing" if r.status_code == 202 else "ready"
+        if r.json().get("segment_id") != sid or r.json().get("state") != want:
+            return f"answer {r.status_code} {r.json()}"
         listed = [e.id for e in server.store.list(ns)]
         return None if sid in listed else f"{sid} is not listed while being written"
 

@@ -25,6 +25,7 @@ def test_register_list_delete_stats(make_api, client, bpe_tokenizer):
         "num_tokens": len(seg),
         "pinned": True,
         "cached_tokens": 0,
+        "state": "ready",
     }
     # the carrier: a max_new_tokens=0 generate request of exactly the segment's tokens
     obj = api.tokenizer_manager.last
