@@ -14,7 +14,8 @@ reference path with SmolLM2-135M-Instruct and its profiled head map, for ``full`
 then writes one row per (policy, setting) to ``benchmarks/results/policies.json`` and a plot
 of first-token top-1 agreement against the FLOPs fraction (when matplotlib is installed)::
 
-    python benchmarks/policies.py --limit 4
+    python benchmarks/policies.py --limit 6
+    python benchmarks/policies.py --replot     # redraw the plot from the result file
 
 Finished (case, setting) pairs are kept in ``--work-dir``: a rerun (or a larger ``--limit``)
 runs only what is missing.
@@ -56,12 +57,13 @@ COLUMNS = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--limit", type=int, default=4, help="first N cases of the case set")
+    p.add_argument("--limit", type=int, default=6, help="first N cases of the case set")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--work-dir", default="benchmarks/policies.work")
     p.add_argument("--out", default="benchmarks/results/policies.json")
     p.add_argument("--plot", default="benchmarks/results/policies.png")
+    p.add_argument("--replot", action="store_true", help="only redraw the plot from --out")
     return p.parse_args(argv)
 
 
@@ -89,6 +91,8 @@ def rows_of(result: dict) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str, title: str) -> str:
+    """First-token top-1 agreement and top-10 overlap against the FLOPs fraction, one line
+    per policy through its settings."""
     try:
         import matplotlib
 
@@ -96,24 +100,32 @@ def plot(rows: list[dict], path: str, title: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return f"matplotlib is not installed: no plot written ({path} skipped)"
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        points = sorted(
-            (r["flops_fraction"], r["top1"], r["setting"]) for r in rows if r["policy"] == policy
-        )
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=policy)
-    ax.set_xlabel("prefill FLOPs / dense prefill FLOPs")
-    ax.set_ylabel("first-token top-1 agreement with dense")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
+    for ax, metric, name in zip(axes, ("top1", "top10"), ("top-1 agreement", "top-10 overlap")):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            points = sorted((r["flops_fraction"], r[metric]) for r in rows if r["policy"] == policy)
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=policy)
+        ax.set_xlabel("prefill FLOPs / dense prefill FLOPs")
+        ax.set_ylabel(f"first token: {name} with dense")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return f"wrote {path}"
 
 
+def title_of(result: dict) -> str:
+    count = result["cases"]["count"]
+    return f"{result['model']}, first {count} cases of {Path(CASES).name}, {result['device']}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        out = json.loads(Path(args.out).read_text())
+        print(plot(out["rows"], args.plot, title_of(out)))
+        return 0
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     raw = work / "fidelity.json"
@@ -159,8 +171,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out} ({len(rows)} settings, {out['cases']['count']} cases, {seconds} s)")
-    title = f"{result['model']}, {out['cases']['count']} cases of {Path(CASES).name}, {result['device']}"
-    print(plot(rows, args.plot, title))
+    print(plot(rows, args.plot, title_of(out)))
     return 0
 
 

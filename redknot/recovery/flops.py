@@ -10,7 +10,7 @@ A multiply-add counts 2 FLOPs. Per layer, with ``D`` hidden size, ``I`` FFN size
 | ``o_proj``    | ``2 Hq d D`` per attention row                                      |
 | ``attention_global`` / ``attention_local`` | ``4 d`` per (query row, visible key) pair per query head (``QK^T`` and ``PV``) |
 | ``ffn``       | ``2 m D I`` per FFN row (``m`` = 3 matrices for gated MLPs, else 2) |
-| ``probe``     | ``2 d`` per probed (query, key) pair per query head (importance / restore scores) |
+| ``probe``     | ``2 d`` per probed (query, key) pair per query head (importance, restore and sparse-Q scores) |
 | ``rope_align``| ``3 d`` per re-aligned cached key (row, KV head)                    |
 | ``deviation`` | ``6 d`` per (row, KV head) whose cached K and V are compared with fresh ones (difference, square, sum over ``2 d`` elements) |
 | ``lm_head``   | ``2 D V`` per logits row                                            |
