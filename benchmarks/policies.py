@@ -1,7 +1,8 @@
 """Fidelity against FLOPs of every recovery policy, side by side on the ``rag_v1`` case set.
 
 Runs the fidelity evaluation (``python -m redknot.eval fidelity``, reused in-process) on the
-reference path with SmolLM2-135M-Instruct and its profiled head map, for ``full``, ``naive``,
+reference path with SmolLM2-135M-Instruct and its profiled head map, for ``full``,
+``headclass`` (prefill under the head map, no reuse: the head map's own error), ``naive``,
 ``redknot`` (defaults) and a small knob sweep of the token-level baselines and SparseX:
 
 | policy            | settings                                 |
@@ -35,7 +36,7 @@ from redknot.eval.cli import main as eval_main
 
 CASES = "benchmarks/cases/rag_v1.jsonl"
 HEAD_MAP = "configs/heads/smollm2-135m-instruct.json"
-POLICIES = "full,naive,redknot,cacheblend,epic,sparsex,redknot+sparseq"
+POLICIES = "full,headclass,naive,redknot,cacheblend,epic,sparsex,redknot+sparseq"
 SWEEP = {
     "blend-ratio": "0.15,0.3",
     "epic-k": "16,64",

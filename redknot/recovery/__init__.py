@@ -6,7 +6,7 @@
 | ``prompt``    | a composed prompt: tokens, segment rows, cached KV, exact-prefix hit  |
 | ``base``      | the policy contract (``LayerHooks`` of one request) and KV reuse      |
 | ``elastic``   | RedKnot's elastic recovery (``redknot``)                              |
-| ``baselines`` | the limits: dense prefill (``full``) and naive reuse (``naive``)      |
+| ``baselines`` | the limits: dense (``full``) and head-class (``headclass``) prefill, naive reuse (``naive``) |
 | ``tokenwise`` | token-level recovery: one recompute set for every head               |
 | ``cacheblend``| CacheBlend: tokens of largest KV deviation (``cacheblend``)           |
 | ``epic``      | EPIC: the first tokens of every segment (``epic``)                    |
@@ -21,7 +21,7 @@
 """
 
 from redknot.recovery.base import ReusePolicy
-from redknot.recovery.baselines import FullPrefill, NaiveReuse
+from redknot.recovery.baselines import FullPrefill, HeadClassPrefill, NaiveReuse
 from redknot.recovery.cacheblend import CacheBlend, kv_deviation
 from redknot.recovery.elastic import ElasticRecovery
 from redknot.recovery.epic import Epic
@@ -47,6 +47,7 @@ __all__ = [
     "FlopCount",
     "FlopShape",
     "FullPrefill",
+    "HeadClassPrefill",
     "LayerRecord",
     "NaiveReuse",
     "PrefillRecord",

@@ -1,9 +1,14 @@
-"""The two limits recovery is compared against.
+"""The limits recovery is compared against.
 
 | policy  | segment rows                                                          | head map |
 | ------- | --------------------------------------------------------------------- | -------- |
 | ``full``  | nothing reused: the whole prompt is prefilled densely                 | none (dense) |
+| ``headclass`` | nothing reused: the whole prompt is prefilled under the head map  | the map  |
 | ``naive`` | every head of every layer takes the cached KV, RoPE-aligned; no attention, no FFN | none (dense) |
+
+``headclass`` is what head-aware policies (``redknot``, ``redknot+sparseq``) converge to when they
+recompute everything: its distance from ``full`` is the head map's own error, which no recovery
+under that map can remove.
 
 ``naive`` is the standard token-level "naive reuse" baseline of position-independent caching
 (CacheBlend, EPIC): only new tokens are computed, attending the concatenated cached KV. Both
@@ -27,6 +32,14 @@ class FullPrefill(ReusePolicy):
     @property
     def served(self) -> ReusePrompt:
         return self.prompt.without_reuse()
+
+
+class HeadClassPrefill(FullPrefill):
+    """Prefill of every token under the head map (local heads: sink + window), no reuse."""
+
+    name = "headclass"
+    knobs = ("window", "sink")
+    uses_head_map = True
 
 
 class NaiveReuse(ReusePolicy):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from redknot.headmap import HeadMap, ModelShape
 from redknot.recovery.base import ReusePolicy
-from redknot.recovery.baselines import FullPrefill, NaiveReuse
+from redknot.recovery.baselines import FullPrefill, HeadClassPrefill, NaiveReuse
 from redknot.recovery.cacheblend import CacheBlend
 from redknot.recovery.elastic import ElasticRecovery
 from redknot.recovery.epic import Epic
@@ -27,7 +27,16 @@ from redknot.reference import Generation, ReferenceRunner
 
 POLICIES: dict[str, type[ReusePolicy]] = {
     cls.name: cls
-    for cls in (FullPrefill, NaiveReuse, ElasticRecovery, CacheBlend, Epic, SparseX, ElasticSparseQ)
+    for cls in (
+        FullPrefill,
+        HeadClassPrefill,
+        NaiveReuse,
+        ElasticRecovery,
+        CacheBlend,
+        Epic,
+        SparseX,
+        ElasticSparseQ,
+    )
 }
 
 

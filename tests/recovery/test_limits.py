@@ -142,3 +142,25 @@ def test_requests_without_segments_are_unchanged(runner):
         assert torch.equal(out.generation.first_logits, want.first_logits), name
         assert out.generation.tokens == want.tokens
         assert out.fractions["ffn"] is None
+
+
+def test_headclass_is_the_plain_head_class_forward_and_redknot_recomputing_all_of_it(
+    runner, pieces
+):
+    """``headclass`` prefills every token under the map; ``redknot`` with fresh local KV, every
+    FFN and no restore recomputes exactly that, so it equals ``headclass``; with cached local
+    KV it does not (the cached K/V of a local head differ from the in-context ones)."""
+    prompt = compose(runner, pieces)
+    local = synthetic_map(runner.shape, 0.5, window=8, sink=2)
+    plain = runner.generate(list(prompt.ids), head_map=local, max_new_tokens=6)
+    _, head = _serve(runner, "headclass", prompt, local)
+    assert torch.equal(head.generation.first_logits, plain.first_logits)
+    assert head.generation.tokens == plain.tokens
+    assert head.fractions == {"attention": 1.0, "ffn": 1.0, "kv_heads": 1.0}
+    dense = runner.generate(list(prompt.ids), max_new_tokens=6)
+    assert not torch.equal(head.generation.first_logits, dense.first_logits)
+    knobs = {"dense_layers": 99, "restore_thresh": None}
+    _, fresh = _serve(runner, "redknot", prompt, local, local_kv="fresh", **knobs)
+    torch.testing.assert_close(fresh.generation.first_logits, plain.first_logits)
+    _, cached = _serve(runner, "redknot", prompt, local, local_kv="cached", **knobs)
+    assert not torch.allclose(cached.generation.first_logits, plain.first_logits)
