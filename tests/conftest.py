@@ -5,6 +5,7 @@ Run them on the GPU machine with ``bash scripts/gpu_check.sh``.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -23,3 +24,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def gate_log():
+    """The startup check's log lines, from a handler on its own logger (SGLang's argument
+    parsing may reconfigure the root logger in the same test session)."""
+    lg = logging.getLogger("redknot.attention.startup_check")
+    handler, level = _Lines(), lg.level
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    yield handler.lines
+    lg.removeHandler(handler)
+    lg.setLevel(level)

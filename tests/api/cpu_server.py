@@ -302,19 +302,23 @@ class CpuServer:
             self.enable_chat(server_args)
 
     def enable_chat(self, server_args: Any) -> None:
-        """The app's ``OpenAIServingChat`` over this tokenizer manager (the tokenizer's own Jinja
-        chat template); ``server_args``: the app's (:func:`make_server_args`)."""
-        from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+        """The app's ``OpenAIServingChat`` over this tokenizer manager (see :func:`serving_chat`)."""
+        self.app.state.openai_serving_chat = serving_chat(self.tm, server_args)
 
-        tm = self.tm
-        tm.server_args = server_args
-        tm.model_config.is_multimodal = False
-        tm.model_config.get_default_sampling_params = dict
-        tm.request_logger = types.SimpleNamespace(log_requests=False)
-        templates = types.SimpleNamespace(
-            chat_template_name=None,
-            jinja_template_content_format="string",
-            reasoning_config=None,
-            force_reasoning=False,
-        )
-        self.app.state.openai_serving_chat = OpenAIServingChat(tm, templates)
+
+def serving_chat(tm: Any, server_args: Any) -> Any:
+    """SGLang's ``OpenAIServingChat`` over the stand-in tokenizer manager ``tm``, with the
+    tokenizer's own Jinja chat template; ``server_args``: the app's (:func:`make_server_args`)."""
+    from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    tm.server_args = server_args
+    tm.model_config.is_multimodal = False
+    tm.model_config.get_default_sampling_params = dict
+    tm.request_logger = types.SimpleNamespace(log_requests=False)
+    templates = types.SimpleNamespace(
+        chat_template_name=None,
+        jinja_template_content_format="string",
+        reasoning_config=None,
+        force_reasoning=False,
+    )
+    return OpenAIServingChat(tm, templates)

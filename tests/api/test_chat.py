@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from redknot.api.marks import decode_marks
@@ -15,22 +13,11 @@ DOC = "Paris is the capital of France. Berlin is the capital of Germany."
 @pytest.fixture
 def chat(make_api, smollm_tokenizer, server_args):
     """``chat(mode, **api options)`` -> (serving chat, api); SmolLM2's Jinja chat template."""
-    from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+    from tests.api.cpu_server import serving_chat
 
     def make(mode, **options):
         api = make_api(smollm_tokenizer, chat=mode, **options)
-        tm = api.tokenizer_manager
-        tm.server_args = server_args
-        tm.model_config.is_multimodal = False
-        tm.model_config.get_default_sampling_params = dict
-        tm.request_logger = types.SimpleNamespace(log_requests=False)
-        templates = types.SimpleNamespace(
-            chat_template_name=None,
-            jinja_template_content_format="string",
-            reasoning_config=None,
-            force_reasoning=False,
-        )
-        return OpenAIServingChat(tm, templates), api
+        return serving_chat(api.tokenizer_manager, server_args), api
 
     return make
 

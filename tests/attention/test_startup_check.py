@@ -5,7 +5,6 @@ says where, by how much, and how to skip it."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 import torch
@@ -47,28 +46,6 @@ def test_checked_rows_are_every_head_global_then_each_distinct_row():
     layout = _served(("GL", "LG", "GL", "GG")).layout
     assert checked_rows(layout, "segpaged") == [("GG", 3), ("GL", 0), ("LG", 1)]
     assert checked_rows(layout, "dense") == [("GG", 3)]
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def gate_log():
-    """The gate's log lines, from a handler on its own logger (SGLang may reconfigure the root
-    logger in the same test session)."""
-    lg = logging.getLogger("redknot.attention.startup_check")
-    handler, level = _Lines(), lg.level
-    lg.addHandler(handler)
-    lg.setLevel(logging.INFO)
-    yield handler.lines
-    lg.removeHandler(handler)
-    lg.setLevel(level)
 
 
 def test_triton_path_with_local_heads_passes(gate_log):

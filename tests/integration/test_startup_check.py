@@ -7,7 +7,6 @@ is checked by the GPU-marked test at the end (scripts/gpu_check.sh)."""
 from __future__ import annotations
 
 import json
-import logging
 from types import SimpleNamespace
 
 import pytest
@@ -70,28 +69,6 @@ def fresh_gate(monkeypatch):
     monkeypatch.setattr(startup_check, "_passed", set())
     with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
         yield startup_check
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def gate_log():
-    """The gate's log lines (SGLang's argument parsing reconfigures the root logger, so a
-    handler on the gate's own logger)."""
-    lg = logging.getLogger("redknot.attention.startup_check")
-    handler, level = _Lines(), lg.level
-    lg.addHandler(handler)
-    lg.setLevel(logging.INFO)
-    yield handler.lines
-    lg.removeHandler(handler)
-    lg.setLevel(level)
 
 
 # ---- the option --------------------------------------------------------------------------
