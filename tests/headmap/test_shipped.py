@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from redknot.headmap import HeadMap, ModelShape
+from redknot.headmap import HeadMap, ModelShape, reclassify
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADS = ROOT / "configs" / "heads"
@@ -50,3 +50,10 @@ def test_profiled_smollm2_map_describes_itself():
     assert prov["thresholds"]["num_global"] == hm.num_global
     for name in ("long_range_mass", "prefix_kv_deviation", "combined"):
         assert name in hm.scores
+
+
+def test_half_global_smollm2_map_is_the_profiled_map_rethresholded():
+    profiled = HeadMap.load(HEADS / "smollm2-135m-instruct.json")
+    half = HeadMap.load(HEADS / "smollm2-135m-instruct-g0.5.json")
+    assert half.classes == reclassify(profiled, 0.5).classes
+    assert half.num_global == 45 and half.scores == profiled.scores
