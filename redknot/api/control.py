@@ -132,10 +132,9 @@ class ControlError(Exception):
         self.status = status
 
 
-async def call(
-    tokenizer_manager: Any, op: str, namespace: str | None = None, segment_id: str | None = None
-) -> Any:
-    """Send one request to the scheduler's store; the decoded payload, or ``ControlError``."""
+def communicator(tokenizer_manager: Any) -> Any:
+    """The control path to the scheduler's store, or ``ControlError`` when this server has none
+    (``--dp-size`` above 1, or redknot's hook not applied)."""
     dp_size = getattr(getattr(tokenizer_manager, "server_args", None), "dp_size", 1)
     if dp_size != 1:
         raise ControlError(
@@ -146,6 +145,14 @@ async def call(
         raise ControlError(
             503, "the redknot control path is not installed in this server's tokenizer manager"
         )
+    return comm
+
+
+async def call(
+    tokenizer_manager: Any, op: str, namespace: str | None = None, segment_id: str | None = None
+) -> Any:
+    """Send one request to the scheduler's store; the decoded payload, or ``ControlError``."""
+    comm = communicator(tokenizer_manager)
     if hasattr(tokenizer_manager, "auto_create_handle_loop"):
         tokenizer_manager.auto_create_handle_loop()
     req = RedknotSegmentsReq(op=op, namespace=namespace, segment_id=segment_id)

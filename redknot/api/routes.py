@@ -96,6 +96,10 @@ def build_router(get_api: Callable[[], SegmentApi]) -> APIRouter:
         except SegmentMarkError as e:
             api.counters.add(rejected=1)
             return _error(400, str(e))
+        try:  # its answer needs the store: refuse before the prefill when it is out of reach
+            control.communicator(api.tokenizer_manager)
+        except control.ControlError as e:
+            return _error(e.status, str(e))
         mark = SegmentMark(0, len(ids), namespace, segment_id(namespace, ids))
         custom = encode_marks([mark], register=True, pin=pin)
         obj = GenerateReqInput(

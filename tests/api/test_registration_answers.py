@@ -72,3 +72,11 @@ def test_aborted_registration_is_remembered_until_registered_again(server, clien
     assert "ended after" in state["reason"]
     r = client.post("/redknot/segments", json={"input_ids": ids})
     assert r.status_code == 200 and r.json()["state"] == "ready", r.text
+
+
+def test_registration_without_a_reachable_store_is_refused_before_its_prefill(server, client):
+    server.tm.server_args.dp_size = 2
+    sent = len(server.tm.received)
+    r = client.post("/redknot/segments", json={"input_ids": _ids(20)})
+    assert r.status_code == 501 and "--dp-size 1" in r.json()["error"]["message"]
+    assert len(server.tm.received) == sent  # no prefill was sent
