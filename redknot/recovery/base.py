@@ -21,7 +21,7 @@ from torch import Tensor
 
 from redknot.headmap import LOCAL, HeadMap, ModelShape
 from redknot.recovery.options import RecoveryOptions
-from redknot.recovery.prompt import ReusePrompt
+from redknot.recovery.prompt import ReusePrompt, reused_mask
 from redknot.recovery.record import LayerRecord, PrefillRecord, visible_keys
 from redknot.reference import AttentionProbe, LayerContext, LayerHooks
 
@@ -97,10 +97,7 @@ class ReusePolicy(LayerHooks):
 
     def _segment_mask(self, ctx: LayerContext) -> Tensor:
         """``[T]`` bool over the rows of the prefill call: rows the served segments cover."""
-        mask = torch.zeros(ctx.num_rows, dtype=torch.bool, device=ctx.positions.device)
-        for seg in self.served.segments:
-            mask[seg.start - ctx.past_len : seg.end - ctx.past_len] = True
-        return mask
+        return reused_mask(self.segment_spans(ctx), ctx.num_rows, ctx.positions.device)
 
     def cached_kv(
         self,

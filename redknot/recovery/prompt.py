@@ -120,3 +120,11 @@ def cache_kv(
     """KV of ``ids`` computed alone from position 0 (a segment's or a prefix's cache entry),
     under ``head_map`` as the serving policy computes every prefill (``None``: dense)."""
     return runner.forward(list(ids), head_map=head_map, logits_rows="none").kv
+
+
+def reused_mask(spans: Sequence[tuple[int, int]], num_rows: int, device=None) -> Tensor:
+    """``[T]`` bool: rows inside one of the ``spans`` (``(start, end)`` rows, ascending)."""
+    mask = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    for start, end in spans:
+        mask[start:end] = True
+    return mask

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from redknot.recovery.importance import top_rows
+from redknot.recovery.prompt import reused_mask
 from redknot.reference.attention import attention_probs
 
 TAIL_FALLBACK = 64  # rows of the final segment recomputed when the prompt ends inside it
@@ -59,14 +60,6 @@ class SparseQSelection:
     overflow: Tensor
     tail: Tensor
     recompute: Tensor
-
-
-def reused_mask(spans: Sequence[tuple[int, int]], num_rows: int, device=None) -> Tensor:
-    """``[T]`` bool: rows inside one of the ``spans`` (``(start, end)`` rows, ascending)."""
-    mask = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    for start, end in spans:
-        mask[start:end] = True
-    return mask
 
 
 def overflow_rows(
