@@ -204,17 +204,28 @@ def test_skipping_builds_the_backend_unverified_and_says_so(
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flashinfer_dispatch_passes_the_gate_on_gpu(
-    sglang_plugins, llama_dir, fresh_gate, monkeypatch, dtype
+    sglang_plugins, llama_dir, fresh_gate, monkeypatch, request, dtype
 ):
     """Every head global with --redknot-kernel auto: SGLang's FlashInfer backend, built over the
     gate's own pool, matches the reference at the Llama-3.1-8B shape; a perturbed FlashInfer
     output fails it."""
+    from sglang.srt.layers.attention import flashinfer_backend
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    from sglang.srt.runtime_context import publish, reset_context
 
     from redknot.pool.layout import HeadLayout
 
     args = _parse(llama_dir, "--attention-backend", "redknot", "--redknot-all-global",
                   device="cuda")  # fmt: skip
+    # A scheduler publishes its server args before it builds the attention backend; FlashInfer's
+    # constructor reads the parallel configuration from there.
+    publish(args, role="test")
+    request.addfinalizer(reset_context)
+    # Its CUDA-graph batch bound needs SGLang's process groups, which a server has and this
+    # test does not; the bound only sizes index buffers, so the pool size stands in for it.
+    monkeypatch.setattr(
+        flashinfer_backend, "get_cuda_graph_max_batch_size", lambda _args, size: size
+    )
     runner = SimpleNamespace(
         server_args=args, model_config=args.get_model_config(), device="cuda", dtype=dtype,
         kv_cache_dtype=dtype, page_size=1, sliding_window_size=None, is_draft_worker=False,
