@@ -1,10 +1,15 @@
 """Hooks that expose the segment store to SGLang's scheduler (SGLang 0.5.17).
 
 ``Scheduler.get_internal_state`` (behind ``GET /server_info`` and the engine's
-``get_server_info``) gains a ``"redknot_segments"`` key holding ``SegmentStore.stats()`` of the
-scheduler's tree cache, when that cache carries a segment store (the redknot cache; not with
-``--disable-radix-cache``, where SGLang's chunk cache has none). The hooks are registered and
-verified by ``redknot.integration.plugin`` with the others.
+``get_server_info``) gains, when the scheduler's tree cache is redknot's (not with
+``--disable-radix-cache``, where SGLang's chunk cache has none):
+
+- ``"redknot_segments"``: ``SegmentStore.stats()`` of the cache's segment store;
+- ``"redknot_pool"``: what is held in the KV pool (token and request slots free of their totals,
+  ring snapshots, pending captures and segment reads/writes: ``RedknotRadixCache.pool_state``),
+  so that a load test can show that an idle, flushed server holds nothing.
+
+The hooks are registered and verified by ``redknot.integration.plugin`` with the others.
 """
 
 from __future__ import annotations
@@ -12,13 +17,33 @@ from __future__ import annotations
 from typing import Any
 
 STATS_KEY = "redknot_segments"
+POOL_KEY = "redknot_pool"
+
+
+def pool_state(scheduler: Any) -> dict[str, int]:
+    """Slots free of their totals in SGLang's allocators, and what redknot's cache holds."""
+    cache = scheduler.tree_cache
+    allocator, req_pool = scheduler.token_to_kv_pool_allocator, scheduler.req_to_token_pool
+    state = {
+        "token_slots_total": int(scheduler.max_total_num_tokens),
+        "token_slots_free": int(allocator.available_size()),
+        "request_slots_total": int(req_pool.size),
+        "request_slots_free": int(req_pool.available_size()),
+        "running_requests": len(scheduler.running_batch.reqs),
+        "waiting_requests": len(scheduler.waiting_queue),
+    }
+    state.update(cache.pool_state())
+    return state
 
 
 def _after_get_internal_state(result: Any, self: Any, recv_req: Any) -> Any:
-    store = getattr(getattr(self, "tree_cache", None), "segments", None)
+    cache = getattr(self, "tree_cache", None)
+    store = getattr(cache, "segments", None)
     if store is None:
         return None  # keep SGLang's result as is
     result.internal_state[STATS_KEY] = store.stats()
+    if hasattr(cache, "pool_state"):
+        result.internal_state[POOL_KEY] = pool_state(self)
     return result
 
 

@@ -229,3 +229,19 @@ class RedknotRadixCache(RadixCache):
     @property
     def snapshots_in_use(self) -> int:
         return len(self._snapshot_lru)
+
+    def pool_state(self) -> dict[str, int]:
+        """What the cache and the pool hold besides token slots (plain ints, for
+        ``GET /server_info``). Idle after a flush, everything but the totals is 0: anything else
+        is a leak."""
+        return {
+            "snapshots_total": self.pool.num_snapshots,
+            "snapshots_in_use": self.snapshots_in_use,
+            "snapshots_free": len(self._free_snapshots),
+            "capture_jobs": len(self.pool.capture_jobs),
+            "segment_writes": len(self.pool.segment_jobs),
+            "segment_reads": len(self.pool.segment_reads),
+            "pending_ring_copies": len(self.pool.pending),
+            "tree_evictable_tokens": int(self.evictable_size()),
+            "tree_protected_tokens": int(self.protected_size()),
+        }

@@ -236,3 +236,45 @@ def test_snapshot_eviction_skips_locked_nodes(locked):
     h.finish(r, len(b))
     rb = h.admit(b + [5])
     assert (len(rb.prefix_indices) == len(b)) == (not locked)
+
+
+def test_pool_state_reports_held_slots_and_returns_to_idle():
+    """The ``redknot_pool`` server state counts what requests and the tree hold, and shows an
+    empty pool once they are done and the tree is evicted (what the load test reads)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from redknot.integration.segments import pool_state
+
+    h = Harness(num_tokens=600, num_reqs=4, num_snapshots=2)
+    sched = SimpleNamespace(
+        tree_cache=h.cache, token_to_kv_pool_allocator=h.alloc, req_to_token_pool=h.req_pool,
+        max_total_num_tokens=600, running_batch=SimpleNamespace(reqs=[]), waiting_queue=[],
+    )  # fmt: skip
+    toks = list(range(1, 41))
+    req = h.admit(toks)
+    h.forward(req, len(toks))
+    busy = pool_state(sched)
+    assert busy["token_slots_free"] == 560 and busy["request_slots_free"] == 3
+    h.finish(req, len(toks))
+    done = pool_state(sched)
+    assert done["request_slots_free"] == 4
+    assert done["tree_evictable_tokens"] == 40 and done["snapshots_in_use"] == 1
+    h.cache.evict(EvictParams(num_tokens=10**6))
+    idle = pool_state(sched)
+    assert idle == {
+        "token_slots_total": 600, "token_slots_free": 600, "request_slots_total": 4,
+        "request_slots_free": 4, "running_requests": 0, "waiting_requests": 0,
+        "snapshots_total": 2, "snapshots_in_use": 0, "snapshots_free": 2, "capture_jobs": 0,
+        "segment_writes": 0, "segment_reads": 0, "pending_ring_copies": 0,
+        "tree_evictable_tokens": 0, "tree_protected_tokens": 0,
+    }  # fmt: skip
+    # and the server state carries it next to the store's stats, encodable for SGLang's IPC
+    import msgspec
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+
+    from redknot.integration.segments import _after_get_internal_state
+
+    out = _after_get_internal_state(GetInternalStateReqOutput(internal_state={}), sched, None)
+    assert out.internal_state["redknot_pool"] == idle
+    assert out.internal_state["redknot_segments"] == h.cache.segments.stats()
+    msgspec.msgpack.encode(out.internal_state)
