@@ -52,6 +52,14 @@ CHECKER_MESSAGES = ("memory leak detected", "double free", "use-after-free", "Tr
 KINDS = ("hit", "miss", "plain")
 
 
+def _body(raw: bytes) -> object:
+    """JSON when the answer is JSON (``/flush_cache`` answers plain text)."""
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
 class Server:
     def __init__(self, url: str):
         self.url = url
@@ -63,14 +71,9 @@ class Server:
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                raw = r.read()
-                return r.status, json.loads(raw) if raw else None
+                return r.status, _body(r.read())
         except urllib.error.HTTPError as e:
-            raw = e.read()
-            try:
-                return e.code, json.loads(raw)
-            except ValueError:
-                return e.code, raw.decode(errors="replace")
+            return e.code, _body(e.read())
 
     def state(self) -> dict:
         info = self.call("GET", "/server_info")[1]
