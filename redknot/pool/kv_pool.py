@@ -244,6 +244,10 @@ class PendingCopies:
         """Forget queued copies into ``slot`` (its snapshot was evicted before they ran)."""
         self._ops = [op for op in self._ops if op[0] != slot]
 
+    def clear(self) -> None:
+        """Forget every queued copy (a cache reset: snapshots are gone, no request is live)."""
+        self._ops = []
+
     def __len__(self) -> int:
         return len(self._ops)
 

@@ -73,6 +73,11 @@ class RedknotRadixCache(RadixCache):
         self.segments.clear()
         self._free_snapshots = list(range(self.pool.num_snapshots))
         self._snapshot_lru = OrderedDict()
+        # Saves of finished requests' rings into snapshots still queued (they run at the next
+        # forward) would write snapshots that no longer exist; SGLang resets only when idle, so
+        # no queued restore belongs to a live request.
+        self.pool.pending.clear()
+        self.pool.capture_jobs.clear()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)

@@ -259,6 +259,7 @@ def test_pool_state_reports_held_slots_and_returns_to_idle():
     done = pool_state(sched)
     assert done["request_slots_free"] == 4
     assert done["tree_evictable_tokens"] == 40 and done["snapshots_in_use"] == 1
+    assert done["pending_ring_copies"] == 1  # the save into the snapshot runs at the next forward
     h.cache.evict(EvictParams(num_tokens=10**6))
     idle = pool_state(sched)
     assert idle == {
@@ -278,3 +279,34 @@ def test_pool_state_reports_held_slots_and_returns_to_idle():
     assert out.internal_state["redknot_pool"] == idle
     assert out.internal_state["redknot_segments"] == h.cache.segments.stats()
     msgspec.msgpack.encode(out.internal_state)
+
+
+def test_reset_drops_queued_copies_of_the_snapshots_it_frees():
+    """A flush while a finished request's ring save is still queued leaves nothing queued: the
+    save would write a snapshot slot that the reset has freed for reuse."""
+    from redknot.integration.segments import pool_state
+
+    h = Harness(num_tokens=600, num_reqs=4, num_snapshots=2)
+    sched = SimpleNamespace(
+        tree_cache=h.cache, token_to_kv_pool_allocator=h.alloc, req_to_token_pool=h.req_pool,
+        max_total_num_tokens=600, running_batch=SimpleNamespace(reqs=[]), waiting_queue=[],
+    )  # fmt: skip
+    toks = list(range(1, 41))
+    req = h.admit(toks)
+    h.forward(req, len(toks))
+    h.finish(req, len(toks))
+    assert len(h.pool.pending) == 1
+    h.cache.reset()  # as SGLang's Scheduler.flush_cache: the tree, then the slot pools
+    h.req_pool.clear()
+    h.alloc.clear()
+    state = pool_state(sched)
+    assert state["pending_ring_copies"] == 0 and state["capture_jobs"] == 0
+    assert state["snapshots_free"] == 2 and state["token_slots_free"] == 600
+    # and the cache serves again from scratch: the same prompt is a miss, then a hit
+    req = h.admit(toks)
+    assert len(req.prefix_indices) == 0
+    h.forward(req, len(toks))
+    h.finish(req, len(toks))
+    again = h.admit(toks + [7])
+    assert len(again.prefix_indices) == 40
+    h.forward(again, 41)  # checks every cached position against what recomputation gives
