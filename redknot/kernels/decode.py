@@ -40,6 +40,9 @@ class DecodeConfig:
     num_stages: int = 3
     min_chunk: int = 256  # fewest keys a split takes (short rows are not split finely)
     programs_per_sm: int = 8  # split target: global-row programs per SM
+    # Local rows (at most sink + window keys) are split into pieces of at least this many
+    # keys, and no more programs than that are launched for them.
+    local_min_chunk: int = 1024
 
 
 class DecodeWorkspace:
@@ -119,6 +122,7 @@ class DecodePlan:
     geometry: SegGeometry
     config: DecodeConfig
     num_splits: int  # static per captured batch size
+    local_splits: int  # splits of a local row (<= num_splits), static with num_splits
     seq_lens_gpu: torch.Tensor  # [B] int32/int64, keys per request including the new token
     req_pool_indices_gpu: torch.Tensor  # [B] int32/int64, row of req_to_token / ring
     part_o_gpu: torch.Tensor  # [B, Hq, num_splits, D] float32, split outputs
@@ -130,7 +134,7 @@ class DecodePlan:
         assert self.seq_lens_gpu.shape == (B,) and self.seq_lens_gpu.dtype in _INDEX_DTYPES
         assert self.req_pool_indices_gpu.shape == (B,)
         assert self.req_pool_indices_gpu.dtype in _INDEX_DTYPES
-        assert self.num_splits >= 1
+        assert self.num_splits >= 1 and 1 <= self.local_splits <= self.num_splits
         assert self.part_o_gpu.shape == (B, geo.num_q_heads, self.num_splits, geo.head_dim)
         assert self.part_o_gpu.stride(-1) == 1
         assert self.part_lse_gpu.shape == (B, geo.num_q_heads, self.num_splits)
@@ -185,10 +189,12 @@ def plan_decode(
             B, max_len, heavy, num_sms=num_sms, max_splits=workspace.max_splits, config=config
         )
     part_o, part_lse = workspace.views(B, num_splits)
+    local_span = geo.sink + geo.window
     return DecodePlan(
         geometry=geo,
         config=config,
         num_splits=num_splits,
+        local_splits=min(num_splits, max(1, math.ceil(local_span / config.local_min_chunk))),
         seq_lens_gpu=seq_lens_gpu,
         req_pool_indices_gpu=req_pool_indices_gpu,
         part_o_gpu=part_o,
@@ -278,12 +284,15 @@ def run_decode(
     block_h = max(16, grp)
     lse_arg = lse if lse is not None else plan.part_lse_gpu
     po, pl = plan.part_o_gpu, plan.part_lse_gpu
-    segpaged_decode_kernel[(plan.num_splits, B, geo.num_kv_heads)](
+    num_global = heads.num_global
+    programs = num_global * plan.num_splits + (geo.num_kv_heads - num_global) * plan.local_splits
+    segpaged_decode_kernel[(programs, B)](
         q, k_global, v_global, k_local, v_local,
         req_to_token, plan.req_pool_indices_gpu, plan.seq_lens_gpu,
         heads.is_local_gpu, heads.column_gpu, heads.order_gpu,
         out, lse_arg, po, pl,
         sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, plan.num_splits,
+        plan.local_splits, num_global,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
         k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1),
         k_local.stride(0), k_local.stride(1), v_local.stride(0), v_local.stride(1),
@@ -298,7 +307,7 @@ def run_decode(
         splits_p2 = triton_next_pow2(plan.num_splits)
         segpaged_decode_merge_kernel[(B, Hq)](
             plan.seq_lens_gpu, heads.is_local_gpu, out, lse_arg, po, pl,
-            geo.sink, geo.window, plan.num_splits,
+            geo.sink, geo.window, plan.num_splits, plan.local_splits,
             out.stride(0), out.stride(1), lse_arg.stride(0),
             po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
             GRP=grp, BLOCK_N=cfg.block_n, HEAD_DIM=D, SPLITS_P2=splits_p2,

@@ -188,3 +188,25 @@ def test_decode_gpu_cuda_graph_replay():
             q, *args, rows, torch.tensor(lens), batch.heads, geo, 0.088
         )  # fmt: skip
         _close(out, ref)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+@pytest.mark.parametrize("classes", ["GLLG", "LLLL"])
+def test_decode_local_rows_split_and_merge(classes, num_splits):
+    """Local rows split too when ``local_min_chunk`` is below sink + window (here 23 keys in
+    pieces of >= 8: up to 3 local splits, never more than ``num_splits``) and merge like
+    global ones; the plan launches no program for a local split that cannot exist."""
+    cfg = DecodeConfig(block_n=16, min_chunk=16, local_min_chunk=8)
+    geo, _ = make_geometry(classes, 4, 64, SINK, WINDOW, "ring")
+    ws = DecodeWorkspace(geo, max_batch_size=8, max_splits=16, device="cpu")
+    lens = torch.tensor(SEQ_LENS)
+    plan = plan_decode(geo, ws, lens, torch.arange(len(SEQ_LENS)), num_splits=num_splits,
+                       config=cfg)  # fmt: skip
+    assert plan.local_splits == min(num_splits, 3)
+    assert plan_decode(geo, ws, lens, torch.arange(len(SEQ_LENS)), num_splits=num_splits,
+                       config=SMALL).local_splits == 1  # fmt: skip
+    out, lse, ref_out, ref_lse = _run_case(
+        classes, 4, 64, torch.bfloat16, "ring", SEQ_LENS, num_splits, "cpu", cfg
+    )
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)

@@ -53,7 +53,7 @@ def segpaged_decode_kernel(
     Req_to_token, Req_pool_indices, Seq_lens,
     Is_local, Column, Order,
     Out, Lse, Part_o, Part_lse,
-    qk_scale, sink, window, ring_len, num_splits,
+    qk_scale, sink, window, ring_len, num_splits, local_splits, num_global,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_lse_b,
     stride_kgs, stride_kgh, stride_vgs, stride_vgh,
     stride_kls, stride_klh, stride_vls, stride_vlh,
@@ -67,16 +67,24 @@ def segpaged_decode_kernel(
     WRITE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    split = tl.program_id(0)
+    # Axis 0 enumerates (head, split) pairs: ``num_splits`` per global head (the layer's first
+    # ``num_global`` heads in ``Order``), then ``local_splits`` per local head, so that no
+    # program is launched for a split a local row (at most sink + window keys) cannot have.
+    pid = tl.program_id(0)
     b = tl.program_id(1)
-    h = tl.load(Order + tl.program_id(2))
+    global_programs = num_global * num_splits
+    in_global = pid < global_programs
+    rest = pid - global_programs
+    idx = tl.where(in_global, pid // num_splits, num_global + rest // local_splits)
+    split = tl.where(in_global, pid % num_splits, rest % local_splits)
+    h = tl.load(Order + idx)
     is_local = tl.load(Is_local + h)
     col = tl.load(Column + h)
     n = tl.load(Seq_lens + b).to(tl.int32)
     req_row = tl.load(Req_pool_indices + b).to(tl.int64)
 
     ns, ws, cnt = visible_span(n, is_local, sink, window)
-    chunk = split_chunk(cnt, num_splits, BLOCK_N, MIN_CHUNK)
+    chunk = split_chunk(cnt, tl.where(is_local != 0, local_splits, num_splits), BLOCK_N, MIN_CHUNK)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, cnt)
     if (split == 0) | (lo < cnt):
@@ -144,7 +152,7 @@ def segpaged_decode_kernel(
 @triton.jit
 def segpaged_decode_merge_kernel(
     Seq_lens, Is_local, Out, Lse, Part_o, Part_lse,
-    sink, window, num_splits,
+    sink, window, num_splits, local_splits,
     stride_ob, stride_oh, stride_lse_b,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     GRP: tl.constexpr,
@@ -159,8 +167,10 @@ def segpaged_decode_merge_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
     n = tl.load(Seq_lens + b).to(tl.int32)
-    _, _, cnt = visible_span(n, tl.load(Is_local + head // GRP), sink, window)
-    nvalid = tl.cdiv(cnt, split_chunk(cnt, num_splits, BLOCK_N, MIN_CHUNK))
+    is_local = tl.load(Is_local + head // GRP)
+    _, _, cnt = visible_span(n, is_local, sink, window)
+    splits = tl.where(is_local != 0, local_splits, num_splits)
+    nvalid = tl.cdiv(cnt, split_chunk(cnt, splits, BLOCK_N, MIN_CHUNK))
     if nvalid > 1:
         lse_base = Part_lse + b.to(tl.int64) * stride_plb + head * stride_plh
         splits = tl.arange(0, SPLITS_P2)
