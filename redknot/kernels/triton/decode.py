@@ -169,8 +169,8 @@ def segpaged_decode_merge_kernel(
     n = tl.load(Seq_lens + b).to(tl.int32)
     is_local = tl.load(Is_local + head // GRP)
     _, _, cnt = visible_span(n, is_local, sink, window)
-    splits = tl.where(is_local != 0, local_splits, num_splits)
-    nvalid = tl.cdiv(cnt, split_chunk(cnt, splits, BLOCK_N, MIN_CHUNK))
+    row_splits = tl.where(is_local != 0, local_splits, num_splits)
+    nvalid = tl.cdiv(cnt, split_chunk(cnt, row_splits, BLOCK_N, MIN_CHUNK))
     if nvalid > 1:
         lse_base = Part_lse + b.to(tl.int64) * stride_plb + head * stride_plh
         splits = tl.arange(0, SPLITS_P2)
