@@ -16,6 +16,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("REDKNOT_RECORD_LAUNCHES") and os.environ.get("TRITON_INTERPRET") == "1":
+    # tests/kernels/test_triton_lowering.py: note every kernel launch's argument types
+    from kernels.launch_specs import install
+
+    install(os.environ["REDKNOT_RECORD_LAUNCHES"])
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
