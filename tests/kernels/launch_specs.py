@@ -71,7 +71,7 @@ def lower(path: str) -> list[str]:
     """Compile each recorded launch to Triton IR for sm_90; returns one line per launch."""
     import importlib
 
-    import triton._C.libtriton as libtriton
+    from triton._C import libtriton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
