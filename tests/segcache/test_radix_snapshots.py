@@ -238,6 +238,14 @@ def test_snapshot_eviction_skips_locked_nodes(locked):
     assert (len(rb.prefix_indices) == len(b)) == (not locked)
 
 
+def _idle_scheduler(h: Harness, num_tokens: int) -> SimpleNamespace:
+    """What ``redknot.integration.segments.pool_state`` reads of SGLang's scheduler."""
+    return SimpleNamespace(
+        tree_cache=h.cache, token_to_kv_pool_allocator=h.alloc, req_to_token_pool=h.req_pool,
+        max_total_num_tokens=num_tokens, running_batch=SimpleNamespace(reqs=[]), waiting_queue=[],
+    )  # fmt: skip
+
+
 def test_pool_state_reports_held_slots_and_returns_to_idle():
     """The ``redknot_pool`` server state counts what requests and the tree hold, and shows an
     empty pool once they are done and the tree is evicted (what the load test reads)."""
@@ -246,10 +254,7 @@ def test_pool_state_reports_held_slots_and_returns_to_idle():
     from redknot.integration.segments import pool_state
 
     h = Harness(num_tokens=600, num_reqs=4, num_snapshots=2)
-    sched = SimpleNamespace(
-        tree_cache=h.cache, token_to_kv_pool_allocator=h.alloc, req_to_token_pool=h.req_pool,
-        max_total_num_tokens=600, running_batch=SimpleNamespace(reqs=[]), waiting_queue=[],
-    )  # fmt: skip
+    sched = _idle_scheduler(h, 600)
     toks = list(range(1, 41))
     req = h.admit(toks)
     h.forward(req, len(toks))
@@ -287,10 +292,7 @@ def test_reset_drops_queued_copies_of_the_snapshots_it_frees():
     from redknot.integration.segments import pool_state
 
     h = Harness(num_tokens=600, num_reqs=4, num_snapshots=2)
-    sched = SimpleNamespace(
-        tree_cache=h.cache, token_to_kv_pool_allocator=h.alloc, req_to_token_pool=h.req_pool,
-        max_total_num_tokens=600, running_batch=SimpleNamespace(reqs=[]), waiting_queue=[],
-    )  # fmt: skip
+    sched = _idle_scheduler(h, 600)
     toks = list(range(1, 41))
     req = h.admit(toks)
     h.forward(req, len(toks))
