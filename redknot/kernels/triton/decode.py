@@ -1,9 +1,12 @@
 """SegPagedAttention decode kernels: split-K attention of one new token per request over every
 (request, KV head) row of a layer, then a merge of the splits.
 
-Grid of ``segpaged_decode_kernel``: ``(num_splits, B, H_kv)``; program ``(s, b, j)`` serves KV
-head ``h = order[j]`` (global heads first, so the long rows start first) of request ``b`` and
-all ``GRP`` query heads of that KV head, reading each key once.
+Grid of ``segpaged_decode_kernel``: ``(G * num_splits + (H_kv - G) * local_splits, B)`` for a
+layer with ``G`` global heads; axis 0 enumerates (head, split) pairs, ``num_splits`` for each
+global head and ``local_splits`` for each local one (a local row has at most sink + window
+keys, so it needs fewer). A program serves KV head ``h = order[j]`` (global heads first, so the
+long rows start first) of request ``b`` and all ``GRP`` query heads of that KV head, reading
+each key once.
 
 A row's visible keys, numbered ``v = 0 .. cnt - 1`` (``n = seq_lens[b]``):
 
@@ -14,7 +17,7 @@ A row's visible keys, numbered ``v = 0 .. cnt - 1`` (``n = seq_lens[b]``):
 |        | ``ns = min(sink, n)``, ``ws = max(n - window, ns)`` |                     |
 
 Split ``s`` takes ``v`` in ``[s * chunk, (s + 1) * chunk)`` with ``chunk`` from
-``split_chunk``; ``nvalid = cdiv(cnt, chunk)`` splits hold keys. A row with ``nvalid <= 1``
+``split_chunk`` (over the row's own split count); ``nvalid = cdiv(cnt, chunk)`` splits hold keys. A row with ``nvalid <= 1``
 is finished by its split 0 (written to ``Out``); other rows write partial outputs and base-2
 log-sum-exps that ``segpaged_decode_merge_kernel`` (grid ``(B, Hq)``) combines.
 """
@@ -41,9 +44,13 @@ def visible_span(n, is_local, sink, window):
 
 
 @triton.jit
-def split_chunk(cnt, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
-    """Keys per split: ``cnt / num_splits`` rounded up to blocks, at least ``MIN_CHUNK``."""
-    chunk = tl.cdiv(tl.cdiv(cnt, num_splits), BLOCK_N) * BLOCK_N
+def split_chunk(cnt, is_local, num_splits, local_splits, BLOCK_N: tl.constexpr,
+                MIN_CHUNK: tl.constexpr):  # fmt: skip
+    """Keys per split of a row of ``cnt`` keys, split ``local_splits`` ways if it is local and
+    ``num_splits`` ways if not: rounded up to blocks, at least ``MIN_CHUNK``. The split and the
+    merge kernel both take it from here, so they agree on every row."""
+    splits = tl.where(is_local != 0, local_splits, num_splits)
+    chunk = tl.cdiv(tl.cdiv(cnt, splits), BLOCK_N) * BLOCK_N
     return tl.maximum(chunk, MIN_CHUNK)
 
 
@@ -84,7 +91,7 @@ def segpaged_decode_kernel(
     req_row = tl.load(Req_pool_indices + b).to(tl.int64)
 
     ns, ws, cnt = visible_span(n, is_local, sink, window)
-    chunk = split_chunk(cnt, tl.where(is_local != 0, local_splits, num_splits), BLOCK_N, MIN_CHUNK)
+    chunk = split_chunk(cnt, is_local, num_splits, local_splits, BLOCK_N, MIN_CHUNK)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, cnt)
     if (split == 0) | (lo < cnt):
@@ -169,8 +176,7 @@ def segpaged_decode_merge_kernel(
     n = tl.load(Seq_lens + b).to(tl.int32)
     is_local = tl.load(Is_local + head // GRP)
     _, _, cnt = visible_span(n, is_local, sink, window)
-    row_splits = tl.where(is_local != 0, local_splits, num_splits)
-    nvalid = tl.cdiv(cnt, split_chunk(cnt, row_splits, BLOCK_N, MIN_CHUNK))
+    nvalid = tl.cdiv(cnt, split_chunk(cnt, is_local, num_splits, local_splits, BLOCK_N, MIN_CHUNK))
     if nvalid > 1:
         lse_base = Part_lse + b.to(tl.int64) * stride_plb + head * stride_plh
         splits = tl.arange(0, SPLITS_P2)
