@@ -62,6 +62,11 @@ class ReusePolicy(LayerHooks):
         """The prompt as this policy serves it (its prefix hit and segments)."""
         return self.prompt.with_exact_prefix()
 
+    @property
+    def every_kv_head(self) -> list[int]:
+        """All KV heads of a layer (token-level policies treat every head alike)."""
+        return list(range(self.shape.num_kv_heads))
+
     def serving_map(self, head_map: HeadMap | None) -> HeadMap | None:
         """The head map this policy runs under (``None``: every head global)."""
         if not self.uses_head_map or head_map is None:

@@ -48,7 +48,7 @@ class NaiveReuse(ReusePolicy):
     name = "naive"
 
     def reused_heads(self, ctx: LayerContext) -> list[int]:
-        return list(range(self.shape.num_kv_heads))
+        return self.every_kv_head
 
     def choose_attention_rows(self, ctx: LayerContext) -> Tensor | None:
         return self.new_rows(ctx) if self.served.segments else None

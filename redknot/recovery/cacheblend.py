@@ -64,7 +64,7 @@ class CacheBlend(TokenRecovery):
 
     def select(self, ctx: LayerContext, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         segment = torch.nonzero(self._segment_mask(ctx)).flatten()  # [S] rows of this call
-        every_head = list(range(self.shape.num_kv_heads))
+        every_head = self.every_kv_head
         cached_k, cached_v = self.cached_kv(
             ctx, keys.clone(), values.clone(), every_head, record=False
         )

@@ -51,8 +51,9 @@ class SparseX(TokenRecovery):
 
     def select(self, ctx: LayerContext, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         if self.sparse_from == self.select_layer:  # sparse in this layer: keys as served
-            every_head = list(range(self.shape.num_kv_heads))
-            keys, _ = self.cached_kv(ctx, keys.clone(), values.clone(), every_head, record=False)
+            keys, _ = self.cached_kv(
+                ctx, keys.clone(), values.clone(), self.every_kv_head, record=False
+            )
         opts = self.options
         selection = select_tokens(
             q,

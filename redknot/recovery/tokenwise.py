@@ -86,8 +86,7 @@ class TokenRecovery(ReusePolicy):
     def edit_kv(self, ctx: LayerContext, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         if not self._sparse(ctx) or bool(self.keep.all()):
             return keys, values
-        every_head = list(range(self.shape.num_kv_heads))
-        return self.cached_kv(ctx, keys, values, every_head, ~self.keep)
+        return self.cached_kv(ctx, keys, values, self.every_kv_head, ~self.keep)
 
     def choose_attention_rows(self, ctx: LayerContext) -> Tensor | None:
         return self._kept_rows(ctx)
