@@ -52,7 +52,14 @@ EXTEND_VARIANTS = [  # tried on the target cases; the first is ExtendConfig()
     ExtendConfig(num_stages=3),
     ExtendConfig(block_n=32, num_stages=3),
     ExtendConfig(block_m=64, num_warps=4, num_stages=3),
-]
+    # local rows in their own one-loop kernel (ExtendConfig.local_block_n)
+    *(ExtendConfig(local_block_n=n, local_num_warps=w, local_num_stages=st)
+      for n, w, st in ((64, 8, 3), (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 2))),
+    ExtendConfig(block_m=64, num_warps=4, local_block_n=128, local_num_warps=4,
+                 local_num_stages=2),
+    ExtendConfig(block_m=64, num_warps=4, local_block_n=64, local_num_warps=4, local_num_stages=3),
+    ExtendConfig(block_m=256, local_block_n=64, local_num_warps=8, local_num_stages=2),
+]  # fmt: skip
 
 
 # ---- timing -----------------------------------------------------------------------------------
@@ -301,6 +308,32 @@ def prefill_case(L: int, frac_name: str, timer: Timer, variants: bool) -> dict:
 
         return make
 
+    def redknot_fi_global(cfg: ExtendConfig | None = None, overlap: bool = False):
+        """FlashInfer for the global rows and the Triton kernel for the local rows; with
+        ``overlap`` the FlashInfer call runs on a side stream next to the Triton launch."""
+
+        def make():
+            plan = plan_extend(geo, rows, [0], [L], config=cfg or ExtendConfig())
+            fi = FlashInferGlobalRows(geo, DEV)
+            fi.plan(plan, r2t, {G}, DTYPE, SCALE)
+            if not overlap:
+                return lambda: run_extend_flashinfer_global(
+                    fi, plan, q, k, v, kg, vg, kl, vl, r2t, heads, SCALE, out=out
+                )
+            side = torch.cuda.Stream()
+
+            def call():
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fi.run(q, k, v, kg, vg, heads, out)
+                run_extend(plan, q, k, v, kg, vg, kl, vl, r2t, heads, SCALE, out=out,
+                           skip_global=True)  # fmt: skip
+                torch.cuda.current_stream().wait_stream(side)
+
+            return call
+
+        return make
+
     attempt(row, "redknot", timer, redknot(ExtendConfig()))
     if variants:
         row["variants"] = []
@@ -309,20 +342,14 @@ def prefill_case(L: int, frac_name: str, timer: Timer, variants: bool) -> dict:
             if cfg != ExtendConfig():
                 attempt(res, "redknot", timer, redknot(cfg))
             attempt(res, "local_rows_only", timer, redknot(cfg, skip_global=True))
+            attempt(res, "fi_global", timer, redknot_fi_global(cfg))
+            attempt(res, "fi_global_overlap", timer, redknot_fi_global(cfg, overlap=True))
             res.pop("timing", None)
             row["variants"].append({"config": dataclasses.asdict(cfg), **res})
 
     attempt(row, "redknot_local_rows_only", timer, redknot(ExtendConfig(), skip_global=True))
-
-    def redknot_fi_global():
-        plan = plan_extend(geo, rows, [0], [L])
-        fi = FlashInferGlobalRows(geo, DEV)
-        fi.plan(plan, r2t, {G}, DTYPE, SCALE)
-        return lambda: run_extend_flashinfer_global(
-            fi, plan, q, k, v, kg, vg, kl, vl, r2t, heads, SCALE, out=out
-        )
-
-    attempt(row, "redknot_fi_global", timer, redknot_fi_global)
+    attempt(row, "redknot_fi_global", timer, redknot_fi_global())
+    attempt(row, "redknot_fi_global_overlap", timer, redknot_fi_global(overlap=True))
 
     def flashinfer_global_rows_only():
         plan = plan_extend(geo, rows, [0], [L])
@@ -396,14 +423,21 @@ def prefill_case(L: int, frac_name: str, timer: Timer, variants: bool) -> dict:
 
 def finish(row: dict) -> dict:
     dense, ours = row.get("ms_dense_flashinfer"), row.get("ms_redknot")
-    for name in ("redknot", "redknot_fi_global", "folded_flashinfer", "sdpa_mask"):
+    for name in ("redknot", "redknot_fi_global", "redknot_fi_global_overlap", "folded_flashinfer",
+                 "sdpa_mask"):  # fmt: skip
         ms = row.get(f"ms_{name}")
         if dense and ms:
             row[f"speedup{'' if name == 'redknot' else '_' + name}"] = dense / ms
     if row.get("speedup"):
         row["fraction_of_ideal"] = row["speedup"] / row["ideal_speedup"]
-    if row.get("speedup_redknot_fi_global"):
-        row["fraction_of_ideal_fi_global"] = row["speedup_redknot_fi_global"] / row["ideal_speedup"]
+    for name in ("fi_global", "fi_global_overlap"):
+        if row.get(f"speedup_redknot_{name}"):
+            row[f"fraction_of_ideal_{name}"] = row[f"speedup_redknot_{name}"] / row["ideal_speedup"]
+    for v in row.get("variants", []):
+        dense = row.get("ms_dense_flashinfer")
+        for name in ("redknot", "fi_global", "fi_global_overlap"):
+            if dense and v.get(f"ms_{name}"):
+                v[f"fraction_of_ideal_{name}"] = dense / v[f"ms_{name}"] / row["ideal_speedup"]
     if ours and row.get("ms_sdpa_mask"):
         row["redknot_over_sdpa_mask"] = row["ms_sdpa_mask"] / ours
     if ours and "bytes_redknot" in row:

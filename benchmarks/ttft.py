@@ -1,8 +1,10 @@
 """Time to first token of a prompt made of cached segments: flashinfer vs redknot, one GPU.
 
-The prompt is one unique token (so no two measured prompts share a cached prefix), ``--segments``
-documents of ``L / segments`` tokens each, and a ``--question``-token question; ``L`` runs over
-``--lengths``. Variants (each an ``sgl.Engine`` on the 8B shape with dummy weights):
+The prompt is one unique token (so no two measured prompts share a cached prefix), ``S``
+documents of ``L / S`` tokens each, and a ``--question``-token question; ``(L, S)`` runs over
+``--points`` (``LxS,...``; ``--sweep`` takes the context-length sweep 8K-64K at 8 segments and
+the segment-count sweep 2-32 at 32K). Variants (each an ``sgl.Engine`` on the 8B shape with
+dummy weights):
 
 - ``flashinfer``: full prefill with the flashinfer backend;
 - ``redknot-all-global``: every head global (the dense computation through redknot);
@@ -12,13 +14,17 @@ documents of ``L / segments`` tokens each, and a ``--question``-token question; 
   re-aligned K/V (``redknot.segcache.reuse``).
 
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
-``--reps`` after one warm-up at each length). ``flops`` is the analytical prefill FLOPs of the
+``--reps`` after one warm-up at each point). ``flops`` is the analytical prefill FLOPs of the
 schedule each variant runs (projections and FFN of every token, attention over the keys each
 head sees); for ``redknot-g0.125-reuse-sparse-ffn`` (``--redknot-dense-layers 8``: the FFN of
 deeper layers runs only on the segment tokens the question attends to most) minus the FFNs the
-server reports it skipped.
+server reports it skipped. A reuse point where any marked segment missed the store is reported
+with its misses (``segment_store``) and flagged, never averaged in silently: the store is sized
+by ``--segment-fraction`` so that one point's documents fit.
 
     python benchmarks/ttft.py --out benchmarks/results/ttft.json
+    python benchmarks/ttft.py --sweep --variants flashinfer,redknot-g0.125-reuse \\
+        --out benchmarks/results/ttft_sweep.json
 """
 
 from __future__ import annotations
@@ -65,6 +71,25 @@ def prefill_flops(cfg: dict, length: int, global_fraction: float | None) -> floa
     return layers * (length * (proj + ffn) + 4 * d * attn_pairs)
 
 
+SWEEP = "8192x8,16384x8,32768x8,65536x8,32768x2,32768x4,32768x16,32768x32"
+STORE_COUNTERS = ("hits", "misses", "hit_tokens")
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """``"32768x8,8192x2"`` -> ``[(32768, 8), (8192, 2)]`` (context length x segment count)."""
+    points = []
+    for item in text.split(","):
+        length, _, segments = item.strip().partition("x")
+        if not (length.isdigit() and segments.isdigit() and int(segments) > 0):
+            raise SystemExit(f"--points: {item!r} is not LENGTHxSEGMENTS (e.g. 32768x8)")
+        points.append((int(length), int(segments)))
+    return points
+
+
+def point_key(length: int, segments: int) -> str:
+    return f"{length}x{segments}"
+
+
 def child(args) -> None:
     import sglang as sgl
 
@@ -72,7 +97,7 @@ def child(args) -> None:
     from redknot.segcache.entry import segment_id
 
     fraction, all_global, reuse, dense_layers = VARIANTS[args.child]
-    lengths = [int(x) for x in args.lengths.split(",")]
+    points = parse_points(args.points)
     extra = {
         "mem_fraction_static": args.mem_fraction_static,
         "disable_prefill_cuda_graph": True,
@@ -82,6 +107,7 @@ def child(args) -> None:
         extra["attention_backend"] = "flashinfer"
     else:
         extra["attention_backend"] = "redknot"
+        extra["redknot_segment_fraction"] = args.segment_fraction
         if dense_layers is not None:
             extra["redknot_dense_layers"] = dense_layers
             extra["log_level"] = "info"  # the sparse-FFN log lines count what was skipped
@@ -89,7 +115,7 @@ def child(args) -> None:
             extra["redknot_all_global"] = True
         else:
             extra["redknot_head_map"] = common.synthetic_map_file(args.model, fraction, "/tmp")
-    context = max(lengths) + args.question + 64
+    context = max(length for length, _ in points) + args.question + 64
     engine = sgl.Engine(**common.engine_kwargs(args.model, context, **extra))
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
@@ -97,11 +123,15 @@ def child(args) -> None:
     def rand(n: int) -> list[int]:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
+    def store_counters() -> dict:
+        info = engine.get_server_info()["internal_states"][0].get("redknot_segments", {})
+        return {k: info.get(k, 0) for k in STORE_COUNTERS}
+
     one = {"temperature": 0.0, "max_new_tokens": 1}
     out = {}
     try:
-        for length in lengths:
-            docs = [rand(length // args.segments) for _ in range(args.segments)]
+        for length, segments in points:
+            docs = [rand(length // segments) for _ in range(segments)]
             if reuse:
                 for doc in docs:
                     mark = SegmentMark(0, len(doc), "bench", segment_id("bench", doc))
@@ -110,6 +140,7 @@ def child(args) -> None:
                         input_ids=doc,
                         sampling_params={"max_new_tokens": 0, "custom_params": params},
                     )
+                before = store_counters()
             times = []
             for rep in range(args.reps + 1):
                 ids, marks = [rand(1)[0]], []
@@ -125,29 +156,43 @@ def child(args) -> None:
                 engine.generate(input_ids=ids, sampling_params=sampling)
                 if rep:  # the first is a warm-up
                     times.append(time.perf_counter() - t0)
-            stats = {}
-            if reuse:
-                stats = engine.get_server_info()["internal_states"][0].get("redknot_segments", {})
-            out[str(length)] = {
+            row = {
+                "length": length,
+                "segments": segments,
                 "prompt_tokens": len(ids),
                 "ttft_s": statistics.median(times),
                 "ttft_samples_s": times,
-                "segment_store": {k: stats.get(k) for k in ("hits", "misses", "hit_tokens")},
             }
-            print(args.child, length, out[str(length)]["ttft_s"], flush=True)
+            if reuse:  # this point's lookups only (warm-up included)
+                after = store_counters()
+                row["segment_store"] = {k: after[k] - before[k] for k in STORE_COUNTERS}
+                row["every_segment_hit"] = row["segment_store"]["misses"] == 0
+            out[point_key(length, segments)] = row
+            print(args.child, length, segments, row["ttft_s"], flush=True)
     finally:
         engine.shutdown()
-    print("RESULT " + json.dumps({"lengths": out}))
+    print("RESULT " + json.dumps({"points": out}))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=common.DEFAULT_MODEL)
-    ap.add_argument("--lengths", default="8192,16384,32768")
-    ap.add_argument("--segments", type=int, default=8)
+    ap.add_argument(
+        "--points",
+        default="8192x8,16384x8,32768x8",
+        help="context length x segment count, comma-separated",
+    )
+    ap.add_argument("--sweep", action="store_true", help=f"--points {SWEEP}")
     ap.add_argument("--question", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mem-fraction-static", type=float, default=0.8)
+    ap.add_argument(
+        "--segment-fraction",
+        type=float,
+        default=0.25,
+        help="redknot's --redknot-segment-fraction: the segment store must hold one point's "
+        "documents (the 8B shape keeps about 114 KB per segment token with the 1/8 map)",
+    )
     ap.add_argument(
         "--chunked-prefill-size",
         type=int,
@@ -159,6 +204,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.sweep:
+        args.points = SWEEP
+    parse_points(args.points)  # refuse a malformed list before any engine starts
     if args.child:
         child(args)
         return
@@ -166,11 +214,11 @@ def main() -> None:
     base = common.forward_args(
         args,
         "model",
-        "lengths",
-        "segments",
+        "points",
         "question",
         "reps",
         "mem_fraction_static",
+        "segment_fraction",
         "chunked_prefill_size",
     )
     results = {}
@@ -184,45 +232,55 @@ def main() -> None:
             int(m.group(1)) for m in map(SKIPPED.search, lines) if m
         ]
         print(name, json.dumps(results[name])[:400], flush=True)
+        summary = summarize(cfg, results, args.reps)  # written after every variant
+        common.write_json(args.out, common.record(
+            model=args.model, load_format="dummy", points=args.points, question=args.question,
+            reps=args.reps, chunked_prefill_size=args.chunked_prefill_size, sink=SINK,
+            window=WINDOW, mem_fraction_static=args.mem_fraction_static,
+            segment_fraction=args.segment_fraction, dense_layers_of_sparse_variant=DENSE_LAYERS,
+            note="reuse: cached, re-aligned local-head K/V for segment tokens, every FFN run; "
+            "reuse-sparse-ffn: also FFN only on important segment tokens above the dense "
+            "layers (dummy weights give nearly uniform attention, so importance selects about "
+            "mass_thresh of the candidates); flops of that variant subtract the FFNs it skipped",
+            variants=results, summary=summary,
+        ))  # fmt: skip
+    print(json.dumps(summary, indent=1))
+
+
+def summarize(cfg: dict, results: dict, reps: int) -> dict:
+    """Per variant and point: TTFT, analytical FLOPs, and the ratios to flashinfer."""
     summary = {}
-    ref = results.get("flashinfer", {}).get("lengths", {})
+    ref = results.get("flashinfer", {}).get("points", {})
+    ffn = 2 * 3 * cfg["hidden_size"] * cfg["intermediate_size"]
     for name, res in results.items():
         fraction = VARIANTS[name][0]
         skipped = res.get("ffn_skipped_per_prompt", [])
-        per_length = args.reps + 1
-        for i, (length, row) in enumerate(res.get("lengths", {}).items()):
+        for i, (key, row) in enumerate(res.get("points", {}).items()):
             n = row["prompt_tokens"]
             flops = prefill_flops(cfg, n, fraction)
-            mine = skipped[i * per_length : (i + 1) * per_length][1:]  # the measured prompts
+            mine = skipped[i * (reps + 1) : (i + 1) * (reps + 1)][1:]  # the measured prompts
             if mine:
-                ffn = 2 * 3 * cfg["hidden_size"] * cfg["intermediate_size"]
                 flops -= statistics.median(mine) * ffn
-            entry = summary.setdefault(name, {})[length] = {
+            entry = summary.setdefault(name, {})[key] = {
+                "length": row["length"],
+                "segments": row["segments"],
                 "ttft_s": row["ttft_s"],
                 "flops": flops,
             }
+            if "every_segment_hit" in row:
+                entry["every_segment_hit"] = row["every_segment_hit"]
             if mine:
-                layers = cfg["num_hidden_layers"]
                 entry["ffn_token_layers_skipped"] = statistics.median(mine)
-                entry["ffn_fraction_run"] = 1 - statistics.median(mine) / (n * layers)
-            if length in ref:
-                entry["speedup_vs_flashinfer"] = ref[length]["ttft_s"] / row["ttft_s"]
+                entry["ffn_fraction_run"] = 1 - statistics.median(mine) / (
+                    n * cfg["num_hidden_layers"]
+                )
+            if key in ref:
+                entry["speedup_vs_flashinfer"] = ref[key]["ttft_s"] / row["ttft_s"]
                 entry["flop_ratio_vs_flashinfer"] = prefill_flops(cfg, n, None) / flops
                 entry["fraction_of_flop_ratio"] = (
                     entry["speedup_vs_flashinfer"] / entry["flop_ratio_vs_flashinfer"]
                 )
-    common.write_json(args.out, common.record(
-        model=args.model, load_format="dummy", segments=args.segments, question=args.question,
-        reps=args.reps, chunked_prefill_size=args.chunked_prefill_size, sink=SINK,
-        window=WINDOW, mem_fraction_static=args.mem_fraction_static,
-        dense_layers_of_sparse_variant=DENSE_LAYERS,
-        note="reuse: cached, re-aligned local-head K/V for segment tokens, every FFN run; "
-        "reuse-sparse-ffn: also FFN only on important segment tokens above the dense layers "
-        "(dummy weights give nearly uniform attention, so importance selects about mass_thresh "
-        "of the candidates); flops of that variant subtract the FFNs it skipped",
-        variants=results, summary=summary,
-    ))  # fmt: skip
-    print(json.dumps(summary, indent=1))
+    return summary
 
 
 if __name__ == "__main__":

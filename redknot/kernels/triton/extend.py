@@ -46,6 +46,45 @@ def _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def _sink_window_keys(start, n1, n, w0, P, q_pos, req_row, Req_to_token, stride_r2t, Kl, Vl, Kn,
+                      Vn, stride_kls, stride_vls, stride_knt, stride_vnt, sink, window, ring_len,
+                      d, BLOCK_N: tl.constexpr, RING: tl.constexpr):  # fmt: skip
+    """Block ``[start, start + BLOCK_N)`` of a local row's key run: ``n1`` sink keys from
+    position 0, then window keys from ``w0`` (``n`` in all); positions below ``P`` from the
+    local store, the others from the new keys. Returns ``k``, ``v`` and the visibility of each
+    key from each query row (causal, sink or within the window)."""
+    idx = start + tl.arange(0, BLOCK_N)
+    valid = idx < n
+    pos = tl.where(idx < n1, idx, w0 + idx - n1)
+    cached = valid & (pos < P)
+    slot = store_slots(pos, cached, req_row, Req_to_token, stride_r2t, sink, ring_len, RING)
+    row = (pos - P).to(tl.int64)
+    k_ptr = tl.where(cached[:, None], Kl + slot[:, None] * stride_kls,
+                     Kn + row[:, None] * stride_knt)  # fmt: skip
+    v_ptr = tl.where(cached[:, None], Vl + slot[:, None] * stride_vls,
+                     Vn + row[:, None] * stride_vnt)  # fmt: skip
+    k = tl.load(k_ptr + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + d[None, :], mask=valid[:, None], other=0.0)
+    vis = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+    vis = vis & ((pos[None, :] < sink) | (q_pos[:, None] - pos[None, :] < window))
+    return k, v, vis
+
+
+@triton.jit
+def _store_rows(Out, Lse, acc, m_i, l_i, q_start, tok, rows, row_ok, h, d, stride_ot, stride_oh,
+                stride_lse_t, GRP: tl.constexpr, WRITE_LSE: tl.constexpr):  # fmt: skip
+    """Normalise and store the tile's output rows (and their natural-log LSE)."""
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / safe_l[:, None]
+    out_rows = (q_start + tok) * stride_ot + (h * GRP + rows % GRP) * stride_oh
+    tl.store(Out + out_rows[:, None] + d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(safe_l)) * LN2, float("-inf"))
+        lse_rows = (q_start + tok) * stride_lse_t + h * GRP + rows % GRP
+        tl.store(Lse + lse_rows, lse, mask=row_ok)
+
+
+@triton.jit
 def segpaged_extend_kernel(
     Q, K_new, V_new, K_g, V_g, K_l, V_l,
     Req_to_token, Req_pool_indices, Prefix_lens, Qo_indptr, Tile_req, Tile_start,
@@ -119,20 +158,10 @@ def segpaged_extend_kernel(
     n1 = tl.where(is_local, tl.minimum(sink, e), 0)
     n2 = tl.where(is_local, c_lo - w0, 0)
     for start in tl.range(0, n1 + n2, BLOCK_N):
-        idx = start + tl.arange(0, BLOCK_N)
-        valid = idx < n1 + n2
-        pos = tl.where(idx < n1, idx, w0 + idx - n1)
-        cached = valid & (pos < P)
-        slot = store_slots(pos, cached, req_row, Req_to_token, stride_r2t, sink, ring_len, RING)
-        row = (pos - P).to(tl.int64)
-        k_ptr = tl.where(cached[:, None], Kl + slot[:, None] * stride_kls,
-                         Kn + row[:, None] * stride_knt)  # fmt: skip
-        v_ptr = tl.where(cached[:, None], Vl + slot[:, None] * stride_vls,
-                         Vn + row[:, None] * stride_vnt)  # fmt: skip
-        k = tl.load(k_ptr + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + d[None, :], mask=valid[:, None], other=0.0)
-        vis = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        vis = vis & ((pos[None, :] < sink) | (q_pos[:, None] - pos[None, :] < window))
+        k, v, vis = _sink_window_keys(start, n1, n1 + n2, w0, P, q_pos, req_row, Req_to_token,
+                                      stride_r2t, Kl, Vl, Kn, Vn, stride_kls, stride_vls,
+                                      stride_knt, stride_vnt, sink, window, ring_len, d, BLOCK_N,
+                                      RING)  # fmt: skip
         m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
                                UPCAST)  # fmt: skip
 
@@ -156,11 +185,70 @@ def segpaged_extend_kernel(
         m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
                                UPCAST)  # fmt: skip
 
-    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / safe_l[:, None]
-    out_rows = (q_start + tok) * stride_ot + (h * GRP + rows % GRP) * stride_oh
-    tl.store(Out + out_rows[:, None] + d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    if WRITE_LSE:
-        lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(safe_l)) * LN2, float("-inf"))
-        lse_rows = (q_start + tok) * stride_lse_t + h * GRP + rows % GRP
-        tl.store(Lse + lse_rows, lse, mask=row_ok)
+    _store_rows(Out, Lse, acc, m_i, l_i, q_start, tok, rows, row_ok, h, d, stride_ot, stride_oh,
+                stride_lse_t, GRP, WRITE_LSE)  # fmt: skip
+
+
+@triton.jit
+def segpaged_extend_local_kernel(
+    Q, K_new, V_new, K_l, V_l,
+    Req_to_token, Req_pool_indices, Prefix_lens, Qo_indptr, Tile_req, Tile_start,
+    Column, Order, Out, Lse,
+    qk_scale, sink, window, ring_len, head_slot_offset,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_ot, stride_oh, stride_lse_t,
+    stride_kls, stride_klh, stride_vls, stride_vlh, stride_r2t,
+    GRP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    RING: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Extend of local rows only, the same tiles and rows as ``segpaged_extend_kernel``, in one
+    loop: the tile's keys are the sink ``[0, min(sink, e))`` followed by the window ``[w0, e)``
+    (``w0 = max(sink, a - window + 1)``), numbered ``0 .. n1 + n2`` and read block by block,
+    below ``P`` from the local store and above from ``K_new`` / ``V_new``, every block masked.
+    One software-pipelined loop of ``ceil((sink + window + BLOCK_Q) / BLOCK_N)`` blocks instead
+    of the fused kernel's three short ones."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // GRP
+    tile = tl.program_id(0)
+    h = tl.load(Order + tl.program_id(1) + head_slot_offset)
+    col = tl.load(Column + h)
+    b = tl.load(Tile_req + tile)
+    t0 = tl.load(Tile_start + tile)
+    q_start = tl.load(Qo_indptr + b).to(tl.int64)
+    E = (tl.load(Qo_indptr + b + 1) - q_start).to(tl.int32)
+    P = tl.load(Prefix_lens + b).to(tl.int32)
+    req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = t0 + rows // GRP
+    row_ok = tok < E
+    d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + tok) * stride_qt + (h * GRP + rows % GRP) * stride_qh
+    q = tl.load(Q + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    q_pos = P + tok
+    e = P + tl.minimum(t0 + BLOCK_Q, E)
+    w0 = tl.maximum(sink, P + t0 - window + 1)
+    n1 = tl.minimum(sink, e)
+    n = n1 + tl.maximum(e - w0, 0)
+    Kn = K_new + q_start * stride_knt + h * stride_knh
+    Vn = V_new + q_start * stride_vnt + h * stride_vnh
+    Kl = K_l + col * stride_klh
+    Vl = V_l + col * stride_vlh
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_KEY_MAX
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start in tl.range(0, n, BLOCK_N):
+        k, v, vis = _sink_window_keys(start, n1, n, w0, P, q_pos, req_row, Req_to_token,
+                                      stride_r2t, Kl, Vl, Kn, Vn, stride_kls, stride_vls,
+                                      stride_knt, stride_vnt, sink, window, ring_len, d, BLOCK_N,
+                                      RING)  # fmt: skip
+        m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
+                               UPCAST)  # fmt: skip
+
+    _store_rows(Out, Lse, acc, m_i, l_i, q_start, tok, rows, row_ok, h, d, stride_ot, stride_oh,
+                stride_lse_t, GRP, WRITE_LSE)  # fmt: skip

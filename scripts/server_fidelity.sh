@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Segment-reuse fidelity against running servers with real weights (SmolLM2-135M-Instruct):
+# a redknot server with the shipped profiled map against a flashinfer server of the same model,
+# `python -m redknot.eval fidelity --backend server` over the case set, results under $OUT.
+# The checkpoint must be at /tmp/smol-hf first: ../shared/device/smollm2-pieces.sh here, then the
+# pieces' three runs on the GPU machine (README beside that script); run 3 calls this script
+# after the bundle unpack line and `python3 /tmp/smol/to_hf.py`.
+# Usage: bash scripts/server_fidelity.sh [--limit N] [more redknot.eval flags]
+set -uo pipefail
+out="${OUT:-/tmp}"
+model="${MODEL:-/tmp/smol-hf}"
+map="${HEAD_MAP:-configs/heads/smollm2-135m-instruct.json}"
+common=(--model-path "$model" --context-length 8192 --mem-fraction-static 0.3
+        --disable-prefill-cuda-graph --cuda-graph-max-bs-decode 4 --random-seed 0)
+
+python3 -m sglang.launch_server "${common[@]}" --port 30001 --attention-backend flashinfer \
+  > "$out/server_dense.log" 2>&1 &
+dense=$!
+python3 -m sglang.launch_server "${common[@]}" --port 30000 --attention-backend redknot \
+  --redknot-head-map "$map" --redknot-segment-fraction 0.3 ${REDKNOT_FLAGS:-} \
+  > "$out/server_redknot.log" 2>&1 &
+redknot=$!
+trap 'kill $dense $redknot 2>/dev/null; wait 2>/dev/null' EXIT
+
+for port in 30000 30001; do
+  for _ in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+    if ! kill -0 "$dense" 2>/dev/null || ! kill -0 "$redknot" 2>/dev/null; then
+      echo "a server exited during startup"; tail -30 "$out"/server_*.log; exit 1
+    fi
+    sleep 1
+  done
+done
+grep -h "redknot" "$out/server_redknot.log" | head -10
+python3 -m redknot.eval fidelity --backend server --cases benchmarks/cases/rag_v1.jsonl \
+  --server http://127.0.0.1:30000 --reference-server http://127.0.0.1:30001 \
+  --out "$out/fidelity_server.json" "$@"

@@ -1,0 +1,82 @@
+"""The arithmetic of the TTFT benchmark's summary and plot (``benchmarks/ttft.py``,
+``benchmarks/plot_ttft.py``): what the GPU run reports is computed here, on made-up times."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.plot_ttft import series
+from benchmarks.ttft import SWEEP, parse_points, prefill_flops, summarize
+
+CFG = {  # Llama-3.1-8B's shape
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+}
+
+
+def test_points_parse_and_malformed_points_are_refused():
+    assert parse_points("32768x8, 8192x2") == [(32768, 8), (8192, 2)]
+    assert (65536, 8) in parse_points(SWEEP) and (32768, 32) in parse_points(SWEEP)
+    for bad in ("32768", "32768x0", "x8", "32Kx8"):
+        with pytest.raises(SystemExit, match="LENGTHxSEGMENTS"):
+            parse_points(bad)
+
+
+def _row(length, segments, ttft, **extra):
+    return {"length": length, "segments": segments, "prompt_tokens": length + 65,
+            "ttft_s": ttft, "ttft_samples_s": [ttft], **extra}  # fmt: skip
+
+
+def test_summary_ratios_against_flashinfer_at_the_same_point():
+    results = {
+        "flashinfer": {"points": {"8192x8": _row(8192, 8, 0.2), "32768x8": _row(32768, 8, 1.2)}},
+        "redknot-g0.125-reuse": {
+            "points": {
+                "8192x8": _row(8192, 8, 0.1, every_segment_hit=True),
+                "32768x4": _row(32768, 4, 0.6, every_segment_hit=False),
+            }
+        },
+    }
+    summary = summarize(CFG, results, reps=1)
+    mine = summary["redknot-g0.125-reuse"]["8192x8"]
+    assert mine["speedup_vs_flashinfer"] == pytest.approx(2.0)
+    ratio = prefill_flops(CFG, 8192 + 65, None) / prefill_flops(CFG, 8192 + 65, 0.125)
+    assert mine["flop_ratio_vs_flashinfer"] == pytest.approx(ratio)
+    assert 1.0 < ratio < 2.0  # projections and FFN of every token bound the 1/8 schedule
+    assert mine["fraction_of_flop_ratio"] == pytest.approx(2.0 / ratio)
+    # a point flashinfer did not run has no ratio; a point with misses says so
+    other = summary["redknot-g0.125-reuse"]["32768x4"]
+    assert "speedup_vs_flashinfer" not in other and other["every_segment_hit"] is False
+    assert summary["flashinfer"]["32768x8"]["speedup_vs_flashinfer"] == pytest.approx(1.0)
+
+
+def test_summary_subtracts_the_ffns_the_server_skipped():
+    skipped = [7, 1000, 3000, 2000]  # warm-up, then three measured prompts: median 2000
+    results = {
+        "redknot-g0.125-reuse-sparse-ffn": {
+            "points": {"8192x8": _row(8192, 8, 0.1)},
+            "ffn_skipped_per_prompt": skipped,
+        }
+    }
+    entry = summarize(CFG, results, reps=3)["redknot-g0.125-reuse-sparse-ffn"]["8192x8"]
+    ffn = 2 * 3 * 4096 * 14336
+    assert entry["flops"] == pytest.approx(prefill_flops(CFG, 8192 + 65, 0.125) - 2000 * ffn)
+    assert entry["ffn_fraction_run"] == pytest.approx(1 - 2000 / ((8192 + 65) * 32))
+
+
+def test_plot_series_groups_each_sweep_by_what_it_holds_fixed():
+    summary = {
+        "flashinfer": {
+            "8192x8": {"length": 8192, "segments": 8, "ttft_s": 0.2},
+            "32768x8": {"length": 32768, "segments": 8, "ttft_s": 1.2},
+            "32768x2": {"length": 32768, "segments": 2, "ttft_s": 1.1},
+        }
+    }
+    by_length = series(summary, "length", "segments")
+    assert by_length[8]["flashinfer"] == [(8192, 0.2, None), (32768, 1.2, None)]
+    assert 2 not in by_length  # a single point is not a line
+    by_count = series(summary, "segments", "length")
+    assert by_count[32768]["flashinfer"] == [(2, 1.1, None), (8, 1.2, None)]
