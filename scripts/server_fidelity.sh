@@ -13,24 +13,25 @@ map="${HEAD_MAP:-configs/heads/smollm2-135m-instruct.json}"
 common=(--model-path "$model" --context-length 8192 --mem-fraction-static 0.3
         --disable-prefill-cuda-graph --cuda-graph-max-bs-decode 4 --random-seed 0)
 
+# One after the other: a server sizes its KV cache from the memory free when it starts.
+wait_healthy() {  # port pid log
+  for _ in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
+    kill -0 "$2" 2>/dev/null || { echo "the server on port $1 exited during startup"; tail -n 30 "$3"; exit 1; }
+    sleep 1
+  done
+  echo "the server on port $1 did not answer in 300 s"; exit 1
+}
 python3 -m sglang.launch_server "${common[@]}" --port 30001 --attention-backend flashinfer \
   > "$out/server_dense.log" 2>&1 &
 dense=$!
+trap 'kill $dense ${redknot:-} 2>/dev/null; wait 2>/dev/null' EXIT
+wait_healthy 30001 "$dense" "$out/server_dense.log"
 python3 -m sglang.launch_server "${common[@]}" --port 30000 --attention-backend redknot \
   --redknot-head-map "$map" --redknot-segment-fraction 0.3 ${REDKNOT_FLAGS:-} \
   > "$out/server_redknot.log" 2>&1 &
 redknot=$!
-trap 'kill $dense $redknot 2>/dev/null; wait 2>/dev/null' EXIT
-
-for port in 30000 30001; do
-  for _ in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-    if ! kill -0 "$dense" 2>/dev/null || ! kill -0 "$redknot" 2>/dev/null; then
-      echo "a server exited during startup"; tail -30 "$out"/server_*.log; exit 1
-    fi
-    sleep 1
-  done
-done
+wait_healthy 30000 "$redknot" "$out/server_redknot.log"
 grep -h "redknot" "$out/server_redknot.log" | head -10
 python3 -m redknot.eval fidelity --backend server --cases benchmarks/cases/rag_v1.jsonl \
   --server http://127.0.0.1:30000 --reference-server http://127.0.0.1:30001 \
