@@ -14,13 +14,14 @@ common=(--model-path "$model" --context-length 8192 --mem-fraction-static 0.3
         --disable-prefill-cuda-graph --cuda-graph-max-bs-decode 4 --random-seed 0)
 
 # One after the other: a server sizes its KV cache from the memory free when it starts.
+# A cold machine compiles FlashInfer's and Triton's head_dim-64 kernels at startup (minutes).
 wait_healthy() {  # port pid log
-  for _ in $(seq 1 300); do
+  for _ in $(seq 1 "${STARTUP_S:-600}"); do
     curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
     kill -0 "$2" 2>/dev/null || { echo "the server on port $1 exited during startup"; tail -n 30 "$3"; exit 1; }
     sleep 1
   done
-  echo "the server on port $1 did not answer in 300 s"; exit 1
+  echo "the server on port $1 did not answer in ${STARTUP_S:-600} s"; exit 1
 }
 python3 -m sglang.launch_server "${common[@]}" --port 30001 --attention-backend flashinfer \
   > "$out/server_dense.log" 2>&1 &
