@@ -52,14 +52,7 @@ EXTEND_VARIANTS = [  # tried on the target cases; the first is ExtendConfig()
     ExtendConfig(num_stages=3),
     ExtendConfig(block_n=32, num_stages=3),
     ExtendConfig(block_m=64, num_warps=4, num_stages=3),
-    # local rows in their own one-loop kernel (ExtendConfig.local_block_n)
-    *(ExtendConfig(local_block_n=n, local_num_warps=w, local_num_stages=st)
-      for n, w, st in ((64, 8, 3), (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 2))),
-    ExtendConfig(block_m=64, num_warps=4, local_block_n=128, local_num_warps=4,
-                 local_num_stages=2),
-    ExtendConfig(block_m=64, num_warps=4, local_block_n=64, local_num_warps=4, local_num_stages=3),
-    ExtendConfig(block_m=256, local_block_n=64, local_num_warps=8, local_num_stages=2),
-]  # fmt: skip
+]
 
 
 # ---- timing -----------------------------------------------------------------------------------

@@ -24,10 +24,7 @@ import torch
 from redknot.kernels.decode import check_layer_io
 from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.kernels.triton.common import upcast_dots
-from redknot.kernels.triton.extend import (
-    segpaged_extend_kernel,
-    segpaged_extend_local_kernel,
-)
+from redknot.kernels.triton.extend import segpaged_extend_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -42,15 +39,14 @@ class ExtendConfig:
     block_n: int = 64  # keys per inner-loop block
     num_warps: int = 8
     num_stages: int = 3
-    # Local rows in their own launch (``segpaged_extend_local_kernel``: one loop over sink +
-    # window) with these constants, instead of in the fused kernel's grid. None: fused.
-    local_block_n: int | None = None
-    local_num_warps: int = 8
-    local_num_stages: int = 3
 
     def block_q(self, group_size: int) -> int:
-        """New tokens per tile."""
-        assert self.block_m % group_size == 0 and self.block_m // group_size >= 1
+        """New tokens per tile (a GQA group of 3 uses 126 of 128 rows)."""
+        if self.block_m < group_size:
+            raise ValueError(
+                f"ExtendConfig.block_m={self.block_m} is smaller than the GQA group "
+                f"({group_size} query heads per KV head): raise block_m"
+            )
         return self.block_m // group_size
 
 
@@ -189,40 +185,23 @@ def run_extend(
                          out, lse)  # fmt: skip
 
     first_slot = heads.num_global if skip_global else 0
-    split = cfg.local_block_n is not None
-    fused_slots = (heads.num_global if split else geo.num_kv_heads) - first_slot
-    local_slots = geo.num_kv_heads - heads.num_global if split else 0
-    if plan.num_tiles == 0:
+    num_slots = geo.num_kv_heads - first_slot
+    if plan.num_tiles == 0 or num_slots == 0:
         return out
     lse_arg = lse if lse is not None else out
-    common = {"GRP": geo.group_size, "BLOCK_M": cfg.block_m, "HEAD_DIM": D, "RING": geo.ring,
-              "WRITE_LSE": lse is not None, "UPCAST": upcast_dots(q.dtype)}  # fmt: skip
-    if fused_slots > 0:
-        segpaged_extend_kernel[(plan.num_tiles, fused_slots)](
-            q, k_new, v_new, k_global, v_global, k_local, v_local,
-            req_to_token, plan.req_pool_indices_gpu, plan.prefix_lens_gpu, plan.qo_indptr_gpu,
-            plan.tile_req_gpu, plan.tile_start_gpu,
-            heads.is_local_gpu, heads.column_gpu, heads.order_gpu, out, lse_arg,
-            sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, first_slot,
-            q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-            v_new.stride(0), v_new.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
-            k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1),
-            k_local.stride(0), k_local.stride(1), v_local.stride(0), v_local.stride(1),
-            req_to_token.stride(0),
-            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-        )  # fmt: skip
-    if local_slots > 0:
-        segpaged_extend_local_kernel[(plan.num_tiles, local_slots)](
-            q, k_new, v_new, k_local, v_local,
-            req_to_token, plan.req_pool_indices_gpu, plan.prefix_lens_gpu, plan.qo_indptr_gpu,
-            plan.tile_req_gpu, plan.tile_start_gpu,
-            heads.column_gpu, heads.order_gpu, out, lse_arg,
-            sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, heads.num_global,
-            q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-            v_new.stride(0), v_new.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
-            k_local.stride(0), k_local.stride(1), v_local.stride(0), v_local.stride(1),
-            req_to_token.stride(0),
-            BLOCK_N=cfg.local_block_n, num_warps=cfg.local_num_warps,
-            num_stages=cfg.local_num_stages, **common,
-        )  # fmt: skip
+    segpaged_extend_kernel[(plan.num_tiles, num_slots)](
+        q, k_new, v_new, k_global, v_global, k_local, v_local,
+        req_to_token, plan.req_pool_indices_gpu, plan.prefix_lens_gpu, plan.qo_indptr_gpu,
+        plan.tile_req_gpu, plan.tile_start_gpu,
+        heads.is_local_gpu, heads.column_gpu, heads.order_gpu, out, lse_arg,
+        sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, first_slot,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
+        k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1),
+        k_local.stride(0), k_local.stride(1), v_local.stride(0), v_local.stride(1),
+        req_to_token.stride(0),
+        GRP=geo.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+        RING=geo.ring, WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     return out

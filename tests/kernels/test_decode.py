@@ -36,6 +36,7 @@ CASES = [  # classes, group size, head_dim, dtype, local mode
     ("GGGG", 4, 64, torch.float16, "token_table"),  # no local head
     ("LLLG", 8, 128, torch.float16, "ring"),
     ("LLGL", 1, 128, torch.bfloat16, "ring"),
+    ("LGL", 3, 64, torch.bfloat16, "ring"),  # a group that is not a power of two (SmolLM2)
 ]
 
 

@@ -17,7 +17,6 @@ from .segpaged_data import make_batch, make_geometry
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, in the interpreter
 
 SMALL = ExtendConfig(block_m=16, block_n=16)
-SPLIT = ExtendConfig(block_m=16, block_n=16, local_block_n=16)  # local rows: own kernel
 SINK, WINDOW = 3, 13
 # (prefix, new tokens) per request: no prefix, a request with nothing new, one token, prefixes
 # shorter and longer than sink + window (and past a ring's wrap-around), odd lengths
@@ -30,6 +29,7 @@ CASES = [  # classes, group size, head_dim, dtype, local mode
     ("GGGG", 4, 64, torch.float16, "ring"),  # no local head
     ("LLLG", 8, 128, torch.float16, "ring"),
     ("LLGL", 1, 128, torch.bfloat16, "token_table"),
+    ("LGL", 3, 64, torch.bfloat16, "ring"),  # a group that does not divide the tile (SmolLM2)
 ]
 
 
@@ -63,10 +63,9 @@ def _run_case(classes, grp, dim, dtype, mode, requests, device, config, sink=SIN
     return out, lse, ref_out, ref_lse
 
 
-@pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["fused", "split-local"])
 @pytest.mark.parametrize("classes,grp,dim,dtype,mode", CASES)
-def test_extend_matches_reference(classes, grp, dim, dtype, mode, config):
-    out, lse, ref_out, ref_lse = _run_case(classes, grp, dim, dtype, mode, REQUESTS, "cpu", config)
+def test_extend_matches_reference(classes, grp, dim, dtype, mode):
+    out, lse, ref_out, ref_lse = _run_case(classes, grp, dim, dtype, mode, REQUESTS, "cpu", SMALL)
     assert torch.isfinite(out.float()).all()
     _close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
@@ -98,22 +97,19 @@ def test_extend_larger_tiles():
     _close(out, ref_out)
 
 
-@pytest.mark.parametrize("local_block_n", [None, 16])
 @pytest.mark.parametrize("mode", ["token_table", "ring"])
-def test_extend_window_spanning_several_blocks(mode, local_block_n):
-    """A window of several key blocks: local rows also take the unmasked path (fused), or one
-    loop of several blocks mixing sink, cached and new keys (split)."""
+def test_extend_window_spanning_several_blocks(mode):
+    """A window of several key blocks: local rows also take the unmasked path."""
     requests = [(0, 70), (50, 31), (9, 44), (100, 5)]
-    config = ExtendConfig(block_m=16, block_n=8, local_block_n=local_block_n)
     out, lse, ref_out, ref_lse = _run_case(
-        "LGLL", 4, 64, torch.float16, mode, requests, "cpu", config, sink=5, window=37,
+        "LGLL", 4, 64, torch.float16, mode, requests, "cpu", ExtendConfig(block_m=16, block_n=8),
+        sink=5, window=37,
     )  # fmt: skip
     _close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("config", [SMALL, SPLIT], ids=["fused", "split-local"])
-def test_extend_skip_global_writes_only_local_rows(config):
+def test_extend_skip_global_writes_only_local_rows():
     """``skip_global`` (FlashInfer fills the global rows) leaves the global query heads as they
     were and computes the local ones exactly as a full run does."""
     geo, layout = make_geometry("GLLG", 2, 64, SINK, WINDOW, "ring")
@@ -122,7 +118,7 @@ def test_extend_skip_global_writes_only_local_rows(config):
     T = sum(lens)
     g = torch.Generator().manual_seed(4)
     q, k_new, v_new = (torch.randn(T, n, 64, generator=g).half() for n in (8, 4, 4))
-    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=config)
+    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=SMALL)
     stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
     full = run_extend(plan, q, k_new, v_new, *stores, batch.heads, 0.125)
     out = torch.full_like(q, 7.0)
@@ -150,17 +146,13 @@ def test_extend_plan_orders_heavy_tiles_first():
 LLAMA = "GLLLLLLL"  # 8 KV heads, 1 global; 32 query heads
 
 
-GPU_SPLIT = ExtendConfig(local_block_n=128, local_num_warps=8, local_num_stages=2)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [ExtendConfig(), GPU_SPLIT], ids=["fused", "split-local"])
 @pytest.mark.parametrize("mode", ["token_table", "ring"])
 @pytest.mark.parametrize("classes", [LLAMA, "GLGLGGLL", "LLLLLLLL", "GGGGGGGG"])
-def test_extend_gpu_llama_shape(classes, mode, config):
+def test_extend_gpu_llama_shape(classes, mode):
     requests = [(0, 4099), (20000, 1000), (300, 0), (5, 700), (321, 1)]
     out, lse, ref_out, ref_lse = _run_case(
-        classes, 4, 128, torch.bfloat16, mode, requests, "cuda", config,
+        classes, 4, 128, torch.bfloat16, mode, requests, "cuda", ExtendConfig(),
         sink=64, window=256, ring_extra=64,
     )  # fmt: skip
     _close(out, ref_out)
@@ -177,9 +169,8 @@ def test_extend_gpu_prefill_32k():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [ExtendConfig(), GPU_SPLIT], ids=["fused", "split-local"])
 @pytest.mark.parametrize("classes", [LLAMA, "GLGLGGLL", "LLLLLLLL"])
-def test_extend_gpu_flashinfer_global_rows(classes, config):
+def test_extend_gpu_flashinfer_global_rows(classes):
     """The FlashInfer path for global heads computes what the Triton kernel computes."""
     from redknot.kernels.flashinfer_global import FlashInferGlobalRows, run_extend_flashinfer_global
 
@@ -191,7 +182,7 @@ def test_extend_gpu_flashinfer_global_rows(classes, config):
     q, k_new, v_new = (
         torch.randn(T, n, 128, device="cuda", dtype=torch.bfloat16) for n in (32, 8, 8)
     )
-    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=config)
+    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens)
     fi = FlashInferGlobalRows(geo, "cuda")
     fi.plan(plan, batch.req_to_token, {batch.heads.num_global}, torch.bfloat16, 0.088)
     # the global store of the FlashInfer path holds exactly the layer's global heads

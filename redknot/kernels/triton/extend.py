@@ -4,7 +4,8 @@ Grid ``(num_tiles, num_head_slots)``; program ``(t, j)`` serves KV head ``h = or
 head_slot_offset]`` and query tile ``t`` = new tokens ``[t0, t0 + BLOCK_Q)`` of request ``b``
 (``Tile_req[t]``, ``Tile_start[t]``). Its ``BLOCK_M = BLOCK_Q * GRP`` query rows are the
 (token, query head) pairs of the tile (row ``r``: token ``t0 + r // GRP``, head
-``h * GRP + r % GRP``), so the GQA group reads each key once.
+``h * GRP + r % GRP``; ``BLOCK_Q = BLOCK_M // GRP``, rows from ``BLOCK_Q * GRP`` on are idle when
+``GRP`` does not divide ``BLOCK_M``), so the GQA group reads each key once.
 
 Keys are visited in four loops (``a = P + t0`` first query position, ``e = P + min(t0 +
 BLOCK_Q, E)`` one past the last; positions ``< P`` come from a store, the others from
@@ -117,7 +118,7 @@ def segpaged_extend_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     tok = t0 + rows // GRP
-    row_ok = tok < E
+    row_ok = (rows < BLOCK_Q * GRP) & (tok < E)  # BLOCK_M need not be a multiple of GRP
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + tok) * stride_qt + (h * GRP + rows % GRP) * stride_qh
     q = tl.load(Q + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -182,71 +183,6 @@ def segpaged_extend_kernel(
         v = tl.load(Vn + row[:, None] * stride_vnt + d[None, :], mask=valid[:, None], other=0.0)
         vis = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         vis = vis & (is_global | (q_pos[:, None] - pos[None, :] < window))
-        m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
-                               UPCAST)  # fmt: skip
-
-    _store_rows(Out, Lse, acc, m_i, l_i, q_start, tok, rows, row_ok, h, d, stride_ot, stride_oh,
-                stride_lse_t, GRP, WRITE_LSE)  # fmt: skip
-
-
-@triton.jit
-def segpaged_extend_local_kernel(
-    Q, K_new, V_new, K_l, V_l,
-    Req_to_token, Req_pool_indices, Prefix_lens, Qo_indptr, Tile_req, Tile_start,
-    Column, Order, Out, Lse,
-    qk_scale, sink, window, ring_len, head_slot_offset,
-    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    stride_ot, stride_oh, stride_lse_t,
-    stride_kls, stride_klh, stride_vls, stride_vlh, stride_r2t,
-    GRP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    RING: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-    UPCAST: tl.constexpr,
-):  # fmt: skip
-    """Extend of local rows only, the same tiles and rows as ``segpaged_extend_kernel``, in one
-    loop: the tile's keys are the sink ``[0, min(sink, e))`` followed by the window ``[w0, e)``
-    (``w0 = max(sink, a - window + 1)``), numbered ``0 .. n1 + n2`` and read block by block,
-    below ``P`` from the local store and above from ``K_new`` / ``V_new``, every block masked.
-    One software-pipelined loop of ``ceil((sink + window + BLOCK_Q) / BLOCK_N)`` blocks instead
-    of the fused kernel's three short ones."""
-    BLOCK_Q: tl.constexpr = BLOCK_M // GRP
-    tile = tl.program_id(0)
-    h = tl.load(Order + tl.program_id(1) + head_slot_offset)
-    col = tl.load(Column + h)
-    b = tl.load(Tile_req + tile)
-    t0 = tl.load(Tile_start + tile)
-    q_start = tl.load(Qo_indptr + b).to(tl.int64)
-    E = (tl.load(Qo_indptr + b + 1) - q_start).to(tl.int32)
-    P = tl.load(Prefix_lens + b).to(tl.int32)
-    req_row = tl.load(Req_pool_indices + b).to(tl.int64)
-
-    rows = tl.arange(0, BLOCK_M)
-    tok = t0 + rows // GRP
-    row_ok = tok < E
-    d = tl.arange(0, HEAD_DIM)
-    q_rows = (q_start + tok) * stride_qt + (h * GRP + rows % GRP) * stride_qh
-    q = tl.load(Q + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    q_pos = P + tok
-    e = P + tl.minimum(t0 + BLOCK_Q, E)
-    w0 = tl.maximum(sink, P + t0 - window + 1)
-    n1 = tl.minimum(sink, e)
-    n = n1 + tl.maximum(e - w0, 0)
-    Kn = K_new + q_start * stride_knt + h * stride_knh
-    Vn = V_new + q_start * stride_vnt + h * stride_vnh
-    Kl = K_l + col * stride_klh
-    Vl = V_l + col * stride_vlh
-
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_KEY_MAX
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start in tl.range(0, n, BLOCK_N):
-        k, v, vis = _sink_window_keys(start, n1, n, w0, P, q_pos, req_row, Req_to_token,
-                                      stride_r2t, Kl, Vl, Kn, Vn, stride_kls, stride_vls,
-                                      stride_knt, stride_vnt, sink, window, ring_len, d, BLOCK_N,
-                                      RING)  # fmt: skip
         m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
                                UPCAST)  # fmt: skip
 
