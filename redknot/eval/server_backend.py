@@ -140,7 +140,10 @@ class ServerBackend(FidelityBackend):
 
     def describe(self) -> dict[str, Any]:
         def redknot_args(info: dict[str, Any]) -> dict[str, Any]:
-            return {k: v for k, v in info.items() if k.startswith("redknot")}
+            """The redknot options a server resolved (``internal_states[0].redknot_config``)."""
+            states = info.get("internal_states") or [{}]
+            config = states[0].get("redknot_config")
+            return {"redknot_config": config} if config else {}
 
         return {
             "backend": self.name,

@@ -7,17 +7,23 @@
 - ``"redknot_segments"``: ``SegmentStore.stats()`` of the cache's segment store;
 - ``"redknot_pool"``: what is held in the KV pool (token and request slots free of their totals,
   ring snapshots, pending captures and segment reads/writes: ``RedknotRadixCache.pool_state``),
-  so that a load test can show that an idle, flushed server holds nothing.
+  so that a load test can show that an idle, flushed server holds nothing;
+- ``"redknot_config"``: the redknot options this server resolved at launch (head map path,
+  window, sink, dense layers, ...), so that a result taken from a server names its setting.
 
 The hooks are registered and verified by ``redknot.integration.plugin`` with the others.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from redknot import envs
 
 STATS_KEY = "redknot_segments"
 POOL_KEY = "redknot_pool"
+CONFIG_KEY = "redknot_config"
 
 
 def pool_state(scheduler: Any) -> dict[str, int]:
@@ -44,6 +50,10 @@ def _after_get_internal_state(result: Any, self: Any, recv_req: Any) -> Any:
     result.internal_state[STATS_KEY] = store.stats()
     if hasattr(cache, "pool_state"):
         result.internal_state[POOL_KEY] = pool_state(self)
+    if envs.REDKNOT_RESOLVED_CONFIG.get() is not None:  # always, in a launched server
+        from redknot.integration.server_args import published_config
+
+        result.internal_state[CONFIG_KEY] = dataclasses.asdict(published_config())
     return result
 
 

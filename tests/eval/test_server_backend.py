@@ -33,7 +33,15 @@ class StubServer:
             "attention_backend": backend,
             "model_path": model,
             "incremental_streaming_output": incremental,
-            "redknot_head_map": "map.json" if backend == "redknot" else None,
+            # SGLang lists its own server args only; redknot's resolved options come from the
+            # scheduler's internal state (redknot.integration.segments)
+            "internal_states": [
+                (
+                    {"redknot_config": {"head_map": "map.json", "dense_layers": None}}
+                    if backend == "redknot"
+                    else {}
+                )
+            ],
         }
         self.shift, self.incremental, self.count_hits = shift, incremental, count_hits
         self.registered: list[list[int]] = []
@@ -244,7 +252,10 @@ def test_cli_runs_the_server_backend(servers, tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert [s["label"] for s in result["settings"]] == ["full", "redknot"]
     assert result["device"] == "server" and "default_options" not in result
-    assert result["servers"]["redknot"]["redknot_head_map"] == "map.json"
+    assert result["servers"]["redknot"]["redknot_config"]["head_map"] == "map.json"
+    assert "redknot_config" not in result["servers"]["reference"]
+    # the server's options apply, not the evaluation's defaults
+    assert all(s["options"] is None for s in result["settings"])
     assert result["per_case"][0]["settings"]["redknot"]["top10"] == 0.5
     assert server_backend.SERVER_POLICIES == ("full", "redknot")
 

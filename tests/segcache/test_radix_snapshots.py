@@ -246,7 +246,7 @@ def _idle_scheduler(h: Harness, num_tokens: int) -> SimpleNamespace:
     )  # fmt: skip
 
 
-def test_pool_state_reports_held_slots_and_returns_to_idle():
+def test_pool_state_reports_held_slots_and_returns_to_idle(monkeypatch):
     """The ``redknot_pool`` server state counts what requests and the tree hold, and shows an
     empty pool once they are done and the tree is evicted (what the load test reads)."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -278,11 +278,15 @@ def test_pool_state_reports_held_slots_and_returns_to_idle():
     import msgspec
     from sglang.srt.managers.io_struct import GetInternalStateReqOutput
 
+    from redknot.config import RedknotConfig
     from redknot.integration.segments import _after_get_internal_state
 
+    config = RedknotConfig.from_mapping({"all_global": True, "window": 32}, source="test")
+    monkeypatch.setenv("REDKNOT_RESOLVED_CONFIG", config.to_json())
     out = _after_get_internal_state(GetInternalStateReqOutput(internal_state={}), sched, None)
     assert out.internal_state["redknot_pool"] == idle
     assert out.internal_state["redknot_segments"] == h.cache.segments.stats()
+    assert out.internal_state["redknot_config"]["window"] == 32  # the server's own options
     msgspec.msgpack.encode(out.internal_state)
 
 

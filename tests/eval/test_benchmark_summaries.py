@@ -1,5 +1,5 @@
-"""The arithmetic of the TTFT benchmark's summary and plot (``benchmarks/ttft.py``,
-``benchmarks/plot_ttft.py``): what the GPU run reports is computed here, on made-up times."""
+"""The arithmetic of the benchmark summaries (``benchmarks/ttft.py``, ``plot_ttft.py``,
+``fidelity_agreement.py``): what the GPU runs report is computed here, on made-up figures."""
 
 from __future__ import annotations
 
@@ -80,3 +80,21 @@ def test_plot_series_groups_each_sweep_by_what_it_holds_fixed():
     assert 2 not in by_length  # a single point is not a line
     by_count = series(summary, "segments", "length")
     assert by_count[32768]["flashinfer"] == [(2, 1.1, None), (8, 1.2, None)]
+
+
+def test_fidelity_agreement_counts_identical_generations_per_setting_pair():
+    from benchmarks.fidelity_agreement import agreement
+
+    def result(outputs):
+        return {"per_case": [
+            {"id": i, "settings": {"x": {"output": o, "top1": 1.0}}} for i, o in outputs.items()
+        ]}  # fmt: skip
+
+    a = result({"c1": "Paris.", "c2": "12", "c3": "only in a"})
+    b = result({"c1": "Paris.", "c2": "11"})
+    out = agreement(a, b, [("x", "x")])
+    row = out["pairs"]["x | x"]
+    assert out["cases"] == 2 and row["identical_outputs"] == 1 and row["same_top1_with_dense"] == 2
+    assert row["differing_cases"] == [{"id": "c2", "a": "12", "b": "11"}]
+    with pytest.raises(SystemExit, match="no case id"):
+        agreement(a, result({"zz": "x"}), [("x", "x")])
