@@ -262,8 +262,6 @@ def fidelity(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}") from None
     cases = cases[: args.limit] if args.limit else cases
     commit, dirty = git_commit()
-    if commit is None and os.environ.get("REDKNOT_COMMIT"):  # a copy without .git (GPU machine)
-        commit = os.environ["REDKNOT_COMMIT"]
     if args.backend == "server":  # the server's own options apply, recorded under "servers"
         settings = [dataclasses.replace(s, options=None) for s in settings]
     backend = make_backend(args)

@@ -7,11 +7,13 @@ import subprocess
 from pathlib import Path
 
 import redknot
+from redknot import envs
 
 
 def git_commit(path: str | Path | None = None) -> tuple[str | None, bool | None]:
     """``(commit, dirty)`` of the git checkout holding ``path`` (default: this package);
-    ``(None, None)`` outside a checkout (an installed wheel)."""
+    outside a checkout (an installed wheel, a source copy) ``(REDKNOT_COMMIT, None)``, or
+    ``(None, None)`` when that is not set either."""
     where = Path(path) if path else Path(redknot.__file__).resolve().parent
     try:
         commit = subprocess.run(
@@ -29,7 +31,7 @@ def git_commit(path: str | Path | None = None) -> tuple[str | None, bool | None]
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return None, None
+        return envs.REDKNOT_COMMIT.get(), None
     return commit or None, bool(status.strip())
 
 

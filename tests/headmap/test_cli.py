@@ -158,3 +158,12 @@ def test_errors_name_the_problem(tmp_path, capsys):
 def test_read_model_config_of_the_shared_shapes(tmp_path):
     shape, name = read_model_config(write_config(tmp_path))
     assert name == "model-x" and shape.num_kv_heads == 4 and shape.head_dim == 64
+
+
+def test_commit_of_a_source_copy_without_git_comes_from_redknot_commit(tmp_path, monkeypatch):
+    from redknot.headmap.provenance import git_commit
+
+    monkeypatch.delenv("REDKNOT_COMMIT", raising=False)
+    assert git_commit(tmp_path) == (None, None)  # not a checkout, nothing set
+    monkeypatch.setenv("REDKNOT_COMMIT", "7873c50")
+    assert git_commit(tmp_path) == ("7873c50", None)
