@@ -11,8 +11,13 @@ the server's options: how many generations are identical, per setting pair.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import shlex
+import sys
 from pathlib import Path
+
+from redknot.headmap.provenance import git_commit
 
 
 def agreement(a: dict, b: dict, pairs: list[tuple[str, str]]) -> dict:
@@ -48,7 +53,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     a, b = (json.loads(Path(p).read_text()) for p in (args.a, args.b))
     pairs = [tuple(p.split("=", 1)) for p in args.pair]
-    result = {"a": args.a, "b": args.b, **agreement(a, b, pairs)}
+    commit, dirty = git_commit()
+    result = {
+        "device": {"a": a.get("device_detail"), "b": b.get("device_detail")},
+        "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
+        "commit": commit,
+        "git_dirty": dirty,
+        "command": "python benchmarks/fidelity_agreement.py "
+        + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])),
+        "a": args.a,
+        "a_commit": a.get("git_commit"),
+        "b": args.b,
+        "b_commit": b.get("git_commit"),
+        **agreement(a, b, pairs),
+    }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for name, row in result["pairs"].items():
         print(f"{name}: {row['identical_outputs']} / {result['cases']} identical generations")
