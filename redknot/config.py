@@ -18,6 +18,7 @@ from redknot.api.options import ChatSegments, parse_namespaces
 from redknot.headmap import HeadMap, HeadMapError, ModelShape
 
 KERNEL_CHOICES = ("auto", "triton")
+SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
 
 
@@ -53,10 +54,12 @@ class RedknotConfig:
         "--redknot-segment-heads for every segment token); 0 disables segment caching.",
         default=0.05,
     )
-    segment_heads: str = _opt(
+    segment_heads: str | None = _opt(
         "Heads whose K/V a cached segment keeps: 'local' (what RedKnot's recovery reads; global "
-        "heads are recomputed) or 'all' (for token-level policies: naive reuse, CacheBlend, EPIC).",
-        default="local",
+        "heads are recomputed) or 'all' (also what rows that leave recovery read, "
+        "--redknot-skipped cached, and token-level policies). Not given: 'all' when "
+        "--redknot-dense-layers is given with --redknot-skipped cached, else 'local'.",
+        default=None,
     )
     chat_segments: str = _opt(
         "Segments in OpenAI chat requests: 'off', 'messages' (every message's content is a "
@@ -73,6 +76,14 @@ class RedknotConfig:
         "Segment reuse: deeper layers run the FFN on the fewest segment tokens holding this "
         "fraction of the newest tokens' attention mass (1 keeps every token).",
         default=0.5,
+    )
+    skipped: str = _opt(
+        "Segment reuse, layers from --redknot-dense-layers on: a segment token that skips a "
+        "layer's FFN 'cached': leaves recovery, from the next layer on every head takes its "
+        "cached K/V and nothing of it is computed (the reference path's default; needs "
+        "--redknot-segment-heads all); 'residual': goes on along the residual path and its "
+        "projections and attention keep being computed.",
+        default="cached",
     )
     recent_n: int = _opt(
         "Segment reuse: the newest tokens (the question, at least this many) whose attention "
@@ -113,6 +124,13 @@ class RedknotConfig:
                 "--redknot-segment-fraction must be a number in [0, 0.9] (0 disables segments), "
                 f"got {self.segment_fraction!r}"
             )
+        if self.skipped not in SKIPPED_CHOICES:
+            raise RedknotConfigError(
+                f"--redknot-skipped {self.skipped!r} is not one of {', '.join(SKIPPED_CHOICES)}"
+            )
+        leaves = self.dense_layers is not None and self.skipped == "cached"
+        if self.segment_heads is None:  # frozen dataclass: resolve the default once
+            object.__setattr__(self, "segment_heads", "all" if leaves else "local")
         if self.segment_heads not in SEGMENT_HEAD_CHOICES:
             raise RedknotConfigError(
                 f"--redknot-segment-heads {self.segment_heads!r} is not one of "

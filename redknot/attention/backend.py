@@ -54,6 +54,52 @@ def _check_model(model_runner: ModelRunner) -> None:
         )
 
 
+def _check_sparse_layers(model_runner: ModelRunner, runner, config: RedknotConfig) -> None:
+    """The sparse layers change the rows each layer computes from request to request, which a
+    captured prefill graph cannot; ``skipped=cached`` reads every head of a cached segment."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    graphs = getattr(model_runner.server_args, "cuda_graph_config", None)
+    prefill = getattr(getattr(graphs, "prefill", None), "backend", Backend.DISABLED)
+    if prefill != Backend.DISABLED:
+        raise ValueError(
+            f"--redknot-dense-layers {config.dense_layers} makes the rows of each deep layer "
+            f"depend on the request, which the prefill CUDA graph ({prefill}) would replay "
+            "with the rows of its capture: add --disable-prefill-cuda-graph"
+        )
+    from redknot.attention import ffn_schedule
+    from redknot.integration.plugin import wraps
+
+    layer = next((m for m in model_runner.model.modules() if hasattr(m, "mlp")), None)
+    if layer is None:
+        raise ValueError(
+            "--redknot-dense-layers needs a model with decoder layers that have an mlp"
+        )
+    needs = [(type(layer.mlp), ffn_schedule.around_mlp)]
+    if config.skipped == "cached":
+        needs.append((type(layer), ffn_schedule.around_decoder_layer))
+    for cls, fn in needs:
+        if not wraps(cls.forward, fn):
+            raise ValueError(
+                f"--redknot-dense-layers {config.dense_layers} (skipped={config.skipped}) needs "
+                f"redknot's hook on {cls.__module__}.{cls.__qualname__}.forward, which this "
+                "model does not have (hooked: Llama and Qwen2 decoder layers and MLPs): serve "
+                "it without --redknot-dense-layers"
+            )
+    if config.skipped != "cached":
+        return
+    region = runner.pool.segments
+    for layer, heads in enumerate(region.heads):
+        missing = [h for h in runner.layout.global_heads(layer) if h not in heads]
+        if missing:
+            raise ValueError(
+                f"--redknot-skipped cached reads the cached K/V of every head of a segment "
+                f"token that leaves recovery, but cached segments keep only the local heads "
+                f"(layer {layer} lacks heads {missing}): start with --redknot-segment-heads all "
+                "(or --redknot-skipped residual)"
+            )
+
+
 class RedknotAttnBackend(AttentionBackend):
     """SGLang attention backend applying a head-class map."""
 
@@ -104,8 +150,8 @@ class RedknotAttnBackend(AttentionBackend):
         check_backend(self, model_runner, skip=config.skip_startup_check)
 
     def _set_layer_schedule(self, model_runner: ModelRunner, config: RedknotConfig, tp: int):
-        """Segment reuse's sparse FFN above ``--redknot-dense-layers`` (opt-in: it has CPU tests
-        but no GPU measurement yet, so without the option every layer runs every FFN)."""
+        """Segment reuse's sparse layers from ``--redknot-dense-layers`` on (opt-in: without the
+        option every layer runs every FFN on every token)."""
         from redknot.headmap import ModelShape
 
         layers = ModelShape.from_hf_config(model_runner.model_config.hf_config).num_layers
@@ -117,15 +163,22 @@ class RedknotAttnBackend(AttentionBackend):
             )
         runner = self.segpaged
         runner.dense_layers, runner.mass_thresh = dense, config.mass_thresh
-        runner.recent_n, runner.tp_size = config.recent_n, tp
-        if dense < layers:
-            logger.info(
-                "redknot segment reuse: FFN on every token below layer %d, above it on the "
-                "segment tokens holding %.2f of the newest %d tokens' attention mass",
-                dense,
-                config.mass_thresh,
-                config.recent_n,
-            )
+        runner.recent_n, runner.tp_size, runner.skipped = config.recent_n, tp, config.skipped
+        if dense >= layers or runner.pool.segments is None:
+            return
+        _check_sparse_layers(model_runner, runner, config)
+        logger.info(
+            "redknot segment reuse: FFN on every token below layer %d, above it on the segment "
+            "tokens holding %.2f of the newest %d tokens' attention mass; the others %s",
+            dense,
+            config.mass_thresh,
+            config.recent_n,
+            (
+                "leave recovery (cached K/V of every head from the next layer on)"
+                if config.skipped == "cached"
+                else "take the residual path"
+            ),
+        )
 
     # ---- planning: once per batch ------------------------------------------------------------
 

@@ -6,9 +6,20 @@ least the last ``recent_n``) attend to most, taken in decreasing mass until ``ma
 the candidates' mass is covered; new (non-segment) tokens and the newest ones always run it.
 The others take the residual path: their FFN output is zero.
 
+What becomes of a token that skipped the FFN of a deep layer is the ``skipped`` option:
+
+| ``skipped``  | from the next layer on, the token ...                                          |
+| ------------ | ------------------------------------------------------------------------------ |
+| ``residual`` | (the paper's wording) goes on along the residual path: its projections and attention are computed, its global heads' K/V recomputed from its stale hidden state |
+| ``cached``   | leaves recovery: every head takes its cached, re-aligned K/V and nothing of it is computed (no projection, no attention row, no FFN) |
+
 In the server, the attention backend decides the rows of each layer while it attends
 (:func:`important_rows`) and records them in :data:`SCHEDULE`; a hook around the model's MLP
-(:func:`around_mlp`) runs the MLP on those rows only. Importance comes from the layer's global
+(:func:`around_mlp`) runs the MLP on those rows only. Under ``skipped="cached"`` a hook around
+the decoder layer (:func:`around_decoder_layer`) hands each layer only the rows still in
+recovery (``SCHEDULE.held``): the hidden states are compacted once when rows leave and scattered
+back to every row after the last layer, so the projections and the FFN of a left row are never
+computed; the backend fills that row's K/V of every head from the segment cache. Importance comes from the layer's global
 heads (causal softmax of the probed queries over every key of the request, summed over heads
 and probes); local heads, which see only sink + window, do not vote. A layer whose rank holds
 no global head (and every rank under tensor parallelism, where the mass is summed over ranks
@@ -30,13 +41,22 @@ class FfnSchedule:
     """Rows of the current forward that run the FFN, per layer (absent: every row)."""
 
     layer: int = -1  # the layer whose attention ran last (its MLP runs next)
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> int64 [R] rows
+    # layer -> int64 [R] rows (indices into the rows the layer computes) that run its FFN
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)
     skipped: int = 0  # token-layer FFNs skipped in this forward
+    # skipped="cached": batch rows still in recovery (ascending int64; None: every row)
+    held: torch.Tensor | None = None  # the rows the current layer computes
+    target: torch.Tensor | None = None  # the rows the next layer computes
+    full: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's (hidden, residual)
+    left: int = 0  # token-layers left to the cache (nothing computed) in this forward
+    last_layer: int = -1  # the model's last layer: rows are scattered back after it
 
     def reset(self) -> None:
         self.layer = -1
         self.rows.clear()
         self.skipped = 0
+        self.held = self.target = self.full = None
+        self.left = 0
 
     def current(self) -> torch.Tensor | None:
         return self.rows.get(self.layer)
@@ -98,11 +118,15 @@ def important_rows(
     return rows
 
 
-def ffn_rows(num_rows: int, skipped: list[torch.Tensor], device: Any) -> torch.Tensor | None:
-    """Rows ``0 .. num_rows - 1`` without the skipped ones; ``None`` when none is skipped."""
+def ffn_rows(
+    num_rows: int, skipped: list[torch.Tensor], device: Any, held: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Batch rows that run the FFN: the computed rows (``held``, or ``0 .. num_rows - 1``)
+    without the skipped ones, ascending; ``None`` when none is skipped."""
     if not skipped or all(s.numel() == 0 for s in skipped):
         return None
-    keep = torch.ones(num_rows, dtype=torch.bool, device=device)
+    keep = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    keep[slice(None) if held is None else held] = True
     keep[torch.cat(skipped).to(device)] = False
     return keep.nonzero().squeeze(1)
 
@@ -116,3 +140,39 @@ def around_mlp(original, self, x, *args, **kwargs):
     if rows.numel():
         out[rows] = original(self, x[rows], *args, **kwargs)
     return out
+
+
+def _layer_id(layer: Any) -> int:
+    return layer.self_attn.attn.layer_id
+
+
+def around_decoder_layer(original, self, positions, hidden_states, forward_batch, residual):
+    """The model's decoder layer on the rows still in recovery (``SCHEDULE.target``).
+
+    The layer's inputs hold the rows ``SCHEDULE.held`` (every row when ``None``); when the
+    target differs, they are written back to the full tensors and the target rows gathered. After
+    the model's last layer every row is returned: the rows that left keep the hidden state they
+    had when they left (only the prompt's last rows are read for logits)."""
+    sched = SCHEDULE
+    target = sched.target
+    if target is None:
+        return original(self, positions, hidden_states, forward_batch, residual)
+    if sched.held is not target:
+        if sched.held is None:
+            sched.full = (hidden_states, residual)
+        else:
+            sched.full[0][sched.held] = hidden_states
+            sched.full[1][sched.held] = residual
+        hidden_states, residual = sched.full[0][target], sched.full[1][target]
+        sched.held = target
+    sched.left += sched.full[0].shape[0] - target.numel()
+    hidden_states, residual = original(
+        self, positions[target], hidden_states, forward_batch, residual
+    )
+    if _layer_id(self) != sched.last_layer:
+        return hidden_states, residual
+    full_h, full_r = sched.full
+    full_h[target] = hidden_states
+    full_r[target] = residual
+    sched.held = sched.target = sched.full = None
+    return full_h, full_r

@@ -14,7 +14,7 @@ token overwrites exactly the position that just left the window.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,6 +113,7 @@ class SegPagedRunner:
         self.dense_layers = layout.num_layers
         self.mass_thresh = 1.0
         self.recent_n = 128
+        self.skipped = "cached"  # what becomes of a row that skipped a deep FFN (ffn_schedule)
         self.tp_size = 1
         self._arange = torch.arange(max_context_len, device=device)
         self.decode_plan = None
@@ -141,6 +142,7 @@ class SegPagedRunner:
     def plan(self, fb: ForwardBatch, for_graph: bool = False, in_capture: bool = False) -> None:
         self.pool.pending.run(self.pool)
         SCHEDULE.reset()
+        SCHEDULE.last_layer = self.layout.num_layers - 1
         mode = fb.forward_mode
         if mode.is_idle():
             return
@@ -283,12 +285,15 @@ class SegPagedRunner:
     def extend(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):
         lid = layer.layer_id
         q, k, v = self._views(q, k, v, layer)
-        if save_kv_cache:
-            self.pool.write_global(lid, fb.out_cache_loc, k, v)
         state = self.extend_state
         SCHEDULE.layer = lid
+        held = SCHEDULE.held  # rows still in recovery (skipped="cached"); None: every row
+        if held is not None:
+            q, k, v = (self._spread(x, held, fb.out_cache_loc.shape[0]) for x in (q, k, v))
         if state.segment_reads is not None:
-            self._reuse_local_kv(lid, k, v, state.segment_reads)
+            self._reuse_kv(lid, k, v, state.segment_reads, held)
+        if save_kv_cache:
+            self.pool.write_global(lid, fb.out_cache_loc, k, v)
         out = q.new_empty(q.shape)
         run_extend(
             state.plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
@@ -307,14 +312,38 @@ class SegPagedRunner:
         reads = state.segment_reads
         if reads is not None and reads.sparse and lid >= self.dense_layers and save_kv_cache:
             self._schedule_ffn(lid, q, layer.scaling, reads)
+        if held is not None:
+            out = out[held]
         return out.flatten(1)
 
+    @staticmethod
+    def _spread(x: torch.Tensor, held: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """``x`` of the held rows placed at their batch rows of a zero ``[num_rows, ...]``."""
+        full = x.new_zeros((num_rows, *x.shape[1:]))
+        full[held] = x
+        return full
+
+    @staticmethod
+    def _held_mask(held: torch.Tensor, num_rows: int) -> torch.Tensor:
+        mask = torch.zeros(num_rows, dtype=torch.bool, device=held.device)
+        mask[held] = True
+        return mask
+
     def _schedule_ffn(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
-        """Decide which rows of this layer run the FFN (after the layer's global K/V is stored)."""
+        """Decide which rows of this layer run the FFN (after the layer's global K/V is stored),
+        and under ``skipped="cached"`` which rows leave recovery from the next layer on.
+
+        ``q``: this layer's queries of every batch row (rows that left are zero)."""
         glob = self.layout.global_heads(lid)
         grp = self.layout.group_size
+        num_rows = q.shape[0]
+        held = SCHEDULE.held
+        in_recovery = None if held is None else self._held_mask(held, num_rows)
         skipped = []
         for spec in reads.sparse:
+            if in_recovery is not None:  # rows that left are no candidates any more
+                cand = spec.candidates.to(q.device)
+                spec = replace(spec, candidates=cand[in_recovery[spec.rows_of(cand)]])
             end = spec.prefix + spec.length
             probe = torch.arange(spec.probe_start, end, device=q.device)
             mass = torch.zeros(end, dtype=torch.float32, device=q.device)
@@ -329,28 +358,38 @@ class SegPagedRunner:
                 from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
                 mass = tensor_model_parallel_all_reduce(mass)
-            skipped.append(important_rows(spec, mass, self.mass_thresh, q.shape[0]))
-        rows = ffn_rows(q.shape[0], skipped, q.device)
-        if rows is not None:
-            SCHEDULE.rows[lid] = rows
-        SCHEDULE.skipped += q.shape[0] - (q.shape[0] if rows is None else rows.numel())
+            skipped.append(important_rows(spec, mass, self.mass_thresh, num_rows))
+        computed = num_rows if held is None else held.numel()
+        keep = ffn_rows(num_rows, skipped, q.device, held)
+        if keep is not None:
+            # the MLP sees the rows this layer computes: index into them
+            SCHEDULE.rows[lid] = keep if held is None else torch.searchsorted(held, keep)
+            if self.skipped == "cached":
+                SCHEDULE.target = keep
+        SCHEDULE.skipped += computed - (computed if keep is None else keep.numel())
         if lid == self.layout.num_layers - 1:
             logger.info(
                 "redknot sparse FFN: %d token-layer FFNs skipped in layers %d-%d of this "
-                "extend (%d tokens)",
+                "extend (%d tokens); %d token-layers left to the cache (skipped=%s)",
                 SCHEDULE.skipped,
                 self.dense_layers,
                 lid,
-                q.shape[0],
+                num_rows,
+                SCHEDULE.left,
+                self.skipped,
             )
 
-    def _reuse_local_kv(self, lid: int, k, v, reads: SegmentReads) -> None:
-        """Local heads of reused segment tokens take the cached K/V, re-rotated to their
-        positions in this prompt (in place in this layer's ``k``, ``v``: [T, H_kv, D])."""
+    def _reuse_kv(self, lid: int, k, v, reads: SegmentReads, held: torch.Tensor | None) -> None:
+        """Reused segment tokens take the cached K/V, re-rotated to their positions in this
+        prompt (in place in this layer's ``k``, ``v``: [T, H_kv, D]): local heads for every
+        segment token; every head for the tokens that left recovery (rows not in ``held``)."""
         region = self.pool.segments
         stored = region.heads[lid]
         local = self.layout.local_heads(lid)
-        if not local:
+        tok = reads.tokens_gpu
+        left = None if held is None else ~self._held_mask(held, k.shape[0])[tok]
+        glob = self.layout.global_heads(lid) if left is not None else []
+        if not local and not glob:
             return
         n = reads.rows_gpu.numel()
         k_new = region.k[lid].new_empty((n, len(stored), k.shape[2]))
@@ -360,12 +399,16 @@ class SegPagedRunner:
             reads.pos_on_gpu, self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
             rotary_dim=self.rope.rotary_dim, v_src=region.v[lid], v_dst=v_new,
         )  # fmt: skip
-        cols = [stored.index(h) for h in local]
-        heads = torch.tensor(local, device=k.device)
-        pick = torch.tensor(cols, device=k.device)
-        tok = reads.tokens_gpu[:, None]
-        k[tok, heads[None, :]] = k_new[:, pick].to(k.dtype)
-        v[tok, heads[None, :]] = v_new[:, pick].to(v.dtype)
+        for heads, rows in ((local, None), (glob, left)):
+            if not heads:
+                continue
+            cols = torch.tensor([stored.index(h) for h in heads], device=k.device)
+            at = torch.tensor(heads, device=k.device)[None, :]
+            t, kk, vv = (
+                (tok, k_new, v_new) if rows is None else (tok[rows], k_new[rows], v_new[rows])
+            )
+            k[t[:, None], at] = kk[:, cols].to(k.dtype)
+            v[t[:, None], at] = vv[:, cols].to(v.dtype)
 
     def decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):
         lid = layer.layer_id

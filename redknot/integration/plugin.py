@@ -121,6 +121,17 @@ HOOKS: tuple[Hook, ...] = (
     # Segment reuse's sparse FFN (redknot.attention.ffn_schedule) on the served MLP classes
     Hook("sglang.srt.models.llama.LlamaMLP.forward", "AROUND", ffn_schedule.around_mlp),
     Hook("sglang.srt.models.qwen2.Qwen2MLP.forward", "AROUND", ffn_schedule.around_mlp),
+    # ... and its skipped="cached" rows, which leave the decoder layers
+    Hook(
+        "sglang.srt.models.llama.LlamaDecoderLayer.forward",
+        "AROUND",
+        ffn_schedule.around_decoder_layer,
+    ),
+    Hook(
+        "sglang.srt.models.qwen2.Qwen2DecoderLayer.forward",
+        "AROUND",
+        ffn_schedule.around_decoder_layer,
+    ),
     *(Hook(*h) for h in segment_hooks.HOOKS),
     *(Hook(*h) for h in api_hooks.HOOKS),
 )
@@ -198,6 +209,11 @@ def _hook_applied(target: str, fn: Callable) -> bool:
     owner_path, attr = target.rsplit(".", 1)
     owner = pkgutil.resolve_name(owner_path)
     current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+    return wraps(current, fn)
+
+
+def wraps(current: Any, fn: Callable) -> bool:
+    """True when ``fn`` is part of the wrapper chain of the callable ``current``."""
     current = getattr(current, "__func__", current)  # classmethod / staticmethod
     seen = 0
     while current is not None and seen < 32:
