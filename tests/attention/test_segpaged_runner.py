@@ -33,7 +33,7 @@ def reference(q, keys, values, positions, layout, layer, scale):
 
 
 class World:
-    def __init__(self, classes, grp, dtype, seed=0, segment_fraction=0.0):
+    def __init__(self, classes, grp, dtype, seed=0, segment_fraction=0.0, segment_heads="local"):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         self.FM = ForwardMode
@@ -45,7 +45,7 @@ class World:
         if segment_fraction:
             from redknot.pool.segment_region import plan_segments
 
-            plan = plan_segments([self.layout], dtype, 10**6, segment_fraction, "local")
+            plan = plan_segments([self.layout], dtype, 10**6, segment_fraction, segment_heads)
         self.pool = RedknotKVPool(
             600, 1, dtype, self.layout, num_rings=6, num_snapshots=1, device="cpu",
             segment_plan=plan,
@@ -249,6 +249,7 @@ def test_extend_completing_a_reusing_prompt_schedules_the_deep_layers_ffn(dense_
     w.pool.cache = SimpleNamespace(segments=store)
     w.runner.rope = alignable_rope(sglang_rope(D, D, 512, 10000.0, True))
     w.runner.dense_layers, w.runner.mass_thresh, w.runner.recent_n = dense_layers, thresh, 4
+    w.runner.skipped = "residual"  # rows are chosen per layer; none leaves (no decoder hook)
     entry = store.register("kb", list(range(10)), pin=False)
     w.pool.segment_jobs[4] = WriteJob(entry)
     w.step(w.FM.EXTEND, [4], [10])

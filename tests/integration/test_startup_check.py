@@ -253,3 +253,58 @@ def test_flashinfer_dispatch_passes_the_gate_on_gpu(
     msg = str(e.value)
     assert "the FlashInfer path (dense dispatch) differs" in msg
     assert "  - prefill, head classes GGGGGGGG" in msg and "query head 0 (KV head 0" in msg
+
+
+# ---- segment reuse's sparse layers ----------------------------------------------------------
+
+
+def test_sparse_layers_refuse_settings_that_would_silently_change_them(sglang_plugins):
+    """A prefill CUDA graph (it would replay the rows of its capture), a model class without
+    redknot's hooks, and a segment region without the global heads that rows leaving recovery
+    read all stop startup with the fix in the message."""
+    from sglang.srt.models.llama import LlamaDecoderLayer, LlamaMLP
+
+    from redknot.attention.backend import _check_sparse_layers
+    from redknot.pool.layout import HeadLayout
+
+    def decoder(cls, mlp_cls):
+        layer = cls.__new__(cls)  # only the classes matter: no weights, no parallel state
+        object.__setattr__(layer, "mlp", mlp_cls.__new__(mlp_cls))
+        return layer
+
+    llama = decoder(LlamaDecoderLayer, LlamaMLP)
+
+    def model_runner(graph="disabled", layer=llama):
+        graphs = SimpleNamespace(prefill=SimpleNamespace(backend=graph))
+        return SimpleNamespace(
+            server_args=SimpleNamespace(cuda_graph_config=graphs),
+            model=SimpleNamespace(modules=lambda: [SimpleNamespace(), layer]),
+        )
+
+    layout = HeadLayout(classes=("GL", "LG"), num_q_heads=4, head_dim=64, window=4, sink=2)
+
+    def runner(heads):
+        return SimpleNamespace(
+            layout=layout, pool=SimpleNamespace(segments=SimpleNamespace(heads=heads))
+        )
+
+    every, local = ((0, 1), (0, 1)), ((1,), (0,))
+    cached = RedknotConfig(all_global=True, dense_layers=1)
+    residual = RedknotConfig(all_global=True, dense_layers=1, skipped="residual")
+    _check_sparse_layers(model_runner(), runner(every), cached)
+    _check_sparse_layers(model_runner(), runner(local), residual)
+    with pytest.raises(
+        ValueError, match="prefill CUDA graph .breakable.*--disable-prefill-cuda-graph"
+    ):
+        _check_sparse_layers(model_runner("breakable"), runner(every), cached)
+    with pytest.raises(ValueError, match=r"layer 0 lacks heads \[0\].*--redknot-segment-heads all"):
+        _check_sparse_layers(model_runner(), runner(local), cached)
+
+    class PlainLayer(torch.nn.Module):
+        def forward(self, *args):
+            raise AssertionError("never run")
+
+    plain = decoder(PlainLayer, LlamaMLP)
+    _check_sparse_layers(model_runner(layer=plain), runner(local), residual)  # MLP is hooked
+    with pytest.raises(ValueError, match="needs redknot's hook on .*PlainLayer.forward"):
+        _check_sparse_layers(model_runner(layer=plain), runner(every), cached)

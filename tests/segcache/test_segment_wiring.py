@@ -203,6 +203,28 @@ def test_segment_options_parse_and_validate():
         RedknotConfig(all_global=True, segment_heads="global")
 
 
+def test_rows_leaving_recovery_keep_every_head_of_a_segment_by_default():
+    """``--redknot-dense-layers`` with ``skipped=cached`` (the default) reads every head of a
+    cached segment, so the region keeps them all unless told otherwise."""
+    assert RedknotConfig(all_global=True).skipped == "cached"
+    assert RedknotConfig(all_global=True, dense_layers=8).segment_heads == "all"
+    sparse_residual = RedknotConfig(all_global=True, dense_layers=8, skipped="residual")
+    assert sparse_residual.segment_heads == "local"
+    explicit = RedknotConfig(all_global=True, dense_layers=8, segment_heads="local")
+    assert explicit.segment_heads == "local"  # refused by the backend at startup
+    again = RedknotConfig.from_mapping(
+        {"all_global": True, "dense_layers": 8}, source="t"
+    )  # resolved values round-trip
+    assert (
+        RedknotConfig.from_mapping(
+            {f: getattr(again, f) for f in RedknotConfig.field_names()}, source="t"
+        )
+        == again
+    )
+    with pytest.raises(RedknotConfigError, match="skipped 'drop' is not one of cached, residual"):
+        RedknotConfig(all_global=True, skipped="drop")
+
+
 @pytest.fixture
 def sglang_plugins():
     """SGLang's plugin loader, run as the scheduler process runs it."""
