@@ -43,24 +43,35 @@ import serving_common as common
 
 SINK, WINDOW = 64, 256
 DENSE_LAYERS = 8  # a quarter of Llama-3.1-8B's 32 layers, the paper's proportion (20 of 80)
-SKIPPED = re.compile(r"redknot sparse FFN: (\d+) token-layer FFNs skipped")
+SKIPPED = re.compile(
+    r"redknot sparse FFN: (\d+) token-layer FFNs skipped"
+    r"(?:.*?; (\d+) token-layers left to the cache)?"
+)
 
-VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reuse, dense layers)
-    "flashinfer": (None, False, False, None),
-    "redknot-all-global": (1.0, True, False, None),
-    "redknot-g0.125": (0.125, False, False, None),
-    "redknot-g0.125-reuse": (0.125, False, True, None),
-    "redknot-g0.125-reuse-sparse-ffn": (0.125, False, True, DENSE_LAYERS),
+VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reuse, dense layers,
+    #                   what becomes of a row that skips a deep FFN)
+    "flashinfer": (None, False, False, None, None),
+    "redknot-all-global": (1.0, True, False, None, None),
+    "redknot-g0.125": (0.125, False, False, None, None),
+    "redknot-g0.125-reuse": (0.125, False, True, None, None),
+    "redknot-g0.125-reuse-sparse-ffn": (0.125, False, True, DENSE_LAYERS, "residual"),
+    "redknot-g0.125-reuse-sparse-cached": (0.125, False, True, DENSE_LAYERS, "cached"),
 }
+
+
+def token_layer_flops(cfg: dict) -> tuple[int, int]:
+    """FLOPs of one token in one layer: (q, k, v, o projections; FFN)."""
+    h, hq, hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // hq
+    return 2 * h * d * (2 * hq + 2 * hkv), 2 * 3 * h * cfg["intermediate_size"]
 
 
 def prefill_flops(cfg: dict, length: int, global_fraction: float | None) -> float:
     """Analytical prefill FLOPs of one ``length``-token prompt (multiply-add = 2 FLOPs)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hq = cfg["num_attention_heads"]
     d = cfg.get("head_dim") or h // hq
-    proj = 2 * h * d * (2 * hq + 2 * hkv)  # q, k, v, o per token
-    ffn = 2 * 3 * h * cfg["intermediate_size"]
+    proj, ffn = token_layer_flops(cfg)
     full_keys = length * (length + 1) / 2  # causal (query, key) pairs of one head
     ring = SINK + WINDOW
     local_keys = (
@@ -96,7 +107,7 @@ def child(args) -> None:
     from redknot.api.marks import SegmentMark, encode_marks
     from redknot.segcache.entry import segment_id
 
-    fraction, all_global, reuse, dense_layers = VARIANTS[args.child]
+    fraction, all_global, reuse, dense_layers, skipped = VARIANTS[args.child]
     points = parse_points(args.points)
     extra = {
         "mem_fraction_static": args.mem_fraction_static,
@@ -110,6 +121,7 @@ def child(args) -> None:
         extra["redknot_segment_fraction"] = args.segment_fraction
         if dense_layers is not None:
             extra["redknot_dense_layers"] = dense_layers
+            extra["redknot_skipped"] = skipped
             extra["log_level"] = "info"  # the sparse-FFN log lines count what was skipped
         if all_global:
             extra["redknot_all_global"] = True
@@ -227,10 +239,11 @@ def main() -> None:
             __file__, base + ["--child", name], log_grep="redknot sparse FFN"
         )
         lines = results[name].pop("log_lines", [])
-        # per measured prompt (warm-up included), in order: token-layer FFNs skipped
-        results[name]["ffn_skipped_per_prompt"] = [
-            int(m.group(1)) for m in map(SKIPPED.search, lines) if m
-        ]
+        # per measured prompt (warm-up included), in order: token-layer FFNs skipped, and
+        # token-layers left to the cache (nothing computed but their attention query rows)
+        found = [m for m in map(SKIPPED.search, lines) if m]
+        results[name]["ffn_skipped_per_prompt"] = [int(m.group(1)) for m in found]
+        results[name]["left_per_prompt"] = [int(m.group(2) or 0) for m in found]
         print(name, json.dumps(results[name])[:400], flush=True)
         summary = summarize(cfg, results, args.reps)  # written after every variant
         common.write_json(args.out, common.record(
@@ -240,8 +253,13 @@ def main() -> None:
             segment_fraction=args.segment_fraction, dense_layers_of_sparse_variant=DENSE_LAYERS,
             note="reuse: cached, re-aligned local-head K/V for segment tokens, every FFN run; "
             "reuse-sparse-ffn: also FFN only on important segment tokens above the dense "
-            "layers (dummy weights give nearly uniform attention, so importance selects about "
-            "mass_thresh of the candidates); flops of that variant subtract the FFNs it skipped",
+            "layers, the others go on along the residual path (skipped=residual); "
+            "reuse-sparse-cached: the others leave recovery, from the next layer on no "
+            "projection or FFN of theirs is computed and every head takes their cached K/V "
+            "(skipped=cached; their zeroed query rows still run through the attention kernel, "
+            "counted in flops). Dummy weights give nearly uniform attention, so importance "
+            "selects about mass_thresh of the remaining candidates in every deep layer. flops "
+            "subtract the FFNs skipped and the projections and FFNs of rows left to the cache",
             variants=results, summary=summary,
         ))  # fmt: skip
     print(json.dumps(summary, indent=1))
@@ -251,16 +269,20 @@ def summarize(cfg: dict, results: dict, reps: int) -> dict:
     """Per variant and point: TTFT, analytical FLOPs, and the ratios to flashinfer."""
     summary = {}
     ref = results.get("flashinfer", {}).get("points", {})
-    ffn = 2 * 3 * cfg["hidden_size"] * cfg["intermediate_size"]
+    proj, ffn = token_layer_flops(cfg)
     for name, res in results.items():
         fraction = VARIANTS[name][0]
         skipped = res.get("ffn_skipped_per_prompt", [])
+        left_all = res.get("left_per_prompt", [])
         for i, (key, row) in enumerate(res.get("points", {}).items()):
             n = row["prompt_tokens"]
             flops = prefill_flops(cfg, n, fraction)
-            mine = skipped[i * (reps + 1) : (i + 1) * (reps + 1)][1:]  # the measured prompts
+            measured = slice(i * (reps + 1) + 1, (i + 1) * (reps + 1))  # after the warm-up
+            mine, left = skipped[measured], left_all[measured]
             if mine:
                 flops -= statistics.median(mine) * ffn
+            if left:
+                flops -= statistics.median(left) * (proj + ffn)
             entry = summary.setdefault(name, {})[key] = {
                 "length": row["length"],
                 "segments": row["segments"],
@@ -271,9 +293,15 @@ def summarize(cfg: dict, results: dict, reps: int) -> dict:
                 entry["every_segment_hit"] = row["every_segment_hit"]
             if mine:
                 entry["ffn_token_layers_skipped"] = statistics.median(mine)
-                entry["ffn_fraction_run"] = 1 - statistics.median(mine) / (
-                    n * cfg["num_hidden_layers"]
+                token_layers = n * cfg["num_hidden_layers"]
+                ran = (
+                    token_layers
+                    - statistics.median(mine)
+                    - (statistics.median(left) if left else 0)
                 )
+                entry["ffn_fraction_run"] = ran / token_layers
+            if left:
+                entry["token_layers_left_to_cache"] = statistics.median(left)
             if key in ref:
                 entry["speedup_vs_flashinfer"] = ref[key]["ttft_s"] / row["ttft_s"]
                 entry["flop_ratio_vs_flashinfer"] = prefill_flops(cfg, n, None) / flops

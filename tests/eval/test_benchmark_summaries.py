@@ -67,6 +67,34 @@ def test_summary_subtracts_the_ffns_the_server_skipped():
     assert entry["ffn_fraction_run"] == pytest.approx(1 - 2000 / ((8192 + 65) * 32))
 
 
+def test_summary_subtracts_projections_and_ffns_of_rows_left_to_the_cache():
+    results = {
+        "redknot-g0.125-reuse-sparse-cached": {
+            "points": {"8192x8": _row(8192, 8, 0.1)},
+            "ffn_skipped_per_prompt": [0, 500, 500],  # warm-up, then two measured prompts
+            "left_per_prompt": [0, 40000, 60000],  # median 50000
+        }
+    }
+    entry = summarize(CFG, results, reps=2)["redknot-g0.125-reuse-sparse-cached"]["8192x8"]
+    proj = 2 * 4096 * 128 * (2 * 32 + 2 * 8)
+    ffn = 2 * 3 * 4096 * 14336
+    want = prefill_flops(CFG, 8192 + 65, 0.125) - 500 * ffn - 50000 * (proj + ffn)
+    assert entry["flops"] == pytest.approx(want)
+    assert entry["token_layers_left_to_cache"] == 50000
+    assert entry["ffn_fraction_run"] == pytest.approx(1 - 50500 / ((8192 + 65) * 32))
+
+
+def test_log_lines_of_both_skipped_modes_parse():
+    from benchmarks.ttft import SKIPPED
+
+    old = (
+        "redknot sparse FFN: 12 token-layer FFNs skipped in layers 8-31 of this extend (99 tokens)"
+    )
+    new = old + "; 345 token-layers left to the cache (skipped=cached)"
+    assert SKIPPED.search(old).groups() == ("12", None)
+    assert SKIPPED.search(new).groups() == ("12", "345")
+
+
 def test_plot_series_groups_each_sweep_by_what_it_holds_fixed():
     summary = {
         "flashinfer": {
