@@ -66,6 +66,17 @@ def token_layer_flops(cfg: dict) -> tuple[int, int]:
     return 2 * h * d * (2 * hq + 2 * hkv), 2 * 3 * h * cfg["intermediate_size"]
 
 
+def left_row_flops(cfg: dict, length: int, global_fraction: float) -> float:
+    """FLOPs one segment token left to the cache saves in one layer: its projections, its FFN
+    and its attention query row (keys estimated at the mean position ``length / 2`` for global
+    heads, sink + window for local ones)."""
+    h, hq = cfg["hidden_size"], cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or h // hq
+    proj, ffn = token_layer_flops(cfg)
+    keys = global_fraction * length / 2 + (1 - global_fraction) * min(SINK + WINDOW, length)
+    return proj + ffn + 4 * d * hq * keys
+
+
 def prefill_flops(cfg: dict, length: int, global_fraction: float | None) -> float:
     """Analytical prefill FLOPs of one ``length``-token prompt (multiply-add = 2 FLOPs)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
@@ -255,11 +266,12 @@ def main() -> None:
             "reuse-sparse-ffn: also FFN only on important segment tokens above the dense "
             "layers, the others go on along the residual path (skipped=residual); "
             "reuse-sparse-cached: the others leave recovery, from the next layer on no "
-            "projection or FFN of theirs is computed and every head takes their cached K/V "
-            "(skipped=cached; their zeroed query rows still run through the attention kernel, "
-            "counted in flops). Dummy weights give nearly uniform attention, so importance "
+            "projection, attention row or FFN of theirs is computed and every head takes their "
+            "cached K/V (skipped=cached; the attention kernel runs the query tiles that hold a "
+            "row in recovery). Dummy weights give nearly uniform attention, so importance "
             "selects about mass_thresh of the remaining candidates in every deep layer. flops "
-            "subtract the FFNs skipped and the projections and FFNs of rows left to the cache",
+            "subtract the FFNs skipped and, per token-layer left to the cache, its projections, "
+            "FFN and attention row (keys at the mean position L/2: left_row_flops)",
             variants=results, summary=summary,
         ))  # fmt: skip
     print(json.dumps(summary, indent=1))
@@ -282,7 +294,7 @@ def summarize(cfg: dict, results: dict, reps: int) -> dict:
             if mine:
                 flops -= statistics.median(mine) * ffn
             if left:
-                flops -= statistics.median(left) * (proj + ffn)
+                flops -= statistics.median(left) * left_row_flops(cfg, n, fraction)
             entry = summary.setdefault(name, {})[key] = {
                 "length": row["length"],
                 "segments": row["segments"],

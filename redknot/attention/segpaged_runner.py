@@ -21,7 +21,7 @@ import torch
 
 from redknot.attention.ffn_schedule import SCHEDULE, ffn_rows, important_rows, key_mass
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
-from redknot.kernels.extend import plan_extend, run_extend
+from redknot.kernels.extend import plan_extend, restrict_tiles, run_extend
 from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
@@ -50,6 +50,8 @@ class ExtendState:
     segment_writes: SegmentWrites | None = None
     # Tokens that reuse a stored segment's local K/V (redknot.segcache.reuse):
     segment_reads: SegmentReads | None = None
+    # skipped="cached": the rows in recovery and the plan of their query tiles
+    held_plan: tuple[torch.Tensor, object] | None = None
 
 
 def model_rope(model: torch.nn.Module) -> AlignableRope:
@@ -295,8 +297,13 @@ class SegPagedRunner:
         if save_kv_cache:
             self.pool.write_global(lid, fb.out_cache_loc, k, v)
         out = q.new_empty(q.shape)
+        plan = state.plan
+        if held is not None:  # only the query tiles of rows in recovery
+            if state.held_plan is None or state.held_plan[0] is not held:
+                state.held_plan = (held, restrict_tiles(plan, held.cpu()))
+            plan = state.held_plan[1]
         run_extend(
-            state.plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
+            plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
             self.heads[lid], layer.scaling, out=out,
         )  # fmt: skip
         if save_kv_cache and state.capture is not None:

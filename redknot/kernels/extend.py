@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -132,6 +132,27 @@ def plan_extend(
         tile_start_cpu=tile_start,
         prefix_lens_gpu=_to_device(prefix32, device),
         qo_indptr_gpu=_to_device(indptr32, device),
+        tile_req_gpu=_to_device(tile_req, device),
+        tile_start_gpu=_to_device(tile_start, device),
+    )
+
+
+def restrict_tiles(plan: ExtendPlan, rows_cpu: torch.Tensor) -> ExtendPlan:
+    """``plan`` with only the query tiles that hold one of ``rows_cpu`` (int64 batch rows,
+    ``[0, T)``); the output rows of the other tiles are left unwritten."""
+    bq = plan.config.block_q(plan.geometry.group_size)
+    indptr = plan.qo_indptr_cpu.to(torch.int64)
+    req = torch.searchsorted(indptr, rows_cpu, right=True) - 1
+    span = int(indptr[-1]) + bq  # > any tile start: (request, start) -> one key
+    wanted = req * span + (rows_cpu - indptr[req]) // bq * bq
+    keys = plan.tile_req_cpu.to(torch.int64) * span + plan.tile_start_cpu.to(torch.int64)
+    keep = torch.isin(keys, wanted)
+    device = plan.req_pool_indices_gpu.device
+    tile_req, tile_start = plan.tile_req_cpu[keep], plan.tile_start_cpu[keep]
+    return replace(
+        plan,
+        tile_req_cpu=tile_req,
+        tile_start_cpu=tile_start,
         tile_req_gpu=_to_device(tile_req, device),
         tile_start_gpu=_to_device(tile_start, device),
     )

@@ -78,7 +78,9 @@ def test_summary_subtracts_projections_and_ffns_of_rows_left_to_the_cache():
     entry = summarize(CFG, results, reps=2)["redknot-g0.125-reuse-sparse-cached"]["8192x8"]
     proj = 2 * 4096 * 128 * (2 * 32 + 2 * 8)
     ffn = 2 * 3 * 4096 * 14336
-    want = prefill_flops(CFG, 8192 + 65, 0.125) - 500 * ffn - 50000 * (proj + ffn)
+    n = 8192 + 65
+    row = proj + ffn + 4 * 128 * 32 * (0.125 * n / 2 + 0.875 * (64 + 256))  # attention row
+    want = prefill_flops(CFG, n, 0.125) - 500 * ffn - 50000 * row
     assert entry["flops"] == pytest.approx(want)
     assert entry["token_layers_left_to_cache"] == 50000
     assert entry["ffn_fraction_run"] == pytest.approx(1 - 50500 / ((8192 + 65) * 32))

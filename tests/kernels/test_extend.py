@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from redknot.kernels.extend import ExtendConfig, plan_extend, run_extend
+from redknot.kernels.extend import ExtendConfig, plan_extend, restrict_tiles, run_extend
 from redknot.kernels.reference import extend_reference
 
 from .segpaged_data import make_batch, make_geometry
@@ -139,6 +139,37 @@ def test_extend_plan_orders_heavy_tiles_first():
     assert work == sorted(work, reverse=True)
     assert plan.num_tiles == 3 + 1  # ceil(9 / 4) + ceil(3 / 4)
     assert plan.qo_indptr_cpu.tolist() == [0, 9, 12, 12]
+
+
+def test_extend_restricted_to_some_rows_computes_their_tiles_exactly():
+    """A plan restricted to scattered rows keeps exactly the tiles holding them (brute force);
+    those rows come out as in the full run and the other tiles are not written."""
+    geo, layout = make_geometry("GLLG", 2, 64, SINK, WINDOW, "ring")
+    prefix, lens = [p for p, _ in REQUESTS], [e for _, e in REQUESTS]
+    batch, _, _ = make_batch(geo, layout, prefix, torch.bfloat16, "cpu", seed=5)
+    T = sum(lens)
+    g = torch.Generator().manual_seed(6)
+    q, k_new, v_new = (torch.randn(T, n, 64, generator=g).bfloat16() for n in (8, 4, 4))
+    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=SMALL)
+    rows = torch.tensor([0, 5, 21, 23, 40, 81, T - 1])
+    small = restrict_tiles(plan, rows)
+    bq = SMALL.block_q(2)
+    indptr = plan.qo_indptr_cpu.tolist()
+    want = set()
+    for r in rows.tolist():
+        b = max(i for i in range(len(lens)) if indptr[i] <= r < indptr[i + 1])
+        want.add((b, (r - indptr[b]) // bq * bq))
+    got = set(zip(small.tile_req_cpu.tolist(), small.tile_start_cpu.tolist()))
+    assert got == want and small.num_tiles < plan.num_tiles
+    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
+    full = run_extend(plan, q, k_new, v_new, *stores, batch.heads, 0.125)
+    out = torch.full_like(q, 7.0)
+    run_extend(small, q, k_new, v_new, *stores, batch.heads, 0.125, out=out)
+    torch.testing.assert_close(out[rows], full[rows], atol=0, rtol=0)
+    covered = torch.zeros(T, dtype=torch.bool)
+    for b, t0 in want:
+        covered[indptr[b] + t0 : min(indptr[b] + t0 + bq, indptr[b + 1])] = True
+    assert (out[~covered] == 7.0).all()
 
 
 # ---- GPU: real shapes -------------------------------------------------------------------------
