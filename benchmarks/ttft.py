@@ -281,7 +281,7 @@ def summarize(cfg: dict, results: dict, reps: int) -> dict:
     """Per variant and point: TTFT, analytical FLOPs, and the ratios to flashinfer."""
     summary = {}
     ref = results.get("flashinfer", {}).get("points", {})
-    proj, ffn = token_layer_flops(cfg)
+    _, ffn = token_layer_flops(cfg)
     for name, res in results.items():
         fraction = VARIANTS[name][0]
         skipped = res.get("ffn_skipped_per_prompt", [])
