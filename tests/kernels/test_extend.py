@@ -109,20 +109,26 @@ def test_extend_window_spanning_several_blocks(mode):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
+def _two_group_batch(dtype, seed):
+    """REQUESTS over "GLLG" with groups of 2 (ring mode), random q/k/v and the SMALL plan:
+    (q, k_new, v_new, plan, stores, heads)."""
+    geo, layout = make_geometry("GLLG", 2, 64, SINK, WINDOW, "ring")
+    prefix, lens = [p for p, _ in REQUESTS], [e for _, e in REQUESTS]
+    batch, _, _ = make_batch(geo, layout, prefix, dtype, "cpu", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q, k_new, v_new = (torch.randn(sum(lens), n, 64, generator=g).to(dtype) for n in (8, 4, 4))
+    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=SMALL)
+    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
+    return q, k_new, v_new, plan, stores, batch.heads
+
+
 def test_extend_skip_global_writes_only_local_rows():
     """``skip_global`` (FlashInfer fills the global rows) leaves the global query heads as they
     were and computes the local ones exactly as a full run does."""
-    geo, layout = make_geometry("GLLG", 2, 64, SINK, WINDOW, "ring")
-    prefix, lens = [p for p, _ in REQUESTS], [e for _, e in REQUESTS]
-    batch, _, _ = make_batch(geo, layout, prefix, torch.float16, "cpu", seed=3)
-    T = sum(lens)
-    g = torch.Generator().manual_seed(4)
-    q, k_new, v_new = (torch.randn(T, n, 64, generator=g).half() for n in (8, 4, 4))
-    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=SMALL)
-    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
-    full = run_extend(plan, q, k_new, v_new, *stores, batch.heads, 0.125)
+    q, k_new, v_new, plan, stores, heads = _two_group_batch(torch.float16, seed=3)
+    full = run_extend(plan, q, k_new, v_new, *stores, heads, 0.125)
     out = torch.full_like(q, 7.0)
-    run_extend(plan, q, k_new, v_new, *stores, batch.heads, 0.125, out=out, skip_global=True)
+    run_extend(plan, q, k_new, v_new, *stores, heads, 0.125, out=out, skip_global=True)
     q_of = lambda hs: [h * 2 + i for h in hs for i in range(2)]
     assert (out[:, q_of([0, 3])] == 7.0).all()
     torch.testing.assert_close(out[:, q_of([1, 2])], full[:, q_of([1, 2])], atol=0, rtol=0)
@@ -144,13 +150,9 @@ def test_extend_plan_orders_heavy_tiles_first():
 def test_extend_restricted_to_some_rows_computes_their_tiles_exactly():
     """A plan restricted to scattered rows keeps exactly the tiles holding them (brute force);
     those rows come out as in the full run and the other tiles are not written."""
-    geo, layout = make_geometry("GLLG", 2, 64, SINK, WINDOW, "ring")
-    prefix, lens = [p for p, _ in REQUESTS], [e for _, e in REQUESTS]
-    batch, _, _ = make_batch(geo, layout, prefix, torch.bfloat16, "cpu", seed=5)
+    q, k_new, v_new, plan, stores, heads = _two_group_batch(torch.bfloat16, seed=5)
+    lens = [e for _, e in REQUESTS]
     T = sum(lens)
-    g = torch.Generator().manual_seed(6)
-    q, k_new, v_new = (torch.randn(T, n, 64, generator=g).bfloat16() for n in (8, 4, 4))
-    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=SMALL)
     rows = torch.tensor([0, 5, 21, 23, 40, 81, T - 1])
     small = restrict_tiles(plan, rows)
     bq = SMALL.block_q(2)
@@ -161,10 +163,9 @@ def test_extend_restricted_to_some_rows_computes_their_tiles_exactly():
         want.add((b, (r - indptr[b]) // bq * bq))
     got = set(zip(small.tile_req_cpu.tolist(), small.tile_start_cpu.tolist()))
     assert got == want and small.num_tiles < plan.num_tiles
-    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
-    full = run_extend(plan, q, k_new, v_new, *stores, batch.heads, 0.125)
+    full = run_extend(plan, q, k_new, v_new, *stores, heads, 0.125)
     out = torch.full_like(q, 7.0)
-    run_extend(small, q, k_new, v_new, *stores, batch.heads, 0.125, out=out)
+    run_extend(small, q, k_new, v_new, *stores, heads, 0.125, out=out)
     torch.testing.assert_close(out[rows], full[rows], atol=0, rtol=0)
     covered = torch.zeros(T, dtype=torch.bool)
     for b, t0 in want:
