@@ -59,6 +59,9 @@ def _check_sparse_layers(model_runner: ModelRunner, runner, config: RedknotConfi
     captured prefill graph cannot; ``skipped=cached`` reads every head of a cached segment."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
+    from redknot.attention import ffn_schedule
+    from redknot.integration.plugin import wraps
+
     graphs = getattr(model_runner.server_args, "cuda_graph_config", None)
     prefill = getattr(getattr(graphs, "prefill", None), "backend", Backend.DISABLED)
     if prefill != Backend.DISABLED:
@@ -67,9 +70,6 @@ def _check_sparse_layers(model_runner: ModelRunner, runner, config: RedknotConfi
             f"depend on the request, which the prefill CUDA graph ({prefill}) would replay "
             "with the rows of its capture: add --disable-prefill-cuda-graph"
         )
-    from redknot.attention import ffn_schedule
-    from redknot.integration.plugin import wraps
-
     layer = next((m for m in model_runner.model.modules() if hasattr(m, "mlp")), None)
     if layer is None:
         raise ValueError(

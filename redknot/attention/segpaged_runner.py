@@ -50,8 +50,18 @@ class ExtendState:
     segment_writes: SegmentWrites | None = None
     # Tokens that reuse a stored segment's local K/V (redknot.segcache.reuse):
     segment_reads: SegmentReads | None = None
-    # skipped="cached": the rows in recovery and the plan of their query tiles
-    held_plan: tuple[torch.Tensor, object] | None = None
+    # skipped="cached": the rows in recovery (rebuilt when rows leave, not per layer)
+    held: HeldRows | None = None
+
+
+@dataclass(frozen=True)
+class HeldRows:
+    """The batch rows still in recovery (``SCHEDULE.held``), as a mask over the batch rows, and
+    the extend plan restricted to their query tiles."""
+
+    rows: torch.Tensor  # [A] int64 ascending
+    mask: torch.Tensor  # [T] bool
+    plan: object  # redknot.kernels.extend.ExtendPlan
 
 
 def model_rope(model: torch.nn.Module) -> AlignableRope:
@@ -289,19 +299,15 @@ class SegPagedRunner:
         q, k, v = self._views(q, k, v, layer)
         state = self.extend_state
         SCHEDULE.layer = lid
-        held = SCHEDULE.held  # rows still in recovery (skipped="cached"); None: every row
+        held = self._held_rows(state, fb.out_cache_loc.shape[0])  # None: every row
         if held is not None:
-            q, k, v = (self._spread(x, held, fb.out_cache_loc.shape[0]) for x in (q, k, v))
+            q, k, v = (self._spread(x, held) for x in (q, k, v))
         if state.segment_reads is not None:
             self._reuse_kv(lid, k, v, state.segment_reads, held)
         if save_kv_cache:
             self.pool.write_global(lid, fb.out_cache_loc, k, v)
         out = q.new_empty(q.shape)
-        plan = state.plan
-        if held is not None:  # only the query tiles of rows in recovery
-            if state.held_plan is None or state.held_plan[0] is not held:
-                state.held_plan = (held, restrict_tiles(plan, held.cpu()))
-            plan = state.held_plan[1]
+        plan = state.plan if held is None else held.plan  # only the tiles of rows in recovery
         run_extend(
             plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
             self.heads[lid], layer.scaling, out=out,
@@ -320,21 +326,27 @@ class SegPagedRunner:
         if reads is not None and reads.sparse and lid >= self.dense_layers and save_kv_cache:
             self._schedule_ffn(lid, q, layer.scaling, reads)
         if held is not None:
-            out = out[held]
+            out = out[held.rows]
         return out.flatten(1)
 
     @staticmethod
-    def _spread(x: torch.Tensor, held: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """``x`` of the held rows placed at their batch rows of a zero ``[num_rows, ...]``."""
-        full = x.new_zeros((num_rows, *x.shape[1:]))
-        full[held] = x
-        return full
+    def _held_rows(state: ExtendState, num_rows: int) -> HeldRows | None:
+        """``SCHEDULE.held`` with its mask and restricted plan, rebuilt only when it changed."""
+        rows = SCHEDULE.held
+        if rows is None:
+            return None
+        if state.held is None or state.held.rows is not rows:
+            mask = torch.zeros(num_rows, dtype=torch.bool, device=rows.device)
+            mask[rows] = True
+            state.held = HeldRows(rows, mask, restrict_tiles(state.plan, rows.cpu()))
+        return state.held
 
     @staticmethod
-    def _held_mask(held: torch.Tensor, num_rows: int) -> torch.Tensor:
-        mask = torch.zeros(num_rows, dtype=torch.bool, device=held.device)
-        mask[held] = True
-        return mask
+    def _spread(x: torch.Tensor, held: HeldRows) -> torch.Tensor:
+        """``x`` of the held rows placed at their batch rows of a zero ``[T, ...]``."""
+        full = x.new_zeros((held.mask.shape[0], *x.shape[1:]))
+        full[held.rows] = x
+        return full
 
     def _schedule_ffn(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
         """Decide which rows of this layer run the FFN (after the layer's global K/V is stored),
@@ -344,13 +356,13 @@ class SegPagedRunner:
         glob = self.layout.global_heads(lid)
         grp = self.layout.group_size
         num_rows = q.shape[0]
-        held = SCHEDULE.held
-        in_recovery = None if held is None else self._held_mask(held, num_rows)
+        in_recovery = self._held_rows(self.extend_state, num_rows)  # as extend() built it
+        held = None if in_recovery is None else in_recovery.rows
         skipped = []
         for spec in reads.sparse:
             if in_recovery is not None:  # rows that left are no candidates any more
                 cand = spec.candidates.to(q.device)
-                spec = replace(spec, candidates=cand[in_recovery[spec.rows_of(cand)]])
+                spec = replace(spec, candidates=cand[in_recovery.mask[spec.rows_of(cand)]])
             end = spec.prefix + spec.length
             probe = torch.arange(spec.probe_start, end, device=q.device)
             mass = torch.zeros(end, dtype=torch.float32, device=q.device)
@@ -386,7 +398,7 @@ class SegPagedRunner:
                 self.skipped,
             )
 
-    def _reuse_kv(self, lid: int, k, v, reads: SegmentReads, held: torch.Tensor | None) -> None:
+    def _reuse_kv(self, lid: int, k, v, reads: SegmentReads, held: HeldRows | None) -> None:
         """Reused segment tokens take the cached K/V, re-rotated to their positions in this
         prompt (in place in this layer's ``k``, ``v``: [T, H_kv, D]): local heads for every
         segment token; every head for the tokens that left recovery (rows not in ``held``)."""
@@ -394,7 +406,7 @@ class SegPagedRunner:
         stored = region.heads[lid]
         local = self.layout.local_heads(lid)
         tok = reads.tokens_gpu
-        left = None if held is None else ~self._held_mask(held, k.shape[0])[tok]
+        left = None if held is None else ~held.mask[tok]
         glob = self.layout.global_heads(lid) if left is not None else []
         if not local and not glob:
             return
