@@ -179,6 +179,15 @@ def child(args) -> None:
                 engine.generate(input_ids=ids, sampling_params=sampling)
                 if rep:  # the first is a warm-up
                     times.append(time.perf_counter() - t0)
+            if args.profile_dir:  # one more prompt under the torch profiler (not timed)
+                ids[0] = rand(1)[0]  # a prefix no earlier prompt had
+                where = Path(args.profile_dir, f"{args.child}-{point_key(length, segments)}")
+                engine.start_profile(
+                    output_dir=str(where), activities=["CPU", "GPU"], with_stack=False,
+                    record_shapes=False,
+                )  # fmt: skip
+                engine.generate(input_ids=ids, sampling_params=sampling)
+                engine.stop_profile()
             row = {
                 "length": length,
                 "segments": segments,
@@ -224,6 +233,12 @@ def main() -> None:
         "that ends the prompt, so chunking limits it to that chunk)",
     )
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument(
+        "--profile-dir",
+        default="",
+        help="after the timed prompts of each point, run one more under the torch profiler and "
+        "write its trace under DIR/VARIANT-POINT (summarise with benchmarks/profile_summary.py)",
+    )
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -243,6 +258,7 @@ def main() -> None:
         "mem_fraction_static",
         "segment_fraction",
         "chunked_prefill_size",
+        "profile_dir",
     )
     results = {}
     for name in args.variants.split(","):

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from redknot.attention.trace import phase
 from redknot.recovery.importance import select_important
 
 
@@ -156,19 +157,22 @@ def around_decoder_layer(original, self, positions, hidden_states, forward_batch
     sched = SCHEDULE
     target = sched.target
     if target is None:
-        return original(self, positions, hidden_states, forward_batch, residual)
+        with phase("redknot.decoder_layer.every_row"):
+            return original(self, positions, hidden_states, forward_batch, residual)
     if sched.held is not target:
-        if sched.held is None:
-            sched.full = (hidden_states, residual)
-        else:
-            sched.full[0][sched.held] = hidden_states
-            sched.full[1][sched.held] = residual
-        hidden_states, residual = sched.full[0][target], sched.full[1][target]
+        with phase("redknot.compact"):
+            if sched.held is None:
+                sched.full = (hidden_states, residual)
+            else:
+                sched.full[0][sched.held] = hidden_states
+                sched.full[1][sched.held] = residual
+            hidden_states, residual = sched.full[0][target], sched.full[1][target]
         sched.held = target
     sched.left += sched.full[0].shape[0] - target.numel()
-    hidden_states, residual = original(
-        self, positions[target], hidden_states, forward_batch, residual
-    )
+    with phase("redknot.decoder_layer.rows_in_recovery"):
+        hidden_states, residual = original(
+            self, positions[target], hidden_states, forward_batch, residual
+        )
     if _layer_id(self) != sched.last_layer:
         return hidden_states, residual
     full_h, full_r = sched.full

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from redknot.attention.ffn_schedule import SCHEDULE, ffn_rows, important_rows, key_mass
+from redknot.attention.trace import phase
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import plan_extend, restrict_tiles, run_extend
 from redknot.kernels.geometry import LayerHeads, SegGeometry
@@ -299,35 +300,49 @@ class SegPagedRunner:
         q, k, v = self._views(q, k, v, layer)
         state = self.extend_state
         SCHEDULE.layer = lid
-        held = self._held_rows(state, fb.out_cache_loc.shape[0])  # None: every row
+        with phase("redknot.held_rows"):
+            held = self._held_rows(state, fb.out_cache_loc.shape[0])  # None: every row
         if held is not None:
-            q, k, v = (self._spread(x, held) for x in (q, k, v))
+            with phase("redknot.spread"):
+                q, k, v = (self._spread(x, held) for x in (q, k, v))
         if state.segment_reads is not None:
-            self._reuse_kv(lid, k, v, state.segment_reads, held)
+            with phase("redknot.reuse_kv"):
+                self._reuse_kv(lid, k, v, state.segment_reads, held)
         if save_kv_cache:
-            self.pool.write_global(lid, fb.out_cache_loc, k, v)
+            with phase("redknot.write_global"):
+                self.pool.write_global(lid, fb.out_cache_loc, k, v)
         out = q.new_empty(q.shape)
         plan = state.plan if held is None else held.plan  # only the tiles of rows in recovery
-        run_extend(
-            plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
-            self.heads[lid], layer.scaling, out=out,
-        )  # fmt: skip
-        if save_kv_cache and state.capture is not None:
-            dst_ring, src_ring, dst_new, src_tok = state.capture
-            self.pool.copy_local_rows(lid, dst_ring, src_ring)
-            self.pool.write_local(lid, dst_new, k[src_tok], v[src_tok])
-        if save_kv_cache and state.keep_rows_gpu is not None:
-            idx = state.keep_tokens_gpu
-            self.pool.write_local(lid, state.keep_rows_gpu, k[idx], v[idx])
-        if save_kv_cache and state.segment_writes is not None:
-            idx = state.segment_writes.tokens_gpu
-            self.pool.segments.write(lid, state.segment_writes.rows_gpu, k[idx], v[idx])
+        with phase("redknot.extend_kernel"):
+            run_extend(
+                plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
+                self.heads[lid], layer.scaling, out=out,
+            )  # fmt: skip
+        with phase("redknot.local_writes"):
+            self._write_local(lid, k, v, state, save_kv_cache)
         reads = state.segment_reads
         if reads is not None and reads.sparse and lid >= self.dense_layers and save_kv_cache:
-            self._schedule_ffn(lid, q, layer.scaling, reads)
+            with phase("redknot.schedule_ffn"):
+                self._schedule_ffn(lid, q, layer.scaling, reads)
         if held is not None:
             out = out[held.rows]
         return out.flatten(1)
+
+    def _write_local(self, lid: int, k, v, state: ExtendState, save_kv_cache: bool) -> None:
+        """After the attention: snapshot captures, the ring's new positions, registered
+        segments' K/V."""
+        if not save_kv_cache:
+            return
+        if state.capture is not None:
+            dst_ring, src_ring, dst_new, src_tok = state.capture
+            self.pool.copy_local_rows(lid, dst_ring, src_ring)
+            self.pool.write_local(lid, dst_new, k[src_tok], v[src_tok])
+        if state.keep_rows_gpu is not None:
+            idx = state.keep_tokens_gpu
+            self.pool.write_local(lid, state.keep_rows_gpu, k[idx], v[idx])
+        if state.segment_writes is not None:
+            idx = state.segment_writes.tokens_gpu
+            self.pool.segments.write(lid, state.segment_writes.rows_gpu, k[idx], v[idx])
 
     @staticmethod
     def _held_rows(state: ExtendState, num_rows: int) -> HeldRows | None:
@@ -366,7 +381,7 @@ class SegPagedRunner:
             end = spec.prefix + spec.length
             probe = torch.arange(spec.probe_start, end, device=q.device)
             mass = torch.zeros(end, dtype=torch.float32, device=q.device)
-            if glob:
+            if glob:  # the probe's attention mass per key (profiled inside schedule_ffn)
                 keys = self.pool.k_global[lid][self.req_to_token[spec.req_pool_idx, :end].long()]
                 qidx = torch.tensor(
                     [h * grp + j for h in glob for j in range(grp)], device=q.device
@@ -377,7 +392,8 @@ class SegPagedRunner:
                 from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
                 mass = tensor_model_parallel_all_reduce(mass)
-            skipped.append(important_rows(spec, mass, self.mass_thresh, num_rows))
+            with phase("redknot.importance_select"):
+                skipped.append(important_rows(spec, mass, self.mass_thresh, num_rows))
         computed = num_rows if held is None else held.numel()
         keep = ffn_rows(num_rows, skipped, q.device, held)
         if keep is not None:

@@ -128,3 +128,24 @@ def test_fidelity_agreement_counts_identical_generations_per_setting_pair():
     assert row["differing_cases"] == [{"id": "c2", "a": "12", "b": "11"}]
     with pytest.raises(SystemExit, match="no case id"):
         agreement(a, result({"zz": "x"}), [("x", "x")])
+
+
+def test_profile_summary_busy_time_and_ranges_on_a_made_up_trace():
+    from benchmarks.profile_summary import summarize as profile
+
+    k = lambda ts, dur, name="k": {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name}
+    events = [
+        k(0, 10, "gemm"), k(5, 10, "gemm"), k(30, 5, "copy"),  # union [0,15] + [30,35]
+        {"ph": "X", "cat": "user_annotation", "name": "redknot.spread", "ts": 0, "dur": 40},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "redknot.spread", "ts": 10, "dur": 22},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1, "dur": 7},
+        {"ph": "X", "cat": "user_annotation", "name": "other", "ts": 0, "dur": 3},
+    ]
+    out = profile(events)
+    assert out["span_ms"] == 0.035 and out["gpu_busy_ms"] == 0.02 and out["gpu_idle_ms"] == 0.015
+    spread = out["ranges"]["redknot.spread"]
+    # host 40 us; GPU range [10, 32]: kernels busy in [10, 15] and [30, 32] = 7 us
+    assert spread == {"count": 1, "host_ms": 0.04, "gpu_span_ms": 0.022, "gpu_kernel_ms": 0.007}
+    assert "other" not in out["ranges"]
+    assert out["kernels"][0] == {"name": "gemm", "count": 2, "total_ms": 0.02}
+    assert out["runtime"] == [{"name": "cudaStreamSynchronize", "count": 1, "host_ms": 0.007}]

@@ -1,0 +1,123 @@
+"""Where the time of one profiled forward goes: a torch-profiler trace summarised as JSON.
+
+Reads a Chrome trace written by SGLang's profiler (``benchmarks/ttft.py --profile-dir``) and
+reports, over the traced span:
+
+- ``span_ms``: first GPU kernel start to last kernel end; ``gpu_busy_ms``: the union of kernel
+  intervals in it (the difference is the GPU waiting for the host);
+- ``ranges``: per named range of the redknot forward (``redknot.attention.trace.phase``), its
+  count, host time, GPU span and the kernel time inside that span;
+- ``kernels``: the GPU kernels with the most total time;
+- ``runtime``: CUDA runtime calls (launches, copies, synchronisations) by count and host time.
+
+    python benchmarks/profile_summary.py TRACE.json.gz [...] --out benchmarks/results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving_common as common
+
+
+def load_events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted union of ``(start, end)`` intervals."""
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def busy_within(union: list[tuple[float, float]], starts: list[float], lo: float, hi: float):
+    """Length of ``union`` (disjoint, sorted; ``starts`` its starts) inside ``[lo, hi]``."""
+    total = 0.0
+    i = max(bisect.bisect_right(starts, lo) - 1, 0)
+    while i < len(union) and union[i][0] < hi:
+        s, e = union[i]
+        total += max(0.0, min(e, hi) - max(s, lo))
+        i += 1
+    return total
+
+
+def summarize(events: list[dict], top: int = 25) -> dict:
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not kernels:
+        raise SystemExit("the trace has no GPU kernels: was the profiler given GPU activity?")
+    union = merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    starts = [s for s, _ in union]
+    span = union[-1][1] - union[0][0]
+    ms = lambda us: round(us / 1000.0, 3)
+
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_kernel[e["name"]][0] += 1
+        by_kernel[e["name"]][1] += e["dur"]
+    ranges: dict[str, dict] = defaultdict(
+        lambda: {"count": 0, "host_ms": 0.0, "gpu_span_ms": 0.0, "gpu_kernel_ms": 0.0}
+    )
+    for e in events:
+        cat, name = e.get("cat"), e.get("name", "")
+        if not name.startswith("redknot."):
+            continue
+        r = ranges[name]
+        if cat == "user_annotation":
+            r["count"] += 1
+            r["host_ms"] += e["dur"] / 1000.0
+        elif cat == "gpu_user_annotation":
+            r["gpu_span_ms"] += e["dur"] / 1000.0
+            r["gpu_kernel_ms"] += busy_within(union, starts, e["ts"], e["ts"] + e["dur"]) / 1e3
+    runtime: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "cuda_runtime":
+            runtime[e["name"]][0] += 1
+            runtime[e["name"]][1] += e["dur"]
+    busy = sum(e - s for s, e in union)
+    return {
+        "span_ms": ms(span),
+        "gpu_busy_ms": ms(busy),
+        "gpu_idle_ms": ms(span - busy),
+        "ranges": {
+            k: {f: round(x, 3) for f, x in v.items()} for k, v in sorted(ranges.items())
+        },
+        "kernels": [
+            {"name": n[:160], "count": c, "total_ms": ms(t)}
+            for n, (c, t) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+        ],
+        "runtime": [
+            {"name": n, "count": c, "host_ms": ms(t)}
+            for n, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:top]
+        ],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("traces", nargs="+", help="trace files (.json or .json.gz)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    traces = {Path(p).parent.name + "/" + Path(p).name: summarize(load_events(p), args.top)
+              for p in args.traces}  # fmt: skip
+    common.write_json(args.out, common.record(traces=traces))
+    for name, t in traces.items():
+        print(name, "span", t["span_ms"], "busy", t["gpu_busy_ms"], flush=True)
+
+
+if __name__ == "__main__":
+    main()
