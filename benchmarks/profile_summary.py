@@ -92,9 +92,7 @@ def summarize(events: list[dict], top: int = 25) -> dict:
         "span_ms": ms(span),
         "gpu_busy_ms": ms(busy),
         "gpu_idle_ms": ms(span - busy),
-        "ranges": {
-            k: {f: round(x, 3) for f, x in v.items()} for k, v in sorted(ranges.items())
-        },
+        "ranges": {k: {f: round(x, 3) for f, x in v.items()} for k, v in sorted(ranges.items())},
         "kernels": [
             {"name": n[:160], "count": c, "total_ms": ms(t)}
             for n, (c, t) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]

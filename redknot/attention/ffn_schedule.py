@@ -14,7 +14,7 @@ What becomes of a token that skipped the FFN of a deep layer is the ``skipped`` 
 | ``cached``   | leaves recovery: every head takes its cached, re-aligned K/V and nothing of it is computed (no projection, no attention row, no FFN) |
 
 In the server, the attention backend decides the rows of each layer while it attends
-(:func:`important_rows`) and records them in :data:`SCHEDULE`; a hook around the model's MLP
+(:func:`skip_mask`) and records them in :data:`SCHEDULE`; a hook around the model's MLP
 (:func:`around_mlp`) runs the MLP on those rows only. Under ``skipped="cached"`` a hook around
 the decoder layer (:func:`around_decoder_layer`) hands each layer only the rows still in
 recovery (``SCHEDULE.held``): the hidden states are compacted once when rows leave and scattered
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from redknot.attention.trace import phase
-from redknot.recovery.importance import select_important
+from redknot.recovery.importance import important_mask
 
 
 @dataclass
@@ -77,7 +77,7 @@ class SparseFfn:
     prefix: int  # tokens before this extend
     length: int  # tokens this extend computes (its last one is the prompt's last)
     probe_start: int  # first probed position: the question, at least the last recent_n
-    candidates: torch.Tensor  # int64 [C] positions of segment tokens before probe_start
+    candidates: torch.Tensor  # int64 [C] positions of segment tokens before probe_start (device)
 
     def rows_of(self, positions: torch.Tensor) -> torch.Tensor:
         return positions - self.prefix + self.batch_offset
@@ -105,31 +105,24 @@ def key_mass(
     return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
 
 
-def important_rows(
-    spec: SparseFfn, mass: torch.Tensor, mass_thresh: float, num_rows: int
+def skip_mask(
+    spec: SparseFfn,
+    mass: torch.Tensor,
+    mass_thresh: float,
+    out: torch.Tensor,
+    in_recovery: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Batch rows of ``spec``'s request that skip the FFN (unselected candidates), int64 [S]."""
-    if float(mass.sum()) <= 0.0:
-        return spec.candidates[:0]
-    cand = spec.candidates.to(mass.device)
-    chosen = select_important(mass, cand, mass_thresh)
-    skip = cand[~torch.isin(cand, chosen)]
-    rows = spec.rows_of(skip)
-    assert rows.numel() == 0 or int(rows.max()) < num_rows
-    return rows
-
-
-def ffn_rows(
-    num_rows: int, skipped: list[torch.Tensor], device: Any, held: torch.Tensor | None = None
-) -> torch.Tensor | None:
-    """Batch rows that run the FFN: the computed rows (``held``, or ``0 .. num_rows - 1``)
-    without the skipped ones, ascending; ``None`` when none is skipped."""
-    if not skipped or all(s.numel() == 0 for s in skipped):
-        return None
-    keep = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    keep[slice(None) if held is None else held] = True
-    keep[torch.cat(skipped).to(device)] = False
-    return keep.nonzero().squeeze(1)
+    """Mark in ``out`` (``[T]`` bool over the batch rows) the rows of ``spec``'s request that
+    skip the FFN: the candidates (still ``in_recovery``, a ``[T]`` bool mask; default every
+    row) that are not important. None when ``mass`` is zero everywhere (no global head voted).
+    No host synchronisation."""
+    cand = spec.candidates
+    rows = spec.rows_of(cand)
+    active = None if in_recovery is None else in_recovery[rows]
+    chosen = important_mask(mass, cand, mass_thresh, active)
+    skip = ~chosen if active is None else active & ~chosen
+    out[rows] = skip & (mass.sum() > 0)  # the requests of a batch have disjoint rows
+    return out
 
 
 def around_mlp(original, self, x, *args, **kwargs):

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from redknot.attention.ffn_schedule import SCHEDULE, ffn_rows, important_rows, key_mass
+from redknot.attention.ffn_schedule import SCHEDULE, key_mass, skip_mask
 from redknot.attention.trace import phase
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
-from redknot.kernels.extend import plan_extend, restrict_tiles, run_extend
+from redknot.kernels.extend import plan_extend, restrict_tiles, run_extend, to_device
 from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
@@ -57,12 +57,38 @@ class ExtendState:
 
 @dataclass(frozen=True)
 class HeldRows:
-    """The batch rows still in recovery (``SCHEDULE.held``), as a mask over the batch rows, and
-    the extend plan restricted to their query tiles."""
+    """The batch rows still in recovery (``SCHEDULE.held``), as a mask over the batch rows, the
+    extend plan restricted to their query tiles, and the segment reads of the tokens that left
+    (every head of theirs takes the cached K/V). Built once when rows leave, on the host from
+    the layer's one synchronisation."""
 
     rows: torch.Tensor  # [A] int64 ascending
     mask: torch.Tensor  # [T] bool
     plan: object  # redknot.kernels.extend.ExtendPlan
+    left: SegmentReads  # the reads whose token left recovery
+
+
+_READ_INDICES = ("tokens_gpu", "rows_gpu", "pos_off_gpu", "pos_on_gpu")
+
+
+@dataclass(frozen=True)
+class LayerConsts:
+    """What the segment-reuse path of one layer looks up per forward, built once."""
+
+    local_cols: tuple[tuple[int, int], ...]  # (local KV head, its column in the segment region)
+    global_cols: tuple[tuple[int, int], ...]  # (global KV head, column), the stored ones
+    global_queries: torch.Tensor  # int64 [G * group]: the query heads of the global KV heads
+
+    @classmethod
+    def of(cls, layout: HeadLayout, stored: tuple[int, ...], lid: int, device) -> LayerConsts:
+        """``stored``: the heads the segment region keeps in this layer (``segment_heads``;
+        with ``skipped="cached"`` startup requires every global head among them)."""
+        glob, grp = layout.global_heads(lid), layout.group_size
+        return cls(
+            tuple((h, stored.index(h)) for h in layout.local_heads(lid)),
+            tuple((h, stored.index(h)) for h in glob if h in stored),
+            torch.tensor([h * grp + j for h in glob for j in range(grp)], device=device),
+        )
 
 
 def model_rope(model: torch.nn.Module) -> AlignableRope:
@@ -122,6 +148,11 @@ class SegPagedRunner:
         self._dummy = torch.zeros((1, 1, layout.head_dim), dtype=pool.dtype, device=device)
         # RoPE of the model, for re-rotating reused segment keys (set when segments are on)
         self.rope: AlignableRope | None = None
+        self.consts = (
+            [LayerConsts.of(layout, pool.segments.heads[i], i, device)
+             for i in range(layout.num_layers)]
+            if pool.segments is not None else []
+        )  # fmt: skip
         # Segment reuse's layer schedule (redknot.attention.ffn_schedule); off by default
         self.dense_layers = layout.num_layers
         self.mass_thresh = 1.0
@@ -147,8 +178,20 @@ class SegPagedRunner:
             device=torch.device(model_runner.device),
         )
         if runner.pool.segments is not None:
+            cls.check_segment_dtype(runner.pool.dtype, model_runner.dtype)
             runner.rope = model_rope(model_runner.model)
         return runner
+
+    @staticmethod
+    def check_segment_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype) -> None:
+        """Reused segment K/V is re-rotated straight into the layer's K/V: the cache must keep
+        the model's dtype."""
+        if kv_dtype != model_dtype:
+            raise ValueError(
+                f"segment reuse needs the KV cache in the model's dtype ({model_dtype}), got "
+                f"{kv_dtype}: start the server with --kv-cache-dtype auto, or with "
+                "--redknot-segment-fraction 0 to serve without cached segments"
+            )
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -346,14 +389,10 @@ class SegPagedRunner:
 
     @staticmethod
     def _held_rows(state: ExtendState, num_rows: int) -> HeldRows | None:
-        """``SCHEDULE.held`` with its mask and restricted plan, rebuilt only when it changed."""
-        rows = SCHEDULE.held
-        if rows is None:
+        """The rows the current layer computes (``SCHEDULE.held``; None: every row)."""
+        if SCHEDULE.held is None:
             return None
-        if state.held is None or state.held.rows is not rows:
-            mask = torch.zeros(num_rows, dtype=torch.bool, device=rows.device)
-            mask[rows] = True
-            state.held = HeldRows(rows, mask, restrict_tiles(state.plan, rows.cpu()))
+        assert state.held is not None and state.held.rows is SCHEDULE.held
         return state.held
 
     @staticmethod
@@ -363,45 +402,56 @@ class SegPagedRunner:
         full[held.rows] = x
         return full
 
+    def _probe_mass(self, lid: int, q, scale: float, spec) -> torch.Tensor:
+        """Attention mass of the probed queries on every key of ``spec``'s request, summed over
+        the layer's global heads (zero when the rank holds none)."""
+        end = spec.prefix + spec.length
+        glob = self.layout.global_heads(lid)
+        if not glob:
+            return torch.zeros(end, dtype=torch.float32, device=q.device)
+        probe = torch.arange(spec.probe_start, end, device=q.device)
+        keys = self.pool.k_global[lid][self.req_to_token[spec.req_pool_idx, :end].long()]
+        probe_q = q[spec.rows_of(probe)][:, self.consts[lid].global_queries]
+        probe_q = probe_q.view(len(probe), len(glob), self.layout.group_size, -1)
+        return key_mass(probe_q, keys, probe, scale)
+
     def _schedule_ffn(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
         """Decide which rows of this layer run the FFN (after the layer's global K/V is stored),
         and under ``skipped="cached"`` which rows leave recovery from the next layer on.
 
-        ``q``: this layer's queries of every batch row (rows that left are zero)."""
-        glob = self.layout.global_heads(lid)
-        grp = self.layout.group_size
+        ``q``: this layer's queries of every batch row (rows that left are zero). One host
+        synchronisation: the rows that go on."""
+        state = self.extend_state
         num_rows = q.shape[0]
-        in_recovery = self._held_rows(self.extend_state, num_rows)  # as extend() built it
-        held = None if in_recovery is None else in_recovery.rows
-        skipped = []
+        held = self._held_rows(state, num_rows)
+        skip = torch.zeros(num_rows, dtype=torch.bool, device=q.device)
         for spec in reads.sparse:
-            if in_recovery is not None:  # rows that left are no candidates any more
-                cand = spec.candidates.to(q.device)
-                spec = replace(spec, candidates=cand[in_recovery.mask[spec.rows_of(cand)]])
-            end = spec.prefix + spec.length
-            probe = torch.arange(spec.probe_start, end, device=q.device)
-            mass = torch.zeros(end, dtype=torch.float32, device=q.device)
-            if glob:  # the probe's attention mass per key (profiled inside schedule_ffn)
-                keys = self.pool.k_global[lid][self.req_to_token[spec.req_pool_idx, :end].long()]
-                qidx = torch.tensor(
-                    [h * grp + j for h in glob for j in range(grp)], device=q.device
-                )
-                probe_q = q[spec.rows_of(probe)][:, qidx].view(len(probe), len(glob), grp, -1)
-                mass = key_mass(probe_q, keys, probe, scale)
-            if self.tp_size > 1:  # every rank must skip the same rows (the MLP all-reduces)
-                from sglang.srt.distributed import tensor_model_parallel_all_reduce
+            with phase("redknot.importance_mass"):
+                mass = self._probe_mass(lid, q, scale, spec)
+                if self.tp_size > 1:  # every rank must skip the same rows (the MLP all-reduces)
+                    from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
-                mass = tensor_model_parallel_all_reduce(mass)
+                    mass = tensor_model_parallel_all_reduce(mass)
             with phase("redknot.importance_select"):
-                skipped.append(important_rows(spec, mass, self.mass_thresh, num_rows))
-        computed = num_rows if held is None else held.numel()
-        keep = ffn_rows(num_rows, skipped, q.device, held)
-        if keep is not None:
+                skip_mask(spec, mass, self.mass_thresh, skip, None if held is None else held.mask)
+        keep = ~skip if held is None else held.mask & ~skip
+        with phase("redknot.sync"):
+            keep_cpu = keep.cpu()
+        rows_cpu = keep_cpu.nonzero().squeeze(1)
+        computed = num_rows if held is None else held.rows.numel()
+        SCHEDULE.skipped += computed - rows_cpu.numel()
+        if rows_cpu.numel() < computed:
+            rows = to_device(rows_cpu, q.device)
             # the MLP sees the rows this layer computes: index into them
-            SCHEDULE.rows[lid] = keep if held is None else torch.searchsorted(held, keep)
+            SCHEDULE.rows[lid] = rows if held is None else torch.searchsorted(held.rows, rows)
             if self.skipped == "cached":
-                SCHEDULE.target = keep
-        SCHEDULE.skipped += computed - (computed if keep is None else keep.numel())
+                SCHEDULE.target = rows
+                left = to_device((~keep_cpu[reads.tokens_cpu]).nonzero().squeeze(1), q.device)
+                state.held = HeldRows(
+                    rows, keep, restrict_tiles(state.plan, rows_cpu),
+                    replace(reads, sparse=(), tokens_cpu=None,
+                            **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
+                )  # fmt: skip
         if lid == self.layout.num_layers - 1:
             logger.info(
                 "redknot sparse FFN: %d token-layer FFNs skipped in layers %d-%d of this "
@@ -417,33 +467,26 @@ class SegPagedRunner:
     def _reuse_kv(self, lid: int, k, v, reads: SegmentReads, held: HeldRows | None) -> None:
         """Reused segment tokens take the cached K/V, re-rotated to their positions in this
         prompt (in place in this layer's ``k``, ``v``: [T, H_kv, D]): local heads for every
-        segment token; every head for the tokens that left recovery (rows not in ``held``)."""
+        segment token; every head for the tokens that left recovery (``held.left``). One
+        alignment launch per head, straight into ``k``/``v``; no host synchronisation."""
+        consts = self.consts[lid]
+        for head, col in consts.local_cols:
+            self._align_head(lid, k, v, head, col, reads)
+        if held is not None and held.left.tokens_gpu.numel():
+            for head, col in consts.global_cols:
+                self._align_head(lid, k, v, head, col, held.left)
+
+    def _align_head(self, lid: int, k, v, head: int, col: int, reads: SegmentReads) -> None:
+        """``k``/``v`` rows ``reads.tokens_gpu`` of KV head ``head`` from the segment region's
+        column ``col`` (re-rotated keys, copied values; the region has the model's dtype, see
+        :meth:`check_segment_dtype`)."""
         region = self.pool.segments
-        stored = region.heads[lid]
-        local = self.layout.local_heads(lid)
-        tok = reads.tokens_gpu
-        left = None if held is None else ~held.mask[tok]
-        glob = self.layout.global_heads(lid) if left is not None else []
-        if not local and not glob:
-            return
-        n = reads.rows_gpu.numel()
-        k_new = region.k[lid].new_empty((n, len(stored), k.shape[2]))
-        v_new = region.v[lid].new_empty((n, len(stored), v.shape[2]))
         rope_align(
-            region.k[lid], reads.rows_gpu, k_new, self._arange[:n], reads.pos_off_gpu,
-            reads.pos_on_gpu, self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
-            rotary_dim=self.rope.rotary_dim, v_src=region.v[lid], v_dst=v_new,
+            region.k[lid][:, col : col + 1], reads.rows_gpu, k[:, head : head + 1],
+            reads.tokens_gpu, reads.pos_off_gpu, reads.pos_on_gpu, self.rope.cos_sin_cache,
+            is_neox=self.rope.is_neox, rotary_dim=self.rope.rotary_dim,
+            v_src=region.v[lid][:, col : col + 1], v_dst=v[:, head : head + 1],
         )  # fmt: skip
-        for heads, rows in ((local, None), (glob, left)):
-            if not heads:
-                continue
-            cols = torch.tensor([stored.index(h) for h in heads], device=k.device)
-            at = torch.tensor(heads, device=k.device)[None, :]
-            t, kk, vv = (
-                (tok, k_new, v_new) if rows is None else (tok[rows], k_new[rows], v_new[rows])
-            )
-            k[t[:, None], at] = kk[:, cols].to(k.dtype)
-            v[t[:, None], at] = vv[:, cols].to(v.dtype)
 
     def decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):
         lid = layer.layer_id

@@ -50,8 +50,10 @@ class ExtendConfig:
         return self.block_m // group_size
 
 
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to ``device`` without a host synchronisation (through pinned
+    memory on CUDA)."""
+    if torch.device(device).type == "cuda":
         return x.pin_memory().to(device, non_blocking=True)
     return x.to(device)
 
@@ -130,10 +132,10 @@ def plan_extend(
         qo_indptr_cpu=indptr32,
         tile_req_cpu=tile_req,
         tile_start_cpu=tile_start,
-        prefix_lens_gpu=_to_device(prefix32, device),
-        qo_indptr_gpu=_to_device(indptr32, device),
-        tile_req_gpu=_to_device(tile_req, device),
-        tile_start_gpu=_to_device(tile_start, device),
+        prefix_lens_gpu=to_device(prefix32, device),
+        qo_indptr_gpu=to_device(indptr32, device),
+        tile_req_gpu=to_device(tile_req, device),
+        tile_start_gpu=to_device(tile_start, device),
     )
 
 
@@ -153,8 +155,8 @@ def restrict_tiles(plan: ExtendPlan, rows_cpu: torch.Tensor) -> ExtendPlan:
         plan,
         tile_req_cpu=tile_req,
         tile_start_cpu=tile_start,
-        tile_req_gpu=_to_device(tile_req, device),
-        tile_start_gpu=_to_device(tile_start, device),
+        tile_req_gpu=to_device(tile_req, device),
+        tile_start_gpu=to_device(tile_start, device),
     )
 
 

@@ -35,20 +35,35 @@ def select_important(mass: Tensor, candidates: Tensor, mass_thresh: float) -> Te
     ``[K]`` int64 ascending: the ``K`` highest-mass candidates (ties: the lower row first), ``K``
     the smallest count whose mass is ``>= mass_thresh * total``.
     """
-    empty = candidates[:0]
-    if candidates.numel() == 0 or mass_thresh <= 0.0:
-        return empty
-    if mass_thresh >= 1.0:
-        return candidates
+    return candidates[important_mask(mass, candidates, mass_thresh)]
+
+
+def important_mask(
+    mass: Tensor, candidates: Tensor, mass_thresh: float, active: Tensor | None = None
+) -> Tensor:
+    """:func:`select_important` as a ``[C]`` bool mask over ``candidates``, chosen among the
+    ``active`` ones only (``[C]`` bool; default every one), without a host synchronisation.
+
+    Inactive candidates count as mass 0 and are never chosen; they sort after every active
+    candidate of positive mass, which the threshold always reaches first."""
+    C = candidates.numel()
+    chosen = torch.ones(C, dtype=torch.bool, device=candidates.device)
+    if active is not None:
+        chosen &= active
+    if C == 0 or mass_thresh >= 1.0:
+        return chosen
+    if mass_thresh <= 0.0:
+        return chosen & False
     m = mass[candidates].to(torch.float64)
-    total = float(m.sum())
-    if total <= 0.0:
-        return empty
+    if active is not None:
+        m = m * active
+    total = m.sum()
     order = torch.argsort(m, descending=True, stable=True)
     covered = torch.cumsum(m[order], dim=0)
-    target = torch.tensor([mass_thresh * total], dtype=torch.float64, device=m.device)
-    count = min(int(torch.searchsorted(covered, target)) + 1, int(candidates.numel()))
-    return torch.sort(candidates[order[:count]]).values
+    count = torch.searchsorted(covered, (mass_thresh * total).reshape(1)) + 1
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(C, device=order.device)
+    return chosen & (rank < count) & (total > 0)
 
 
 def top_rows(scores: Tensor, candidates: Tensor, count: int) -> Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from redknot.attention.ffn_schedule import SparseFfn
+from redknot.kernels.extend import to_device
 from redknot.segcache.entry import SegmentEntry
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class SegmentReads:
     pos_off_gpu: torch.Tensor
     pos_on_gpu: torch.Tensor
     sparse: tuple[SparseFfn, ...] = ()
+    tokens_cpu: torch.Tensor | None = None  # tokens_gpu on the host
 
 
 def start(cache: Any, req: Any) -> None:
@@ -102,14 +104,14 @@ def plan_reads(
             question = max(u.start + u.entry.num_tokens for u in uses)
             probe = max(min(question, p + e - recent_n), p)
             cand = torch.cat(positions)
-            sparse.append(SparseFfn(rpi, offset, p, e, probe, cand[cand < probe]))
+            cand = to_device(cand[cand < probe], device)
+            sparse.append(SparseFfn(rpi, offset, p, e, probe, cand))
         offset += e
     if not parts:
         return None
-    tokens, rows, pos_off, pos_on = (
-        torch.cat(column).to(torch.int64).to(device, non_blocking=True) for column in zip(*parts)
-    )
-    return SegmentReads(tokens, rows, pos_off, pos_on, tuple(sparse))
+    tokens, rows, pos_off, pos_on = (torch.cat(column).to(torch.int64) for column in zip(*parts))
+    on_device = (to_device(x, device) for x in (tokens, rows, pos_off, pos_on))
+    return SegmentReads(*on_device, sparse=tuple(sparse), tokens_cpu=tokens)
 
 
 def finish(cache: Any, req_pool_idx: int | None) -> None:

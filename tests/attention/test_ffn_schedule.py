@@ -13,9 +13,8 @@ from redknot.attention.ffn_schedule import (
     SCHEDULE,
     SparseFfn,
     around_mlp,
-    ffn_rows,
-    important_rows,
     key_mass,
+    skip_mask,
 )
 
 
@@ -57,19 +56,29 @@ def test_key_mass_matches_brute_force():
 
 
 @pytest.mark.parametrize("thresh", [0.0, 0.3, 0.5, 0.9, 1.0])
-def test_rows_that_skip_the_ffn_match_brute_force(thresh):
+@pytest.mark.parametrize("held", [False, True])
+def test_rows_that_skip_the_ffn_match_brute_force(thresh, held):
     mass = torch.rand(40, generator=torch.Generator().manual_seed(1))
     cand = torch.arange(10, 30)
     spec = SparseFfn(req_pool_idx=1, batch_offset=7, prefix=5, length=35, probe_start=30,
                      candidates=cand)  # fmt: skip
-    rows = important_rows(spec, mass, thresh, num_rows=7 + 35)
-    want = [c - 5 + 7 for c in brute_skip(mass, cand.tolist(), thresh)]
-    assert rows.tolist() == want
-    kept = ffn_rows(42, [rows], "cpu")
-    if want:
-        assert kept.tolist() == [r for r in range(42) if r not in want]
-    else:
-        assert kept is None  # nothing skipped: every row runs the FFN
+    in_recovery = None
+    active = cand.tolist()
+    if held:  # rows that left earlier are no candidates: the choice is among the others
+        in_recovery = torch.ones(42, dtype=torch.bool)
+        in_recovery[[c - 5 + 7 for c in (11, 12, 20, 29)]] = False
+        active = [c for c in active if c not in (11, 12, 20, 29)]
+    out = torch.zeros(42, dtype=torch.bool)
+    out[0] = True  # another request's row: kept as it was
+    skip_mask(spec, mass, thresh, out, in_recovery)
+    want = [c - 5 + 7 for c in brute_skip(mass, active, thresh)]
+    assert out.nonzero().squeeze(1).tolist() == [0] + want
+
+
+def test_no_row_skips_when_no_global_head_voted():
+    spec = SparseFfn(1, 0, 0, 20, 15, torch.arange(2, 12))
+    out = torch.zeros(20, dtype=torch.bool)
+    assert not skip_mask(spec, torch.zeros(20), 0.5, out).any()
 
 
 def test_mlp_hook_runs_only_the_scheduled_rows():

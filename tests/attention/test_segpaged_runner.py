@@ -281,3 +281,9 @@ def test_extend_completing_a_reusing_prompt_schedules_the_deep_layers_ffn(dense_
         skip = brute_skip(mass, list(range(3, 13)), thresh)
         assert skip, "the test needs a case that skips some rows"
         assert rows.tolist() == [r for r in range(18) if r not in skip]
+
+
+def test_segment_reuse_refuses_a_cache_dtype_other_than_the_models():
+    SegPagedRunner.check_segment_dtype(torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="--kv-cache-dtype auto"):
+        SegPagedRunner.check_segment_dtype(torch.float16, torch.bfloat16)

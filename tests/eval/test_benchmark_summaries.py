@@ -135,7 +135,9 @@ def test_profile_summary_busy_time_and_ranges_on_a_made_up_trace():
 
     k = lambda ts, dur, name="k": {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name}
     events = [
-        k(0, 10, "gemm"), k(5, 10, "gemm"), k(30, 5, "copy"),  # union [0,15] + [30,35]
+        k(0, 10, "gemm"),
+        k(5, 10, "gemm"),
+        k(30, 5, "copy"),  # union [0,15] + [30,35]
         {"ph": "X", "cat": "user_annotation", "name": "redknot.spread", "ts": 0, "dur": 40},
         {"ph": "X", "cat": "gpu_user_annotation", "name": "redknot.spread", "ts": 10, "dur": 22},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1, "dur": 7},
