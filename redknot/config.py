@@ -20,6 +20,8 @@ from redknot.headmap import HeadMap, HeadMapError, ModelShape
 KERNEL_CHOICES = ("auto", "triton")
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
+TOKEN_POLICIES = ("naive", "epic", "cacheblend")  # redknot.attention.token_policy
+POLICY_CHOICES = ("redknot", *TOKEN_POLICIES)
 
 
 class RedknotConfigError(ValueError):
@@ -90,6 +92,29 @@ class RedknotConfig:
         "decides importance; they always run the FFN.",
         default=128,
     )
+    policy: str = _opt(
+        "How reused segment tokens are recovered: 'redknot' (head classes: global heads "
+        "recomputed, local heads reuse the cache; the head map decides), or a token-level "
+        "policy that recomputes some tokens in every head and reuses the cache for the rest: "
+        "'naive' (no segment token), 'epic' (the first --redknot-epic-k of every segment), "
+        "'cacheblend' (the --redknot-blend-ratio of largest KV deviation in "
+        "--redknot-blend-check-layer). Token-level policies serve every head global.",
+        default="redknot",
+    )
+    epic_k: int = _opt(
+        "Policy 'epic': the first tokens of every reused segment recomputed in every layer.",
+        default=16,
+    )
+    blend_check_layer: int = _opt(
+        "Policy 'cacheblend': every token is recomputed up to this layer, where the KV "
+        "deviation of the reused tokens chooses which go on.",
+        default=1,
+    )
+    blend_ratio: float = _opt(
+        "Policy 'cacheblend': fraction of each request's reused tokens recomputed after the "
+        "check layer (those of largest KV deviation).",
+        default=0.15,
+    )
     namespaces: str | None = _opt(
         "Comma-separated segment namespaces requests may use ('default' is always there). "
         "Without it, registering a segment (POST /redknot/segments) creates its namespace.",
@@ -102,6 +127,7 @@ class RedknotConfig:
     )
 
     def __post_init__(self) -> None:
+        self._resolve_policy()
         if self.head_map is not None and self.all_global:
             raise RedknotConfigError(
                 "--redknot-head-map and --redknot-all-global exclude each other: "
@@ -165,6 +191,39 @@ class RedknotConfig:
                     f"--redknot-{name} must be an integer >= {int(name == 'window')}, "
                     f"got {value!r}"
                 )
+
+    def _resolve_policy(self) -> None:
+        """A token-level policy serves every head global and reads every head of a cached
+        segment; it excludes the options of redknot's own recovery."""
+        if self.policy not in POLICY_CHOICES:
+            raise RedknotConfigError(
+                f"--redknot-policy {self.policy!r} is not one of {', '.join(POLICY_CHOICES)}"
+            )
+        for name in ("epic_k", "blend_check_layer"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                flag = name.replace("_", "-")
+                raise RedknotConfigError(f"--redknot-{flag} must be an integer >= 0, got {value!r}")
+        if isinstance(self.blend_ratio, bool) or not (
+            isinstance(self.blend_ratio, (int, float)) and 0 <= self.blend_ratio <= 1
+        ):
+            raise RedknotConfigError(
+                f"--redknot-blend-ratio must be a number in [0, 1], got {self.blend_ratio!r}"
+            )
+        if self.policy == "redknot":
+            return
+        flag = f"--redknot-policy {self.policy}"
+        conflicts = [
+            (self.head_map is not None, "--redknot-head-map (it serves every head global)"),
+            (self.dense_layers is not None, "--redknot-dense-layers (redknot's own recovery)"),
+            (self.segment_heads == "local", "--redknot-segment-heads local (it reads every head)"),
+            (self.segment_fraction == 0, "--redknot-segment-fraction 0 (nothing to reuse)"),
+        ]
+        for bad, what in conflicts:
+            if bad:
+                raise RedknotConfigError(f"{flag} cannot be combined with {what}")
+        object.__setattr__(self, "all_global", True)  # frozen dataclass: resolved once
+        object.__setattr__(self, "segment_heads", "all")
 
     # ---- construction ------------------------------------------------------------------
 

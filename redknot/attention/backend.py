@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from redknot.attention.token_policy import TokenPolicy
 from redknot.config import RedknotConfig
 
 if TYPE_CHECKING:
@@ -55,48 +56,53 @@ def _check_model(model_runner: ModelRunner) -> None:
 
 
 def _check_sparse_layers(model_runner: ModelRunner, runner, config: RedknotConfig) -> None:
-    """The sparse layers change the rows each layer computes from request to request, which a
-    captured prefill graph cannot; ``skipped=cached`` reads every head of a cached segment."""
+    """The sparse layers (``--redknot-dense-layers``, or a token-level ``--redknot-policy``)
+    change the rows each layer computes from request to request, which a captured prefill graph
+    cannot; rows that leave recovery read every head of a cached segment."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     from redknot.attention import ffn_schedule
     from redknot.integration.plugin import wraps
 
+    token_policy = config.policy != "redknot"
+    what = (
+        f"--redknot-policy {config.policy}"
+        if token_policy
+        else f"--redknot-dense-layers {config.dense_layers} (skipped={config.skipped})"
+    )
     graphs = getattr(model_runner.server_args, "cuda_graph_config", None)
     prefill = getattr(getattr(graphs, "prefill", None), "backend", Backend.DISABLED)
     if prefill != Backend.DISABLED:
         raise ValueError(
-            f"--redknot-dense-layers {config.dense_layers} makes the rows of each deep layer "
-            f"depend on the request, which the prefill CUDA graph ({prefill}) would replay "
-            "with the rows of its capture: add --disable-prefill-cuda-graph"
+            f"{what} makes the rows of each layer depend on the request, which the prefill "
+            f"CUDA graph ({prefill}) would replay with the rows of its capture: add "
+            "--disable-prefill-cuda-graph"
         )
     layer = next((m for m in model_runner.model.modules() if hasattr(m, "mlp")), None)
     if layer is None:
-        raise ValueError(
-            "--redknot-dense-layers needs a model with decoder layers that have an mlp"
-        )
-    needs = [(type(layer.mlp), ffn_schedule.around_mlp)]
-    if config.skipped == "cached":
+        raise ValueError(f"{what} needs a model with decoder layers that have an mlp")
+    needs = [] if token_policy else [(type(layer.mlp), ffn_schedule.around_mlp)]
+    leaves = token_policy or config.skipped == "cached"
+    if leaves:
         needs.append((type(layer), ffn_schedule.around_decoder_layer))
     for cls, fn in needs:
         if not wraps(cls.forward, fn):
             raise ValueError(
-                f"--redknot-dense-layers {config.dense_layers} (skipped={config.skipped}) needs "
-                f"redknot's hook on {cls.__module__}.{cls.__qualname__}.forward, which this "
-                "model does not have (hooked: Llama and Qwen2 decoder layers and MLPs): serve "
-                "it without --redknot-dense-layers"
+                f"{what} needs redknot's hook on {cls.__module__}.{cls.__qualname__}.forward, "
+                "which this model does not have (hooked: Llama and Qwen2 decoder layers and "
+                f"MLPs): serve it without {what.split()[0]}"
             )
-    if config.skipped != "cached":
+    if not leaves:
         return
     region = runner.pool.segments
     for layer, heads in enumerate(region.heads):
         missing = [h for h in runner.layout.global_heads(layer) if h not in heads]
         if missing:
             raise ValueError(
-                f"--redknot-skipped cached reads the cached K/V of every head of a segment "
-                f"token that leaves recovery, but cached segments keep only the local heads "
-                f"(layer {layer} lacks heads {missing}): start with --redknot-segment-heads all "
-                "(or --redknot-skipped residual)"
+                f"{what} reads the cached K/V of every head of a segment token that leaves "
+                f"recovery, but cached segments keep only the local heads (layer {layer} lacks "
+                f"heads {missing}): start with --redknot-segment-heads all"
+                + ("" if token_policy else " (or --redknot-skipped residual)")
             )
 
 
@@ -122,7 +128,7 @@ class RedknotAttnBackend(AttentionBackend):
             )
         self.dense: AttentionBackend | None = None
         self.segpaged = None
-        if self.layout.all_global and config.kernel == "auto":
+        if self.layout.all_global and config.kernel == "auto" and config.policy == "redknot":
             from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
             self.dense = FlashInferAttnBackend(
@@ -164,7 +170,24 @@ class RedknotAttnBackend(AttentionBackend):
         runner = self.segpaged
         runner.dense_layers, runner.mass_thresh = dense, config.mass_thresh
         runner.recent_n, runner.tp_size, runner.skipped = config.recent_n, tp, config.skipped
-        if dense >= layers or runner.pool.segments is None:
+        runner.policy = TokenPolicy.of(config)
+        if runner.pool.segments is None:
+            return
+        if runner.policy is not None:
+            if config.blend_check_layer >= layers and config.policy == "cacheblend":
+                raise ValueError(
+                    f"--redknot-blend-check-layer {config.blend_check_layer} is not a layer of "
+                    f"the model (0-{layers - 1}): give a check layer below {layers}"
+                )
+            _check_sparse_layers(model_runner, runner, config)
+            logger.info(
+                "redknot segment reuse: token-level policy %s (%s); the reused tokens it does "
+                "not keep take the cached K/V of every head",
+                runner.policy.name,
+                runner.policy.describe(),
+            )
+            return
+        if dense >= layers:
             return
         _check_sparse_layers(model_runner, runner, config)
         logger.info(

@@ -155,11 +155,20 @@ def around_decoder_layer(original, self, positions, hidden_states, forward_batch
     if sched.held is not target:
         with phase("redknot.compact"):
             if sched.held is None:
+                # before the first layer the residual is not formed yet (None): rows that
+                # leave there keep a zero residual, the layer gets None for its rows; the
+                # embeddings are copied (they may be the caller's tensor, written back later)
+                first = residual is None
+                if first:
+                    residual = torch.zeros_like(hidden_states)
+                    hidden_states = hidden_states.clone()
                 sched.full = (hidden_states, residual)
             else:
+                first = False
                 sched.full[0][sched.held] = hidden_states
                 sched.full[1][sched.held] = residual
-            hidden_states, residual = sched.full[0][target], sched.full[1][target]
+            hidden_states = sched.full[0][target]
+            residual = None if first else sched.full[1][target]
         sched.held = target
     sched.left += sched.full[0].shape[0] - target.numel()
     with phase("redknot.decoder_layer.rows_in_recovery"):

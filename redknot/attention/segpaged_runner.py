@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from redknot.attention.ffn_schedule import SCHEDULE, key_mass, skip_mask
+from redknot.attention.token_policy import TokenPolicy, kept_rows
 from redknot.attention.trace import phase
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import plan_extend, restrict_tiles, run_extend, to_device
@@ -27,6 +28,7 @@ from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
+from redknot.recovery.cacheblend import kv_deviation
 from redknot.segcache import registration, reuse
 from redknot.segcache.registration import SegmentWrites
 from redknot.segcache.reuse import SegmentReads
@@ -51,8 +53,9 @@ class ExtendState:
     segment_writes: SegmentWrites | None = None
     # Tokens that reuse a stored segment's local K/V (redknot.segcache.reuse):
     segment_reads: SegmentReads | None = None
-    # skipped="cached": the rows in recovery (rebuilt when rows leave, not per layer)
+    # skipped="cached" and token policies: the rows in recovery (rebuilt when rows leave)
     held: HeldRows | None = None
+    kept_tokens: int = -1  # token policies: reused segment tokens kept (-1: not chosen yet)
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,7 @@ class SegPagedRunner:
         self.mass_thresh = 1.0
         self.recent_n = 128
         self.skipped = "cached"  # what becomes of a row that skipped a deep FFN (ffn_schedule)
+        self.policy: TokenPolicy | None = None  # a token-level policy (token_policy); None: redknot
         self.tp_size = 1
         self._arange = torch.arange(max_context_len, device=device)
         self.decode_plan = None
@@ -274,6 +278,8 @@ class SegPagedRunner:
                 self.pool, rpis, prefix_cpu, lens_cpu, self.device, self.recent_n
             )
         self.extend_state = ExtendState(plan, keep_tokens, keep_rows, capture, writes, reads)
+        if reads is not None and self.policy is not None and self.policy.chooses_at_plan:
+            self._keep(self.policy.planned_kept(reads.pos_off_cpu))
 
     def _plan_captures(self, fb: ForwardBatch, prefix_cpu, lens_cpu):
         """Rows of the snapshot captures whose branch point this extend computes."""
@@ -367,6 +373,12 @@ class SegPagedRunner:
         if reads is not None and reads.sparse and lid >= self.dense_layers and save_kv_cache:
             with phase("redknot.schedule_ffn"):
                 self._schedule_ffn(lid, q, layer.scaling, reads)
+        if reads is not None and self.policy is not None:
+            if lid == self.policy.select_layer and save_kv_cache:
+                with phase("redknot.blend_choice"):
+                    self._blend(lid, k, v, reads)
+            if lid == self.layout.num_layers - 1:
+                self._log_policy(reads)
         if held is not None:
             out = out[held.rows]
         return out.flatten(1)
@@ -441,17 +453,12 @@ class SegPagedRunner:
         computed = num_rows if held is None else held.rows.numel()
         SCHEDULE.skipped += computed - rows_cpu.numel()
         if rows_cpu.numel() < computed:
-            rows = to_device(rows_cpu, q.device)
+            if self.skipped == "cached":
+                rows = self._hold(keep_cpu, rows_cpu, keep)
+            else:
+                rows = to_device(rows_cpu, q.device)
             # the MLP sees the rows this layer computes: index into them
             SCHEDULE.rows[lid] = rows if held is None else torch.searchsorted(held.rows, rows)
-            if self.skipped == "cached":
-                SCHEDULE.target = rows
-                left = to_device((~keep_cpu[reads.tokens_cpu]).nonzero().squeeze(1), q.device)
-                state.held = HeldRows(
-                    rows, keep, restrict_tiles(state.plan, rows_cpu),
-                    replace(reads, sparse=(), tokens_cpu=None,
-                            **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
-                )  # fmt: skip
         if lid == self.layout.num_layers - 1:
             logger.info(
                 "redknot sparse FFN: %d token-layer FFNs skipped in layers %d-%d of this "
@@ -463,6 +470,72 @@ class SegPagedRunner:
                 SCHEDULE.left,
                 self.skipped,
             )
+
+    def _hold(self, keep_cpu, rows_cpu, keep=None) -> torch.Tensor:
+        """From the next layer on only ``keep_cpu`` (``[T]`` bool on the host; ``rows_cpu`` its
+        rows, ``keep`` it on the device if at hand) stays in recovery: the decoder-layer hook
+        compacts to those rows, and every head of the reused tokens outside it takes the cached
+        K/V. Returns the rows on the device."""
+        state = self.extend_state
+        reads = state.segment_reads
+        device = reads.tokens_gpu.device
+        rows = to_device(rows_cpu, device)
+        keep = to_device(keep_cpu, device) if keep is None else keep
+        left = to_device((~keep_cpu[reads.tokens_cpu]).nonzero().squeeze(1), device)
+        state.held = HeldRows(
+            rows, keep, restrict_tiles(state.plan, rows_cpu),
+            replace(reads, sparse=(), tokens_cpu=None, pos_off_cpu=None,
+                    **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
+        )  # fmt: skip
+        SCHEDULE.target = rows
+        return rows
+
+    def _keep(self, kept) -> None:
+        """A token policy's choice (``kept``: ``[R]`` bool over the reads, on the host): the
+        rows outside it leave recovery from the next layer on (before layer 0 when planning)."""
+        state = self.extend_state
+        reads, plan = state.segment_reads, state.plan
+        keep_cpu = kept_rows(plan.num_tokens, reads.tokens_cpu, kept, plan.qo_indptr_cpu)
+        state.kept_tokens = int(kept.sum())
+        rows_cpu = keep_cpu.nonzero().squeeze(1)
+        if rows_cpu.numel() < plan.num_tokens:
+            self._hold(keep_cpu, rows_cpu)
+
+    def _blend(self, lid: int, k, v, reads: SegmentReads) -> None:
+        """CacheBlend's choice in its check layer: the KV deviation of every reused token's
+        fresh K/V (``k``, ``v``: [T, H_kv, D]) from its cached, re-aligned K/V, every head."""
+        region = self.pool.segments
+        n = reads.rows_gpu.numel()
+        cached_k = region.k[lid].new_empty((n, *region.k[lid].shape[1:]))
+        cached_v = region.v[lid].new_empty((n, *region.v[lid].shape[1:]))
+        rope_align(
+            region.k[lid], reads.rows_gpu, cached_k, self._arange[:n], reads.pos_off_gpu,
+            reads.pos_on_gpu, self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
+            rotary_dim=self.rope.rotary_dim, v_src=region.v[lid], v_dst=cached_v,
+        )  # fmt: skip
+        heads = region.head_index[lid]  # every head (startup requires segment heads 'all')
+        tok = reads.tokens_gpu
+        fresh_k, fresh_v = k[tok][:, heads], v[tok][:, heads]
+        deviation = kv_deviation(
+            *(x.transpose(0, 1) for x in (fresh_k, fresh_v, cached_k, cached_v))
+        )
+        if self.tp_size > 1:  # every rank must keep the same rows: sum over every rank's heads
+            from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+            deviation = tensor_model_parallel_all_reduce(deviation)
+        plan = self.extend_state.plan
+        self._keep(self.policy.blend_kept(deviation.cpu(), reads.tokens_cpu, plan.qo_indptr_cpu))
+
+    def _log_policy(self, reads: SegmentReads) -> None:
+        kept = self.extend_state.kept_tokens
+        logger.info(
+            "redknot token policy %s: %d of %d reused segment tokens recomputed; %d "
+            "token-layers left to the cache",
+            self.policy.name,
+            max(kept, 0),
+            reads.tokens_gpu.numel(),
+            SCHEDULE.left,
+        )
 
     def _reuse_kv(self, lid: int, k, v, reads: SegmentReads, held: HeldRows | None) -> None:
         """Reused segment tokens take the cached K/V, re-rotated to their positions in this

@@ -52,6 +52,7 @@ class SegmentReads:
     pos_on_gpu: torch.Tensor
     sparse: tuple[SparseFfn, ...] = ()
     tokens_cpu: torch.Tensor | None = None  # tokens_gpu on the host
+    pos_off_cpu: torch.Tensor | None = None  # pos_off_gpu on the host
 
 
 def start(cache: Any, req: Any) -> None:
@@ -111,7 +112,7 @@ def plan_reads(
         return None
     tokens, rows, pos_off, pos_on = (torch.cat(column).to(torch.int64) for column in zip(*parts))
     on_device = (to_device(x, device) for x in (tokens, rows, pos_off, pos_on))
-    return SegmentReads(*on_device, sparse=tuple(sparse), tokens_cpu=tokens)
+    return SegmentReads(*on_device, sparse=tuple(sparse), tokens_cpu=tokens, pos_off_cpu=pos_off)
 
 
 def finish(cache: Any, req_pool_idx: int | None) -> None:

@@ -308,3 +308,9 @@ def test_sparse_layers_refuse_settings_that_would_silently_change_them(sglang_pl
     _check_sparse_layers(model_runner(layer=plain), runner(local), residual)  # MLP is hooked
     with pytest.raises(ValueError, match="needs redknot's hook on .*PlainLayer.forward"):
         _check_sparse_layers(model_runner(layer=plain), runner(every), cached)
+    blend = RedknotConfig(policy="cacheblend")  # every head global, segment heads 'all'
+    _check_sparse_layers(model_runner(), runner(every), blend)
+    with pytest.raises(ValueError, match="--redknot-policy cacheblend makes the rows.*breakable"):
+        _check_sparse_layers(model_runner("breakable"), runner(every), blend)
+    with pytest.raises(ValueError, match="--redknot-policy cacheblend needs redknot's hook on"):
+        _check_sparse_layers(model_runner(layer=plain), runner(every), blend)

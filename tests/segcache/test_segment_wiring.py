@@ -225,6 +225,32 @@ def test_rows_leaving_recovery_keep_every_head_of_a_segment_by_default():
         RedknotConfig(all_global=True, skipped="drop")
 
 
+def test_token_policies_serve_every_head_global_and_keep_every_segment_head():
+    from redknot.recovery.options import RecoveryOptions
+
+    blend = RedknotConfig(policy="cacheblend")  # no head map needed
+    assert blend.all_global and blend.segment_heads == "all"
+    defaults = RecoveryOptions()  # the reference path's knobs, the same defaults
+    assert (blend.epic_k, blend.blend_check_layer, blend.blend_ratio) == (
+        defaults.epic_k, defaults.blend_check_layer, defaults.blend_ratio,
+    )  # fmt: skip
+    assert RedknotConfig.from_json(blend.to_json()) == blend
+    assert RedknotConfig(all_global=True).policy == "redknot"
+    refused = [
+        ({"head_map": "m.json"}, "cannot be combined with --redknot-head-map"),
+        ({"dense_layers": 8}, "cannot be combined with --redknot-dense-layers"),
+        ({"segment_heads": "local"}, "cannot be combined with --redknot-segment-heads local"),
+        ({"segment_fraction": 0}, "cannot be combined with --redknot-segment-fraction 0"),
+        ({"blend_ratio": 1.5}, "blend-ratio must be a number in"),
+        ({"epic_k": -1}, "epic-k must be an integer >= 0"),
+    ]
+    for extra, message in refused:
+        with pytest.raises(RedknotConfigError, match=message):
+            RedknotConfig(policy="epic", **extra)
+    with pytest.raises(RedknotConfigError, match="policy 'sparse' is not one of redknot, naive"):
+        RedknotConfig(all_global=True, policy="sparse")
+
+
 @pytest.fixture
 def sglang_plugins():
     """SGLang's plugin loader, run as the scheduler process runs it."""

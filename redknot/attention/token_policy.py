@@ -1,0 +1,106 @@
+"""Token-level recovery policies in the server (``--redknot-policy naive|epic|cacheblend``):
+the reference path's rules (``redknot.recovery.baselines``, ``epic``, ``cacheblend``) on the
+server's segment cache, RoPE alignment and kernels.
+
+One choice per reused segment token for every head at once, taken once per extend. The chosen
+("kept") tokens and every row that is not a reused segment token (the new text, and each
+request's last row, whose logits are read) are computed in every layer; from ``sparse_from`` on
+the others leave recovery exactly as the rows that skip a deep FFN under ``--redknot-skipped
+cached`` do (``redknot.attention.ffn_schedule``): every head reads their cached, re-aligned K/V,
+and nothing of them is computed.
+
+| policy       | chooses                   | leave from layer          | kept segment tokens       |
+| ------------ | ------------------------- | ------------------------- | ------------------------- |
+| ``naive``    | when the batch is planned | 0                         | none                      |
+| ``epic``     | when the batch is planned | 0                         | the first ``epic_k`` of every reused segment |
+| ``cacheblend`` | in ``blend_check_layer`` | ``blend_check_layer + 1`` | per request, the ``round(blend_ratio * S)`` of its ``S`` reused tokens whose fresh K/V deviates most from the cached, aligned K/V (``redknot.recovery.cacheblend.kv_deviation``; ties: the lower row) |
+
+Token-level policies treat every head alike, so they are served with every head global. Under
+chunked prefill each chunk chooses among its own reused tokens (the reference path prefills in
+one call); with one chunk per prompt the two are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from redknot.config import TOKEN_POLICIES, RedknotConfig
+from redknot.recovery.cacheblend import blend_count
+from redknot.recovery.importance import top_rows
+
+
+@dataclass(frozen=True)
+class TokenPolicy:
+    """The served token-level policy and its knobs."""
+
+    name: str
+    epic_k: int
+    blend_check_layer: int
+    blend_ratio: float
+
+    def __post_init__(self) -> None:
+        assert self.name in TOKEN_POLICIES, self.name
+
+    @classmethod
+    def of(cls, config: RedknotConfig) -> TokenPolicy | None:
+        """The configured token-level policy (None: redknot's recovery)."""
+        if config.policy not in TOKEN_POLICIES:
+            return None
+        return cls(config.policy, config.epic_k, config.blend_check_layer, config.blend_ratio)
+
+    def describe(self) -> str:
+        return {
+            "naive": "no reused token recomputed",
+            "epic": f"the first {self.epic_k} tokens of every reused segment recomputed",
+            "cacheblend": f"every token recomputed up to layer {self.blend_check_layer}, then "
+            f"the {self.blend_ratio:g} of each request's reused tokens of largest KV deviation",
+        }[self.name]
+
+    @property
+    def chooses_at_plan(self) -> bool:
+        """True: the choice needs no layer's K/V (made when the batch is planned)."""
+        return self.name != "cacheblend"
+
+    @property
+    def select_layer(self) -> int:
+        """The layer whose fresh K/V the choice reads (-1: none)."""
+        return self.blend_check_layer if self.name == "cacheblend" else -1
+
+    def planned_kept(self, pos_off: torch.Tensor) -> torch.Tensor:
+        """``[R]`` bool over the reads (``pos_off``: each read token's position in its
+        segment): the tokens ``naive`` and ``epic`` keep."""
+        if self.name == "epic":
+            return pos_off < self.epic_k
+        return torch.zeros_like(pos_off, dtype=torch.bool)
+
+    def blend_kept(
+        self, deviation: torch.Tensor, tokens: torch.Tensor, qo_indptr: torch.Tensor
+    ) -> torch.Tensor:
+        """``[R]`` bool over the reads: per request, the ``blend_count`` tokens of largest
+        ``deviation`` (``[R]`` float64); ``tokens``: their batch rows, ``qo_indptr``: the
+        requests' first rows (all on the host)."""
+        kept = torch.zeros(tokens.shape[0], dtype=torch.bool)
+        request = torch.searchsorted(qo_indptr.to(torch.int64), tokens, right=True) - 1
+        scores = torch.zeros(int(qo_indptr[-1]), dtype=torch.float64)
+        scores[tokens] = deviation
+        for b in request.unique().tolist():
+            mine = (request == b).nonzero().squeeze(1)
+            rows = tokens[mine].sort().values
+            chosen = top_rows(scores, rows, blend_count(self.blend_ratio, rows.numel()))
+            kept[mine] = torch.isin(tokens[mine], chosen)
+        return kept
+
+
+def kept_rows(
+    num_rows: int, tokens: torch.Tensor, kept: torch.Tensor, qo_indptr: torch.Tensor
+) -> torch.Tensor:
+    """``[T]`` bool over the batch rows (host): every row but the reused tokens not ``kept``;
+    each request's last row always."""
+    keep = torch.ones(num_rows, dtype=torch.bool)
+    keep[tokens[~kept]] = False
+    ends = qo_indptr[1:].to(torch.int64)
+    last = ends[ends > qo_indptr[:-1].to(torch.int64)] - 1
+    keep[last] = True
+    return keep

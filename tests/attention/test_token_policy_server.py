@@ -1,0 +1,160 @@
+"""Token-level policies in the server path (``naive``, ``epic``, ``cacheblend``): the toy decoder
+stack of ``test_skipped_cached`` with every head global, run through the decoder-layer hook and
+the SegPaged runner, against a brute-force forward of every row that applies the policy's rule
+directly: from ``sparse_from`` on the reused segment tokens the policy did not keep take their
+cached, re-aligned K/V in every head and are not computed. Limits: ``epic`` keeping every token
+and ``cacheblend`` with ratio 1 are the dense prefill (nothing leaves). Triton kernels under the
+interpreter on the CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from redknot.attention.ffn_schedule import SCHEDULE
+from redknot.attention.token_policy import TokenPolicy, kept_rows
+from redknot.recovery.cacheblend import blend_count
+
+from .test_segpaged_runner import D, World
+from .test_skipped_cached import HIDDEN, NEW, SEG, ToyLayer, _norm, served
+
+CLASSES = ("GG", "GG", "GG")  # every head global: token-level policies treat heads alike
+GRP = 2
+
+
+def brute_force(world, layers, embed, seg_kv, policy):
+    """Every row's forward with the policy's rule applied directly; returns the final states
+    and, per layer, the rows that did not compute it (took cached K/V in every head)."""
+    from redknot.kernels.rope_reference import delta_rotate
+
+    n = embed.shape[0]
+    seg = torch.arange(NEW, NEW + SEG)
+    cos_sin = world.runner.rope.cos_sin_cache
+
+    def leaving(kept):  # reused tokens not kept leave; the last row never does
+        left = torch.zeros(n, dtype=torch.bool)
+        left[seg[~kept]] = True
+        left[n - 1] = False
+        return left
+
+    left = torch.zeros(n, dtype=torch.bool)
+    if policy.name == "naive":
+        left = leaving(torch.zeros(SEG, dtype=torch.bool))
+    elif policy.name == "epic":  # the first epic_k tokens of the segment
+        left = leaving(torch.arange(SEG) < policy.epic_k)
+    hidden, residual = embed.clone(), None
+    positions = torch.arange(n)
+    history = []
+    for lid, layer in enumerate(layers):
+        if residual is None:
+            residual, x = hidden.clone(), _norm(hidden)
+        else:
+            residual = hidden + residual
+            x = _norm(residual)
+        q, k, v = layer.qkv(x, positions)
+        cached_k = delta_rotate(seg_kv[lid][0], torch.arange(SEG), seg, cos_sin, is_neox=True)
+        cached_k, cached_v = cached_k.to(torch.bfloat16), seg_kv[lid][1]
+        choose = lid == policy.select_layer
+        if choose:  # CacheBlend: KV deviation of the fresh K/V from the cached, aligned K/V
+            dev = (k[seg].double() - cached_k.double()).square().sum((1, 2))
+            dev += (v[seg].double() - cached_v.double()).square().sum((1, 2))
+            count = blend_count(policy.blend_ratio, SEG)
+            top = sorted(range(SEG), key=lambda i: (-float(dev[i]), i))[:count]
+            kept = torch.zeros(SEG, dtype=torch.bool)
+            kept[top] = True
+        history.append(left.clone())
+        rows = seg[left[seg]]
+        k[rows], v[rows] = cached_k[rows - NEW], cached_v[rows - NEW]
+        o = torch.zeros(n, len(CLASSES[0]) * GRP, D)
+        for i in range(n):
+            for hq in range(o.shape[1]):
+                s = (k[: i + 1, hq // GRP].float() @ q[i, hq].float()) * D**-0.5
+                o[i, hq] = torch.softmax(s, 0) @ v[: i + 1, hq // GRP].float()
+        o = o.to(torch.bfloat16).float().view(n, -1)
+        new_residual = o @ layer.wo + residual
+        out = layer.mlp.forward(_norm(new_residual))
+        hidden = torch.where(left[:, None], hidden, out)
+        residual = torch.where(left[:, None], residual, new_residual)
+        if choose:
+            left = leaving(kept)
+    return hidden + residual, history
+
+
+POLICIES = [
+    ("naive", {}),
+    ("epic", {"epic_k": 4}),
+    ("epic", {"epic_k": 100}),  # every token kept: the dense prefill
+    ("cacheblend", {"blend_check_layer": 0, "blend_ratio": 0.25}),
+    ("cacheblend", {"blend_check_layer": 1, "blend_ratio": 0.5}),
+    ("cacheblend", {"blend_check_layer": 0, "blend_ratio": 1.0}),  # the dense prefill
+]
+
+
+@pytest.mark.parametrize("name, knobs", POLICIES)
+@pytest.mark.parametrize("question", [5, 0])  # 0: the prompt ends inside the segment
+def test_token_policy_in_the_server_matches_its_rule(name, knobs, question):
+    from redknot.kernels.rope_align import alignable_rope
+    from redknot.kernels.rope_reference import delta_rotate, sglang_rope
+    from redknot.segcache.registration import WriteJob
+    from redknot.segcache.reuse import SegmentUse
+    from redknot.segcache.store import SegmentStore
+
+    policy = TokenPolicy(name, **{"epic_k": 16, "blend_check_layer": 1, "blend_ratio": 0.15,
+                                  **knobs})  # fmt: skip
+    w = World(CLASSES, GRP, torch.bfloat16, seed=1, segment_fraction=0.1, segment_heads="all")
+    rope = sglang_rope(D, D, 512, 10000.0, True)
+    w.runner.rope = alignable_rope(rope)
+    g = torch.Generator().manual_seed(5)
+    layers = [ToyLayer(i, w, rope, g) for i in range(len(CLASSES))]
+    store = SegmentStore.for_pool(w.pool)
+    w.pool.cache = SimpleNamespace(segments=store)
+    n = NEW + SEG + question
+    tokens = torch.randn(n, HIDDEN, generator=g)
+
+    entry = store.register("kb", list(range(SEG)), pin=False)
+    w.pool.segment_jobs[4] = WriteJob(entry)
+    served(w, layers, 4, tokens[NEW : NEW + SEG], hooked=False)  # the segment alone
+    w.pool.segment_jobs.clear()
+    seg_kv = [w.pool.segments.read(i, entry.rows()) for i in range(len(CLASSES))]
+
+    w.runner.policy = policy
+    store.acquire(entry)
+    w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
+    got = served(w, layers, 2, tokens, hooked=True)
+    want, history = brute_force(w, layers, tokens, seg_kv, policy)
+
+    dense = policy.epic_k >= SEG if name == "epic" else policy.blend_ratio == 1.0
+    assert bool(history[-1].any()) != dense  # rows leave unless the policy keeps them all
+    assert SCHEDULE.held is None and SCHEDULE.full is None
+    assert SCHEDULE.left == sum(int(h.sum()) for h in history)
+    kept = ~history[-1]  # rows that computed the last layer, the last row among them
+    torch.testing.assert_close(got[kept], want[kept], atol=3e-2, rtol=3e-2)
+    for lid in range(len(CLASSES)):  # rows that left hold their cached K/V in every head
+        gone = torch.nonzero(history[lid]).flatten()
+        if gone.numel():
+            slots = w.req_to_token[2, gone].long()
+            cached = delta_rotate(
+                seg_kv[lid][0][gone - NEW], gone - NEW, gone, rope.cos_sin_cache, is_neox=True
+            ).to(torch.bfloat16)
+            torch.testing.assert_close(
+                w.pool.k_global[lid][slots].float(), cached.float(), atol=2e-2, rtol=2e-2
+            )
+            assert torch.equal(w.pool.v_global[lid][slots], seg_kv[lid][1][gone - NEW])
+
+
+def test_kept_rows_keep_new_text_and_each_requests_last_row():
+    tokens = torch.tensor([1, 2, 3, 6, 7])  # reused tokens of two requests (rows 0-3, 4-7)
+    kept = torch.tensor([False, True, False, False, False])
+    keep = kept_rows(8, tokens, kept, torch.tensor([0, 4, 8]))
+    assert keep.tolist() == [True, False, True, True, True, True, False, True]
+
+
+def test_cacheblend_keeps_the_largest_deviations_per_request():
+    policy = TokenPolicy("cacheblend", 16, 1, 0.5)
+    tokens = torch.tensor([0, 1, 2, 3, 5, 6])  # request 0: rows 0-3, request 1: rows 4-7
+    deviation = torch.tensor([0.1, 0.9, 0.5, 0.5, 0.2, 0.3], dtype=torch.float64)
+    kept = policy.blend_kept(deviation, tokens, torch.tensor([0, 4, 8]))
+    # request 0: 2 of 4 (0.9, then the tie 0.5/0.5 goes to the lower row); request 1: 1 of 2
+    assert kept.tolist() == [False, True, True, False, False, True]
