@@ -11,16 +11,20 @@ dummy weights):
 - ``redknot-g0.125``: the synthetic 1/8 map, plain prompt (head-class prefill, no reuse);
 - ``redknot-g0.125-reuse``: the same map; the documents are registered first (standalone
   prefill, not timed) and the prompt marks them as segments, so local heads take the cached,
-  re-aligned K/V (``redknot.segcache.reuse``).
+  re-aligned K/V (``redknot.segcache.reuse``);
+- ``naive``, ``epic``, ``cacheblend``: the token-level policies (``--redknot-policy``, every
+  head global, default knobs) on the same registered documents.
 
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
 ``--reps`` after one warm-up at each point). ``flops`` is the analytical prefill FLOPs of the
 schedule each variant runs (projections and FFN of every token, attention over the keys each
 head sees); for ``redknot-g0.125-reuse-sparse-ffn`` (``--redknot-dense-layers 8``: the FFN of
 deeper layers runs only on the segment tokens the question attends to most) minus the FFNs the
-server reports it skipped. A reuse point where any marked segment missed the store is reported
-with its misses (``segment_store``) and flagged, never averaged in silently: the store is sized
-by ``--segment-fraction`` so that one point's documents fit.
+server reports it skipped; for every variant that leaves rows to the cache (``-cached`` and the
+token-level policies) minus each left token-layer's projections, FFN and attention row. A reuse
+point where any marked segment missed the store is reported with its misses
+(``segment_store``) and flagged, never averaged in silently: the store is sized by
+``--segment-fraction`` so that one point's documents fit.
 
     python benchmarks/ttft.py --out benchmarks/results/ttft.json
     python benchmarks/ttft.py --sweep --variants flashinfer,redknot-g0.125-reuse \\
@@ -48,14 +52,20 @@ SKIPPED = re.compile(
     r"(?:.*?; (\d+) token-layers left to the cache)?"
 )
 
+POLICY_LOG = re.compile(r"redknot token policy \w+: .*?; (\d+) token-layers left to the cache")
+
 VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reuse, dense layers,
-    #                   what becomes of a row that skips a deep FFN)
-    "flashinfer": (None, False, False, None, None),
-    "redknot-all-global": (1.0, True, False, None, None),
-    "redknot-g0.125": (0.125, False, False, None, None),
-    "redknot-g0.125-reuse": (0.125, False, True, None, None),
-    "redknot-g0.125-reuse-sparse-ffn": (0.125, False, True, DENSE_LAYERS, "residual"),
-    "redknot-g0.125-reuse-sparse-cached": (0.125, False, True, DENSE_LAYERS, "cached"),
+    #                   what becomes of a row that skips a deep FFN, token-level policy)
+    "flashinfer": (None, False, False, None, None, None),
+    "redknot-all-global": (1.0, True, False, None, None, None),
+    "redknot-g0.125": (0.125, False, False, None, None, None),
+    "redknot-g0.125-reuse": (0.125, False, True, None, None, None),
+    "redknot-g0.125-reuse-sparse-ffn": (0.125, False, True, DENSE_LAYERS, "residual", None),
+    "redknot-g0.125-reuse-sparse-cached": (0.125, False, True, DENSE_LAYERS, "cached", None),
+    # token-level policies (every head global) at their default knobs
+    "naive": (1.0, True, True, None, None, "naive"),
+    "epic": (1.0, True, True, None, None, "epic"),
+    "cacheblend": (1.0, True, True, None, None, "cacheblend"),
 }
 
 
@@ -118,7 +128,7 @@ def child(args) -> None:
     from redknot.api.marks import SegmentMark, encode_marks
     from redknot.segcache.entry import segment_id
 
-    fraction, all_global, reuse, dense_layers, skipped = VARIANTS[args.child]
+    fraction, all_global, reuse, dense_layers, skipped, policy = VARIANTS[args.child]
     points = parse_points(args.points)
     extra = {
         "mem_fraction_static": args.mem_fraction_static,
@@ -134,7 +144,10 @@ def child(args) -> None:
             extra["redknot_dense_layers"] = dense_layers
             extra["redknot_skipped"] = skipped
             extra["log_level"] = "info"  # the sparse-FFN log lines count what was skipped
-        if all_global:
+        if policy is not None:
+            extra["redknot_policy"] = policy
+            extra["log_level"] = "info"  # the policy's log lines count the rows that left
+        elif all_global:
             extra["redknot_all_global"] = True
         else:
             extra["redknot_head_map"] = common.synthetic_map_file(args.model, fraction, "/tmp")
@@ -263,7 +276,7 @@ def main() -> None:
     results = {}
     for name in args.variants.split(","):
         results[name] = common.run_child(
-            __file__, base + ["--child", name], log_grep="redknot sparse FFN"
+            __file__, base + ["--child", name], log_grep="token-layers left to the cache"
         )
         lines = results[name].pop("log_lines", [])
         # per measured prompt (warm-up included), in order: token-layer FFNs skipped, and
@@ -271,6 +284,9 @@ def main() -> None:
         found = [m for m in map(SKIPPED.search, lines) if m]
         results[name]["ffn_skipped_per_prompt"] = [int(m.group(1)) for m in found]
         results[name]["left_per_prompt"] = [int(m.group(2) or 0) for m in found]
+        if VARIANTS[name][5] is not None:  # a token-level policy skips no FFN on its own
+            found = [m for m in map(POLICY_LOG.search, lines) if m]
+            results[name]["left_per_prompt"] = [int(m.group(1)) for m in found]
         print(name, json.dumps(results[name])[:400], flush=True)
         summary = summarize(cfg, results, args.reps)  # written after every variant
         common.write_json(args.out, common.record(

@@ -6,6 +6,8 @@
 # pieces' three runs on the GPU machine (README beside that script); run 3 calls this script
 # after the bundle unpack line and `python3 /tmp/smol/to_hf.py`.
 # Usage: bash scripts/server_fidelity.sh [--limit N] [more redknot.eval flags]
+# POLICY=naive|epic|cacheblend serves that token-level policy (every head global, no map) and
+# scores it as such; REDKNOT_FLAGS adds server options (e.g. --redknot-blend-ratio 0.3).
 set -uo pipefail
 out="${OUT:-/tmp}"
 model="${MODEL:-/tmp/smol-hf}"
@@ -28,12 +30,14 @@ python3 -m sglang.launch_server "${common[@]}" --port 30001 --attention-backend 
 dense=$!
 trap 'kill $dense ${redknot:-} 2>/dev/null; wait 2>/dev/null' EXIT
 wait_healthy 30001 "$dense" "$out/server_dense.log"
+policy="${POLICY:-redknot}"
+if [ "$policy" = redknot ]; then recovery=(--redknot-head-map "$map"); else recovery=(--redknot-policy "$policy"); fi
 python3 -m sglang.launch_server "${common[@]}" --port 30000 --attention-backend redknot \
-  --redknot-head-map "$map" --redknot-segment-fraction 0.3 ${REDKNOT_FLAGS:-} \
+  "${recovery[@]}" --redknot-segment-fraction 0.3 ${REDKNOT_FLAGS:-} \
   > "$out/server_redknot.log" 2>&1 &
 redknot=$!
 wait_healthy 30000 "$redknot" "$out/server_redknot.log"
 grep -h "redknot" "$out/server_redknot.log" | head -10
 python3 -m redknot.eval fidelity --backend server --cases benchmarks/cases/rag_v1.jsonl \
   --server http://127.0.0.1:30000 --reference-server http://127.0.0.1:30001 \
-  --out "$out/fidelity_server.json" "$@"
+  --policies "full,$policy" --out "$out/fidelity_server.json" "$@"

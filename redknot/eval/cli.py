@@ -237,7 +237,7 @@ def server_backend(args: argparse.Namespace) -> FidelityBackend:
         raise SystemExit(
             f"error: {what} cannot be used with --backend server: it serves "
             f"{', '.join(SERVER_POLICIES)} with the redknot server's own options (start the "
-            "server with --redknot-dense-layers etc.)"
+            "server with --redknot-policy, --redknot-dense-layers etc.)"
         )
     try:
         return ServerBackend(

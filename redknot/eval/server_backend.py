@@ -6,6 +6,7 @@ Two servers of the same model take part:
 | --------- | ------------------- | ------------------------------------------------------------ |
 | ``full``  | ``reference_url``   | the composed prompt, no segments (run it with ``--attention-backend flashinfer`` or ``redknot --redknot-all-global``) |
 | ``redknot`` | ``url``           | every segment registered first (``POST /redknot/segments``), then the prompt with its segments marked over ``input_ids`` |
+| ``naive``, ``epic``, ``cacheblend`` | ``url`` | as ``redknot``, on a server started with that ``--redknot-policy`` |
 
 The recovery knobs are the redknot server's own options (``--redknot-dense-layers`` ...): a
 server serves one setting, recorded from its ``/server_info``. Prompts are composed exactly as
@@ -39,7 +40,7 @@ from redknot.eval.base import (
 from redknot.eval.cases import Case
 from redknot.eval.compose import ComposedCase, compose
 
-SERVER_POLICIES = (REFERENCE_LABEL, "redknot")
+SERVER_POLICIES = (REFERENCE_LABEL, "redknot", "naive", "epic", "cacheblend")
 TOP_K = 10
 
 
@@ -174,9 +175,21 @@ class ServerBackend(FidelityBackend):
                 )
             if setting.policy == REFERENCE_LABEL:
                 outputs[setting.label] = self._serve(self.reference_url, composed, marked=False)
+            elif setting.policy != self.served_policy:
+                raise ServerEvalError(
+                    f"{self.url} serves policy {self.served_policy!r}, not {setting.policy!r}: "
+                    f"ask for --policies full,{self.served_policy}, or start the server with "
+                    f"--redknot-policy {setting.policy}"
+                )
             else:
                 outputs[setting.label] = self._serve_reused(composed)
         return outputs
+
+    @property
+    def served_policy(self) -> str:
+        """The ``--redknot-policy`` the redknot server resolved (older servers: ``redknot``)."""
+        states = self.info.get("internal_states") or [{}]
+        return (states[0].get("redknot_config") or {}).get("policy", "redknot")
 
     def _serve_reused(self, composed: ComposedCase) -> PolicyOutput:
         for start, end in composed.segments:

@@ -94,7 +94,7 @@ POLICIES = [
 
 @pytest.mark.parametrize("name, knobs", POLICIES)
 @pytest.mark.parametrize("question", [5, 0])  # 0: the prompt ends inside the segment
-def test_token_policy_in_the_server_matches_its_rule(name, knobs, question):
+def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, caplog):
     from redknot.kernels.rope_align import alignable_rope
     from redknot.kernels.rope_reference import delta_rotate, sglang_rope
     from redknot.segcache.registration import WriteJob
@@ -122,8 +122,13 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question):
     w.runner.policy = policy
     store.acquire(entry)
     w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
-    got = served(w, layers, 2, tokens, hooked=True)
+    with caplog.at_level("INFO", logger="redknot.attention.segpaged_runner"):
+        got = served(w, layers, 2, tokens, hooked=True)
     want, history = brute_force(w, layers, tokens, seg_kv, policy)
+    from benchmarks.ttft import POLICY_LOG  # the TTFT benchmark reads the log line
+
+    (logged,) = [m for m in map(POLICY_LOG.search, caplog.messages) if m]
+    assert int(logged.group(1)) == SCHEDULE.left
 
     dense = policy.epic_k >= SEG if name == "epic" else policy.blend_ratio == 1.0
     assert bool(history[-1].any()) != dense  # rows leave unless the policy keeps them all

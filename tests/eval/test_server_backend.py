@@ -221,7 +221,19 @@ def test_refuses_mismatched_servers_and_reference_only_policies(servers):
         _backend(servers(backend="redknot", model="other"), dense)
     backend = _backend(servers(backend="redknot"), dense)
     with pytest.raises(ServerEvalError, match="use --backend reference"):
+        backend.run_case(CASE, [PolicySetting("sparsex")])
+    with pytest.raises(ServerEvalError, match="serves policy 'redknot', not 'naive'"):
         backend.run_case(CASE, [PolicySetting("naive")])
+
+
+def test_a_token_policy_server_serves_its_policy(servers):
+    blend = servers(backend="redknot")
+    blend.info["internal_states"][0]["redknot_config"]["policy"] = "cacheblend"
+    backend = _backend(blend, servers(backend="flashinfer"))
+    out = backend.run_case(CASE, [PolicySetting("cacheblend")])
+    assert out["cacheblend"].tokens and blend.hits == 2  # served with its segments marked
+    with pytest.raises(ServerEvalError, match="--policies full,cacheblend"):
+        backend.run_case(CASE, [PolicySetting("redknot")])
 
 
 def test_unreachable_server_is_a_clear_error(servers):
@@ -257,7 +269,7 @@ def test_cli_runs_the_server_backend(servers, tmp_path, monkeypatch):
     # the server's options apply, not the evaluation's defaults
     assert all(s["options"] is None for s in result["settings"])
     assert result["per_case"][0]["settings"]["redknot"]["top10"] == 0.5
-    assert server_backend.SERVER_POLICIES == ("full", "redknot")
+    assert server_backend.SERVER_POLICIES == ("full", "redknot", "naive", "epic", "cacheblend")
 
 
 @pytest.mark.parametrize(
@@ -265,8 +277,15 @@ def test_cli_runs_the_server_backend(servers, tmp_path, monkeypatch):
     [
         ([], "needs --server URL and --reference-server URL"),
         (
-            ["--server", "http://a", "--reference-server", "http://b", "--policies", "full,naive"],
-            "policy 'naive' cannot be used with --backend server",
+            [
+                "--server",
+                "http://a",
+                "--reference-server",
+                "http://b",
+                "--policies",
+                "full,sparsex",
+            ],
+            "policy 'sparsex' cannot be used with --backend server",
         ),
         (
             ["--server", "http://a", "--reference-server", "http://b", "--mass-thresh", "0.3"],
