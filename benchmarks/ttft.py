@@ -12,7 +12,7 @@ dummy weights):
 - ``redknot-g0.125-reuse``: the same map; the documents are registered first (standalone
   prefill, not timed) and the prompt marks them as segments, so local heads take the cached,
   re-aligned K/V (``redknot.segcache.reuse``);
-- ``naive``, ``epic``, ``cacheblend``: the token-level policies (``--redknot-policy``, every
+- ``naive``, ``epic``, ``cacheblend``, ``sparsex``: the token-level policies (``--redknot-policy``, every
   head global, default knobs) on the same registered documents.
 
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
@@ -66,6 +66,7 @@ VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reu
     "naive": (1.0, True, True, None, None, "naive"),
     "epic": (1.0, True, True, None, None, "epic"),
     "cacheblend": (1.0, True, True, None, None, "cacheblend"),
+    "sparsex": (1.0, True, True, None, None, "sparsex"),
 }
 
 

@@ -20,7 +20,7 @@ from redknot.headmap import HeadMap, HeadMapError, ModelShape
 KERNEL_CHOICES = ("auto", "triton")
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
-TOKEN_POLICIES = ("naive", "epic", "cacheblend")  # redknot.attention.token_policy
+TOKEN_POLICIES = ("naive", "epic", "cacheblend", "sparsex")  # redknot.attention.token_policy
 POLICY_CHOICES = ("redknot", *TOKEN_POLICIES)
 
 
@@ -98,7 +98,8 @@ class RedknotConfig:
         "policy that recomputes some tokens in every head and reuses the cache for the rest: "
         "'naive' (no segment token), 'epic' (the first --redknot-epic-k of every segment), "
         "'cacheblend' (the --redknot-blend-ratio of largest KV deviation in "
-        "--redknot-blend-check-layer). Token-level policies serve every head global.",
+        "--redknot-blend-check-layer), 'sparsex' (SparseX's sparse-Q selection after "
+        "--redknot-sparseq-boundary full layers). Token-level policies serve every head global.",
         default="redknot",
     )
     epic_k: int = _opt(
@@ -114,6 +115,19 @@ class RedknotConfig:
         "Policy 'cacheblend': fraction of each request's reused tokens recomputed after the "
         "check layer (those of largest KV deviation).",
         default=0.15,
+    )
+    sparseq_boundary: int = _opt(
+        "Policy 'sparsex': layers below this recompute every token; the last of them chooses "
+        "(>= 1 in the server).",
+        default=5,
+    )
+    sparseq_k: int = _opt(
+        "Policy 'sparsex': the top-k rows by the attention mass of the non-reused queries.",
+        default=512,
+    )
+    sparseq_block: int = _opt(
+        "Policy 'sparsex': reused rows recomputed on each side of a run of non-reused rows.",
+        default=16,
     )
     namespaces: str | None = _opt(
         "Comma-separated segment namespaces requests may use ('default' is always there). "
@@ -199,11 +213,14 @@ class RedknotConfig:
             raise RedknotConfigError(
                 f"--redknot-policy {self.policy!r} is not one of {', '.join(POLICY_CHOICES)}"
             )
-        for name in ("epic_k", "blend_check_layer"):
+        for name, low in (("epic_k", 0), ("blend_check_layer", 0), ("sparseq_boundary", 1),
+                          ("sparseq_k", 0), ("sparseq_block", 0)):  # fmt: skip
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 flag = name.replace("_", "-")
-                raise RedknotConfigError(f"--redknot-{flag} must be an integer >= 0, got {value!r}")
+                raise RedknotConfigError(
+                    f"--redknot-{flag} must be an integer >= {low}, got {value!r}"
+                )
         if isinstance(self.blend_ratio, bool) or not (
             isinstance(self.blend_ratio, (int, float)) and 0 <= self.blend_ratio <= 1
         ):

@@ -6,7 +6,7 @@
 # pieces' three runs on the GPU machine (README beside that script); run 3 calls this script
 # after the bundle unpack line and `python3 /tmp/smol/to_hf.py`.
 # Usage: bash scripts/server_fidelity.sh [--limit N] [more redknot.eval flags]
-# POLICY=naive|epic|cacheblend serves that token-level policy (every head global, no map) and
+# POLICY=naive|epic|cacheblend|sparsex serves that token-level policy (every head global, no map) and
 # scores it as such; REDKNOT_FLAGS adds server options (e.g. --redknot-blend-ratio 0.3).
 set -uo pipefail
 out="${OUT:-/tmp}"

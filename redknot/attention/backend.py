@@ -174,10 +174,15 @@ class RedknotAttnBackend(AttentionBackend):
         if runner.pool.segments is None:
             return
         if runner.policy is not None:
-            if config.blend_check_layer >= layers and config.policy == "cacheblend":
+            if runner.policy.select_layer >= layers:
+                flag = (
+                    f"--redknot-blend-check-layer {config.blend_check_layer}"
+                    if config.policy == "cacheblend"
+                    else f"--redknot-sparseq-boundary {config.sparseq_boundary}"
+                )
                 raise ValueError(
-                    f"--redknot-blend-check-layer {config.blend_check_layer} is not a layer of "
-                    f"the model (0-{layers - 1}): give a check layer below {layers}"
+                    f"{flag} chooses in layer {runner.policy.select_layer}, which the model "
+                    f"(layers 0-{layers - 1}) does not have: choose in a layer below {layers}"
                 )
             _check_sparse_layers(model_runner, runner, config)
             logger.info(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from redknot.attention.ffn_schedule import SCHEDULE, key_mass, skip_mask
-from redknot.attention.token_policy import TokenPolicy, kept_rows
+from redknot.attention.token_policy import TokenPolicy, kept_rows, per_request, segment_spans
 from redknot.attention.trace import phase
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import plan_extend, restrict_tiles, run_extend, to_device
@@ -29,6 +29,7 @@ from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 from redknot.recovery.cacheblend import kv_deviation
+from redknot.recovery.sparseq import select_tokens
 from redknot.segcache import registration, reuse
 from redknot.segcache.registration import SegmentWrites
 from redknot.segcache.reuse import SegmentReads
@@ -56,6 +57,7 @@ class ExtendState:
     # skipped="cached" and token policies: the rows in recovery (rebuilt when rows leave)
     held: HeldRows | None = None
     kept_tokens: int = -1  # token policies: reused segment tokens kept (-1: not chosen yet)
+    req_pool_indices: list[int] | None = None  # on the host, when segments are read
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,8 @@ class SegPagedRunner:
                 self.pool, rpis, prefix_cpu, lens_cpu, self.device, self.recent_n
             )
         self.extend_state = ExtendState(plan, keep_tokens, keep_rows, capture, writes, reads)
+        if reads is not None:
+            self.extend_state.req_pool_indices = rpis
         if reads is not None and self.policy is not None and self.policy.chooses_at_plan:
             self._keep(self.policy.planned_kept(reads.pos_off_cpu))
 
@@ -375,8 +379,11 @@ class SegPagedRunner:
                 self._schedule_ffn(lid, q, layer.scaling, reads)
         if reads is not None and self.policy is not None:
             if lid == self.policy.select_layer and save_kv_cache:
-                with phase("redknot.blend_choice"):
-                    self._blend(lid, k, v, reads)
+                with phase("redknot.policy_choice"):
+                    if self.policy.name == "cacheblend":
+                        self._blend(lid, k, v, reads)
+                    else:
+                        self._sparsex(lid, q, layer.scaling, reads)
             if lid == self.layout.num_layers - 1:
                 self._log_policy(reads)
         if held is not None:
@@ -525,6 +532,31 @@ class SegPagedRunner:
             deviation = tensor_model_parallel_all_reduce(deviation)
         plan = self.extend_state.plan
         self._keep(self.policy.blend_kept(deviation.cpu(), reads.tokens_cpu, plan.qo_indptr_cpu))
+
+    def _sparsex(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
+        """SparseX's choice in the last full layer, per request: its sparse-Q set from this
+        layer's queries (``q``: [T, Hq, D]) and every key it attends (the global store)."""
+        state, policy = self.extend_state, self.policy
+        plan = state.plan
+        qo, prefix = plan.qo_indptr_cpu.tolist(), plan.prefix_lens_cpu.tolist()
+        reduce = None
+        if self.tp_size > 1:  # every rank must keep the same rows: sum over every rank's heads
+            from sglang.srt.distributed import tensor_model_parallel_all_reduce as reduce
+        kept = torch.zeros(reads.tokens_cpu.shape[0], dtype=torch.bool)
+        for b, mine in per_request(reads.tokens_cpu, plan.qo_indptr_cpu):
+            start, end, past = qo[b], qo[b + 1], prefix[b]
+            order = mine[reads.tokens_cpu[mine].argsort()]
+            rows = reads.tokens_cpu[order] - start
+            spans = segment_spans(rows, reads.pos_off_cpu[order])
+            slots = self.req_to_token[state.req_pool_indices[b], : past + end - start].long()
+            selection = select_tokens(
+                q[start:end].transpose(0, 1), self.pool.k_global[lid][slots].transpose(0, 1),
+                spans, past_len=past, classes="G" * self.layout.num_kv_heads,
+                window=self.layout.window, sink=self.layout.sink, scale=scale,
+                k=policy.sparseq_k, block=policy.sparseq_block, reduce=reduce,
+            )  # fmt: skip
+            kept[order] = selection.recompute.cpu()[rows]
+        self._keep(kept)
 
     def _log_policy(self, reads: SegmentReads) -> None:
         kept = self.extend_state.kept_tokens

@@ -14,6 +14,7 @@ and nothing of them is computed.
 | ``naive``    | when the batch is planned | 0                         | none                      |
 | ``epic``     | when the batch is planned | 0                         | the first ``epic_k`` of every reused segment |
 | ``cacheblend`` | in ``blend_check_layer`` | ``blend_check_layer + 1`` | per request, the ``round(blend_ratio * S)`` of its ``S`` reused tokens whose fresh K/V deviates most from the cached, aligned K/V (``redknot.recovery.cacheblend.kv_deviation``; ties: the lower row) |
+| ``sparsex``  | in ``sparseq_boundary - 1`` | ``sparseq_boundary``    | per request, SparseX's sparse-Q set from that layer's queries and keys (``redknot.recovery.sparseq.select_tokens``: top ``sparseq_k`` by the non-reused rows' attention, ``sparseq_block`` rows of overflow, the tail fallback) |
 
 Token-level policies treat every head alike, so they are served with every head global. Under
 chunked prefill each chunk chooses among its own reused tokens (the reference path prefills in
@@ -39,6 +40,9 @@ class TokenPolicy:
     epic_k: int
     blend_check_layer: int
     blend_ratio: float
+    sparseq_boundary: int
+    sparseq_k: int
+    sparseq_block: int
 
     def __post_init__(self) -> None:
         assert self.name in TOKEN_POLICIES, self.name
@@ -48,7 +52,10 @@ class TokenPolicy:
         """The configured token-level policy (None: redknot's recovery)."""
         if config.policy not in TOKEN_POLICIES:
             return None
-        return cls(config.policy, config.epic_k, config.blend_check_layer, config.blend_ratio)
+        return cls(
+            config.policy, config.epic_k, config.blend_check_layer, config.blend_ratio,
+            config.sparseq_boundary, config.sparseq_k, config.sparseq_block,
+        )  # fmt: skip
 
     def describe(self) -> str:
         return {
@@ -56,16 +63,20 @@ class TokenPolicy:
             "epic": f"the first {self.epic_k} tokens of every reused segment recomputed",
             "cacheblend": f"every token recomputed up to layer {self.blend_check_layer}, then "
             f"the {self.blend_ratio:g} of each request's reused tokens of largest KV deviation",
+            "sparsex": f"every token recomputed below layer {self.sparseq_boundary}, then the "
+            f"sparse-Q set (top {self.sparseq_k}, overflow {self.sparseq_block})",
         }[self.name]
 
     @property
     def chooses_at_plan(self) -> bool:
         """True: the choice needs no layer's K/V (made when the batch is planned)."""
-        return self.name != "cacheblend"
+        return self.name in ("naive", "epic")
 
     @property
     def select_layer(self) -> int:
         """The layer whose fresh K/V the choice reads (-1: none)."""
+        if self.name == "sparsex":
+            return self.sparseq_boundary - 1
         return self.blend_check_layer if self.name == "cacheblend" else -1
 
     def planned_kept(self, pos_off: torch.Tensor) -> torch.Tensor:
@@ -82,15 +93,32 @@ class TokenPolicy:
         ``deviation`` (``[R]`` float64); ``tokens``: their batch rows, ``qo_indptr``: the
         requests' first rows (all on the host)."""
         kept = torch.zeros(tokens.shape[0], dtype=torch.bool)
-        request = torch.searchsorted(qo_indptr.to(torch.int64), tokens, right=True) - 1
         scores = torch.zeros(int(qo_indptr[-1]), dtype=torch.float64)
         scores[tokens] = deviation
-        for b in request.unique().tolist():
-            mine = (request == b).nonzero().squeeze(1)
+        for _, mine in per_request(tokens, qo_indptr):
             rows = tokens[mine].sort().values
             chosen = top_rows(scores, rows, blend_count(self.blend_ratio, rows.numel()))
             kept[mine] = torch.isin(tokens[mine], chosen)
         return kept
+
+
+def per_request(tokens: torch.Tensor, qo_indptr: torch.Tensor):
+    """``(request, indices)`` of the reads (``tokens``: batch rows, host) of each request."""
+    request = torch.searchsorted(qo_indptr.to(torch.int64), tokens, right=True) - 1
+    for b in request.unique().tolist():
+        yield b, (request == b).nonzero().squeeze(1)
+
+
+def segment_spans(rows: torch.Tensor, pos_off: torch.Tensor) -> list[tuple[int, int]]:
+    """The reused segments of one request as ``(start, end)`` rows, from its reads (``rows``
+    ascending, ``pos_off``: each one's position in its segment): a span breaks where either
+    stops counting up by one."""
+    if rows.numel() == 0:
+        return []
+    breaks = ((rows[1:] != rows[:-1] + 1) | (pos_off[1:] != pos_off[:-1] + 1)).nonzero()
+    starts = [0] + (breaks.squeeze(1) + 1).tolist()
+    ends = starts[1:] + [rows.numel()]
+    return [(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, ends)]
 
 
 def kept_rows(

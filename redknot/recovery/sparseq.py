@@ -26,7 +26,7 @@ Where the paper is silent, this module chooses:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -133,13 +133,16 @@ def select_tokens(
     scale: float | None,
     k: int,
     block: int,
+    reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> SparseQSelection:
     """The selection of one request (Algorithm 1 steps 11-17).
 
     ``q``: ``[Hq, T, d]`` this layer's queries of every row of the call; ``keys``:
     ``[Hkv, past_len + T, d]`` as attended; ``spans``: the segments, ``(start, end)`` rows of the
     call, ascending and disjoint; ``classes``: the KV heads' classes (a subset of heads may be
-    passed with the matching slices of ``q`` and ``keys``)."""
+    passed with the matching slices of ``q`` and ``keys``); ``reduce``: applied to the scores
+    before the top-k (the server sums them over tensor-parallel ranks, each holding some
+    heads)."""
     num_rows, device = q.shape[1], q.device
     reused = reused_mask(spans, num_rows, device)
     tail = tail_rows(spans, num_rows, device)
@@ -155,6 +158,8 @@ def select_tokens(
             sink=sink,
             scale=scale,
         )[past_len:]
+    if reduce is not None:
+        scores = reduce(scores)
     key = top_rows(scores, torch.arange(num_rows, device=device), k)
     overflow = overflow_rows(spans, num_rows, block, device)
     recompute = ~reused | overflow | tail

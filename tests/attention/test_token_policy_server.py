@@ -57,7 +57,9 @@ def brute_force(world, layers, embed, seg_kv, policy):
         cached_k = delta_rotate(seg_kv[lid][0], torch.arange(SEG), seg, cos_sin, is_neox=True)
         cached_k, cached_v = cached_k.to(torch.bfloat16), seg_kv[lid][1]
         choose = lid == policy.select_layer
-        if choose:  # CacheBlend: KV deviation of the fresh K/V from the cached, aligned K/V
+        if choose and policy.name == "sparsex":
+            kept = brute_sparseq(q, k, policy)
+        elif choose:  # CacheBlend: KV deviation of the fresh K/V from the cached, aligned K/V
             dev = (k[seg].double() - cached_k.double()).square().sum((1, 2))
             dev += (v[seg].double() - cached_v.double()).square().sum((1, 2))
             count = blend_count(policy.blend_ratio, SEG)
@@ -82,6 +84,32 @@ def brute_force(world, layers, embed, seg_kv, policy):
     return hidden + residual, history
 
 
+DEFAULTS = {"epic_k": 16, "blend_check_layer": 1, "blend_ratio": 0.15, "sparseq_boundary": 2,
+            "sparseq_k": 9, "sparseq_block": 1}  # fmt: skip
+def brute_sparseq(q, k, policy):
+    """SparseX's set among the segment rows, computed directly: the attention probability
+    each key gets from the non-reused rows (and the tail rows when the prompt ends inside the
+    segment), summed over heads; the top ``sparseq_k`` rows of the call (ties: the lower row),
+    ``sparseq_block`` rows at each segment edge facing non-reused rows, the tail."""
+    n = q.shape[0]
+    ends_inside = n == NEW + SEG
+    tail = set(range(max(NEW + SEG - 64, NEW), NEW + SEG)) if ends_inside else set()
+    probed = [i for i in range(n) if not NEW <= i < NEW + SEG or i in tail]
+    score = [0.0] * n
+    for i in probed:
+        for hq in range(q.shape[1]):
+            s = (k[: i + 1, hq // GRP].float() @ q[i, hq].float()) * D**-0.5
+            for j, p in enumerate(torch.softmax(s.double(), 0).tolist()):
+                score[j] += p
+    top = sorted(range(n), key=lambda j: (-score[j], j))[: policy.sparseq_k]
+    block = policy.sparseq_block
+    edges = set(range(NEW, min(NEW + block, NEW + SEG)))  # new text before the segment
+    if not ends_inside:  # the question after it
+        edges |= set(range(max(NEW + SEG - block, NEW), NEW + SEG))
+    chosen = set(top) | edges | tail
+    return torch.tensor([NEW + i in chosen for i in range(SEG)])
+
+
 POLICIES = [
     ("naive", {}),
     ("epic", {"epic_k": 4}),
@@ -89,6 +117,9 @@ POLICIES = [
     ("cacheblend", {"blend_check_layer": 0, "blend_ratio": 0.25}),
     ("cacheblend", {"blend_check_layer": 1, "blend_ratio": 0.5}),
     ("cacheblend", {"blend_check_layer": 0, "blend_ratio": 1.0}),  # the dense prefill
+    ("sparsex", {}),  # chooses in layer 1, from layer 2 on only the chosen rows
+    ("sparsex", {"sparseq_boundary": 1, "sparseq_k": 0, "sparseq_block": 0}),
+    ("sparsex", {"sparseq_boundary": 1, "sparseq_k": 100}),  # every row: the dense prefill
 ]
 
 
@@ -101,8 +132,7 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
     from redknot.segcache.reuse import SegmentUse
     from redknot.segcache.store import SegmentStore
 
-    policy = TokenPolicy(name, **{"epic_k": 16, "blend_check_layer": 1, "blend_ratio": 0.15,
-                                  **knobs})  # fmt: skip
+    policy = TokenPolicy(name, **{**DEFAULTS, **knobs})
     w = World(CLASSES, GRP, torch.bfloat16, seed=1, segment_fraction=0.1, segment_heads="all")
     rope = sglang_rope(D, D, 512, 10000.0, True)
     w.runner.rope = alignable_rope(rope)
@@ -130,7 +160,12 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
     (logged,) = [m for m in map(POLICY_LOG.search, caplog.messages) if m]
     assert int(logged.group(1)) == SCHEDULE.left
 
-    dense = policy.epic_k >= SEG if name == "epic" else policy.blend_ratio == 1.0
+    dense = {  # the policy keeps every row
+        "naive": False,
+        "epic": policy.epic_k >= SEG,
+        "cacheblend": policy.blend_ratio == 1.0,
+        "sparsex": question == 0 or policy.sparseq_k >= n,  # no question: the tail is all
+    }[name]
     assert bool(history[-1].any()) != dense  # rows leave unless the policy keeps them all
     assert SCHEDULE.held is None and SCHEDULE.full is None
     assert SCHEDULE.left == sum(int(h.sum()) for h in history)
@@ -157,9 +192,18 @@ def test_kept_rows_keep_new_text_and_each_requests_last_row():
 
 
 def test_cacheblend_keeps_the_largest_deviations_per_request():
-    policy = TokenPolicy("cacheblend", 16, 1, 0.5)
+    policy = TokenPolicy("cacheblend", **{**DEFAULTS, "blend_ratio": 0.5})
     tokens = torch.tensor([0, 1, 2, 3, 5, 6])  # request 0: rows 0-3, request 1: rows 4-7
     deviation = torch.tensor([0.1, 0.9, 0.5, 0.5, 0.2, 0.3], dtype=torch.float64)
     kept = policy.blend_kept(deviation, tokens, torch.tensor([0, 4, 8]))
     # request 0: 2 of 4 (0.9, then the tie 0.5/0.5 goes to the lower row); request 1: 1 of 2
     assert kept.tolist() == [False, True, True, False, False, True]
+
+
+def test_segment_spans_split_adjacent_segments_and_gaps():
+    from redknot.attention.token_policy import segment_spans
+
+    rows = torch.tensor([2, 3, 4, 5, 6, 9, 10])
+    pos_off = torch.tensor([0, 1, 2, 0, 1, 7, 8])  # a second segment starts at row 5
+    assert segment_spans(rows, pos_off) == [(2, 5), (5, 7), (9, 11)]
+    assert segment_spans(rows[:0], pos_off[:0]) == []

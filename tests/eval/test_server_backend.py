@@ -221,7 +221,7 @@ def test_refuses_mismatched_servers_and_reference_only_policies(servers):
         _backend(servers(backend="redknot", model="other"), dense)
     backend = _backend(servers(backend="redknot"), dense)
     with pytest.raises(ServerEvalError, match="use --backend reference"):
-        backend.run_case(CASE, [PolicySetting("sparsex")])
+        backend.run_case(CASE, [PolicySetting("headclass")])
     with pytest.raises(ServerEvalError, match="serves policy 'redknot', not 'naive'"):
         backend.run_case(CASE, [PolicySetting("naive")])
 
@@ -269,7 +269,9 @@ def test_cli_runs_the_server_backend(servers, tmp_path, monkeypatch):
     # the server's options apply, not the evaluation's defaults
     assert all(s["options"] is None for s in result["settings"])
     assert result["per_case"][0]["settings"]["redknot"]["top10"] == 0.5
-    assert server_backend.SERVER_POLICIES == ("full", "redknot", "naive", "epic", "cacheblend")
+    assert server_backend.SERVER_POLICIES == (
+        "full", "redknot", "naive", "epic", "cacheblend", "sparsex",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -283,9 +285,9 @@ def test_cli_runs_the_server_backend(servers, tmp_path, monkeypatch):
                 "--reference-server",
                 "http://b",
                 "--policies",
-                "full,sparsex",
+                "full,headclass",
             ],
-            "policy 'sparsex' cannot be used with --backend server",
+            "policy 'headclass' cannot be used with --backend server",
         ),
         (
             ["--server", "http://a", "--reference-server", "http://b", "--mass-thresh", "0.3"],

@@ -243,10 +243,14 @@ def test_token_policies_serve_every_head_global_and_keep_every_segment_head():
         ({"segment_fraction": 0}, "cannot be combined with --redknot-segment-fraction 0"),
         ({"blend_ratio": 1.5}, "blend-ratio must be a number in"),
         ({"epic_k": -1}, "epic-k must be an integer >= 0"),
+        ({"sparseq_boundary": 0}, "sparseq-boundary must be an integer >= 1"),
     ]
     for extra, message in refused:
         with pytest.raises(RedknotConfigError, match=message):
             RedknotConfig(policy="epic", **extra)
+    assert (blend.sparseq_boundary, blend.sparseq_k, blend.sparseq_block) == (
+        defaults.sparseq_boundary, defaults.sparseq_k, defaults.sparseq_block,
+    )  # fmt: skip
     with pytest.raises(RedknotConfigError, match="policy 'sparse' is not one of redknot, naive"):
         RedknotConfig(all_global=True, policy="sparse")
 
