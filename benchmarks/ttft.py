@@ -12,8 +12,9 @@ dummy weights):
 - ``redknot-g0.125-reuse``: the same map; the documents are registered first (standalone
   prefill, not timed) and the prompt marks them as segments, so local heads take the cached,
   re-aligned K/V (``redknot.segcache.reuse``);
-- ``naive``, ``epic``, ``cacheblend``, ``sparsex``: the token-level policies (``--redknot-policy``, every
-  head global, default knobs) on the same registered documents.
+- ``naive``, ``epic``, ``cacheblend``, ``sparsex``: the token-level policies
+  (``--redknot-policy``, every head global, default knobs) on the same registered documents;
+  ``redknot-g0.125-reuse-sparseq``: the hybrid ``redknot+sparseq`` under the 1/8 map.
 
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
 ``--reps`` after one warm-up at each point). ``flops`` is the analytical prefill FLOPs of the
@@ -52,7 +53,7 @@ SKIPPED = re.compile(
     r"(?:.*?; (\d+) token-layers left to the cache)?"
 )
 
-POLICY_LOG = re.compile(r"redknot token policy \w+: .*?; (\d+) token-layers left to the cache")
+POLICY_LOG = re.compile(r"redknot policy \S+: .*?; (\d+) token-layers left to the cache")
 
 VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reuse, dense layers,
     #                   what becomes of a row that skips a deep FFN, token-level policy)
@@ -67,6 +68,8 @@ VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reu
     "epic": (1.0, True, True, None, None, "epic"),
     "cacheblend": (1.0, True, True, None, None, "cacheblend"),
     "sparsex": (1.0, True, True, None, None, "sparsex"),
+    # the hybrid: the 1/8 map, and the sparse-Q set of the global heads from layer 5 on
+    "redknot-g0.125-reuse-sparseq": (0.125, False, True, None, None, "redknot+sparseq"),
 }
 
 
@@ -148,9 +151,9 @@ def child(args) -> None:
         if policy is not None:
             extra["redknot_policy"] = policy
             extra["log_level"] = "info"  # the policy's log lines count the rows that left
-        elif all_global:
+        elif all_global:  # (token-level policies serve every head global by themselves)
             extra["redknot_all_global"] = True
-        else:
+        if not all_global:
             extra["redknot_head_map"] = common.synthetic_map_file(args.model, fraction, "/tmp")
     context = max(length for length, _ in points) + args.question + 64
     engine = sgl.Engine(**common.engine_kwargs(args.model, context, **extra))

@@ -21,7 +21,8 @@ KERNEL_CHOICES = ("auto", "triton")
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
 TOKEN_POLICIES = ("naive", "epic", "cacheblend", "sparsex")  # redknot.attention.token_policy
-POLICY_CHOICES = ("redknot", *TOKEN_POLICIES)
+HYBRID_POLICY = "redknot+sparseq"  # head classes and the sparse-Q choice together
+POLICY_CHOICES = ("redknot", HYBRID_POLICY, *TOKEN_POLICIES)
 
 
 class RedknotConfigError(ValueError):
@@ -99,7 +100,9 @@ class RedknotConfig:
         "'naive' (no segment token), 'epic' (the first --redknot-epic-k of every segment), "
         "'cacheblend' (the --redknot-blend-ratio of largest KV deviation in "
         "--redknot-blend-check-layer), 'sparsex' (SparseX's sparse-Q selection after "
-        "--redknot-sparseq-boundary full layers). Token-level policies serve every head global.",
+        "--redknot-sparseq-boundary full layers). Token-level policies serve every head global. "
+        "'redknot+sparseq': head classes from the map, and from --redknot-sparseq-boundary on "
+        "only the sparse-Q set of the global heads' attention is computed.",
         default="redknot",
     )
     epic_k: int = _opt(
@@ -207,8 +210,8 @@ class RedknotConfig:
                 )
 
     def _resolve_policy(self) -> None:
-        """A token-level policy serves every head global and reads every head of a cached
-        segment; it excludes the options of redknot's own recovery."""
+        """A token-level policy serves every head global; it and the hybrid read every head of
+        a cached segment and exclude the layer schedule of redknot's own recovery."""
         if self.policy not in POLICY_CHOICES:
             raise RedknotConfigError(
                 f"--redknot-policy {self.policy!r} is not one of {', '.join(POLICY_CHOICES)}"
@@ -230,8 +233,12 @@ class RedknotConfig:
         if self.policy == "redknot":
             return
         flag = f"--redknot-policy {self.policy}"
+        token_level = self.policy in TOKEN_POLICIES
         conflicts = [
-            (self.head_map is not None, "--redknot-head-map (it serves every head global)"),
+            (
+                token_level and self.head_map is not None,
+                "--redknot-head-map (it serves every head global)",
+            ),
             (self.dense_layers is not None, "--redknot-dense-layers (redknot's own recovery)"),
             (self.segment_heads == "local", "--redknot-segment-heads local (it reads every head)"),
             (self.segment_fraction == 0, "--redknot-segment-fraction 0 (nothing to reuse)"),
@@ -239,7 +246,8 @@ class RedknotConfig:
         for bad, what in conflicts:
             if bad:
                 raise RedknotConfigError(f"{flag} cannot be combined with {what}")
-        object.__setattr__(self, "all_global", True)  # frozen dataclass: resolved once
+        if token_level:  # frozen dataclass: resolved once
+            object.__setattr__(self, "all_global", True)
         object.__setattr__(self, "segment_heads", "all")
 
     # ---- construction ------------------------------------------------------------------

@@ -6,8 +6,10 @@
 # pieces' three runs on the GPU machine (README beside that script); run 3 calls this script
 # after the bundle unpack line and `python3 /tmp/smol/to_hf.py`.
 # Usage: bash scripts/server_fidelity.sh [--limit N] [more redknot.eval flags]
-# POLICY=naive|epic|cacheblend|sparsex serves that token-level policy (every head global, no map) and
-# scores it as such; REDKNOT_FLAGS adds server options (e.g. --redknot-blend-ratio 0.3).
+# POLICY=naive|epic|cacheblend|sparsex serves that token-level policy (every head global, no map),
+# POLICY=redknot+sparseq the hybrid under the map (the shipped SmolLM2 map has its first global
+# head in layer 7: add --redknot-sparseq-boundary 8), and scores it as such; REDKNOT_FLAGS adds
+# server options (e.g. --redknot-blend-ratio 0.3).
 set -uo pipefail
 out="${OUT:-/tmp}"
 model="${MODEL:-/tmp/smol-hf}"
@@ -31,7 +33,11 @@ dense=$!
 trap 'kill $dense ${redknot:-} 2>/dev/null; wait 2>/dev/null' EXIT
 wait_healthy 30001 "$dense" "$out/server_dense.log"
 policy="${POLICY:-redknot}"
-if [ "$policy" = redknot ]; then recovery=(--redknot-head-map "$map"); else recovery=(--redknot-policy "$policy"); fi
+case "$policy" in
+  redknot) recovery=(--redknot-head-map "$map") ;;
+  redknot+sparseq) recovery=(--redknot-head-map "$map" --redknot-policy "$policy") ;;
+  *) recovery=(--redknot-policy "$policy") ;;
+esac
 python3 -m sglang.launch_server "${common[@]}" --port 30000 --attention-backend redknot \
   "${recovery[@]}" --redknot-segment-fraction 0.3 ${REDKNOT_FLAGS:-} \
   > "$out/server_redknot.log" 2>&1 &

@@ -535,7 +535,8 @@ class SegPagedRunner:
 
     def _sparsex(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
         """SparseX's choice in the last full layer, per request: its sparse-Q set from this
-        layer's queries (``q``: [T, Hq, D]) and every key it attends (the global store)."""
+        layer's queries (``q``: [T, Hq, D]) of the global heads (every head for ``sparsex``)
+        and every key they attend (the global store)."""
         state, policy = self.extend_state, self.policy
         plan = state.plan
         qo, prefix = plan.qo_indptr_cpu.tolist(), plan.prefix_lens_cpu.tolist()
@@ -549,9 +550,10 @@ class SegPagedRunner:
             rows = reads.tokens_cpu[order] - start
             spans = segment_spans(rows, reads.pos_off_cpu[order])
             slots = self.req_to_token[state.req_pool_indices[b], : past + end - start].long()
+            queries = q[start:end][:, self.consts[lid].global_queries]  # global heads' only
             selection = select_tokens(
-                q[start:end].transpose(0, 1), self.pool.k_global[lid][slots].transpose(0, 1),
-                spans, past_len=past, classes="G" * self.layout.num_kv_heads,
+                queries.transpose(0, 1), self.pool.k_global[lid][slots].transpose(0, 1),
+                spans, past_len=past, classes="G" * self.layout.num_global(lid),
                 window=self.layout.window, sink=self.layout.sink, scale=scale,
                 k=policy.sparseq_k, block=policy.sparseq_block, reduce=reduce,
             )  # fmt: skip
@@ -561,7 +563,7 @@ class SegPagedRunner:
     def _log_policy(self, reads: SegmentReads) -> None:
         kept = self.extend_state.kept_tokens
         logger.info(
-            "redknot token policy %s: %d of %d reused segment tokens recomputed; %d "
+            "redknot policy %s: %d of %d reused segment tokens recomputed; %d "
             "token-layers left to the cache",
             self.policy.name,
             max(kept, 0),

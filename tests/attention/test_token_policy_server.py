@@ -18,7 +18,7 @@ from redknot.attention.token_policy import TokenPolicy, kept_rows
 from redknot.recovery.cacheblend import blend_count
 
 from .test_segpaged_runner import D, World
-from .test_skipped_cached import HIDDEN, NEW, SEG, ToyLayer, _norm, served
+from .test_skipped_cached import HIDDEN, NEW, SEG, ToyLayer, _norm, served, visible
 
 CLASSES = ("GG", "GG", "GG")  # every head global: token-level policies treat heads alike
 GRP = 2
@@ -56,9 +56,12 @@ def brute_force(world, layers, embed, seg_kv, policy):
         q, k, v = layer.qkv(x, positions)
         cached_k = delta_rotate(seg_kv[lid][0], torch.arange(SEG), seg, cos_sin, is_neox=True)
         cached_k, cached_v = cached_k.to(torch.bfloat16), seg_kv[lid][1]
+        layout = world.layout
+        for h in layout.local_heads(lid):  # local heads: every reused token from the cache
+            k[seg, h], v[seg, h] = cached_k[:, h], cached_v[:, h]
         choose = lid == policy.select_layer
-        if choose and policy.name == "sparsex":
-            kept = brute_sparseq(q, k, policy)
+        if choose and policy.name in ("sparsex", "redknot+sparseq"):
+            kept = brute_sparseq(q, k, policy, layout.global_heads(lid))
         elif choose:  # CacheBlend: KV deviation of the fresh K/V from the cached, aligned K/V
             dev = (k[seg].double() - cached_k.double()).square().sum((1, 2))
             dev += (v[seg].double() - cached_v.double()).square().sum((1, 2))
@@ -69,11 +72,12 @@ def brute_force(world, layers, embed, seg_kv, policy):
         history.append(left.clone())
         rows = seg[left[seg]]
         k[rows], v[rows] = cached_k[rows - NEW], cached_v[rows - NEW]
-        o = torch.zeros(n, len(CLASSES[0]) * GRP, D)
+        o = torch.zeros(n, layout.num_q_heads, D)
         for i in range(n):
             for hq in range(o.shape[1]):
-                s = (k[: i + 1, hq // GRP].float() @ q[i, hq].float()) * D**-0.5
-                o[i, hq] = torch.softmax(s, 0) @ v[: i + 1, hq // GRP].float()
+                j = visible(layout, lid, hq // GRP, i)
+                s = (k[j, hq // GRP].float() @ q[i, hq].float()) * D**-0.5
+                o[i, hq] = torch.softmax(s, 0) @ v[j, hq // GRP].float()
         o = o.to(torch.bfloat16).float().view(n, -1)
         new_residual = o @ layer.wo + residual
         out = layer.mlp.forward(_norm(new_residual))
@@ -86,10 +90,11 @@ def brute_force(world, layers, embed, seg_kv, policy):
 
 DEFAULTS = {"epic_k": 16, "blend_check_layer": 1, "blend_ratio": 0.15, "sparseq_boundary": 2,
             "sparseq_k": 9, "sparseq_block": 1}  # fmt: skip
-def brute_sparseq(q, k, policy):
+def brute_sparseq(q, k, policy, heads):
     """SparseX's set among the segment rows, computed directly: the attention probability
     each key gets from the non-reused rows (and the tail rows when the prompt ends inside the
-    segment), summed over heads; the top ``sparseq_k`` rows of the call (ties: the lower row),
+    segment), summed over the query heads of the KV ``heads`` (global heads: every key up to
+    the query); the top ``sparseq_k`` rows of the call (ties: the lower row),
     ``sparseq_block`` rows at each segment edge facing non-reused rows, the tail."""
     n = q.shape[0]
     ends_inside = n == NEW + SEG
@@ -97,7 +102,7 @@ def brute_sparseq(q, k, policy):
     probed = [i for i in range(n) if not NEW <= i < NEW + SEG or i in tail]
     score = [0.0] * n
     for i in probed:
-        for hq in range(q.shape[1]):
+        for hq in [h * GRP + j for h in heads for j in range(GRP)]:
             s = (k[: i + 1, hq // GRP].float() @ q[i, hq].float()) * D**-0.5
             for j, p in enumerate(torch.softmax(s.double(), 0).tolist()):
                 score[j] += p
@@ -120,7 +125,10 @@ POLICIES = [
     ("sparsex", {}),  # chooses in layer 1, from layer 2 on only the chosen rows
     ("sparsex", {"sparseq_boundary": 1, "sparseq_k": 0, "sparseq_block": 0}),
     ("sparsex", {"sparseq_boundary": 1, "sparseq_k": 100}),  # every row: the dense prefill
+    ("redknot+sparseq", {}),  # under a head map: the choice reads layer 1's global head
+    ("redknot+sparseq", {"sparseq_boundary": 1, "sparseq_k": 3}),
 ]
+HYBRID_CLASSES = ("GL", "LG", "GL")
 
 
 @pytest.mark.parametrize("name, knobs", POLICIES)
@@ -133,11 +141,12 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
     from redknot.segcache.store import SegmentStore
 
     policy = TokenPolicy(name, **{**DEFAULTS, **knobs})
-    w = World(CLASSES, GRP, torch.bfloat16, seed=1, segment_fraction=0.1, segment_heads="all")
+    classes = HYBRID_CLASSES if name == "redknot+sparseq" else CLASSES
+    w = World(classes, GRP, torch.bfloat16, seed=1, segment_fraction=0.1, segment_heads="all")
     rope = sglang_rope(D, D, 512, 10000.0, True)
     w.runner.rope = alignable_rope(rope)
     g = torch.Generator().manual_seed(5)
-    layers = [ToyLayer(i, w, rope, g) for i in range(len(CLASSES))]
+    layers = [ToyLayer(i, w, rope, g) for i in range(len(classes))]
     store = SegmentStore.for_pool(w.pool)
     w.pool.cache = SimpleNamespace(segments=store)
     n = NEW + SEG + question
@@ -147,7 +156,7 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
     w.pool.segment_jobs[4] = WriteJob(entry)
     served(w, layers, 4, tokens[NEW : NEW + SEG], hooked=False)  # the segment alone
     w.pool.segment_jobs.clear()
-    seg_kv = [w.pool.segments.read(i, entry.rows()) for i in range(len(CLASSES))]
+    seg_kv = [w.pool.segments.read(i, entry.rows()) for i in range(len(classes))]
 
     w.runner.policy = policy
     store.acquire(entry)
@@ -165,23 +174,26 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
         "epic": policy.epic_k >= SEG,
         "cacheblend": policy.blend_ratio == 1.0,
         "sparsex": question == 0 or policy.sparseq_k >= n,  # no question: the tail is all
+        "redknot+sparseq": question == 0,
     }[name]
     assert bool(history[-1].any()) != dense  # rows leave unless the policy keeps them all
     assert SCHEDULE.held is None and SCHEDULE.full is None
     assert SCHEDULE.left == sum(int(h.sum()) for h in history)
     kept = ~history[-1]  # rows that computed the last layer, the last row among them
     torch.testing.assert_close(got[kept], want[kept], atol=3e-2, rtol=3e-2)
-    for lid in range(len(CLASSES)):  # rows that left hold their cached K/V in every head
+    for lid in range(len(classes)):  # rows that left hold their cached K/V in every head
         gone = torch.nonzero(history[lid]).flatten()
-        if gone.numel():
+        glob = w.layout.global_heads(lid)  # the global store (every head when all global)
+        if gone.numel() and glob:
             slots = w.req_to_token[2, gone].long()
             cached = delta_rotate(
                 seg_kv[lid][0][gone - NEW], gone - NEW, gone, rope.cos_sin_cache, is_neox=True
             ).to(torch.bfloat16)
             torch.testing.assert_close(
-                w.pool.k_global[lid][slots].float(), cached.float(), atol=2e-2, rtol=2e-2
+                w.pool.k_global[lid][slots].float(), cached[:, glob].float(), atol=2e-2, rtol=2e-2
             )
-            assert torch.equal(w.pool.v_global[lid][slots], seg_kv[lid][1][gone - NEW])
+            stored_v = w.pool.v_global[lid][slots]
+            assert torch.equal(stored_v, seg_kv[lid][1][gone - NEW][:, glob])
 
 
 def test_kept_rows_keep_new_text_and_each_requests_last_row():
