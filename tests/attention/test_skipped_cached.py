@@ -115,6 +115,27 @@ def visible(layout, layer, h, pos):
     return j
 
 
+def layer_input(hidden, residual):
+    """``(residual, normed input)`` of a decoder layer, formed as ``ToyLayer.forward`` does."""
+    if residual is None:
+        return hidden.clone(), _norm(hidden)
+    residual = hidden + residual
+    return residual, _norm(residual)
+
+
+def brute_attention(layout, lid, q, k, v):
+    """Every row's attention output ``[n, Hq * D]``, each query head over the keys its KV head's
+    class sees, rounded to bf16 as the kernel returns it."""
+    n = q.shape[0]
+    o = torch.zeros(n, layout.num_q_heads, D)
+    for i in range(n):
+        for hq in range(layout.num_q_heads):
+            j = visible(layout, lid, hq // GRP, i)
+            s = (k[j, hq // GRP].float() @ q[i, hq].float()) * D**-0.5
+            o[i, hq] = torch.softmax(s, 0) @ v[j, hq // GRP].float()
+    return o.to(torch.bfloat16).float().view(n, -1)
+
+
 def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
     """Every row's forward, with the rule applied directly (no compaction, no kernels)."""
     from redknot.kernels.rope_reference import delta_rotate
@@ -127,11 +148,7 @@ def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
     positions = torch.arange(n)
     history = []
     for lid, layer in enumerate(layers):
-        if residual is None:
-            residual, x = hidden.clone(), _norm(hidden)
-        else:
-            residual = hidden + residual
-            x = _norm(residual)
+        residual, x = layer_input(hidden, residual)
         q, k, v = layer.qkv(x, positions)
         cached_k = delta_rotate(
             seg_kv[lid][0], torch.arange(SEG), seg, world.runner.rope.cos_sin_cache, is_neox=True
@@ -140,14 +157,7 @@ def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
             rows = seg if layout.classes[lid][h] == "L" else seg[left[seg]]
             k[rows, h] = cached_k[rows - NEW, h]
             v[rows, h] = seg_kv[lid][1][rows - NEW, h]
-        o = torch.zeros(n, layout.num_q_heads, D)
-        for i in range(n):
-            for hq in range(layout.num_q_heads):
-                j = visible(layout, lid, hq // GRP, i)
-                s = (k[j, hq // GRP].float() @ q[i, hq].float()) * D**-0.5
-                o[i, hq] = torch.softmax(s, 0) @ v[j, hq // GRP].float()
-        o = o.to(torch.bfloat16).float().view(n, -1)
-        new_residual = o @ layer.wo + residual
+        new_residual = brute_attention(layout, lid, q, k, v) @ layer.wo + residual
         x = _norm(new_residual)
         ffn = ~left
         if lid >= dense_layers:
@@ -168,33 +178,42 @@ def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
     return hidden + residual, history
 
 
-@pytest.mark.parametrize("dense_layers, thresh", [(1, 0.5), (0, 0.4), (3, 0.5), (1, 1.0)])
-def test_rows_that_skip_a_deep_ffn_leave_recovery_and_take_cached_kv(dense_layers, thresh):
+def world_with_stored_segment(classes, seed, num_tokens):
+    """A World over ``classes`` whose segments keep every head, its toy layers, ``num_tokens``
+    embeddings, and the segment (embeddings ``NEW .. NEW + SEG``) registered standalone.
+    Returns ``(world, rope, layers, embeddings, entry, the segment's stored K/V per layer)``."""
     from redknot.kernels.rope_align import alignable_rope
-    from redknot.kernels.rope_reference import delta_rotate, sglang_rope
+    from redknot.kernels.rope_reference import sglang_rope
     from redknot.segcache.registration import WriteJob
-    from redknot.segcache.reuse import SegmentUse
     from redknot.segcache.store import SegmentStore
 
-    w = World(CLASSES, GRP, torch.bfloat16, seed=1, segment_fraction=0.1, segment_heads="all")
+    w = World(classes, GRP, torch.bfloat16, seed=1, segment_fraction=0.1, segment_heads="all")
     rope = sglang_rope(D, D, 512, 10000.0, True)
     w.runner.rope = alignable_rope(rope)
-    g = torch.Generator().manual_seed(3)
-    layers = [ToyLayer(i, w, rope, g) for i in range(len(CLASSES))]
+    g = torch.Generator().manual_seed(seed)
+    layers = [ToyLayer(i, w, rope, g) for i in range(len(classes))]
     store = SegmentStore.for_pool(w.pool)
     w.pool.cache = SimpleNamespace(segments=store)
-    tokens = torch.randn(NEW + SEG + QUESTION, HIDDEN, generator=g)  # embeddings
-
+    tokens = torch.randn(num_tokens, HIDDEN, generator=g)
     entry = store.register("kb", list(range(SEG)), pin=False)
     w.pool.segment_jobs[4] = WriteJob(entry)
     served(w, layers, 4, tokens[NEW : NEW + SEG], hooked=False)  # the segment alone
     w.pool.segment_jobs.clear()
-    seg_kv = [w.pool.segments.read(i, entry.rows()) for i in range(len(CLASSES))]
+    seg_kv = [w.pool.segments.read(i, entry.rows()) for i in range(len(classes))]
+    return w, rope, layers, tokens, entry, seg_kv
 
+
+@pytest.mark.parametrize("dense_layers, thresh", [(1, 0.5), (0, 0.4), (3, 0.5), (1, 1.0)])
+def test_rows_that_skip_a_deep_ffn_leave_recovery_and_take_cached_kv(dense_layers, thresh):
+    from redknot.kernels.rope_reference import delta_rotate
+    from redknot.segcache.reuse import SegmentUse
+
+    n = NEW + SEG + QUESTION
+    w, rope, layers, tokens, entry, seg_kv = world_with_stored_segment(CLASSES, 3, n)
     w.runner.dense_layers, w.runner.mass_thresh, w.runner.recent_n = dense_layers, thresh, RECENT
     w.runner.skipped = "cached"
-    store.acquire(entry)
-    w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=NEW + SEG + QUESTION)]
+    w.pool.cache.segments.acquire(entry)
+    w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
     got = served(w, layers, 2, tokens, hooked=True)
     want, history = brute_force(w, layers, tokens, seg_kv, dense_layers, thresh)
 

@@ -8,8 +8,6 @@ interpreter on the CPU."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -17,11 +15,19 @@ from redknot.attention.ffn_schedule import SCHEDULE
 from redknot.attention.token_policy import TokenPolicy, kept_rows
 from redknot.recovery.cacheblend import blend_count
 
-from .test_segpaged_runner import D, World
-from .test_skipped_cached import HIDDEN, NEW, SEG, ToyLayer, _norm, served, visible
+from .test_segpaged_runner import D
+from .test_skipped_cached import (
+    GRP,
+    NEW,
+    SEG,
+    _norm,
+    brute_attention,
+    layer_input,
+    served,
+    world_with_stored_segment,
+)
 
 CLASSES = ("GG", "GG", "GG")  # every head global: token-level policies treat heads alike
-GRP = 2
 
 
 def brute_force(world, layers, embed, seg_kv, policy):
@@ -48,11 +54,7 @@ def brute_force(world, layers, embed, seg_kv, policy):
     positions = torch.arange(n)
     history = []
     for lid, layer in enumerate(layers):
-        if residual is None:
-            residual, x = hidden.clone(), _norm(hidden)
-        else:
-            residual = hidden + residual
-            x = _norm(residual)
+        residual, x = layer_input(hidden, residual)
         q, k, v = layer.qkv(x, positions)
         cached_k = delta_rotate(seg_kv[lid][0], torch.arange(SEG), seg, cos_sin, is_neox=True)
         cached_k, cached_v = cached_k.to(torch.bfloat16), seg_kv[lid][1]
@@ -72,14 +74,7 @@ def brute_force(world, layers, embed, seg_kv, policy):
         history.append(left.clone())
         rows = seg[left[seg]]
         k[rows], v[rows] = cached_k[rows - NEW], cached_v[rows - NEW]
-        o = torch.zeros(n, layout.num_q_heads, D)
-        for i in range(n):
-            for hq in range(o.shape[1]):
-                j = visible(layout, lid, hq // GRP, i)
-                s = (k[j, hq // GRP].float() @ q[i, hq].float()) * D**-0.5
-                o[i, hq] = torch.softmax(s, 0) @ v[j, hq // GRP].float()
-        o = o.to(torch.bfloat16).float().view(n, -1)
-        new_residual = o @ layer.wo + residual
+        new_residual = brute_attention(layout, lid, q, k, v) @ layer.wo + residual
         out = layer.mlp.forward(_norm(new_residual))
         hidden = torch.where(left[:, None], hidden, out)
         residual = torch.where(left[:, None], residual, new_residual)
@@ -134,32 +129,16 @@ HYBRID_CLASSES = ("GL", "LG", "GL")
 @pytest.mark.parametrize("name, knobs", POLICIES)
 @pytest.mark.parametrize("question", [5, 0])  # 0: the prompt ends inside the segment
 def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, caplog):
-    from redknot.kernels.rope_align import alignable_rope
-    from redknot.kernels.rope_reference import delta_rotate, sglang_rope
-    from redknot.segcache.registration import WriteJob
+    from redknot.kernels.rope_reference import delta_rotate
     from redknot.segcache.reuse import SegmentUse
-    from redknot.segcache.store import SegmentStore
 
     policy = TokenPolicy(name, **{**DEFAULTS, **knobs})
     classes = HYBRID_CLASSES if name == "redknot+sparseq" else CLASSES
-    w = World(classes, GRP, torch.bfloat16, seed=1, segment_fraction=0.1, segment_heads="all")
-    rope = sglang_rope(D, D, 512, 10000.0, True)
-    w.runner.rope = alignable_rope(rope)
-    g = torch.Generator().manual_seed(5)
-    layers = [ToyLayer(i, w, rope, g) for i in range(len(classes))]
-    store = SegmentStore.for_pool(w.pool)
-    w.pool.cache = SimpleNamespace(segments=store)
     n = NEW + SEG + question
-    tokens = torch.randn(n, HIDDEN, generator=g)
-
-    entry = store.register("kb", list(range(SEG)), pin=False)
-    w.pool.segment_jobs[4] = WriteJob(entry)
-    served(w, layers, 4, tokens[NEW : NEW + SEG], hooked=False)  # the segment alone
-    w.pool.segment_jobs.clear()
-    seg_kv = [w.pool.segments.read(i, entry.rows()) for i in range(len(classes))]
+    w, rope, layers, tokens, entry, seg_kv = world_with_stored_segment(classes, 5, n)
 
     w.runner.policy = policy
-    store.acquire(entry)
+    w.pool.cache.segments.acquire(entry)
     w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
     with caplog.at_level("INFO", logger="redknot.attention.segpaged_runner"):
         got = served(w, layers, 2, tokens, hooked=True)
