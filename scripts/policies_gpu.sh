@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The recovery policies side by side on the GPU machine, in one command per part:
+#   ttft      TTFT at 32K (8 cached segments, 8B shape, dummy weights) of flashinfer, redknot's
+#             full layer schedule, the hybrid and the token-level policies -> $OUT/ttft_policies.json
+#   fidelity  the served policies against a dense server with SmolLM2's real weights (the
+#             checkpoint at /tmp/smol-hf, see scripts/server_fidelity.sh), each scored as its
+#             policy -> $OUT/fidelity_server_<policy>.json (compare with the reference path
+#             case by case with benchmarks/fidelity_agreement.py)
+# A cold machine starts each engine in 1-2 minutes: split the parts over calls of 600 s
+# (PART=ttft VARIANTS=... or PART=fidelity POLICIES=...).
+# Usage: PART=ttft|fidelity bash scripts/policies_gpu.sh
+set -uo pipefail
+out="${OUT:-/tmp}"
+case "${PART:-ttft}" in
+  ttft)
+    variants="${VARIANTS:-flashinfer,redknot-g0.125-reuse-sparse-cached,redknot-g0.125-reuse-sparseq,naive,epic,cacheblend,sparsex}"
+    python3 benchmarks/ttft.py --points "${POINTS:-32768x8}" --reps "${REPS:-2}" \
+      --variants "$variants" --out "$out/ttft_policies.json"
+    ;;
+  fidelity)
+    rc=0
+    for policy in ${POLICIES:-cacheblend epic sparsex naive redknot+sparseq}; do
+      flags="${REDKNOT_FLAGS:-}"
+      # the shipped SmolLM2 map's first global head is in layer 7
+      [ "$policy" = redknot+sparseq ] && flags="$flags --redknot-sparseq-boundary 8"
+      name="${policy//+/_}"
+      POLICY="$policy" REDKNOT_FLAGS="$flags" OUT="$out" bash scripts/server_fidelity.sh \
+        --limit "${LIMIT:-12}" || rc=1
+      mv "$out/fidelity_server.json" "$out/fidelity_server_$name.json" 2>/dev/null || rc=1
+    done
+    exit $rc
+    ;;
+  *) echo "PART must be ttft or fidelity"; exit 2 ;;
+esac
