@@ -13,10 +13,18 @@ reference path with SmolLM2-135M-Instruct and its profiled head map, for ``full`
 | ``redknot+sparseq`` | the same two boundaries                |
 
 then writes one row per (policy, setting) to ``benchmarks/results/policies.json`` and a plot
-of first-token top-1 agreement against the FLOPs fraction (when matplotlib is installed)::
+of first-token top-1 agreement against the FLOPs fraction (when matplotlib is installed).
+
+``--ttft FILE`` (a ``benchmarks/ttft.py`` result, e.g. of ``scripts/policies_gpu.sh``) adds, to
+each row at its policy's default knobs, the TTFT the server measured for that policy at
+``--ttft-point`` (8B shape, dummy weights: a different model than the fidelity's, the same
+schedule) and its speedup over flashinfer, and a panel of top-1 against that speedup. The
+server's ``redknot`` is the full layer schedule without adaptive restore (the reference row
+restores), its ``redknot+sparseq`` serves a 1/8 map::
 
     python benchmarks/policies.py --limit 6
     python benchmarks/policies.py --replot     # redraw the plot from the result file
+    python benchmarks/policies.py --replot --ttft benchmarks/results/ttft_policies.json
 
 Finished (case, setting) pairs are kept in ``--work-dir``: a rerun (or a larger ``--limit``)
 runs only what is missing.
@@ -65,7 +73,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results/policies.json")
     p.add_argument("--plot", default="benchmarks/results/policies.png")
     p.add_argument("--replot", action="store_true", help="only redraw the plot from --out")
+    p.add_argument("--ttft", default=None, help="a benchmarks/ttft.py result to attach")
+    p.add_argument("--ttft-point", default="32768x8", help="its point (LENGTHxSEGMENTS)")
     return p.parse_args(argv)
+
+
+TTFT_VARIANTS = {  # policy -> the benchmarks/ttft.py variant serving it at its default knobs
+    "full": "flashinfer",
+    "redknot": "redknot-g0.125-reuse-sparse-cached",
+    "redknot+sparseq": "redknot-g0.125-reuse-sparseq",
+    "naive": "naive",
+    "epic": "epic",
+    "cacheblend": "cacheblend",
+    "sparsex": "sparsex",
+}
+
+
+def attach_ttft(rows: list[dict], ttft: dict, point: str, defaults: dict) -> int:
+    """Give every row at its policy's default knobs (``defaults``: the evaluation's default
+    options) the TTFT its server variant measured at ``point`` and the speedup over flashinfer
+    there. Returns how many rows got one."""
+    from redknot.recovery import POLICIES as POLICY_CLASSES
+
+    summary, matched = ttft["summary"], 0
+    for row in rows:
+        entry = summary.get(TTFT_VARIANTS.get(row["policy"]), {}).get(point)
+        knobs = POLICY_CLASSES[row["policy"]].knobs if row["policy"] in POLICY_CLASSES else ()
+        options = row.get("options") or {}
+        if entry is None or any(options.get(k) != defaults.get(k) for k in knobs):
+            continue
+        row["ttft_s"] = entry["ttft_s"]
+        row["ttft_speedup"] = entry.get("speedup_vs_flashinfer")
+        row["ttft_source"] = {"variant": TTFT_VARIANTS[row["policy"]], "point": point,
+                              "device": ttft.get("device"), "commit": ttft.get("commit")}  # fmt: skip
+        matched += 1
+    return matched
 
 
 def eval_argv(args: argparse.Namespace, raw: Path) -> list[str]:
@@ -101,11 +143,23 @@ def plot(rows: list[dict], path: str, title: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return f"matplotlib is not installed: no plot written ({path} skipped)"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
+    timed = [r for r in rows if r.get("ttft_speedup")]
+    colour = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(r["policy"] for r in rows))}
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.5))
+    if timed:  # top-1 against the measured TTFT speedup, one point per policy
+        ax = axes[2]
+        for r in timed:
+            ax.plot(r["ttft_speedup"], r["top1"], "o", color=colour[r["policy"]])
+            ax.annotate(r["policy"], (r["ttft_speedup"], r["top1"]), fontsize=7)
+        source = timed[0]["ttft_source"]
+        ax.set_xlabel(f"TTFT speedup over flashinfer ({source['point']}, 8B shape)")
+        ax.set_ylabel("first token: top-1 agreement with dense")
+        ax.grid(alpha=0.3)
     for ax, metric, name in zip(axes, ("top1", "top10"), ("top-1 agreement", "top-10 overlap")):
         for policy in dict.fromkeys(r["policy"] for r in rows):
             points = sorted((r["flops_fraction"], r[metric]) for r in rows if r["policy"] == policy)
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=policy)
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=policy,
+                    color=colour[policy])  # fmt: skip
         ax.set_xlabel("prefill FLOPs / dense prefill FLOPs")
         ax.set_ylabel(f"first token: {name} with dense")
         ax.grid(alpha=0.3)
@@ -125,6 +179,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.replot:
         out = json.loads(Path(args.out).read_text())
+        if args.ttft:
+            ttft = json.loads(Path(args.ttft).read_text())
+            count = attach_ttft(out["rows"], ttft, args.ttft_point, out["default_options"])
+            Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+            print(f"attached TTFT to {count} rows of {args.out}")
         print(plot(out["rows"], args.plot, title_of(out)))
         return 0
     work = Path(args.work_dir)
@@ -136,6 +195,9 @@ def main(argv=None) -> int:
     seconds = round(time.perf_counter() - started, 1)
     result = json.loads(raw.read_text())
     rows = rows_of(result)
+    if args.ttft:
+        ttft = json.loads(Path(args.ttft).read_text())
+        attach_ttft(rows, ttft, args.ttft_point, result["default_options"])
     out = {
         "benchmark": "policies",
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),

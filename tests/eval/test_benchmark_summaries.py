@@ -151,3 +151,26 @@ def test_profile_summary_busy_time_and_ranges_on_a_made_up_trace():
     assert "other" not in out["ranges"]
     assert out["kernels"][0] == {"name": "gemm", "count": 2, "total_ms": 0.02}
     assert out["runtime"] == [{"name": "cudaStreamSynchronize", "count": 1, "host_ms": 0.007}]
+
+
+def test_policies_take_the_servers_ttft_at_their_default_knobs_only():
+    from benchmarks.policies import attach_ttft
+
+    defaults = {"epic_k": 16, "blend_ratio": 0.15, "blend_check_layer": 1}
+    rows = [
+        {"policy": "full", "options": None},
+        {"policy": "epic", "options": {**defaults}},
+        {"policy": "epic", "options": {**defaults, "epic_k": 64}},  # not what the server ran
+        {"policy": "cacheblend", "options": {**defaults}},  # no measurement of it
+        {"policy": "headclass", "options": {**defaults}},  # no server variant
+    ]
+    ttft = {"device": "H100", "commit": "abc", "summary": {
+        "flashinfer": {"32768x8": {"ttft_s": 1.2, "speedup_vs_flashinfer": 1.0}},
+        "epic": {"32768x8": {"ttft_s": 0.3, "speedup_vs_flashinfer": 4.0},
+                 "8192x8": {"ttft_s": 0.1, "speedup_vs_flashinfer": 2.0}},
+    }}  # fmt: skip
+    assert attach_ttft(rows, ttft, "32768x8", defaults) == 2
+    assert (rows[0]["ttft_s"], rows[1]["ttft_speedup"]) == (1.2, 4.0)
+    assert rows[1]["ttft_source"] == {"variant": "epic", "point": "32768x8", "device": "H100",
+                                      "commit": "abc"}  # fmt: skip
+    assert all("ttft_s" not in r for r in rows[2:])
