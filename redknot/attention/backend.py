@@ -55,6 +55,19 @@ def _check_model(model_runner: ModelRunner) -> None:
         )
 
 
+def _check_dense_path(pool) -> None:
+    """The all-global FlashInfer path neither fills nor reads cached segments: a segment region
+    reserved for it would take memory and make every registration fail."""
+    if getattr(pool, "segments", None) is not None:
+        raise ValueError(
+            "--redknot-all-global with --redknot-kernel auto serves through FlashInfer, which "
+            "does not cache or reuse segments, but a segment region is reserved "
+            "(--redknot-segment-heads all): start with --redknot-segment-fraction 0 for dense "
+            "serving, --redknot-kernel triton to reuse segments through redknot's kernels, or "
+            "--redknot-policy naive|epic|cacheblend|sparsex for a token-level policy"
+        )
+
+
 def _check_sparse_layers(model_runner: ModelRunner, runner, config: RedknotConfig) -> None:
     """The sparse layers (``--redknot-dense-layers``, or a token-level ``--redknot-policy``)
     change the rows each layer computes from request to request, which a captured prefill graph
@@ -131,6 +144,7 @@ class RedknotAttnBackend(AttentionBackend):
         if self.layout.all_global and config.kernel == "auto" and config.policy == "redknot":
             from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
+            _check_dense_path(model_runner.token_to_kv_pool)
             self.dense = FlashInferAttnBackend(
                 model_runner, init_new_workspace=model_runner.init_new_workspace
             )

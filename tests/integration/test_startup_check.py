@@ -314,3 +314,11 @@ def test_sparse_layers_refuse_settings_that_would_silently_change_them(sglang_pl
         _check_sparse_layers(model_runner("breakable"), runner(every), blend)
     with pytest.raises(ValueError, match="--redknot-policy cacheblend needs redknot's hook on"):
         _check_sparse_layers(model_runner(layer=plain), runner(every), blend)
+
+
+def test_the_dense_path_refuses_a_segment_region_it_would_never_fill():
+    from redknot.attention.backend import _check_dense_path
+
+    _check_dense_path(SimpleNamespace(segments=None))  # segments off: dense serving
+    with pytest.raises(ValueError, match="does not cache or reuse segments.*--redknot-kernel tri"):
+        _check_dense_path(SimpleNamespace(segments=object()))
