@@ -177,8 +177,9 @@ class SegmentStore:
         if not self.enabled:
             raise SegmentsDisabled(
                 "segment caching is off on this server: start it with "
-                "--redknot-segment-fraction > 0 (and heads to keep: with every head global, "
-                "--redknot-segment-heads all)"
+                "--redknot-segment-fraction > 0 (and heads to keep: with every head global, a "
+                "token-level --redknot-policy, or --redknot-segment-heads all with "
+                "--redknot-kernel triton)"
             )
         need = self.pages_for(num_tokens)
         if need > self._pages.num_pages:
