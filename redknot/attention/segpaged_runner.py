@@ -354,7 +354,7 @@ class SegPagedRunner:
         state = self.extend_state
         SCHEDULE.layer = lid
         with phase("redknot.held_rows"):
-            held = self._held_rows(state, fb.out_cache_loc.shape[0])  # None: every row
+            held = self._held_rows(state)  # None: every row
         if held is not None:
             with phase("redknot.spread"):
                 q, k, v = (self._spread(x, held) for x in (q, k, v))
@@ -407,7 +407,7 @@ class SegPagedRunner:
             self.pool.segments.write(lid, state.segment_writes.rows_gpu, k[idx], v[idx])
 
     @staticmethod
-    def _held_rows(state: ExtendState, num_rows: int) -> HeldRows | None:
+    def _held_rows(state: ExtendState) -> HeldRows | None:
         """The rows the current layer computes (``SCHEDULE.held``; None: every row)."""
         if SCHEDULE.held is None:
             return None
@@ -442,7 +442,7 @@ class SegPagedRunner:
         synchronisation: the rows that go on."""
         state = self.extend_state
         num_rows = q.shape[0]
-        held = self._held_rows(state, num_rows)
+        held = self._held_rows(state)
         skip = torch.zeros(num_rows, dtype=torch.bool, device=q.device)
         for spec in reads.sparse:
             with phase("redknot.importance_mass"):
