@@ -1,5 +1,6 @@
-"""Token-level recovery policies in the server (``--redknot-policy naive|epic|cacheblend``):
-the reference path's rules (``redknot.recovery.baselines``, ``epic``, ``cacheblend``) on the
+"""Token-level recovery policies in the server (``--redknot-policy naive|epic|cacheblend|
+sparsex``, and the hybrid ``redknot+sparseq``): the reference path's rules
+(``redknot.recovery.baselines``, ``epic``, ``cacheblend``, ``sparsex``, ``hybrid``) on the
 server's segment cache, RoPE alignment and kernels.
 
 One choice per reused segment token for every head at once, taken once per extend. The chosen
@@ -19,9 +20,8 @@ and nothing of them is computed.
 
 Token-level policies treat every head alike, so they are served with every head global; the
 hybrid ``redknot+sparseq`` keeps the head map (its choice needs a global head in the choosing
-layer on every rank). Under
-chunked prefill each chunk chooses among its own reused tokens (the reference path prefills in
-one call); with one chunk per prompt the two are the same.
+layer on every rank). Under chunked prefill each chunk chooses among its own reused tokens (the
+reference path prefills in one call); with one chunk per prompt the two are the same.
 """
 
 from __future__ import annotations
