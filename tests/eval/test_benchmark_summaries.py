@@ -86,6 +86,23 @@ def test_summary_subtracts_projections_and_ffns_of_rows_left_to_the_cache():
     assert entry["ffn_fraction_run"] == pytest.approx(1 - 50500 / ((8192 + 65) * 32))
 
 
+def test_summary_of_a_token_policy_counts_every_head_global():
+    results = {
+        "cacheblend": {
+            "points": {"8192x8": _row(8192, 8, 0.1)},
+            "ffn_skipped_per_prompt": [],  # a token-level policy logs no FFN schedule
+            "left_per_prompt": [0, 100000, 100000],
+        }
+    }
+    entry = summarize(CFG, results, reps=2)["cacheblend"]["8192x8"]
+    proj = 2 * 4096 * 128 * (2 * 32 + 2 * 8)
+    ffn = 2 * 3 * 4096 * 14336
+    n = 8192 + 65
+    row = proj + ffn + 4 * 128 * 32 * (n / 2)  # every head global: keys at the mean position
+    assert entry["flops"] == pytest.approx(prefill_flops(CFG, n, 1.0) - 100000 * row)
+    assert entry["token_layers_left_to_cache"] == 100000
+
+
 def test_log_lines_of_both_skipped_modes_parse():
     from benchmarks.ttft import SKIPPED
 
