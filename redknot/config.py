@@ -250,6 +250,16 @@ class RedknotConfig:
             object.__setattr__(self, "all_global", True)
         object.__setattr__(self, "segment_heads", "all")
 
+    @property
+    def rows_leave(self) -> str | None:
+        """The option that makes reused tokens leave recovery (nothing of them computed from
+        some layer on, so no input-token logprob of theirs), or None."""
+        if self.policy != "redknot":
+            return f"--redknot-policy {self.policy}"
+        if self.dense_layers is not None and self.skipped == "cached":
+            return f"--redknot-dense-layers {self.dense_layers} (--redknot-skipped cached)"
+        return None
+
     # ---- construction ------------------------------------------------------------------
 
     @classmethod

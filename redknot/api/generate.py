@@ -92,6 +92,29 @@ def reject_reserved(body: Any, allowed: tuple[str, ...] = ()) -> None:
             )
 
 
+def _check_input_logprobs(
+    body: dict, k: int | None, marks, num_tokens: int, option: str, where: str
+) -> None:
+    """Refuse input-token logprobs that reused tokens would give: under ``option`` they leave
+    recovery, so their hidden states (row ``r`` predicts token ``r + 1``) are not computed past
+    some layer. The prompt's last row is always computed."""
+
+    def of(key):
+        value = body.get(key)
+        return value[k] if isinstance(value, list) and k is not None else value
+
+    start = of("logprob_start_len")
+    if not of("return_logprob") or start is None or start < 0:
+        return  # no logprobs, or only of the output (SGLang's default start)
+    safe = min(max(m.end for m in marks), num_tokens - 1)
+    if start < safe:
+        raise SegmentMarkError(
+            f"{where} asks input-token logprobs from token {start}, but this server ({option}) "
+            f"does not compute the reused segment tokens before token {safe} past some layer: "
+            f"set logprob_start_len to {safe} or more, or send it without segments"
+        )
+
+
 def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
     """The rewritten body, or ``None`` when there is nothing to rewrite."""
     if not needs_rewrite(body):
@@ -153,6 +176,10 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
             )
             token_spans = [(s.start, s.end) for s in spans]
         marks = api.marks(input_ids, token_spans, [s.namespace for s in spans], where=where)
+        if marks and api.rows_leave:
+            _check_input_logprobs(
+                body, k if batch else None, marks, len(input_ids), api.rows_leave, where
+            )
         out_ids.append(input_ids)
         if marks:
             custom = dict(params[k].get("custom_params") or {})

@@ -47,20 +47,25 @@ class SegmentApi:
         *,
         chat: ChatSegments | None = None,
         namespaces: NamespaceRegistry | None = None,
+        rows_leave: str | None = None,
     ):
         self.tokenizer_manager = tokenizer_manager
         self.chat = chat or ChatSegments(enabled=False)
         self.namespaces = namespaces or NamespaceRegistry()
+        # the server option under which reused tokens leave recovery (RedknotConfig.rows_leave)
+        self.rows_leave = rows_leave
         self.counters = ApiCounters()
         self._piecewise: PiecewiseTokenizer | None = None
 
     @classmethod
     def from_config(cls, tokenizer_manager: Any, config: Any) -> SegmentApi:
-        """From a ``RedknotConfig`` (its ``chat_segments`` and ``namespaces`` options)."""
+        """From a ``RedknotConfig`` (its ``chat_segments`` and ``namespaces`` options, and whether
+        reused tokens leave recovery)."""
         return cls(
             tokenizer_manager,
             chat=ChatSegments.parse(config.chat_segments),
             namespaces=NamespaceRegistry.from_option(config.namespaces),
+            rows_leave=config.rows_leave,
         )
 
     @property

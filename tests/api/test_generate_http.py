@@ -221,3 +221,45 @@ def test_other_endpoints_refuse_reserved_keys_and_markers(
     r = client.post(path, json=body)
     assert r.status_code == 400
     assert message in r.json()["error"]["message"]
+
+
+def test_input_logprobs_over_tokens_that_leave_recovery_are_refused(
+    make_api, client, bpe_tokenizer
+):
+    """Under an option that leaves reused tokens to the cache, their rows are not computed:
+    input-token logprobs over them are a 400; output logprobs and logprobs after the last
+    segment are served."""
+    api = make_api(bpe_tokenizer)
+    ids = list(range(1, 41))
+    spans = [{"start": 2, "end": 10}, {"start": 20, "end": 30}]
+
+    def post(**extra):
+        body = {"input_ids": ids, "redknot_segments": spans, **extra}
+        return client.post("/generate", json=body)
+
+    assert post(return_logprob=True, logprob_start_len=0).status_code == 200  # nothing leaves
+    api.rows_leave = "--redknot-policy cacheblend"
+    r = post(return_logprob=True, logprob_start_len=25)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "set logprob_start_len to 30 or more" in message and "cacheblend" in message
+    for ok in (
+        {"return_logprob": True, "logprob_start_len": 30},  # after the last segment
+        {"return_logprob": True},  # output logprobs only (SGLang's default start)
+        {"return_logprob": False, "logprob_start_len": 0},  # start ignored without logprobs
+    ):
+        assert post(**ok).status_code == 200, ok
+    # a prompt ending inside a segment: its last row is always computed
+    r = client.post("/generate", json={"input_ids": ids, "return_logprob": True,
+                                       "logprob_start_len": 39,
+                                       "redknot_segments": [{"start": 30, "end": 40}]})  # fmt: skip
+    assert r.status_code == 200, r.text
+
+
+def test_the_options_under_which_rows_leave_recovery():
+    from redknot.config import RedknotConfig
+
+    assert RedknotConfig(all_global=True).rows_leave is None
+    assert RedknotConfig(all_global=True, dense_layers=8, skipped="residual").rows_leave is None
+    assert "dense-layers 8" in RedknotConfig(all_global=True, dense_layers=8).rows_leave
+    assert RedknotConfig(policy="naive").rows_leave == "--redknot-policy naive"
