@@ -16,7 +16,8 @@ then writes one row per (policy, setting) to ``benchmarks/results/policies.json`
 of first-token top-1 agreement against the FLOPs fraction (when matplotlib is installed).
 
 ``--ttft FILE`` (a ``benchmarks/ttft.py`` result, e.g. of ``scripts/policies_gpu.sh``) adds, to
-each row at its policy's default knobs, the TTFT the server measured for that policy at
+each row whose setting the file holds (its label, e.g. ``epic[epic_k=64]``, or the policy's
+default knobs), the TTFT the server measured for that policy at
 ``--ttft-point`` (8B shape, dummy weights: a different model than the fidelity's, the same
 schedule) and its speedup over flashinfer, and a panel of top-1 against that speedup. The
 server's ``redknot`` is the full layer schedule without adaptive restore (the reference row
@@ -90,22 +91,28 @@ TTFT_VARIANTS = {  # policy -> the benchmarks/ttft.py variant serving it at its 
 
 
 def attach_ttft(rows: list[dict], ttft: dict, point: str, defaults: dict) -> int:
-    """Give every row at its policy's default knobs (``defaults``: the evaluation's default
-    options) the TTFT its server variant measured at ``point`` and the speedup over flashinfer
-    there. Returns how many rows got one."""
+    """Give every row the TTFT its server variant measured at ``point`` and the speedup over
+    flashinfer there: the variant of the row's label (``benchmarks/ttft.py`` takes knobs in the
+    same format), else, for a row at its policy's default knobs (``defaults``: the evaluation's
+    default options), the variant serving those. Returns how many rows got one."""
     from redknot.recovery import POLICIES as POLICY_CLASSES
 
     summary, matched = ttft["summary"], 0
     for row in rows:
-        entry = summary.get(TTFT_VARIANTS.get(row["policy"]), {}).get(point)
-        knobs = POLICY_CLASSES[row["policy"]].knobs if row["policy"] in POLICY_CLASSES else ()
-        options = row.get("options") or {}
-        if entry is None or any(options.get(k) != defaults.get(k) for k in knobs):
+        variant = row["setting"]  # a TTFT variant with the same knobs, e.g. epic[epic_k=64]
+        if variant not in summary:
+            variant = TTFT_VARIANTS.get(row["policy"])
+            knobs = POLICY_CLASSES[row["policy"]].knobs if row["policy"] in POLICY_CLASSES else ()
+            options = row.get("options") or {}
+            if any(options.get(k) != defaults.get(k) for k in knobs):
+                continue  # not the default knobs that variant ran
+        entry = summary.get(variant, {}).get(point)
+        if entry is None:
             continue
         row["ttft_s"] = entry["ttft_s"]
         row["ttft_speedup"] = entry.get("speedup_vs_flashinfer")
-        row["ttft_source"] = {"variant": TTFT_VARIANTS[row["policy"]], "point": point,
-                              "device": ttft.get("device"), "commit": ttft.get("commit")}  # fmt: skip
+        row["ttft_source"] = {"variant": variant, "point": point, "device": ttft.get("device"),
+                              "commit": ttft.get("commit")}  # fmt: skip
         matched += 1
     return matched
 

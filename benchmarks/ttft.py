@@ -14,7 +14,9 @@ dummy weights):
   re-aligned K/V (``redknot.segcache.reuse``);
 - ``naive``, ``epic``, ``cacheblend``, ``sparsex``: the token-level policies
   (``--redknot-policy``, every head global, default knobs) on the same registered documents;
-  ``redknot-g0.125-reuse-sparseq``: the hybrid ``redknot+sparseq`` under the 1/8 map.
+  ``redknot-g0.125-reuse-sparseq``: the hybrid ``redknot+sparseq`` under the 1/8 map. A policy
+  variant takes its knobs in the evaluation's label format, e.g. ``cacheblend[blend_ratio=0.3]``
+  or ``sparsex[sparseq_k=256,sparseq_block=8]`` (a TTFT front over the knobs).
 
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
 ``--reps`` after one warm-up at each point). ``flops`` is the analytical prefill FLOPs of the
@@ -71,6 +73,40 @@ VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reu
     # the hybrid: the 1/8 map, and the sparse-Q set of the global heads from layer 5 on
     "redknot-g0.125-reuse-sparseq": (0.125, False, True, None, None, "redknot+sparseq"),
 }
+
+
+POLICY_KNOBS = {  # the server's knobs of each policy (--redknot-<knob>)
+    "naive": (),
+    "epic": ("epic_k",),
+    "cacheblend": ("blend_check_layer", "blend_ratio"),
+    "sparsex": ("sparseq_boundary", "sparseq_k", "sparseq_block"),
+    "redknot+sparseq": ("sparseq_boundary", "sparseq_k", "sparseq_block"),
+}
+
+
+def split_variants(text: str) -> list[str]:
+    """``"flashinfer,sparsex[sparseq_k=256,sparseq_block=8]"`` -> the two names (commas inside
+    brackets belong to the knobs)."""
+    return [m.strip() for m in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if m.strip()]
+
+
+def parse_variant(name: str) -> tuple[str, dict]:
+    """``"cacheblend[blend_ratio=0.3]"`` -> ``("cacheblend", {"blend_ratio": 0.3})``: a variant
+    of :data:`VARIANTS`, with knobs of its policy in the evaluation's label format."""
+    base, _, rest = name.partition("[")
+    if base not in VARIANTS:
+        raise SystemExit(f"--variants: {base!r} is not one of {', '.join(VARIANTS)}")
+    if not rest:
+        return base, {}
+    policy = VARIANTS[base][5]
+    knobs = {}
+    for item in rest.rstrip("]").split(","):
+        key, _, value = item.partition("=")
+        if policy is None or key not in POLICY_KNOBS[policy] or not value:
+            allowed = POLICY_KNOBS.get(policy, ())
+            raise SystemExit(f"--variants: {name!r}: knobs of {base} are {', '.join(allowed)}")
+        knobs[key] = float(value) if "." in value else int(value)
+    return base, knobs
 
 
 def token_layer_flops(cfg: dict) -> tuple[int, int]:
@@ -132,7 +168,8 @@ def child(args) -> None:
     from redknot.api.marks import SegmentMark, encode_marks
     from redknot.segcache.entry import segment_id
 
-    fraction, all_global, reuse, dense_layers, skipped, policy = VARIANTS[args.child]
+    base, knobs = parse_variant(args.child)
+    fraction, all_global, reuse, dense_layers, skipped, policy = VARIANTS[base]
     points = parse_points(args.points)
     extra = {
         "mem_fraction_static": args.mem_fraction_static,
@@ -150,6 +187,7 @@ def child(args) -> None:
             extra["log_level"] = "info"  # the sparse-FFN log lines count what was skipped
         if policy is not None:
             extra["redknot_policy"] = policy
+            extra.update({f"redknot_{k}": v for k, v in knobs.items()})
             extra["log_level"] = "info"  # the policy's log lines count the rows that left
         elif all_global:  # (token-level policies serve every head global by themselves)
             extra["redknot_all_global"] = True
@@ -262,6 +300,8 @@ def main() -> None:
     if args.sweep:
         args.points = SWEEP
     parse_points(args.points)  # refuse a malformed list before any engine starts
+    for name in split_variants(args.variants):
+        parse_variant(name)
     if args.child:
         child(args)
         return
@@ -278,7 +318,7 @@ def main() -> None:
         "profile_dir",
     )
     results = {}
-    for name in args.variants.split(","):
+    for name in split_variants(args.variants):
         results[name] = common.run_child(
             __file__, base + ["--child", name], log_grep="token-layers left to the cache"
         )
@@ -288,7 +328,7 @@ def main() -> None:
         found = [m for m in map(SKIPPED.search, lines) if m]
         results[name]["ffn_skipped_per_prompt"] = [int(m.group(1)) for m in found]
         results[name]["left_per_prompt"] = [int(m.group(2) or 0) for m in found]
-        if VARIANTS[name][5] is not None:  # a token-level policy skips no FFN on its own
+        if VARIANTS[parse_variant(name)[0]][5] is not None:  # a policy skips no FFN itself
             found = [m for m in map(POLICY_LOG.search, lines) if m]
             results[name]["left_per_prompt"] = [int(m.group(1)) for m in found]
         print(name, json.dumps(results[name])[:400], flush=True)
@@ -319,7 +359,7 @@ def summarize(cfg: dict, results: dict, reps: int) -> dict:
     ref = results.get("flashinfer", {}).get("points", {})
     _, ffn = token_layer_flops(cfg)
     for name, res in results.items():
-        fraction = VARIANTS[name][0]
+        fraction = VARIANTS[parse_variant(name)[0]][0]
         skipped = res.get("ffn_skipped_per_prompt", [])
         left_all = res.get("left_per_prompt", [])
         for i, (key, row) in enumerate(res.get("points", {}).items()):

@@ -103,6 +103,26 @@ def test_summary_of_a_token_policy_counts_every_head_global():
     assert entry["token_layers_left_to_cache"] == 100000
 
 
+def test_variants_take_their_policys_knobs_in_the_evaluations_label_format():
+    from benchmarks.ttft import parse_variant, split_variants
+
+    text = "flashinfer,cacheblend[blend_ratio=0.3],sparsex[sparseq_k=256,sparseq_block=8]"
+    names = split_variants(text)
+    assert names == ["flashinfer", "cacheblend[blend_ratio=0.3]",
+                     "sparsex[sparseq_k=256,sparseq_block=8]"]  # fmt: skip
+    assert parse_variant(names[0]) == ("flashinfer", {})
+    assert parse_variant(names[1]) == ("cacheblend", {"blend_ratio": 0.3})
+    assert parse_variant(names[2]) == ("sparsex", {"sparseq_k": 256, "sparseq_block": 8})
+    for bad, message in (
+        ("nope", "is not one of"),
+        ("epic[blend_ratio=0.3]", "knobs of epic are epic_k"),
+        ("flashinfer[epic_k=4]", "knobs of flashinfer are"),
+        ("epic[epic_k=]", "knobs of epic"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            parse_variant(bad)
+
+
 def test_log_lines_of_both_skipped_modes_parse():
     from benchmarks.ttft import SKIPPED
 
@@ -175,18 +195,23 @@ def test_policies_take_the_servers_ttft_at_their_default_knobs_only():
 
     defaults = {"epic_k": 16, "blend_ratio": 0.15, "blend_check_layer": 1}
     rows = [
-        {"policy": "full", "options": None},
-        {"policy": "epic", "options": {**defaults}},
-        {"policy": "epic", "options": {**defaults, "epic_k": 64}},  # not what the server ran
-        {"policy": "cacheblend", "options": {**defaults}},  # no measurement of it
-        {"policy": "headclass", "options": {**defaults}},  # no server variant
-    ]
+        {"policy": "full", "setting": "full", "options": None},
+        {"policy": "epic", "setting": "epic[epic_k=16]", "options": {**defaults}},
+        {"policy": "epic", "setting": "epic[epic_k=64]",  # not what the server ran
+         "options": {**defaults, "epic_k": 64}},
+        {"policy": "cacheblend", "setting": "cacheblend", "options": {**defaults}},  # unmeasured
+        {"policy": "headclass", "setting": "headclass", "options": {**defaults}},  # no variant
+    ]  # fmt: skip
     ttft = {"device": "H100", "commit": "abc", "summary": {
         "flashinfer": {"32768x8": {"ttft_s": 1.2, "speedup_vs_flashinfer": 1.0}},
         "epic": {"32768x8": {"ttft_s": 0.3, "speedup_vs_flashinfer": 4.0},
                  "8192x8": {"ttft_s": 0.1, "speedup_vs_flashinfer": 2.0}},
     }}  # fmt: skip
     assert attach_ttft(rows, ttft, "32768x8", defaults) == 2
+    swept = {"policy": "epic", "setting": "epic[epic_k=64]", "options": {**defaults, "epic_k": 64}}
+    ttft["summary"]["epic[epic_k=64]"] = {"32768x8": {"ttft_s": 0.4, "speedup_vs_flashinfer": 3.0}}
+    assert attach_ttft([swept], ttft, "32768x8", defaults) == 1  # the variant of its label
+    assert swept["ttft_speedup"] == 3.0 and swept["ttft_source"]["variant"] == "epic[epic_k=64]"
     assert (rows[0]["ttft_s"], rows[1]["ttft_speedup"]) == (1.2, 4.0)
     assert rows[1]["ttft_source"] == {"variant": "epic", "point": "32768x8", "device": "H100",
                                       "commit": "abc"}  # fmt: skip
