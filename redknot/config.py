@@ -187,13 +187,16 @@ class RedknotConfig:
                 parse()
             except ValueError as e:
                 raise RedknotConfigError(str(e)) from None
-        if isinstance(self.mass_thresh, bool) or not (
-            isinstance(self.mass_thresh, (int, float)) and 0 <= self.mass_thresh <= 1
-        ):
-            raise RedknotConfigError(
-                f"--redknot-mass-thresh must be a number in [0, 1], got {self.mass_thresh!r}"
-            )
-        for name, low in (("dense_layers", 0), ("recent_n", 1)):
+        for name in ("mass_thresh", "blend_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value <= 1):
+                flag = name.replace("_", "-")
+                raise RedknotConfigError(
+                    f"--redknot-{flag} must be a number in [0, 1], got {value!r}"
+                )
+        for name, low in (("dense_layers", 0), ("recent_n", 1), ("epic_k", 0),
+                          ("blend_check_layer", 0), ("sparseq_boundary", 1), ("sparseq_k", 0),
+                          ("sparseq_block", 0)):  # fmt: skip
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < low):  # fmt: skip
@@ -215,20 +218,6 @@ class RedknotConfig:
         if self.policy not in POLICY_CHOICES:
             raise RedknotConfigError(
                 f"--redknot-policy {self.policy!r} is not one of {', '.join(POLICY_CHOICES)}"
-            )
-        for name, low in (("epic_k", 0), ("blend_check_layer", 0), ("sparseq_boundary", 1),
-                          ("sparseq_k", 0), ("sparseq_block", 0)):  # fmt: skip
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                flag = name.replace("_", "-")
-                raise RedknotConfigError(
-                    f"--redknot-{flag} must be an integer >= {low}, got {value!r}"
-                )
-        if isinstance(self.blend_ratio, bool) or not (
-            isinstance(self.blend_ratio, (int, float)) and 0 <= self.blend_ratio <= 1
-        ):
-            raise RedknotConfigError(
-                f"--redknot-blend-ratio must be a number in [0, 1], got {self.blend_ratio!r}"
             )
         if self.policy == "redknot":
             return

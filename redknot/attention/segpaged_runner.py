@@ -57,7 +57,7 @@ class ExtendState:
     # skipped="cached" and token policies: the rows in recovery (rebuilt when rows leave)
     held: HeldRows | None = None
     kept_tokens: int = -1  # token policies: reused segment tokens kept (-1: not chosen yet)
-    req_pool_indices: list[int] | None = None  # on the host, when segments are read
+    req_pool_indices: list[int] | None = None  # on the host, when segments are written or read
 
 
 @dataclass(frozen=True)
@@ -269,19 +269,18 @@ class SegPagedRunner:
             reqs = reqs.to(self.device, non_blocking=True)
             keep_rows = self._ring_rows(fb.req_pool_indices[reqs], positions)
         capture = self._plan_captures(fb, prefix_cpu, lens_cpu) if self.pool.capture_jobs else None
-        writes = None
+        writes = reads = rpis = None
+        if self.pool.segment_jobs or self.pool.segment_reads:
+            rpis = fb.req_pool_indices.tolist()
         if self.pool.segment_jobs:
-            rpis = fb.req_pool_indices.tolist()
             writes = registration.plan_writes(self.pool, rpis, prefix_cpu, lens_cpu, self.device)
-        reads = None
         if self.pool.segment_reads:
-            rpis = fb.req_pool_indices.tolist()
             reads = reuse.plan_reads(
                 self.pool, rpis, prefix_cpu, lens_cpu, self.device, self.recent_n
             )
-        self.extend_state = ExtendState(plan, keep_tokens, keep_rows, capture, writes, reads)
-        if reads is not None:
-            self.extend_state.req_pool_indices = rpis
+        self.extend_state = ExtendState(
+            plan, keep_tokens, keep_rows, capture, writes, reads, req_pool_indices=rpis
+        )
         if reads is not None and self.policy is not None and self.policy.chooses_at_plan:
             self._keep(self.policy.planned_kept(reads.pos_off_cpu))
 
