@@ -23,7 +23,7 @@ from redknot.attention.ffn_schedule import SCHEDULE, key_mass, skip_mask
 from redknot.attention.token_policy import TokenPolicy, kept_rows, per_request, segment_spans
 from redknot.attention.trace import phase
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
-from redknot.kernels.extend import plan_extend, restrict_tiles, run_extend, to_device
+from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_device
 from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
@@ -63,7 +63,7 @@ class ExtendState:
 @dataclass(frozen=True)
 class HeldRows:
     """The batch rows still in recovery (``SCHEDULE.held``), as a mask over the batch rows, the
-    extend plan restricted to their query tiles, and the segment reads of the tokens that left
+    extend plan over them only (packed into tiles), and the segment reads of the tokens that left
     (every head of theirs takes the cached K/V). Built once when rows leave, on the host from
     the layer's one synchronisation."""
 
@@ -364,7 +364,7 @@ class SegPagedRunner:
             with phase("redknot.write_global"):
                 self.pool.write_global(lid, fb.out_cache_loc, k, v)
         out = q.new_empty(q.shape)
-        plan = state.plan if held is None else held.plan  # only the tiles of rows in recovery
+        plan = state.plan if held is None else held.plan  # only the rows in recovery
         with phase("redknot.extend_kernel"):
             run_extend(
                 plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
@@ -489,7 +489,7 @@ class SegPagedRunner:
         keep = to_device(keep_cpu, device) if keep is None else keep
         left = to_device((~keep_cpu[reads.tokens_cpu]).nonzero().squeeze(1), device)
         state.held = HeldRows(
-            rows, keep, restrict_tiles(state.plan, rows_cpu),
+            rows, keep, gather_tiles(state.plan, rows_cpu),
             replace(reads, sparse=(), tokens_cpu=None, pos_off_cpu=None,
                     **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
         )  # fmt: skip

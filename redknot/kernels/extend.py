@@ -73,6 +73,10 @@ class ExtendPlan:
     tile_req_gpu: torch.Tensor  # [NT] int32
     tile_start_gpu: torch.Tensor  # [NT] int32
     extra: dict = field(default_factory=dict)  # per-backend state (see redknot.kernels.flashinfer)
+    # A plan over some rows only (gather_tiles): tile t holds entries tile_start[t].. of request
+    # tile_req[t]'s held new-token indices rows[rows_indptr[b] : rows_indptr[b + 1]] (ascending)
+    rows_gpu: torch.Tensor | None = None  # [A] int32
+    rows_indptr_gpu: torch.Tensor | None = None  # [B + 1] int32
 
     def __post_init__(self) -> None:
         B = self.batch_size
@@ -82,9 +86,18 @@ class ExtendPlan:
         assert bool((self.qo_indptr_cpu[1:] >= self.qo_indptr_cpu[:-1]).all())
         assert bool((self.prefix_lens_cpu >= 0).all())
         assert self.tile_req_cpu.shape == self.tile_start_cpu.shape
-        for name in ("prefix_lens_gpu", "qo_indptr_gpu", "tile_req_gpu", "tile_start_gpu"):
+        assert (self.rows_gpu is None) == (self.rows_indptr_gpu is None)
+        names = ("prefix_lens_gpu", "qo_indptr_gpu", "tile_req_gpu", "tile_start_gpu")
+        if self.gathered:
+            names += ("rows_gpu", "rows_indptr_gpu")
+        for name in names:
             t = getattr(self, name)
             assert t.dtype == torch.int32 and t.device == self.req_pool_indices_gpu.device, name
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the tiles hold listed rows (:func:`gather_tiles`), not consecutive ones."""
+        return self.rows_gpu is not None
 
     @property
     def batch_size(self) -> int:
@@ -139,24 +152,40 @@ def plan_extend(
     )
 
 
-def restrict_tiles(plan: ExtendPlan, rows_cpu: torch.Tensor) -> ExtendPlan:
-    """``plan`` with only the query tiles that hold one of ``rows_cpu`` (int64 batch rows,
-    ``[0, T)``); the output rows of the other tiles are left unwritten."""
+def gather_tiles(plan: ExtendPlan, rows_cpu: torch.Tensor) -> ExtendPlan:
+    """``plan`` computing only the batch rows ``rows_cpu`` (int64, ascending, in ``[0, T)``):
+    each request's rows packed into tiles of ``block_q`` whatever the distance between them, so
+    the attention costs their number, not the tiles of ``plan`` they fall in (a CacheBlend choice
+    of every seventh token would otherwise run every tile). The other rows' outputs are left
+    unwritten."""
+    assert not plan.gathered, "gather_tiles takes a plan of every row"
+    rows_cpu = rows_cpu.to(torch.int64)
+    assert rows_cpu.dim() == 1 and bool((rows_cpu[1:] > rows_cpu[:-1]).all()), "rows ascending"
     bq = plan.config.block_q(plan.geometry.group_size)
     indptr = plan.qo_indptr_cpu.to(torch.int64)
+    B = plan.batch_size
     req = torch.searchsorted(indptr, rows_cpu, right=True) - 1
-    span = int(indptr[-1]) + bq  # > any tile start: (request, start) -> one key
-    wanted = req * span + (rows_cpu - indptr[req]) // bq * bq
-    keys = plan.tile_req_cpu.to(torch.int64) * span + plan.tile_start_cpu.to(torch.int64)
-    keep = torch.isin(keys, wanted)
+    counts = torch.bincount(req, minlength=B)
+    rows_indptr = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=rows_indptr[1:])
+    tok = rows_cpu - indptr[req]  # new-token index within the request
+    per_req = (counts + bq - 1) // bq
+    tile_req = torch.repeat_interleave(torch.arange(B), per_req)
+    first_tile = torch.cumsum(per_req, 0) - per_req
+    tile_start = (torch.arange(tile_req.numel()) - first_tile[tile_req]) * bq
+    last = rows_indptr[tile_req] + torch.minimum(tile_start + bq, counts[tile_req]) - 1
+    work = plan.prefix_lens_cpu.to(torch.int64)[tile_req] + tok[last]  # heaviest first
+    order = torch.argsort(-work, stable=True)
+    tile_req, tile_start = tile_req[order].to(torch.int32), tile_start[order].to(torch.int32)
     device = plan.req_pool_indices_gpu.device
-    tile_req, tile_start = plan.tile_req_cpu[keep], plan.tile_start_cpu[keep]
     return replace(
         plan,
         tile_req_cpu=tile_req,
         tile_start_cpu=tile_start,
         tile_req_gpu=to_device(tile_req, device),
         tile_start_gpu=to_device(tile_start, device),
+        rows_gpu=to_device(tok.to(torch.int32), device),
+        rows_indptr_gpu=to_device(rows_indptr.to(torch.int32), device),
     )
 
 
@@ -212,10 +241,12 @@ def run_extend(
     if plan.num_tiles == 0 or num_slots == 0:
         return out
     lse_arg = lse if lse is not None else out
+    rows = plan.rows_gpu if plan.gathered else plan.tile_start_gpu  # not read without GATHER
+    rows_indptr = plan.rows_indptr_gpu if plan.gathered else plan.qo_indptr_gpu
     segpaged_extend_kernel[(plan.num_tiles, num_slots)](
         q, k_new, v_new, k_global, v_global, k_local, v_local,
         req_to_token, plan.req_pool_indices_gpu, plan.prefix_lens_gpu, plan.qo_indptr_gpu,
-        plan.tile_req_gpu, plan.tile_start_gpu,
+        plan.tile_req_gpu, plan.tile_start_gpu, rows, rows_indptr,
         heads.is_local_gpu, heads.column_gpu, heads.order_gpu, out, lse_arg,
         sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, first_slot,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
@@ -225,6 +256,6 @@ def run_extend(
         req_to_token.stride(0),
         GRP=geo.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
         RING=geo.ring, WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GATHER=plan.gathered, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from redknot.kernels.extend import ExtendConfig, plan_extend, restrict_tiles, run_extend
+from redknot.kernels.extend import ExtendConfig, gather_tiles, plan_extend, run_extend
 from redknot.kernels.reference import extend_reference
 
 from .segpaged_data import make_batch, make_geometry
@@ -39,7 +39,9 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _run_case(classes, grp, dim, dtype, mode, requests, device, config, sink=SINK,
-              window=WINDOW, seed=0, ring_extra=3):  # fmt: skip
+              window=WINDOW, seed=0, ring_extra=3, rows=None):  # fmt: skip
+    """Kernel and reference outputs and LSEs; with ``rows`` (batch rows) the kernel runs a
+    gathered plan over them only and its other output rows hold 7.0."""
     geo, layout = make_geometry(classes, grp, dim, sink, window, mode, ring_extra=ring_extra)
     prefix = [p for p, _ in requests]
     lens = [e for _, e in requests]
@@ -50,10 +52,12 @@ def _run_case(classes, grp, dim, dtype, mode, requests, device, config, sink=SIN
     qkv = torch.randn(T, geo.num_q_heads + 2 * H, dim, generator=g).to(dtype).to(device)
     q, k_new, v_new = qkv.split([geo.num_q_heads, H, H], dim=1)
     plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=config)
-    lse = torch.empty(T, geo.num_q_heads, device=device)
+    if rows is not None:
+        plan = gather_tiles(plan, rows)
+    lse = torch.full((T, geo.num_q_heads), 7.0, device=device)
     out = run_extend(
         plan, q, k_new, v_new, batch.k_global, batch.v_global, batch.k_local, batch.v_local,
-        batch.req_to_token, batch.heads, 0.125, lse=lse,
+        batch.req_to_token, batch.heads, 0.125, lse=lse, out=torch.full_like(q, 7.0),
     )  # fmt: skip
     ref_out, ref_lse = extend_reference(
         q, k_new, v_new, batch.k_global, batch.v_global, batch.k_local, batch.v_local,
@@ -147,30 +151,70 @@ def test_extend_plan_orders_heavy_tiles_first():
     assert plan.qo_indptr_cpu.tolist() == [0, 9, 12, 12]
 
 
-def test_extend_restricted_to_some_rows_computes_their_tiles_exactly():
-    """A plan restricted to scattered rows keeps exactly the tiles holding them (brute force);
-    those rows come out as in the full run and the other tiles are not written."""
+def _scattered_rows(lens: list[int], seed: int) -> torch.Tensor:
+    """Batch rows in recovery as the runner holds them: a random third of the rows, every
+    request's last row, a run of consecutive rows (a question) and rows far apart."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    keep = torch.rand(T, generator=g) < 0.3
+    ends = torch.tensor(lens).cumsum(0)
+    keep[ends[torch.tensor(lens) > 0] - 1] = True
+    keep[T // 2 : T // 2 + 11] = True
+    keep[1] = False
+    return keep.nonzero().squeeze(1)
+
+
+@pytest.mark.parametrize("classes,grp,dim,dtype,mode", CASES)
+def test_extend_gathered_rows_match_reference(classes, grp, dim, dtype, mode):
+    """A plan over scattered rows (packed into tiles whatever their distance) computes those
+    rows as the reference does and writes no other row."""
+    rows = _scattered_rows([e for _, e in REQUESTS], seed=len(classes) * grp + dim)
+    out, lse, ref_out, ref_lse = _run_case(
+        classes, grp, dim, dtype, mode, REQUESTS, "cpu", SMALL, rows=rows
+    )
+    _close(out[rows], ref_out[rows])
+    torch.testing.assert_close(lse[rows], ref_lse[rows], atol=1e-3, rtol=1e-3)
+    other = torch.ones(out.shape[0], dtype=torch.bool)
+    other[rows] = False
+    assert (out[other] == 7.0).all() and (lse[other] == 7.0).all()
+
+
+@pytest.mark.parametrize("mode", ["token_table", "ring"])
+def test_extend_gathered_rows_window_spanning_several_blocks(mode):
+    """Gathered tiles whose rows lie further apart than the window: local rows take the sink,
+    edge, unmasked and diagonal loops from the tile's first and last row."""
+    requests = [(0, 70), (50, 31), (9, 44), (100, 5)]
+    rows = torch.tensor([0, 2, 3, 40, 69, 70, 71, 100, 101, 110, 140, 144, 145, 149])
+    out, lse, ref_out, ref_lse = _run_case(
+        "LGLL", 4, 64, torch.float16, mode, requests, "cpu", ExtendConfig(block_m=16, block_n=8),
+        sink=5, window=37, rows=rows,
+    )  # fmt: skip
+    _close(out[rows], ref_out[rows])
+    torch.testing.assert_close(lse[rows], ref_lse[rows], atol=1e-3, rtol=1e-3)
+
+
+def test_gather_tiles_packs_each_requests_rows():
+    """Brute force: each request's rows in order, ``block_q`` per tile, the heaviest tile
+    (prefix + last row) first; no tile for a request without rows."""
     q, k_new, v_new, plan, stores, heads = _two_group_batch(torch.bfloat16, seed=5)
     lens = [e for _, e in REQUESTS]
-    T = sum(lens)
-    rows = torch.tensor([0, 5, 21, 23, 40, 81, T - 1])
-    small = restrict_tiles(plan, rows)
+    rows = torch.tensor([0, 5, 21, 23, 40, 41, 42, 43, 44, 45, 79, sum(lens) - 1])
+    gathered = gather_tiles(plan, rows)
     bq = SMALL.block_q(2)
     indptr = plan.qo_indptr_cpu.tolist()
-    want = set()
-    for r in rows.tolist():
-        b = max(i for i in range(len(lens)) if indptr[i] <= r < indptr[i + 1])
-        want.add((b, (r - indptr[b]) // bq * bq))
-    got = set(zip(small.tile_req_cpu.tolist(), small.tile_start_cpu.tolist()))
-    assert got == want and small.num_tiles < plan.num_tiles
-    full = run_extend(plan, q, k_new, v_new, *stores, heads, 0.125)
-    out = torch.full_like(q, 7.0)
-    run_extend(small, q, k_new, v_new, *stores, heads, 0.125, out=out)
-    torch.testing.assert_close(out[rows], full[rows], atol=0, rtol=0)
-    covered = torch.zeros(T, dtype=torch.bool)
-    for b, t0 in want:
-        covered[indptr[b] + t0 : min(indptr[b] + t0 + bq, indptr[b + 1])] = True
-    assert (out[~covered] == 7.0).all()
+    per_req = [[r - indptr[b] for r in rows.tolist() if indptr[b] <= r < indptr[b + 1]]
+               for b in range(len(lens))]  # fmt: skip
+    want = {(b, t0) for b, toks in enumerate(per_req) for t0 in range(0, len(toks), bq)}
+    tiles = list(zip(gathered.tile_req_cpu.tolist(), gathered.tile_start_cpu.tolist()))
+    assert set(tiles) == want and len(tiles) == len(want)
+    assert gathered.num_tiles < plan.num_tiles
+    listed = gathered.rows_gpu.tolist()
+    starts = gathered.rows_indptr_gpu.tolist()
+    assert [listed[starts[b] : starts[b + 1]] for b in range(len(lens))] == per_req
+    work = [REQUESTS[b][0] + per_req[b][min(t0 + bq, len(per_req[b])) - 1] for b, t0 in tiles]
+    assert work == sorted(work, reverse=True)
+    with pytest.raises(AssertionError, match="ascending"):
+        gather_tiles(plan, rows.flip(0))
 
 
 # ---- GPU: real shapes -------------------------------------------------------------------------
@@ -189,6 +233,22 @@ def test_extend_gpu_llama_shape(classes, mode):
     )  # fmt: skip
     _close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_extend_gpu_gathered_rows():
+    """A gathered plan at the Llama shape: a 15% choice of scattered rows (CacheBlend's) and a
+    question at the end, over a cached prefix."""
+    requests = [(0, 8192), (3000, 2048), (5, 1)]
+    rows = _scattered_rows([e for _, e in requests], seed=11)
+    rows = rows[(torch.arange(rows.numel()) % 2 == 0) | (rows >= 8192)]
+    out, lse, ref_out, ref_lse = _run_case(
+        LLAMA, 4, 128, torch.bfloat16, "ring", requests, "cuda", ExtendConfig(),
+        sink=64, window=256, ring_extra=64, rows=rows,
+    )  # fmt: skip
+    rows = rows.cuda()
+    _close(out[rows], ref_out[rows])
+    torch.testing.assert_close(lse[rows], ref_lse[rows], atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.gpu

@@ -7,9 +7,14 @@ head_slot_offset]`` and query tile ``t`` = new tokens ``[t0, t0 + BLOCK_Q)`` of 
 ``h * GRP + r % GRP``; ``BLOCK_Q = BLOCK_M // GRP``, rows from ``BLOCK_Q * GRP`` on are idle when
 ``GRP`` does not divide ``BLOCK_M``), so the GQA group reads each key once.
 
-Keys are visited in four loops (``a = P + t0`` first query position, ``e = P + min(t0 +
-BLOCK_Q, E)`` one past the last; positions ``< P`` come from a store, the others from
-``K_new``/``V_new``):
+With ``GATHER`` the tile's tokens are not consecutive: tile ``t`` holds entries ``[t0, t0 +
+BLOCK_Q)`` of request ``b``'s ascending list of held new-token indices (``Rows[Rows_indptr[b]
+..]``), so a plan over scattered rows costs their number of tiles, not the tiles they fall in.
+Below, ``t_lo`` and ``t_hi`` are the tile's first and last new-token index (``t0`` and ``min(t0 +
+BLOCK_Q, E) - 1`` without ``GATHER``); every bound holds for any tokens between them.
+
+Keys are visited in four loops (``a = P + t_lo`` first query position, ``e = P + t_hi + 1`` one
+past the last; positions ``< P`` come from a store, the others from ``K_new``/``V_new``):
 
 | loop        | global row             | local row                                  | masked    |
 | ----------- | ---------------------- | ------------------------------------------ | --------- |
@@ -18,7 +23,7 @@ BLOCK_Q, E)`` one past the last; positions ``< P`` come from a store, the others
 | new         | ``[P, u)``             | ``[c_lo, d_lo)``                           | no        |
 | diagonal    | ``[u, e)``             | ``[d_lo, e)``                              | yes       |
 
-with ``u = P + (t0 + 1) // BLOCK_N * BLOCK_N`` (new keys below ``u`` precede every query of the
+with ``u = P + (t_lo + 1) // BLOCK_N * BLOCK_N`` (new keys below ``u`` precede every query of the
 tile), ``w0 = max(sink, a - window + 1)`` (the window's first key), ``d_lo = max(u, w0)`` and
 ``c_lo`` the lowest key ``>= max(P, e - window, w0)`` a whole number of blocks below ``d_lo``
 (keys in ``[c_lo, d_lo)`` are visible to every row). ``sink + edge`` reads positions below
@@ -89,7 +94,7 @@ def _store_rows(Out, Lse, acc, m_i, l_i, q_start, tok, rows, row_ok, h, d, strid
 def segpaged_extend_kernel(
     Q, K_new, V_new, K_g, V_g, K_l, V_l,
     Req_to_token, Req_pool_indices, Prefix_lens, Qo_indptr, Tile_req, Tile_start,
-    Is_local, Column, Order, Out, Lse,
+    Rows, Rows_indptr, Is_local, Column, Order, Out, Lse,
     qk_scale, sink, window, ring_len, head_slot_offset,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_ot, stride_oh, stride_lse_t,
@@ -102,6 +107,7 @@ def segpaged_extend_kernel(
     RING: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
+    GATHER: tl.constexpr,
 ):  # fmt: skip
     BLOCK_Q: tl.constexpr = BLOCK_M // GRP
     tile = tl.program_id(0)
@@ -117,14 +123,25 @@ def segpaged_extend_kernel(
     req_row = tl.load(Req_pool_indices + b).to(tl.int64)
 
     rows = tl.arange(0, BLOCK_M)
-    tok = t0 + rows // GRP
-    row_ok = (rows < BLOCK_Q * GRP) & (tok < E)  # BLOCK_M need not be a multiple of GRP
+    entry = t0 + rows // GRP
+    if GATHER:  # the tile's entries of the request's held rows
+        r0 = tl.load(Rows_indptr + b)
+        n_held = tl.load(Rows_indptr + b + 1) - r0
+        row_ok = (rows < BLOCK_Q * GRP) & (entry < n_held)
+        tok = tl.load(Rows + r0 + entry, mask=row_ok, other=0)
+        t_lo = tl.load(Rows + r0 + t0)
+        t_hi = tl.load(Rows + r0 + tl.minimum(t0 + BLOCK_Q, n_held) - 1)
+    else:
+        row_ok = (rows < BLOCK_Q * GRP) & (entry < E)  # BLOCK_M need not be a multiple of GRP
+        tok = entry
+        t_lo = t0
+        t_hi = tl.minimum(t0 + BLOCK_Q, E) - 1
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + tok) * stride_qt + (h * GRP + rows % GRP) * stride_qh
     q = tl.load(Q + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     q_pos = P + tok
-    e = P + tl.minimum(t0 + BLOCK_Q, E)
-    u = P + (t0 + 1) // BLOCK_N * BLOCK_N
+    e = P + t_hi + 1
+    u = P + (t_lo + 1) // BLOCK_N * BLOCK_N
     Kn = K_new + q_start * stride_knt + h * stride_knh
     Vn = V_new + q_start * stride_vnt + h * stride_vnh
     Kg = K_g + col * stride_kgh
@@ -149,7 +166,7 @@ def segpaged_extend_kernel(
 
     # Bounds of the module table: window start w0, masked diagonal [d_lo, e), unmasked
     # [c_lo, d_lo) (new keys every row sees), a local row's left window edge [w0, c_lo).
-    w0 = tl.maximum(sink, P + t0 - window + 1)
+    w0 = tl.maximum(sink, P + t_lo - window + 1)
     d_lo = tl.where(is_local, tl.maximum(u, w0), u)
     lower = tl.where(is_local, tl.maximum(tl.maximum(P, e - window), w0), P)
     c_lo = tl.where(d_lo > lower, d_lo - (d_lo - lower) // BLOCK_N * BLOCK_N, d_lo)
