@@ -196,7 +196,7 @@ def test_extend_gathered_rows_window_spanning_several_blocks(mode):
 def test_gather_tiles_packs_each_requests_rows():
     """Brute force: each request's rows in order, ``block_q`` per tile, the heaviest tile
     (prefix + last row) first; no tile for a request without rows."""
-    q, k_new, v_new, plan, stores, heads = _two_group_batch(torch.bfloat16, seed=5)
+    plan = _two_group_batch(torch.bfloat16, seed=5)[3]
     lens = [e for _, e in REQUESTS]
     rows = torch.tensor([0, 5, 21, 23, 40, 41, 42, 43, 44, 45, 79, sum(lens) - 1])
     gathered = gather_tiles(plan, rows)
