@@ -32,6 +32,7 @@ point where any marked segment missed the store is reported with its misses
     python benchmarks/ttft.py --out benchmarks/results/ttft.json
     python benchmarks/ttft.py --sweep --variants flashinfer,redknot-g0.125-reuse \\
         --out benchmarks/results/ttft_sweep.json
+    python benchmarks/ttft.py --merge A.json,B.json --out C.json  # runs split over calls
 """
 
 from __future__ import annotations
@@ -295,6 +296,12 @@ def main() -> None:
         "write its trace under DIR/VARIANT-POINT (summarise with benchmarks/profile_summary.py)",
     )
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
+    ap.add_argument(
+        "--merge",
+        default=None,
+        help="comma-separated results of this script (same commit, device and settings) to "
+        "write as one to --out, nothing run",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.sweep:
@@ -306,6 +313,13 @@ def main() -> None:
         child(args)
         return
     cfg = json.loads(Path(args.model, "config.json").read_text())
+    if args.merge:
+        runs = {p: json.loads(Path(p).read_text()) for p in args.merge.split(",")}
+        merged = merge(cfg, runs)
+        merged["command"] = " ".join([Path(sys.executable).name] + sys.argv)
+        common.write_json(args.out, merged)
+        print(json.dumps(merged["summary"], indent=1))
+        return
     base = common.forward_args(
         args,
         "model",
@@ -351,6 +365,42 @@ def main() -> None:
             variants=results, summary=summary,
         ))  # fmt: skip
     print(json.dumps(summary, indent=1))
+
+
+# What must be equal for runs to be compared as one (the device and commit above all).
+MERGE_KEYS = ("device", "commit", "model", "load_format", "question", "reps",
+              "chunked_prefill_size", "sink", "window", "mem_fraction_static",
+              "segment_fraction", "dense_layers_of_sparse_variant")  # fmt: skip
+
+
+def merge(cfg: dict, runs: dict[str, dict]) -> dict:
+    """One result of several runs (``path -> result``) of the same commit on the same device
+    and settings, e.g. the variants of one comparison split over device calls of 10 minutes:
+    their variants together (a variant in two runs is refused) and the summary recomputed, so
+    that every variant is compared with the ``flashinfer`` of whichever run measured it. Each
+    run keeps its date and command in ``merged_from``."""
+    first = next(iter(runs.values()))
+    for path, run in runs.items():
+        differ = [k for k in MERGE_KEYS if run.get(k) != first.get(k)]
+        if differ:
+            raise SystemExit(f"--merge: {path} differs in {', '.join(differ)}: not comparable")
+    variants: dict = {}
+    for path, run in runs.items():
+        twice = sorted(set(variants) & set(run["variants"]))
+        if twice:
+            raise SystemExit(f"--merge: {path} measures {', '.join(twice)} again")
+        variants.update(run["variants"])
+    merged = {k: first[k] for k in first if k not in ("variants", "summary", "date", "command")}
+    merged["points"] = ",".join(
+        dict.fromkeys(",".join(r["points"] for r in runs.values()).split(","))
+    )
+    merged["date"] = max(run["date"] for run in runs.values())  # of the last measurement
+    merged["merged_from"] = [
+        {"path": path, "date": run["date"], "command": run["command"]} for path, run in runs.items()
+    ]
+    merged["variants"] = variants
+    merged["summary"] = summarize(cfg, variants, first["reps"])
+    return merged
 
 
 def summarize(cfg: dict, results: dict, reps: int) -> dict:

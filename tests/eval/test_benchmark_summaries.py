@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.plot_ttft import series
-from benchmarks.ttft import SWEEP, parse_points, prefill_flops, summarize
+from benchmarks.ttft import SWEEP, merge, parse_points, prefill_flops, summarize
 
 CFG = {  # Llama-3.1-8B's shape
     "hidden_size": 4096,
@@ -51,6 +51,25 @@ def test_summary_ratios_against_flashinfer_at_the_same_point():
     other = summary["redknot-g0.125-reuse"]["32768x4"]
     assert "speedup_vs_flashinfer" not in other and other["every_segment_hit"] is False
     assert summary["flashinfer"]["32768x8"]["speedup_vs_flashinfer"] == pytest.approx(1.0)
+
+
+def test_merged_runs_compare_each_variant_with_flashinfer_and_refuse_other_commits():
+    def run(date, variants, **over):
+        base = {"device": "H100", "commit": "abc", "date": date, "command": f"ttft {date}",
+                "points": ",".join(sorted({k for v in variants.values() for k in v["points"]})),
+                "reps": 1, "question": 64, "variants": variants, "summary": {}}  # fmt: skip
+        return {**base, **over}
+
+    first = run("d1", {"flashinfer": {"points": {"8192x8": _row(8192, 8, 0.2)}}})
+    second = run("d2", {"naive": {"points": {"8192x8": _row(8192, 8, 0.05)}}})
+    merged = merge(CFG, {"a.json": first, "b.json": second})
+    assert merged["summary"]["naive"]["8192x8"]["speedup_vs_flashinfer"] == pytest.approx(4.0)
+    assert [m["date"] for m in merged["merged_from"]] == ["d1", "d2"]
+    assert (merged["date"], merged["commit"], merged["points"]) == ("d2", "abc", "8192x8")
+    with pytest.raises(SystemExit, match="differs in commit"):
+        merge(CFG, {"a.json": first, "c.json": {**second, "commit": "def"}})
+    with pytest.raises(SystemExit, match="measures flashinfer again"):
+        merge(CFG, {"a.json": first, "d.json": first})
 
 
 def test_summary_subtracts_the_ffns_the_server_skipped():
