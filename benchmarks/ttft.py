@@ -357,8 +357,8 @@ def main() -> None:
             "layers, the others go on along the residual path (skipped=residual); "
             "reuse-sparse-cached: the others leave recovery, from the next layer on no "
             "projection, attention row or FFN of theirs is computed and every head takes their "
-            "cached K/V (skipped=cached; the attention kernel runs the query tiles that hold a "
-            "row in recovery). Dummy weights give nearly uniform attention, so importance "
+            "cached K/V (skipped=cached; the attention kernel runs the rows in recovery, packed "
+            "into tiles). Dummy weights give nearly uniform attention, so importance "
             "selects about mass_thresh of the remaining candidates in every deep layer. flops "
             "subtract the FFNs skipped and, per token-layer left to the cache, its projections, "
             "FFN and attention row (keys at the mean position L/2: left_row_flops)",
