@@ -7,7 +7,10 @@
 #             policy -> $OUT/fidelity_server_<policy>.json (compare with the reference path
 #             case by case with benchmarks/fidelity_agreement.py)
 # A cold machine starts each engine in 1-2 minutes: split the parts over calls of 600 s
-# (PART=ttft VARIANTS=... or PART=fidelity POLICIES=...).
+# (PART=ttft VARIANTS=... or PART=fidelity POLICIES=...). The first SmolLM2 server on a cold
+# machine compiled for more than 300 s (H100): give the first fidelity call one policy and the
+# default STARTUP_S; later servers on the same warm machine start in about 40 s, and one policy's
+# 12 cases take about 20 s.
 # Usage: PART=ttft|fidelity bash scripts/policies_gpu.sh
 set -uo pipefail
 out="${OUT:-/tmp}"
