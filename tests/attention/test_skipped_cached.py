@@ -136,10 +136,19 @@ def brute_attention(layout, lid, q, k, v):
     return o.to(torch.bfloat16).float().view(n, -1)
 
 
-def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
-    """Every row's forward, with the rule applied directly (no compaction, no kernels)."""
+def aligned_segment_kv(world, seg_kv, lid):
+    """Layer ``lid``'s K/V of the stored segment re-aligned to its place in the prompt (rows
+    ``NEW ..``), computed directly (RoPE delta of the reference), as every reusing head reads it."""
     from redknot.kernels.rope_reference import delta_rotate
 
+    seg = torch.arange(NEW, NEW + SEG)
+    cache = world.runner.rope.cos_sin_cache
+    k = delta_rotate(seg_kv[lid][0], torch.arange(SEG), seg, cache, is_neox=True)
+    return k.to(torch.bfloat16), seg_kv[lid][1]
+
+
+def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
+    """Every row's forward, with the rule applied directly (no compaction, no kernels)."""
     layout = world.layout
     n, seg = embed.shape[0], torch.arange(NEW, NEW + SEG)
     probe = torch.arange(min(NEW + SEG, n - RECENT), n)  # the question, at least RECENT rows
@@ -150,13 +159,11 @@ def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
     for lid, layer in enumerate(layers):
         residual, x = layer_input(hidden, residual)
         q, k, v = layer.qkv(x, positions)
-        cached_k = delta_rotate(
-            seg_kv[lid][0], torch.arange(SEG), seg, world.runner.rope.cos_sin_cache, is_neox=True
-        ).to(torch.bfloat16)
+        cached_k, cached_v = aligned_segment_kv(world, seg_kv, lid)
         for h in range(layout.num_kv_heads):
             rows = seg if layout.classes[lid][h] == "L" else seg[left[seg]]
             k[rows, h] = cached_k[rows - NEW, h]
-            v[rows, h] = seg_kv[lid][1][rows - NEW, h]
+            v[rows, h] = cached_v[rows - NEW, h]
         new_residual = brute_attention(layout, lid, q, k, v) @ layer.wo + residual
         x = _norm(new_residual)
         ffn = ~left

@@ -21,6 +21,7 @@ from .test_skipped_cached import (
     NEW,
     SEG,
     _norm,
+    aligned_segment_kv,
     brute_attention,
     layer_input,
     served,
@@ -33,11 +34,8 @@ CLASSES = ("GG", "GG", "GG")  # every head global: token-level policies treat he
 def brute_force(world, layers, embed, seg_kv, policy):
     """Every row's forward with the policy's rule applied directly; returns the final states
     and, per layer, the rows that did not compute it (took cached K/V in every head)."""
-    from redknot.kernels.rope_reference import delta_rotate
-
     n = embed.shape[0]
     seg = torch.arange(NEW, NEW + SEG)
-    cos_sin = world.runner.rope.cos_sin_cache
 
     def leaving(kept):  # reused tokens not kept leave; the last row never does
         left = torch.zeros(n, dtype=torch.bool)
@@ -56,8 +54,7 @@ def brute_force(world, layers, embed, seg_kv, policy):
     for lid, layer in enumerate(layers):
         residual, x = layer_input(hidden, residual)
         q, k, v = layer.qkv(x, positions)
-        cached_k = delta_rotate(seg_kv[lid][0], torch.arange(SEG), seg, cos_sin, is_neox=True)
-        cached_k, cached_v = cached_k.to(torch.bfloat16), seg_kv[lid][1]
+        cached_k, cached_v = aligned_segment_kv(world, seg_kv, lid)
         layout = world.layout
         for h in layout.local_heads(lid):  # local heads: every reused token from the cache
             k[seg, h], v[seg, h] = cached_k[:, h], cached_v[:, h]
