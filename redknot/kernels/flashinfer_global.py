@@ -54,7 +54,10 @@ class FlashInferGlobalRows:
         sm_scale: float,
     ) -> None:
         """Plan FlashInfer for the batch of ``plan`` and every count of global heads a layer
-        has (``{layout.num_global(l) for l in layers}``)."""
+        has (``{layout.num_global(l) for l in layers}``). Every row: FlashInfer's ragged
+        attention has no plan over listed rows (:func:`redknot.kernels.extend.gather_tiles`)."""
+        if plan.gathered:
+            raise ValueError("FlashInferGlobalRows plans every row of a batch, not a gathered plan")
         grp, D = self.geo.group_size, self.geo.head_dim
         indptr = plan.qo_indptr_cpu  # FlashInfer plans on the host
         prefix = plan.prefix_lens_cpu.to(torch.int64)
