@@ -447,9 +447,7 @@ class SegPagedRunner:
             with phase("redknot.importance_mass"):
                 mass = self._probe_mass(lid, q, scale, spec)
                 if self.tp_size > 1:  # every rank must skip the same rows (the MLP all-reduces)
-                    from sglang.srt.distributed import tensor_model_parallel_all_reduce
-
-                    mass = tensor_model_parallel_all_reduce(mass)
+                    mass = self._sum_over_ranks()(mass)
             with phase("redknot.importance_select"):
                 skip_mask(spec, mass, self.mass_thresh, skip, None if held is None else held.mask)
         keep = ~skip if held is None else held.mask & ~skip
@@ -526,9 +524,7 @@ class SegPagedRunner:
             *(x.transpose(0, 1) for x in (fresh_k, fresh_v, cached_k, cached_v))
         )
         if self.tp_size > 1:  # every rank must keep the same rows: sum over every rank's heads
-            from sglang.srt.distributed import tensor_model_parallel_all_reduce
-
-            deviation = tensor_model_parallel_all_reduce(deviation)
+            deviation = self._sum_over_ranks()(deviation)
         plan = self.extend_state.plan
         self._keep(self.policy.blend_kept(deviation.cpu(), reads.tokens_cpu, plan.qo_indptr_cpu))
 
@@ -539,9 +535,8 @@ class SegPagedRunner:
         state, policy = self.extend_state, self.policy
         plan = state.plan
         qo, prefix = plan.qo_indptr_cpu.tolist(), plan.prefix_lens_cpu.tolist()
-        reduce = None
-        if self.tp_size > 1:  # every rank must keep the same rows: sum over every rank's heads
-            from sglang.srt.distributed import tensor_model_parallel_all_reduce as reduce
+        # every rank must keep the same rows: scores summed over every rank's heads
+        reduce = self._sum_over_ranks() if self.tp_size > 1 else None
         kept = torch.zeros(reads.tokens_cpu.shape[0], dtype=torch.bool)
         for b, mine in per_request(reads.tokens_cpu, plan.qo_indptr_cpu):
             start, end, past = qo[b], qo[b + 1], prefix[b]
@@ -558,6 +553,14 @@ class SegPagedRunner:
             )  # fmt: skip
             kept[order] = selection.recompute.cpu()[rows]
         self._keep(kept)
+
+    @staticmethod
+    def _sum_over_ranks():
+        """The all-reduce (sum) over the tensor-parallel ranks, for choices every rank must
+        make alike from scores of its own heads."""
+        from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce
 
     def _log_policy(self, reads: SegmentReads) -> None:
         kept = self.extend_state.kept_tokens

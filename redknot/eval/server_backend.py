@@ -31,6 +31,7 @@ from typing import Any
 
 import requests
 
+from redknot.config import POLICY_CHOICES
 from redknot.eval.base import (
     REFERENCE_LABEL,
     FidelityBackend,
@@ -40,9 +41,7 @@ from redknot.eval.base import (
 from redknot.eval.cases import Case
 from redknot.eval.compose import ComposedCase, compose
 
-SERVER_POLICIES = (
-    REFERENCE_LABEL, "redknot", "redknot+sparseq", "naive", "epic", "cacheblend", "sparsex",
-)  # fmt: skip
+SERVER_POLICIES = (REFERENCE_LABEL, *POLICY_CHOICES)  # what a redknot server can serve
 TOP_K = 10
 
 
