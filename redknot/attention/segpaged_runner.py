@@ -77,11 +77,33 @@ _READ_INDICES = ("tokens_gpu", "rows_gpu", "pos_off_gpu", "pos_on_gpu")
 
 
 @dataclass(frozen=True)
+class HeadMap:
+    """Heads moved by one RoPE-alignment launch: region column ``cols[i]`` to KV head
+    ``heads[i]`` (int32 [n] on the device each)."""
+
+    cols: torch.Tensor
+    heads: torch.Tensor
+
+    @classmethod
+    def of(cls, pairs: list[tuple[int, int]], device) -> HeadMap:
+        """``pairs``: (KV head, region column)."""
+        heads = [h for h, _ in pairs]
+        cols = [c for _, c in pairs]
+        return cls(
+            torch.tensor(cols, dtype=torch.int32, device=device),
+            torch.tensor(heads, dtype=torch.int32, device=device),
+        )
+
+    def __len__(self) -> int:
+        return self.heads.shape[0]
+
+
+@dataclass(frozen=True)
 class LayerConsts:
     """What the segment-reuse path of one layer looks up per forward, built once."""
 
-    local_cols: tuple[tuple[int, int], ...]  # (local KV head, its column in the segment region)
-    global_cols: tuple[tuple[int, int], ...]  # (global KV head, column), the stored ones
+    local: HeadMap  # the local KV heads and their columns in the segment region
+    stored_global: HeadMap  # the global KV heads the region keeps, and their columns
     global_queries: torch.Tensor  # int64 [G * group]: the query heads of the global KV heads
 
     @classmethod
@@ -90,8 +112,8 @@ class LayerConsts:
         with ``skipped="cached"`` startup requires every global head among them)."""
         glob, grp = layout.global_heads(lid), layout.group_size
         return cls(
-            tuple((h, stored.index(h)) for h in layout.local_heads(lid)),
-            tuple((h, stored.index(h)) for h in glob if h in stored),
+            HeadMap.of([(h, stored.index(h)) for h in layout.local_heads(lid)], device),
+            HeadMap.of([(h, stored.index(h)) for h in glob if h in stored], device),
             torch.tensor([h * grp + j for h in glob for j in range(grp)], device=device),
         )
 
@@ -577,24 +599,24 @@ class SegPagedRunner:
         """Reused segment tokens take the cached K/V, re-rotated to their positions in this
         prompt (in place in this layer's ``k``, ``v``: [T, H_kv, D]): local heads for every
         segment token; every head for the tokens that left recovery (``held.left``). One
-        alignment launch per head, straight into ``k``/``v``; no host synchronisation."""
+        alignment launch for each of the two, straight into ``k``/``v``; no host
+        synchronisation."""
         consts = self.consts[lid]
-        for head, col in consts.local_cols:
-            self._align_head(lid, k, v, head, col, reads)
-        if held is not None and held.left.tokens_gpu.numel():
-            for head, col in consts.global_cols:
-                self._align_head(lid, k, v, head, col, held.left)
+        if len(consts.local):
+            self._align(lid, k, v, consts.local, reads)
+        if held is not None and held.left.tokens_gpu.numel() and len(consts.stored_global):
+            self._align(lid, k, v, consts.stored_global, held.left)
 
-    def _align_head(self, lid: int, k, v, head: int, col: int, reads: SegmentReads) -> None:
-        """``k``/``v`` rows ``reads.tokens_gpu`` of KV head ``head`` from the segment region's
-        column ``col`` (re-rotated keys, copied values; the region has the model's dtype, see
-        :meth:`check_segment_dtype`)."""
+    def _align(self, lid: int, k, v, heads: HeadMap, reads: SegmentReads) -> None:
+        """``k``/``v`` rows ``reads.tokens_gpu`` of KV heads ``heads.heads`` from the segment
+        region's columns ``heads.cols`` (re-rotated keys, copied values; the region has the
+        model's dtype, see :meth:`check_segment_dtype`)."""
         region = self.pool.segments
         rope_align(
-            region.k[lid][:, col : col + 1], reads.rows_gpu, k[:, head : head + 1],
-            reads.tokens_gpu, reads.pos_off_gpu, reads.pos_on_gpu, self.rope.cos_sin_cache,
-            is_neox=self.rope.is_neox, rotary_dim=self.rope.rotary_dim,
-            v_src=region.v[lid][:, col : col + 1], v_dst=v[:, head : head + 1],
+            region.k[lid], reads.rows_gpu, k, reads.tokens_gpu, reads.pos_off_gpu,
+            reads.pos_on_gpu, self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
+            rotary_dim=self.rope.rotary_dim, v_src=region.v[lid], v_dst=v,
+            src_heads=heads.cols, dst_heads=heads.heads,
         )  # fmt: skip
 
     def decode(self, q, k, v, layer: RadixAttention, fb: ForwardBatch, save_kv_cache: bool):

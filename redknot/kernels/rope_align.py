@@ -142,11 +142,14 @@ def rope_align(
     rotary_dim: int | None = None,
     v_src: torch.Tensor | None = None,
     v_dst: torch.Tensor | None = None,
+    src_heads: torch.Tensor | None = None,
+    dst_heads: torch.Tensor | None = None,
     config: RopeAlignConfig = RopeAlignConfig(),
 ) -> None:
     """``k_dst[dst_rows[i]] = R(pos_on[i]) R(pos_off[i])^-1 k_src[src_rows[i]]`` for every ``i``,
     every head; ``v_dst[dst_rows[i]] = v_src[src_rows[i]]`` if values are given. One launch, no
-    host sync.
+    host sync. With head maps, head ``src_heads[j]`` of a source row goes to head
+    ``dst_heads[j]`` of its destination row (keys and values), and no other head is touched.
 
     Parameters
     ----------
@@ -167,10 +170,22 @@ def rope_align(
         and must equal it if given. Dims ``[R, D)`` are copied unchanged.
     v_src, v_dst : optional [rows_src, Hv, Dv] / [rows_dst, Hv, Dv] values (any dtype, the same
         for both, unit stride in Dv), copied row for row in the same launch.
+    src_heads, dst_heads : optional [Hm] int32 head maps (both or neither), on the device:
+        heads of ``k_src``/``v_src`` and of ``k_dst``/``v_dst`` (destination heads distinct).
+        Without them, ``k_src`` and ``k_dst`` have the same heads and every head moves.
     """
     n = src_rows.shape[0] if src_rows.dim() == 1 else -1
+    _check((src_heads is None) == (dst_heads is None), "give both src_heads and dst_heads, or neither")
+    head_map = src_heads is not None
     _check_rows("k_src", k_src)
-    _check_rows("k_dst", k_dst, like=k_src)
+    _check_rows("k_dst", k_dst, like=None if head_map else k_src)
+    if head_map:
+        _check(k_dst.dtype == k_src.dtype and k_dst.shape[2] == k_src.shape[2],
+               f"k_dst {k_dst.dtype} {tuple(k_dst.shape)} must match k_src {k_src.dtype} "
+               f"{tuple(k_src.shape)} in dtype and head_dim")  # fmt: skip
+        for name, t in (("src_heads", src_heads), ("dst_heads", dst_heads)):
+            _check(t.dim() == 1 and t.dtype == torch.int32 and t.shape == src_heads.shape,
+                   f"{name} must be [Hm] int32 like src_heads, got {tuple(t.shape)} {t.dtype}")  # fmt: skip
     _check(k_src.dtype in _KEY_DTYPES, f"keys must be float16 or bfloat16, got {k_src.dtype}")
     for name, t in (("src_rows", src_rows), ("dst_rows", dst_rows), ("pos_off", pos_off),
                     ("pos_on", pos_on)):  # fmt: skip
@@ -189,17 +204,21 @@ def rope_align(
     _check((v_src is None) == (v_dst is None), "give both v_src and v_dst, or neither")
     if v_src is not None:
         _check_rows("v_src", v_src)
-        _check_rows("v_dst", v_dst, like=v_src)
+        _check_rows("v_dst", v_dst, like=None if head_map else v_src)
         _check(v_src.shape[0] == k_src.shape[0] and v_dst.shape[0] == k_dst.shape[0],
                "v_src/v_dst must have as many rows as k_src/k_dst")  # fmt: skip
+        if head_map:
+            _check(v_dst.dtype == v_src.dtype and v_dst.shape[2] == v_src.shape[2],
+                   "v_dst must match v_src in dtype and head_dim")  # fmt: skip
     tensors = [k_src, k_dst, src_rows, dst_rows, pos_off, pos_on, cos_sin_cache]
     tensors += [v_src, v_dst] if v_src is not None else []
+    tensors += [src_heads, dst_heads] if head_map else []
     devices = {t.device for t in tensors}
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
-    if n == 0:
+    if n == 0 or (head_map and src_heads.shape[0] == 0):
         return
 
-    num_heads = k_src.shape[1]
+    num_heads = src_heads.shape[0] if head_map else k_src.shape[1]
     has_v = v_src is not None
     block_h = triton.next_power_of_2(num_heads)
     block_half = triton.next_power_of_2(R // 2)
@@ -212,7 +231,8 @@ def rope_align(
     rope_align_kernel[grid](
         k_src, k_dst, v_s, v_d,
         src_rows, dst_rows, pos_off, pos_on, cos_sin_cache,
-        n, num_heads, v_s.shape[1],
+        src_heads if head_map else src_rows, dst_heads if head_map else dst_rows,
+        n, num_heads, num_heads if head_map else v_s.shape[1],
         k_src.stride(0), k_src.stride(1), k_dst.stride(0), k_dst.stride(1),
         v_s.stride(0), v_s.stride(1), v_d.stride(0), v_d.stride(1),
         cos_sin_cache.stride(0),
@@ -225,8 +245,9 @@ def rope_align(
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         BLOCK_PASS=triton.next_power_of_2(head_dim - R) if head_dim > R else 0,
-        BLOCK_VH=triton.next_power_of_2(v_s.shape[1]),
+        BLOCK_VH=block_h if head_map else triton.next_power_of_2(v_s.shape[1]),
         BLOCK_VD=triton.next_power_of_2(v_s.shape[2]),
         BF16_BY_BITS=bool(triton.knobs.runtime.interpret) and k_src.dtype == torch.bfloat16,
+        HEAD_MAP=head_map,
         num_warps=config.num_warps,
     )  # fmt: skip

@@ -99,20 +99,31 @@ def rope_align_reference(
     is_neox: bool,
     v_src: torch.Tensor | None = None,
     v_dst: torch.Tensor | None = None,
+    src_heads: torch.Tensor | None = None,
+    dst_heads: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What ``rope_align`` leaves in ``k_dst`` / ``v_dst``, as new tensors (inputs untouched).
     Every source row is read before any destination row is written. Rows with equal positions
-    are copied bit for bit; others are rotated in fp32 and rounded once to the key dtype."""
+    are copied bit for bit; others are rotated in fp32 and rounded once to the key dtype. Head
+    maps: head ``src_heads[j]`` of a source row to head ``dst_heads[j]`` of its destination."""
     src, dst = src_rows.long(), dst_rows.long()
-    k_in = k_src[src]
+    mapped = src_heads is not None
+    if not mapped:
+        src_heads = dst_heads = torch.arange(k_src.shape[1], device=k_src.device)
+    src_at = (src[:, None], src_heads.long()[None, :])  # [N, Hm] (row, head) pairs
+    dst_at = (dst[:, None], dst_heads.long()[None, :])
+    k_in = k_src[src_at]
     rotated = delta_rotate(k_in, pos_off, pos_on, cos_sin_cache, is_neox=is_neox).to(k_src.dtype)
     same = (pos_on == pos_off)[:, None, None]
     k_out = k_dst.clone()
-    k_out[dst] = torch.where(same, k_in, rotated)
+    k_out[dst_at] = torch.where(same, k_in, rotated)
     v_out = None
     if v_src is not None:
         v_out = v_dst.clone()
-        v_out[dst] = v_src[src]
+        if mapped:
+            v_out[dst_at] = v_src[src_at]
+        else:  # values may have their own head count
+            v_out[dst] = v_src[src]
     return k_out, v_out
 
 

@@ -191,6 +191,49 @@ def test_same_tensor_disjoint_rows_head_slice_and_values():
     assert torch.equal(k[src_rows], pool_before[:, 1 : 1 + NUM_HEADS][src_rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_maps_move_listed_heads_only(dtype):
+    """A segment region of 3 stored heads into a layer's K/V of 4 heads: heads (2, 0) of the
+    region go to heads (1, 3), keys rotated and values copied; every other head and row of the
+    destination, and the whole source, are untouched."""
+    gen = torch.Generator().manual_seed(9)
+    rope = make_rope("llama3", 128, 1.0, True)
+    spec = alignable_rope(rope)
+    n = 24
+    region_k = torch.randn(40, 3, 128, generator=gen).to(dtype)
+    region_v = torch.randn(40, 3, 128, generator=gen).to(dtype)
+    k = torch.randn(n + 5, 4, 128, generator=gen).to(dtype)
+    v = torch.randn(n + 5, 4, 128, generator=gen).to(dtype)
+    src_rows = torch.randperm(40, generator=gen)[:n]
+    dst_rows = torch.randperm(n + 5, generator=gen)[:n]
+    p_off, p_on = positions(n, gen)
+    src_heads = torch.tensor([2, 0], dtype=torch.int32)
+    dst_heads = torch.tensor([1, 3], dtype=torch.int32)
+    before = (region_k.clone(), region_v.clone(), k.clone(), v.clone())
+    args = (region_k, src_rows, k, dst_rows, p_off, p_on, spec.cos_sin_cache)
+    expected_k, expected_v = rope_align_reference(
+        *args, is_neox=True, v_src=region_v, v_dst=v, src_heads=src_heads, dst_heads=dst_heads
+    )
+    rope_align(*args, is_neox=True, v_src=region_v, v_dst=v, src_heads=src_heads,
+               dst_heads=dst_heads)  # fmt: skip
+
+    assert_matches_reference(k, expected_k, spec.rotary_dim, True)
+    assert torch.equal(v, expected_v)
+    for h in (0, 2):  # heads no map names
+        assert torch.equal(k[:, h], before[2][:, h]) and torch.equal(v[:, h], before[3][:, h])
+    untouched = torch.ones(n + 5, dtype=torch.bool)
+    untouched[dst_rows] = False
+    assert torch.equal(k[untouched], before[2][untouched])
+    assert torch.equal(v[dst_rows][:, [1, 3]], region_v[src_rows][:, [2, 0]])
+    assert torch.equal(region_k, before[0]) and torch.equal(region_v, before[1])
+    # the mapped reference is the unmapped one on the heads taken apart
+    plain_k, _ = rope_align_reference(
+        before[0][:, [2, 0]], src_rows, before[2][:, [1, 3]], dst_rows, p_off, p_on,
+        spec.cos_sin_cache, is_neox=True,
+    )  # fmt: skip
+    assert torch.equal(expected_k[:, [1, 3]], plain_k)
+
+
 def test_in_place_rerotation_and_back():
     """Rows re-rotated in place (src_rows == dst_rows) equal the reference; moving them back to
     their offline positions restores them within the same three-rounding bound."""
@@ -259,6 +302,9 @@ def _bad_calls():
     yield r"must be \[4\]", {**ok, "dst_rows": torch.arange(3)}
     yield "unit stride", {**ok, "k_src": k.transpose(0, 2).contiguous().transpose(0, 2)}
     yield "both v_src and v_dst", {**ok, "v_src": k}
+    one = torch.tensor([1], dtype=torch.int32)
+    yield "both src_heads and dst_heads", {**ok, "src_heads": one}
+    yield "dst_heads must be", {**ok, "src_heads": one, "dst_heads": one.long()}
 
 
 @pytest.mark.parametrize("match,kwargs", list(_bad_calls()))

@@ -11,6 +11,10 @@ frequencies, then their sin) by the angle-difference identities
 where dividing by the radii removes a magnitude the cache carries (YaRN's mscale), so that the
 delta is a pure rotation. Rows whose two positions are equal are copied bit for bit.
 
+With ``HEAD_MAP`` the program moves head ``Src_heads[i]`` of a source row to head
+``Dst_heads[i]`` of its destination row, for ``i < num_heads`` (keys and values alike); without
+it, head ``i`` to head ``i``.
+
 Pairs rotated together (frequency ``j`` of ``R/2``): NeoX style ``(j, j + R/2)``, GPT-J style
 ``(2j, 2j + 1)``; dims ``[R, D)`` are copied.
 """
@@ -44,6 +48,8 @@ def rope_align_kernel(
     Pos_off,  # [N] int32/int64, 0 <= pos < max_pos
     Pos_on,  # [N] int32/int64, 0 <= pos < max_pos
     Cos_sin,  # [max_pos, 2 * ROT_HALF] fp32, stride(-1) == 1
+    Src_heads,  # [num_heads] int32 (read only with HEAD_MAP)
+    Dst_heads,  # [num_heads] int32 (read only with HEAD_MAP)
     num_rows,
     num_heads,
     num_v_heads,
@@ -68,6 +74,7 @@ def rope_align_kernel(
     BLOCK_VH: tl.constexpr,
     BLOCK_VD: tl.constexpr,
     BF16_BY_BITS: tl.constexpr,
+    HEAD_MAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,9 +103,16 @@ def rope_align_kernel(
 
     # ---- keys: rotated pairs, then the pass-through dims ----
     offs_h = tl.arange(0, BLOCK_H)
-    mask_nh = mask_n[:, None, None] & (offs_h < num_heads)[None, :, None]
-    k_src = K_src + src[:, None, None] * stride_ks_row + offs_h[None, :, None] * stride_ks_head
-    k_dst = K_dst + dst[:, None, None] * stride_kd_row + offs_h[None, :, None] * stride_kd_head
+    mask_h = offs_h < num_heads
+    mask_nh = mask_n[:, None, None] & mask_h[None, :, None]
+    if HEAD_MAP:
+        h_src = tl.load(Src_heads + offs_h, mask=mask_h, other=0).to(tl.int64)
+        h_dst = tl.load(Dst_heads + offs_h, mask=mask_h, other=0).to(tl.int64)
+    else:
+        h_src = offs_h
+        h_dst = offs_h
+    k_src = K_src + src[:, None, None] * stride_ks_row + h_src[None, :, None] * stride_ks_head
+    k_dst = K_dst + dst[:, None, None] * stride_kd_row + h_dst[None, :, None] * stride_kd_head
     if IS_NEOX:
         dim_1 = offs_j
         dim_2 = offs_j + ROT_HALF
@@ -115,12 +129,16 @@ def rope_align_kernel(
     if HAS_V:
         offs_vh = tl.arange(0, BLOCK_VH)
         offs_vd = tl.arange(0, BLOCK_VD)
-        mask_v = (
-            mask_n[:, None, None]
-            & (offs_vh < num_v_heads)[None, :, None]
-            & (offs_vd < V_HEAD_DIM)[None, None, :]
-        )
-        v_offs = offs_vh[None, :, None] * stride_vs_head + offs_vd[None, None, :]
+        mask_vh = offs_vh < num_v_heads
+        mask_vd = offs_vd < V_HEAD_DIM
+        mask_v = mask_n[:, None, None] & mask_vh[None, :, None] & mask_vd[None, None, :]
+        if HEAD_MAP:  # the same heads as the keys (num_v_heads == num_heads)
+            vh_src = tl.load(Src_heads + offs_vh, mask=mask_vh, other=0).to(tl.int64)
+            vh_dst = tl.load(Dst_heads + offs_vh, mask=mask_vh, other=0).to(tl.int64)
+        else:
+            vh_src = offs_vh
+            vh_dst = offs_vh
+        v_offs = vh_src[None, :, None] * stride_vs_head + offs_vd[None, None, :]
         v = tl.load(V_src + src[:, None, None] * stride_vs_row + v_offs, mask=mask_v)
 
     x1f = x1.to(tl.float32)
@@ -132,5 +150,5 @@ def rope_align_kernel(
     if BLOCK_PASS > 0:
         tl.store(k_dst + offs_p[None, None, :], x_pass, mask=mask_pass)
     if HAS_V:
-        v_offs_dst = offs_vh[None, :, None] * stride_vd_head + offs_vd[None, None, :]
+        v_offs_dst = vh_dst[None, :, None] * stride_vd_head + offs_vd[None, None, :]
         tl.store(V_dst + dst[:, None, None] * stride_vd_row + v_offs_dst, v, mask=mask_v)
