@@ -19,11 +19,11 @@ In the server, the attention backend decides the rows of each layer while it att
 the decoder layer (:func:`around_decoder_layer`) hands each layer only the rows still in
 recovery (``SCHEDULE.held``): the hidden states are compacted once when rows leave and scattered
 back to every row after the last layer, so the projections and the FFN of a left row are never
-computed; the backend fills that row's K/V of every head from the segment cache. Importance comes from the layer's global
-heads (causal softmax of the probed queries over every key of the request, summed over heads
-and probes); local heads, which see only sink + window, do not vote. A layer whose rank holds
-no global head (and every rank under tensor parallelism, where the mass is summed over ranks
-first) keeps every row.
+computed; the backend fills that row's K/V of every head from the segment cache. Importance
+comes from the layer's global heads (causal softmax of the probed queries over every key of the
+request, summed over heads and probes: :func:`redknot.kernels.key_mass.key_mass`); local heads,
+which see only sink + window, do not vote. A layer whose rank holds no global head (and every
+rank under tensor parallelism, where the mass is summed over ranks first) keeps every row.
 """
 
 from __future__ import annotations
@@ -78,31 +78,14 @@ class SparseFfn:
     length: int  # tokens this extend computes (its last one is the prompt's last)
     probe_start: int  # first probed position: the question, at least the last recent_n
     candidates: torch.Tensor  # int64 [C] positions of segment tokens before probe_start (device)
+    index: int = 0  # the request's place in the batch
+
+    @property
+    def num_probe(self) -> int:
+        return self.prefix + self.length - self.probe_start
 
     def rows_of(self, positions: torch.Tensor) -> torch.Tensor:
         return positions - self.prefix + self.batch_offset
-
-
-def key_mass(
-    q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention mass each key receives from the probed queries, summed over queries and heads.
-
-    Parameters
-    ----------
-    q : [P, G, grp, D] probed queries of the global heads (``grp`` query heads per KV head).
-    keys : [L, G, D] every key of the request (position = row).
-    q_pos : [P] int64 positions of the probed queries (causal: a query sees keys ``<= pos``).
-    scale : softmax scale.
-
-    Returns
-    -------
-    [L] float32 mass per key.
-    """
-    scores = torch.einsum("pgjd,lgd->pgjl", q.float(), keys.float()) * scale
-    future = torch.arange(keys.shape[0], device=keys.device)[None, :] > q_pos[:, None]
-    scores.masked_fill_(future[:, None, None, :], float("-inf"))
-    return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
 
 
 def skip_mask(

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from redknot.attention.ffn_schedule import SCHEDULE, key_mass, skip_mask
+from redknot.attention.ffn_schedule import SCHEDULE, skip_mask
 from redknot.attention.token_policy import TokenPolicy, kept_rows, per_request, segment_spans
 from redknot.attention.trace import phase
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_device
+from redknot.kernels.key_mass import key_mass, query_heads
 from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
@@ -63,14 +64,18 @@ class ExtendState:
 @dataclass(frozen=True)
 class HeldRows:
     """The batch rows still in recovery (``SCHEDULE.held``), as a mask over the batch rows, the
-    extend plan over them only (packed into tiles), and the segment reads of the tokens that left
-    (every head of theirs takes the cached K/V). Built once when rows leave, on the host from
-    the layer's one synchronisation."""
+    extend plan over them only (packed into tiles; its queries and outputs are these rows), and
+    the segment reads of the tokens that left (every head of theirs takes the cached K/V). Built
+    once when rows leave, on the device, from counts read in the layer's one synchronisation."""
 
-    rows: torch.Tensor  # [A] int64 ascending
+    rows: torch.Tensor  # [A] int64 ascending batch rows
     mask: torch.Tensor  # [T] bool
-    plan: object  # redknot.kernels.extend.ExtendPlan
-    left: SegmentReads  # the reads whose token left recovery
+    plan: object  # redknot.kernels.extend.ExtendPlan, gathered over rows
+    left: SegmentReads  # the reads whose token left
+
+    def first_row(self, b: int, num_last: int) -> int:
+        """Where the last ``num_last`` held rows of request ``b`` start among the held rows."""
+        return int(self.plan.rows_indptr_cpu[b + 1]) - num_last
 
 
 _READ_INDICES = ("tokens_gpu", "rows_gpu", "pos_off_gpu", "pos_on_gpu")
@@ -104,7 +109,7 @@ class LayerConsts:
 
     local: HeadMap  # the local KV heads and their columns in the segment region
     stored_global: HeadMap  # the global KV heads the region keeps, and their columns
-    global_queries: torch.Tensor  # int64 [G * group]: the query heads of the global KV heads
+    global_queries: torch.Tensor  # int32 [G * group]: the query heads of the global KV heads
 
     @classmethod
     def of(cls, layout: HeadLayout, stored: tuple[int, ...], lid: int, device) -> LayerConsts:
@@ -114,7 +119,7 @@ class LayerConsts:
         return cls(
             HeadMap.of([(h, stored.index(h)) for h in layout.local_heads(lid)], device),
             HeadMap.of([(h, stored.index(h)) for h in glob if h in stored], device),
-            torch.tensor([h * grp + j for h in glob for j in range(grp)], device=device),
+            query_heads(glob, grp, device),
         )
 
 
@@ -376,9 +381,9 @@ class SegPagedRunner:
         SCHEDULE.layer = lid
         with phase("redknot.held_rows"):
             held = self._held_rows(state)  # None: every row
-        if held is not None:
+        if held is not None:  # q stays as it is: the gathered plan reads and writes held rows
             with phase("redknot.spread"):
-                q, k, v = (self._spread(x, held) for x in (q, k, v))
+                k, v = self._spread(k, held), self._spread(v, held)
         if state.segment_reads is not None:
             with phase("redknot.reuse_kv"):
                 self._reuse_kv(lid, k, v, state.segment_reads, held)
@@ -387,19 +392,24 @@ class SegPagedRunner:
                 self.pool.write_global(lid, fb.out_cache_loc, k, v)
         out = q.new_empty(q.shape)
         plan = state.plan if held is None else held.plan  # only the rows in recovery
+        reads = state.segment_reads
+        schedules = (
+            reads is not None and bool(reads.sparse) and lid >= self.dense_layers and save_kv_cache
+        )
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32) if schedules else None
         with phase("redknot.extend_kernel"):
             run_extend(
                 plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
-                self.heads[lid], layer.scaling, out=out,
+                self.heads[lid], layer.scaling, out=out, lse=lse,
             )  # fmt: skip
         with phase("redknot.local_writes"):
             self._write_local(lid, k, v, state, save_kv_cache)
-        reads = state.segment_reads
-        if reads is not None and reads.sparse and lid >= self.dense_layers and save_kv_cache:
+        if schedules:
             with phase("redknot.schedule_ffn"):
-                self._schedule_ffn(lid, q, layer.scaling, reads)
+                self._schedule_ffn(lid, q, lse, layer.scaling, reads)
         if reads is not None and self.policy is not None:
             if lid == self.policy.select_layer and save_kv_cache:
+                assert held is None, "a policy chooses before any row leaves"
                 with phase("redknot.policy_choice"):
                     if self.policy.name == "cacheblend":
                         self._blend(lid, k, v, reads)
@@ -407,8 +417,6 @@ class SegPagedRunner:
                         self._sparsex(lid, q, layer.scaling, reads)
             if lid == self.layout.num_layers - 1:
                 self._log_policy(reads)
-        if held is not None:
-            out = out[held.rows]
         return out.flatten(1)
 
     def _write_local(self, lid: int, k, v, state: ExtendState, save_kv_cache: bool) -> None:
@@ -442,49 +450,54 @@ class SegPagedRunner:
         full[held.rows] = x
         return full
 
-    def _probe_mass(self, lid: int, q, scale: float, spec) -> torch.Tensor:
+    def _probe_mass(self, lid: int, q, lse, scale: float, spec, held) -> torch.Tensor:
         """Attention mass of the probed queries on every key of ``spec``'s request, summed over
-        the layer's global heads (zero when the rank holds none)."""
-        end = spec.prefix + spec.length
-        glob = self.layout.global_heads(lid)
-        if not glob:
-            return torch.zeros(end, dtype=torch.float32, device=q.device)
-        probe = torch.arange(spec.probe_start, end, device=q.device)
-        keys = self.pool.k_global[lid][self.req_to_token[spec.req_pool_idx, :end].long()]
-        probe_q = q[spec.rows_of(probe)][:, self.consts[lid].global_queries]
-        probe_q = probe_q.view(len(probe), len(glob), self.layout.group_size, -1)
-        return key_mass(probe_q, keys, probe, scale)
+        the layer's global heads (zero when the rank holds none), from the layer's queries
+        ``q`` and their LSE ``lse`` (the rows this layer computes: ``held``'s, or every row)."""
+        num_probe = spec.num_probe
+        if held is None:
+            row0 = spec.rows_of(spec.probe_start)
+        else:  # the probed rows are the request's last rows, always held
+            row0 = held.first_row(spec.index, num_probe)
+        store = self.pool.k_global[lid] if self.layout.num_global(lid) else self._dummy[:, :0]
+        return key_mass(
+            q, lse, store, self.req_to_token, spec.req_pool_idx, row0, spec.probe_start,
+            num_probe, spec.prefix + spec.length, self.consts[lid].global_queries, scale,
+        )  # fmt: skip
 
-    def _schedule_ffn(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
+    def _schedule_ffn(self, lid: int, q, lse, scale: float, reads: SegmentReads) -> None:
         """Decide which rows of this layer run the FFN (after the layer's global K/V is stored),
         and under ``skipped="cached"`` which rows leave recovery from the next layer on.
 
-        ``q``: this layer's queries of every batch row (rows that left are zero). One host
-        synchronisation: the rows that go on."""
+        ``q``, ``lse``: this layer's queries and their attention LSE, of the rows it computes.
+        One host synchronisation: how many rows of each request go on."""
         state = self.extend_state
-        num_rows = q.shape[0]
+        num_rows = state.plan.num_tokens
         held = self._held_rows(state)
         skip = torch.zeros(num_rows, dtype=torch.bool, device=q.device)
         for spec in reads.sparse:
             with phase("redknot.importance_mass"):
-                mass = self._probe_mass(lid, q, scale, spec)
+                mass = self._probe_mass(lid, q, lse, scale, spec, held)
                 if self.tp_size > 1:  # every rank must skip the same rows (the MLP all-reduces)
                     mass = self._sum_over_ranks()(mass)
             with phase("redknot.importance_select"):
                 skip_mask(spec, mass, self.mass_thresh, skip, None if held is None else held.mask)
         keep = ~skip if held is None else held.mask & ~skip
+        leaving = ~keep[reads.tokens_gpu] if self.skipped == "cached" else None
         with phase("redknot.sync"):
-            keep_cpu = keep.cpu()
-        rows_cpu = keep_cpu.nonzero().squeeze(1)
+            counts_cpu, num_left = self._counts(keep, leaving)
+        kept = sum(counts_cpu)
         computed = num_rows if held is None else held.rows.numel()
-        SCHEDULE.skipped += computed - rows_cpu.numel()
-        if rows_cpu.numel() < computed:
+        SCHEDULE.skipped += computed - kept
+        if kept < computed:
             if self.skipped == "cached":
-                rows = self._hold(keep_cpu, rows_cpu, keep)
+                rows = self._hold(keep, counts_cpu, leaving, num_left)
             else:
-                rows = to_device(rows_cpu, q.device)
+                rows = torch.nonzero_static(keep, size=kept)[:, 0]
             # the MLP sees the rows this layer computes: index into them
-            SCHEDULE.rows[lid] = rows if held is None else torch.searchsorted(held.rows, rows)
+            SCHEDULE.rows[lid] = (
+                rows if held is None else torch.nonzero_static(keep[held.rows], size=kept)[:, 0]
+            )
         if lid == self.layout.num_layers - 1:
             logger.info(
                 "redknot sparse FFN: %d token-layer FFNs skipped in layers %d-%d of this "
@@ -497,19 +510,29 @@ class SegPagedRunner:
                 self.skipped,
             )
 
-    def _hold(self, keep_cpu, rows_cpu, keep=None) -> torch.Tensor:
-        """From the next layer on only ``keep_cpu`` (``[T]`` bool on the host; ``rows_cpu`` its
-        rows, ``keep`` it on the device if at hand) stays in recovery: the decoder-layer hook
-        compacts to those rows, and every head of the reused tokens outside it takes the cached
-        K/V. Returns the rows on the device."""
+    def _counts(self, keep, leaving) -> tuple[list[int], int]:
+        """The layer's one host synchronisation: rows of each request that ``keep`` (``[T]``
+        bool on the device) keeps, and how many reused tokens are ``leaving`` (``[R]`` bool, or
+        None)."""
+        qo = self.extend_state.plan.qo_indptr_gpu.long()
+        below = torch.nn.functional.pad(keep.cumsum(0), (1, 0))  # [T + 1]: kept rows below
+        counts = below[qo[1:]] - below[qo[:-1]]
+        if leaving is None:
+            return counts.tolist(), 0
+        stats = torch.cat([counts, leaving.sum().view(1)]).tolist()
+        return stats[:-1], stats[-1]
+
+    def _hold(self, keep, counts_cpu: list[int], leaving, num_left: int) -> torch.Tensor:
+        """From the next layer on only ``keep`` (``[T]`` bool on the device; ``counts_cpu[b]``
+        rows of request ``b``) stays in recovery: the decoder-layer hook compacts to those rows,
+        and every head of the reused tokens ``leaving`` (``[R]`` bool, ``num_left`` of them)
+        takes the cached K/V. Returns the rows on the device; no host synchronisation."""
         state = self.extend_state
         reads = state.segment_reads
-        device = reads.tokens_gpu.device
-        rows = to_device(rows_cpu, device)
-        keep = to_device(keep_cpu, device) if keep is None else keep
-        left = to_device((~keep_cpu[reads.tokens_cpu]).nonzero().squeeze(1), device)
+        rows = torch.nonzero_static(keep, size=sum(counts_cpu))[:, 0]
+        left = torch.nonzero_static(leaving, size=num_left)[:, 0]
         state.held = HeldRows(
-            rows, keep, gather_tiles(state.plan, rows_cpu),
+            rows, keep, gather_tiles(state.plan, rows, counts_cpu),
             replace(reads, sparse=(), tokens_cpu=None, pos_off_cpu=None,
                     **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
         )  # fmt: skip
@@ -523,9 +546,13 @@ class SegPagedRunner:
         reads, plan = state.segment_reads, state.plan
         keep_cpu = kept_rows(plan.num_tokens, reads.tokens_cpu, kept, plan.qo_indptr_cpu)
         state.kept_tokens = int(kept.sum())
-        rows_cpu = keep_cpu.nonzero().squeeze(1)
-        if rows_cpu.numel() < plan.num_tokens:
-            self._hold(keep_cpu, rows_cpu)
+        qo = plan.qo_indptr_cpu.tolist()
+        below = [0, *keep_cpu.cumsum(0).tolist()]
+        counts = [below[qo[b + 1]] - below[qo[b]] for b in range(plan.batch_size)]
+        if sum(counts) < plan.num_tokens:
+            device = reads.tokens_gpu.device
+            self._hold(to_device(keep_cpu, device), counts, to_device(~kept, device),
+                       int((~kept).sum()))  # fmt: skip
 
     def _blend(self, lid: int, k, v, reads: SegmentReads) -> None:
         """CacheBlend's choice in its check layer: the KV deviation of every reused token's

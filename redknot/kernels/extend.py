@@ -74,9 +74,11 @@ class ExtendPlan:
     tile_start_gpu: torch.Tensor  # [NT] int32
     extra: dict = field(default_factory=dict)  # per-backend state (see redknot.kernels.flashinfer)
     # A plan over some rows only (gather_tiles): tile t holds entries tile_start[t].. of request
-    # tile_req[t]'s held new-token indices rows[rows_indptr[b] : rows_indptr[b + 1]] (ascending)
-    rows_gpu: torch.Tensor | None = None  # [A] int32
+    # tile_req[t]'s part rows[rows_indptr[b] : rows_indptr[b + 1]] of the listed batch rows
+    # (ascending); q and the output then hold the listed rows only, entry i at row i
+    rows_gpu: torch.Tensor | None = None  # [A] int64 batch rows
     rows_indptr_gpu: torch.Tensor | None = None  # [B + 1] int32
+    rows_indptr_cpu: torch.Tensor | None = None  # [B + 1] int32
 
     def __post_init__(self) -> None:
         B = self.batch_size
@@ -89,7 +91,10 @@ class ExtendPlan:
         assert (self.rows_gpu is None) == (self.rows_indptr_gpu is None)
         names = ("prefix_lens_gpu", "qo_indptr_gpu", "tile_req_gpu", "tile_start_gpu")
         if self.gathered:
-            names += ("rows_gpu", "rows_indptr_gpu")
+            names += ("rows_indptr_gpu",)
+            assert self.rows_gpu.dtype == torch.int64 and self.rows_gpu.dim() == 1
+            assert self.rows_indptr_cpu.shape == (B + 1,)
+            assert int(self.rows_indptr_cpu[-1]) == self.rows_gpu.shape[0]
         for name in names:
             t = getattr(self, name)
             assert t.dtype == torch.int32 and t.device == self.req_pool_indices_gpu.device, name
@@ -98,6 +103,12 @@ class ExtendPlan:
     def gathered(self) -> bool:
         """Whether the tiles hold listed rows (:func:`gather_tiles`), not consecutive ones."""
         return self.rows_gpu is not None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of ``q`` and of the output: the listed rows of a gathered plan, else every
+        new token."""
+        return self.rows_gpu.shape[0] if self.gathered else self.num_tokens
 
     @property
     def batch_size(self) -> int:
@@ -152,40 +163,46 @@ def plan_extend(
     )
 
 
-def gather_tiles(plan: ExtendPlan, rows_cpu: torch.Tensor) -> ExtendPlan:
-    """``plan`` computing only the batch rows ``rows_cpu`` (int64, ascending, in ``[0, T)``):
-    each request's rows packed into tiles of ``block_q`` whatever the distance between them, so
-    the attention costs their number, not the tiles of ``plan`` they fall in (a CacheBlend choice
-    of every seventh token would otherwise run every tile). The other rows' outputs are left
-    unwritten."""
+def gather_tiles(plan: ExtendPlan, rows_gpu: torch.Tensor, counts_cpu: Sequence[int]) -> ExtendPlan:
+    """``plan`` computing only the batch rows ``rows_gpu`` (int64 on the device, ascending, in
+    ``[0, T)``; ``counts_cpu[b]`` of them in request ``b``), each request's rows packed into tiles
+    of ``block_q`` whatever the distance between them, so the attention costs their number, not
+    the tiles of ``plan`` they fall in (a CacheBlend choice of every seventh token would otherwise
+    run every tile). ``q`` and the output of the gathered plan hold the listed rows only.
+
+    Built from the counts alone, without reading the rows (no host synchronisation): tiles of
+    requests with more cached and new tokens first, and a request's later tiles before its
+    earlier ones (its rows ascend), as an estimate of which tiles have the most keys to visit."""
     assert not plan.gathered, "gather_tiles takes a plan of every row"
-    rows_cpu = rows_cpu.to(torch.int64)
-    assert rows_cpu.dim() == 1 and bool((rows_cpu[1:] > rows_cpu[:-1]).all()), "rows ascending"
-    bq = plan.config.block_q(plan.geometry.group_size)
-    indptr = plan.qo_indptr_cpu.to(torch.int64)
     B = plan.batch_size
-    req = torch.searchsorted(indptr, rows_cpu, right=True) - 1
-    counts = torch.bincount(req, minlength=B)
-    rows_indptr = torch.zeros(B + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=rows_indptr[1:])
-    tok = rows_cpu - indptr[req]  # new-token index within the request
-    per_req = (counts + bq - 1) // bq
-    tile_req = torch.repeat_interleave(torch.arange(B), per_req)
-    first_tile = torch.cumsum(per_req, 0) - per_req
-    tile_start = (torch.arange(tile_req.numel()) - first_tile[tile_req]) * bq
-    last = rows_indptr[tile_req] + torch.minimum(tile_start + bq, counts[tile_req]) - 1
-    work = plan.prefix_lens_cpu.to(torch.int64)[tile_req] + tok[last]  # heaviest first
-    order = torch.argsort(-work, stable=True)
-    tile_req, tile_start = tile_req[order].to(torch.int32), tile_start[order].to(torch.int32)
-    device = plan.req_pool_indices_gpu.device
+    counts = [int(c) for c in counts_cpu]
+    assert len(counts) == B and min(counts, default=0) >= 0, counts
+    assert rows_gpu.dtype == torch.int64 and rows_gpu.shape == (sum(counts),), rows_gpu.shape
+    bq = plan.config.block_q(plan.geometry.group_size)
+    prefix, qo = plan.prefix_lens_cpu.tolist(), plan.qo_indptr_cpu.tolist()
+    tiles = []  # (estimated keys of the tile's last row, request, first entry)
+    for b, n in enumerate(counts):
+        for t0 in range(0, n, bq):
+            last = qo[b + 1] - qo[b] - (n - min(t0 + bq, n))  # its last row at the latest
+            tiles.append((prefix[b] + last, b, t0))
+    tiles.sort(key=lambda x: -x[0])
+    indptr = [0]
+    for n in counts:
+        indptr.append(indptr[-1] + n)
+    NT = len(tiles)
+    packed = torch.tensor(
+        [t[1] for t in tiles] + [t[2] for t in tiles] + indptr, dtype=torch.int32
+    )
+    on_device = to_device(packed, rows_gpu.device)  # one copy: tile_req | tile_start | indptr
     return replace(
         plan,
-        tile_req_cpu=tile_req,
-        tile_start_cpu=tile_start,
-        tile_req_gpu=to_device(tile_req, device),
-        tile_start_gpu=to_device(tile_start, device),
-        rows_gpu=to_device(tok.to(torch.int32), device),
-        rows_indptr_gpu=to_device(rows_indptr.to(torch.int32), device),
+        tile_req_cpu=packed[:NT],
+        tile_start_cpu=packed[NT : 2 * NT],
+        tile_req_gpu=on_device[:NT],
+        tile_start_gpu=on_device[NT : 2 * NT],
+        rows_gpu=rows_gpu,
+        rows_indptr_gpu=on_device[2 * NT :],
+        rows_indptr_cpu=packed[2 * NT :],
     )
 
 
@@ -210,24 +227,27 @@ def run_extend(
 
     Parameters
     ----------
-    q : [T, Hq, D] fp16/bf16, new tokens ragged by the plan's ``qo_indptr``.
-    k_new, v_new : [T, H_kv, D], the new tokens' keys and values for every rank-local KV head.
+    q : [T, Hq, D] fp16/bf16, new tokens ragged by the plan's ``qo_indptr``; for a gathered
+        plan [A, Hq, D], its listed rows only (``plan.num_rows``).
+    k_new, v_new : [T, H_kv, D], the new tokens' keys and values for every rank-local KV head
+        (every row, also under a gathered plan).
     k_global, v_global : [S_g, G_l, D] global store (any small tensor if G_l = 0).
     k_local, v_local : [S_l, L_l, D] local store (any small tensor if L_l = 0).
     req_to_token : [R, max_ctx] int32.
     heads : the layer's head tables.
-    out : [T, Hq, D] like ``q`` (allocated if None).
-    lse : optional [T, Hq] float32, filled with the natural-log log-sum-exp.
+    out : like ``q`` (allocated if None).
+    lse : optional [rows of q, Hq] float32, filled with the natural-log log-sum-exp.
     skip_global : leave the query heads of global KV heads untouched (another kernel fills
         them, see ``redknot.kernels.flashinfer``).
 
     Returns
     -------
-    out : [T, Hq, D]
+    out : like ``q``
     """
     geo, cfg = plan.geometry, plan.config
-    T, Hq, D = q.shape
-    assert T == plan.num_tokens and Hq == geo.num_q_heads and D == geo.head_dim, q.shape
+    A, Hq, D = q.shape
+    T = plan.num_tokens
+    assert A == plan.num_rows and Hq == geo.num_q_heads and D == geo.head_dim, q.shape
     assert q.dtype in _DTYPES and q.stride(2) == 1, (q.dtype, q.stride())
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         assert t.shape == (T, geo.num_kv_heads, D), f"{name}: {t.shape}"

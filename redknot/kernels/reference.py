@@ -139,3 +139,26 @@ def extend_reference(
                 vis = visibility(pos[P + c : P + min(c + _QUERY_CHUNK, E)], key_pos, is_local, geo)
                 out[rows, qs], lse[rows, qs] = _attend(q[rows, qs].float(), k, v, vis, sm_scale)
     return out.to(q.dtype), lse
+
+
+def key_mass_reference(
+    q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention mass each key receives from the probed queries, summed over queries and heads
+    (what :func:`redknot.kernels.key_mass.key_mass` computes from the attention's LSE).
+
+    Parameters
+    ----------
+    q : [P, G, grp, D] probed queries of the global heads (``grp`` query heads per KV head).
+    keys : [L, G, D] every key of the request (position = row).
+    q_pos : [P] int64 positions of the probed queries (causal: a query sees keys ``<= pos``).
+    scale : softmax scale.
+
+    Returns
+    -------
+    [L] float32 mass per key.
+    """
+    scores = torch.einsum("pgjd,lgd->pgjl", q.float(), keys.float()) * scale
+    future = torch.arange(keys.shape[0], device=keys.device)[None, :] > q_pos[:, None]
+    scores.masked_fill_(future[:, None, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))

@@ -47,23 +47,21 @@ def important_mask(
     Inactive candidates count as mass 0 and are never chosen; they sort after every active
     candidate of positive mass, which the threshold always reaches first."""
     C = candidates.numel()
-    chosen = torch.ones(C, dtype=torch.bool, device=candidates.device)
-    if active is not None:
-        chosen &= active
     if C == 0 or mass_thresh >= 1.0:
-        return chosen
+        chosen = torch.ones(C, dtype=torch.bool, device=candidates.device)
+        return chosen if active is None else chosen & active
     if mass_thresh <= 0.0:
-        return chosen & False
+        return torch.zeros(C, dtype=torch.bool, device=candidates.device)
     m = mass[candidates].to(torch.float64)
     if active is not None:
         m = m * active
-    total = m.sum()
-    order = torch.argsort(m, descending=True, stable=True)
-    covered = torch.cumsum(m[order], dim=0)
-    count = torch.searchsorted(covered, (mass_thresh * total).reshape(1)) + 1
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(C, device=order.device)
-    return chosen & (rank < count) & (total > 0)
+    ordered, order = torch.sort(m, descending=True, stable=True)
+    covered = torch.cumsum(ordered, dim=0)
+    total = covered[-1:]
+    count = torch.searchsorted(covered, mass_thresh * total) + 1  # [1]
+    taken = torch.arange(C, device=order.device) < count  # in decreasing mass
+    chosen = torch.empty_like(taken).scatter_(0, order, taken) & (total > 0)
+    return chosen if active is None else chosen & active
 
 
 def top_rows(scores: Tensor, candidates: Tensor, count: int) -> Tensor:

@@ -89,7 +89,7 @@ def plan_reads(
     parts: list[tuple[torch.Tensor, ...]] = []
     sparse: list[SparseFfn] = []
     offset = 0
-    for rpi, p, e in zip(req_pool_indices, list(prefix_cpu), list(lens_cpu)):
+    for b, (rpi, p, e) in enumerate(zip(req_pool_indices, list(prefix_cpu), list(lens_cpu))):
         p, e = int(p), int(e)
         uses = pool.segment_reads.get(rpi, ())
         positions = []
@@ -106,7 +106,7 @@ def plan_reads(
             probe = max(min(question, p + e - recent_n), p)
             cand = torch.cat(positions)
             cand = to_device(cand[cand < probe], device)
-            sparse.append(SparseFfn(rpi, offset, p, e, probe, cand))
+            sparse.append(SparseFfn(rpi, offset, p, e, probe, cand, index=b))
         offset += e
     if not parts:
         return None

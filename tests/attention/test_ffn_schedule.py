@@ -9,13 +9,8 @@ import math
 import pytest
 import torch
 
-from redknot.attention.ffn_schedule import (
-    SCHEDULE,
-    SparseFfn,
-    around_mlp,
-    key_mass,
-    skip_mask,
-)
+from redknot.attention.ffn_schedule import SCHEDULE, SparseFfn, around_mlp, skip_mask
+from redknot.kernels.reference import key_mass_reference
 
 
 def brute_mass(q, keys, q_pos, scale):
@@ -45,12 +40,12 @@ def brute_skip(mass, candidates, thresh):
     return sorted(set(candidates) - set(taken))
 
 
-def test_key_mass_matches_brute_force():
+def test_key_mass_reference_matches_brute_force():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 2, 2, 8, generator=g)
     keys = torch.randn(12, 2, 8, generator=g)
     pos = torch.tensor([9, 10, 11])
-    got = key_mass(q, keys, pos, 0.35)
+    got = key_mass_reference(q, keys, pos, 0.35)
     torch.testing.assert_close(got, brute_mass(q, keys, pos, 0.35), atol=1e-5, rtol=1e-5)
     assert abs(float(got.sum()) - 3 * 2 * 2) < 1e-4  # one unit per probed query head
 

@@ -258,9 +258,9 @@ def test_extend_completing_a_reusing_prompt_schedules_the_deep_layers_ffn(dense_
     probes = {}
     schedule = w.runner._schedule_ffn
 
-    def spy(lid, q, scale, reads):
+    def spy(lid, q, lse, scale, reads):
         probes[lid] = (q.clone(), scale)
-        schedule(lid, q, scale, reads)
+        schedule(lid, q, lse, scale, reads)
 
     w.runner._schedule_ffn = spy
     w.step(w.FM.EXTEND, [2], [18])

@@ -76,28 +76,35 @@ class ToyLayer:
         return around_mlp(ToyMlp.forward, self.mlp, x), residual
 
 
-def _batch(world, rpi, n):
-    """A one-request extend of ``n`` new tokens from position 0."""
-    slots = torch.arange(world.next_slot, world.next_slot + n, dtype=torch.int32)
-    world.next_slot += n
-    world.req_to_token[rpi, :n] = slots
-    seq = torch.tensor([n])
+def _batch(world, rpis, lens):
+    """An extend of ``lens[i]`` new tokens from position 0 for request ``rpis[i]``."""
+    locs = []
+    for rpi, n in zip(rpis, lens):
+        slots = torch.arange(world.next_slot, world.next_slot + n, dtype=torch.int32)
+        world.next_slot += n
+        world.req_to_token[rpi, :n] = slots
+        locs.append(slots.long())
+    seq = torch.tensor(lens)
     return SimpleNamespace(
-        forward_mode=world.FM.EXTEND, batch_size=1,
-        req_pool_indices=torch.tensor([rpi], dtype=torch.int64), seq_lens=seq,
-        seq_lens_cpu=seq.clone(), extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n],
-        out_cache_loc=slots.long(),
+        forward_mode=world.FM.EXTEND, batch_size=len(rpis),
+        req_pool_indices=torch.tensor(rpis, dtype=torch.int64), seq_lens=seq,
+        seq_lens_cpu=seq.clone(), extend_prefix_lens_cpu=[0] * len(rpis),
+        extend_seq_lens_cpu=list(lens), out_cache_loc=torch.cat(locs),
     )  # fmt: skip
 
 
 def served(world, layers, rpi, embed, hooked):
     """The toy model's forward of one prompt through the runner; returns every row's final
     ``hidden + residual``."""
-    n = embed.shape[0]
-    fb = _batch(world, rpi, n)
+    return served_batch(world, layers, [rpi], [embed], hooked)
+
+
+def served_batch(world, layers, rpis, embeds, hooked):
+    """The toy model's forward of several prompts in one extend batch (rows concatenated)."""
+    fb = _batch(world, rpis, [e.shape[0] for e in embeds])
     world.runner.plan(fb)
-    positions = torch.arange(n)
-    hidden, residual = embed, None
+    positions = torch.cat([torch.arange(e.shape[0]) for e in embeds])
+    hidden, residual = torch.cat(embeds), None
     for layer in layers:
         if hooked:
             hidden, residual = around_decoder_layer(
@@ -243,3 +250,32 @@ def test_rows_that_skip_a_deep_ffn_leave_recovery_and_take_cached_kv(dense_layer
             torch.testing.assert_close(
                 stored.float(), cached[:, glob].float(), atol=2e-2, rtol=2e-2
             )
+
+
+@pytest.mark.parametrize("reusing_first", [True, False])
+def test_a_batch_of_a_reusing_and_a_plain_prompt_computes_each_as_alone(reusing_first):
+    """Rows leave in one request of a batch and not in the other: the reusing request's rows
+    are the brute force's, the plain request's are its forward alone (the gathered plan's rows
+    of both requests, in either order)."""
+    from redknot.segcache.reuse import SegmentUse
+
+    n = NEW + SEG + QUESTION
+    w, rope, layers, tokens, entry, seg_kv = world_with_stored_segment(CLASSES, 3, n)
+    w.runner.dense_layers, w.runner.mass_thresh, w.runner.recent_n = 1, 0.5, RECENT
+    w.runner.skipped = "cached"
+    plain = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(8))
+    alone = served(w, layers, 5, plain, hooked=True)
+    w.pool.cache.segments.acquire(entry)
+    w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
+    if reusing_first:
+        got = served_batch(w, layers, [2, 5], [tokens, plain], hooked=True)
+        got_reuse, got_plain = got[:n], got[n:]
+    else:
+        got = served_batch(w, layers, [5, 2], [plain, tokens], hooked=True)
+        got_plain, got_reuse = got[:9], got[9:]
+    want, history = brute_force(w, layers, tokens, seg_kv, 1, 0.5)
+
+    assert history[-2].any(), "the test needs rows that leave before the last layer"
+    assert SCHEDULE.left == sum(int(h.sum()) for h in history[:-1])
+    torch.testing.assert_close(got_reuse, want, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got_plain, alone, atol=2e-2, rtol=2e-2)

@@ -41,7 +41,8 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
 def _run_case(classes, grp, dim, dtype, mode, requests, device, config, sink=SINK,
               window=WINDOW, seed=0, ring_extra=3, rows=None):  # fmt: skip
     """Kernel and reference outputs and LSEs; with ``rows`` (batch rows) the kernel runs a
-    gathered plan over them only and its other output rows hold 7.0."""
+    gathered plan over them only (queries and outputs of those rows) and the outputs are placed
+    at their batch rows, the other rows holding 7.0."""
     geo, layout = make_geometry(classes, grp, dim, sink, window, mode, ring_extra=ring_extra)
     prefix = [p for p, _ in requests]
     lens = [e for _, e in requests]
@@ -52,19 +53,38 @@ def _run_case(classes, grp, dim, dtype, mode, requests, device, config, sink=SIN
     qkv = torch.randn(T, geo.num_q_heads + 2 * H, dim, generator=g).to(dtype).to(device)
     q, k_new, v_new = qkv.split([geo.num_q_heads, H, H], dim=1)
     plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=config)
+    q_in = q
     if rows is not None:
-        plan = gather_tiles(plan, rows)
-    lse = torch.full((T, geo.num_q_heads), 7.0, device=device)
+        plan = gather_tiles(plan, rows.to(device), _counts(rows, lens))
+        q_in = q[rows.to(device)]
+    lse = torch.full((q_in.shape[0], geo.num_q_heads), 7.0, device=device)
     out = run_extend(
-        plan, q, k_new, v_new, batch.k_global, batch.v_global, batch.k_local, batch.v_local,
-        batch.req_to_token, batch.heads, 0.125, lse=lse, out=torch.full_like(q, 7.0),
+        plan, q_in, k_new, v_new, batch.k_global, batch.v_global, batch.k_local, batch.v_local,
+        batch.req_to_token, batch.heads, 0.125, lse=lse, out=torch.full_like(q_in, 7.0),
     )  # fmt: skip
+    if rows is not None:
+        assert (out != 7.0).any(-1).all() and (lse != 7.0).all(), "a listed row was not written"
+        out, lse = _place(out, rows, T), _place(lse, rows, T)
     ref_out, ref_lse = extend_reference(
         q, k_new, v_new, batch.k_global, batch.v_global, batch.k_local, batch.v_local,
         batch.req_to_token, batch.req_pool_indices, torch.tensor(prefix), plan.qo_indptr_cpu,
         batch.heads, geo, 0.125,
     )  # fmt: skip
     return out, lse, ref_out, ref_lse
+
+
+def _counts(rows: torch.Tensor, lens: list[int]) -> list[int]:
+    """Rows of each request among the batch rows ``rows``."""
+    ends = torch.tensor(lens).cumsum(0)
+    return torch.bincount(torch.searchsorted(ends, rows.cpu(), right=True),
+                          minlength=len(lens)).tolist()  # fmt: skip
+
+
+def _place(x: torch.Tensor, rows: torch.Tensor, T: int) -> torch.Tensor:
+    """The listed rows ``x`` at their batch rows of a ``[T, ...]`` tensor of 7.0."""
+    full = torch.full((T, *x.shape[1:]), 7.0, dtype=x.dtype, device=x.device)
+    full[rows.to(x.device)] = x
+    return full
 
 
 @pytest.mark.parametrize("classes,grp,dim,dtype,mode", CASES)
@@ -166,17 +186,14 @@ def _scattered_rows(lens: list[int], seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("classes,grp,dim,dtype,mode", CASES)
 def test_extend_gathered_rows_match_reference(classes, grp, dim, dtype, mode):
-    """A plan over scattered rows (packed into tiles whatever their distance) computes those
-    rows as the reference does and writes no other row."""
+    """A plan over scattered rows (packed into tiles whatever their distance) computes every
+    one of those rows as the reference does."""
     rows = _scattered_rows([e for _, e in REQUESTS], seed=len(classes) * grp + dim)
     out, lse, ref_out, ref_lse = _run_case(
         classes, grp, dim, dtype, mode, REQUESTS, "cpu", SMALL, rows=rows
     )
     _close(out[rows], ref_out[rows])
     torch.testing.assert_close(lse[rows], ref_lse[rows], atol=1e-3, rtol=1e-3)
-    other = torch.ones(out.shape[0], dtype=torch.bool)
-    other[rows] = False
-    assert (out[other] == 7.0).all() and (lse[other] == 7.0).all()
 
 
 @pytest.mark.parametrize("mode", ["token_table", "ring"])
@@ -194,27 +211,34 @@ def test_extend_gathered_rows_window_spanning_several_blocks(mode):
 
 
 def test_gather_tiles_packs_each_requests_rows():
-    """Brute force: each request's rows in order, ``block_q`` per tile, the heaviest tile
-    (prefix + last row) first; no tile for a request without rows."""
+    """Brute force: each request's rows in order, ``block_q`` per tile, no tile for a request
+    without rows; a request's later tiles before its earlier ones, and the tiles of the request
+    with the most keys (prefix + new tokens) before those of the others."""
     plan = _two_group_batch(torch.bfloat16, seed=5)[3]
     lens = [e for _, e in REQUESTS]
     rows = torch.tensor([0, 5, 21, 23, 40, 41, 42, 43, 44, 45, 79, sum(lens) - 1])
-    gathered = gather_tiles(plan, rows)
+    counts = _counts(rows, lens)
+    gathered = gather_tiles(plan, rows, counts)
     bq = SMALL.block_q(2)
     indptr = plan.qo_indptr_cpu.tolist()
-    per_req = [[r - indptr[b] for r in rows.tolist() if indptr[b] <= r < indptr[b + 1]]
+    per_req = [[r for r in rows.tolist() if indptr[b] <= r < indptr[b + 1]]
                for b in range(len(lens))]  # fmt: skip
     want = {(b, t0) for b, toks in enumerate(per_req) for t0 in range(0, len(toks), bq)}
     tiles = list(zip(gathered.tile_req_cpu.tolist(), gathered.tile_start_cpu.tolist()))
     assert set(tiles) == want and len(tiles) == len(want)
-    assert gathered.num_tiles < plan.num_tiles
-    listed = gathered.rows_gpu.tolist()
+    assert gathered.num_tiles < plan.num_tiles and gathered.num_rows == rows.numel()
+    assert gathered.rows_gpu is rows
     starts = gathered.rows_indptr_gpu.tolist()
-    assert [listed[starts[b] : starts[b + 1]] for b in range(len(lens))] == per_req
-    work = [REQUESTS[b][0] + per_req[b][min(t0 + bq, len(per_req[b])) - 1] for b, t0 in tiles]
-    assert work == sorted(work, reverse=True)
-    with pytest.raises(AssertionError, match="ascending"):
-        gather_tiles(plan, rows.flip(0))
+    assert starts == gathered.rows_indptr_cpu.tolist() == [0, *torch.tensor(counts).cumsum(0)]
+    assert [rows[starts[b] : starts[b + 1]].tolist() for b in range(len(lens))] == per_req
+    for b in range(len(lens)):  # a request's tiles: later ones first
+        mine = [t0 for r, t0 in tiles if r == b]
+        assert mine == sorted(mine, reverse=True)
+    keys = [REQUESTS[b][0] + REQUESTS[b][1] for b, _ in tiles]
+    firsts = [keys[i] for i, (b, t0) in enumerate(tiles) if t0 + bq >= len(per_req[b])]
+    assert firsts == sorted(firsts, reverse=True)  # each request's last tile, heaviest first
+    with pytest.raises(AssertionError):
+        gather_tiles(plan, rows, counts[:-1])
 
 
 # ---- GPU: real shapes -------------------------------------------------------------------------

@@ -8,10 +8,12 @@ head_slot_offset]`` and query tile ``t`` = new tokens ``[t0, t0 + BLOCK_Q)`` of 
 ``GRP`` does not divide ``BLOCK_M``), so the GQA group reads each key once.
 
 With ``GATHER`` the tile's tokens are not consecutive: tile ``t`` holds entries ``[t0, t0 +
-BLOCK_Q)`` of request ``b``'s ascending list of held new-token indices (``Rows[Rows_indptr[b]
-..]``), so a plan over scattered rows costs their number of tiles, not the tiles they fall in.
-Below, ``t_lo`` and ``t_hi`` are the tile's first and last new-token index (``t0`` and ``min(t0 +
-BLOCK_Q, E) - 1`` without ``GATHER``); every bound holds for any tokens between them.
+BLOCK_Q)`` of request ``b``'s part ``Rows[Rows_indptr[b] ..]`` of the ascending list of batch rows
+the plan computes, so a plan over scattered rows costs their number of tiles, not the tiles they
+fall in; ``Q``, ``Out`` and ``Lse`` then hold those rows only, entry ``i`` of the list at row
+``i`` (``K_new`` / ``V_new`` keep every batch row). Below, ``t_lo`` and ``t_hi`` are the tile's
+first and last new-token index (``t0`` and ``min(t0 + BLOCK_Q, E) - 1`` without ``GATHER``); every
+bound holds for any tokens between them.
 
 Keys are visited in four loops (``a = P + t_lo`` first query position, ``e = P + t_hi + 1`` one
 past the last; positions ``< P`` come from a store, the others from ``K_new``/``V_new``):
@@ -77,16 +79,16 @@ def _sink_window_keys(start, n1, n, w0, P, q_pos, req_row, Req_to_token, stride_
 
 
 @triton.jit
-def _store_rows(Out, Lse, acc, m_i, l_i, q_start, tok, rows, row_ok, h, d, stride_ot, stride_oh,
+def _store_rows(Out, Lse, acc, m_i, l_i, q_row, rows, row_ok, h, d, stride_ot, stride_oh,
                 stride_lse_t, GRP: tl.constexpr, WRITE_LSE: tl.constexpr):  # fmt: skip
-    """Normalise and store the tile's output rows (and their natural-log LSE)."""
+    """Normalise and store the tile's output rows ``q_row`` (and their natural-log LSE)."""
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / safe_l[:, None]
-    out_rows = (q_start + tok) * stride_ot + (h * GRP + rows % GRP) * stride_oh
+    out_rows = q_row * stride_ot + (h * GRP + rows % GRP) * stride_oh
     tl.store(Out + out_rows[:, None] + d[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
         lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(safe_l)) * LN2, float("-inf"))
-        lse_rows = (q_start + tok) * stride_lse_t + h * GRP + rows % GRP
+        lse_rows = q_row * stride_lse_t + h * GRP + rows % GRP
         tl.store(Lse + lse_rows, lse, mask=row_ok)
 
 
@@ -124,20 +126,22 @@ def segpaged_extend_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     entry = t0 + rows // GRP
-    if GATHER:  # the tile's entries of the request's held rows
+    if GATHER:  # the tile's entries of the request's listed rows; Q / Out hold listed rows only
         r0 = tl.load(Rows_indptr + b)
         n_held = tl.load(Rows_indptr + b + 1) - r0
         row_ok = (rows < BLOCK_Q * GRP) & (entry < n_held)
-        tok = tl.load(Rows + r0 + entry, mask=row_ok, other=0)
-        t_lo = tl.load(Rows + r0 + t0)
-        t_hi = tl.load(Rows + r0 + tl.minimum(t0 + BLOCK_Q, n_held) - 1)
+        tok = (tl.load(Rows + r0 + entry, mask=row_ok, other=q_start) - q_start).to(tl.int32)
+        t_lo = (tl.load(Rows + r0 + t0) - q_start).to(tl.int32)
+        t_hi = (tl.load(Rows + r0 + tl.minimum(t0 + BLOCK_Q, n_held) - 1) - q_start).to(tl.int32)
+        q_row = (r0 + entry).to(tl.int64)
     else:
         row_ok = (rows < BLOCK_Q * GRP) & (entry < E)  # BLOCK_M need not be a multiple of GRP
         tok = entry
         t_lo = t0
         t_hi = tl.minimum(t0 + BLOCK_Q, E) - 1
+        q_row = q_start + tok
     d = tl.arange(0, HEAD_DIM)
-    q_rows = (q_start + tok) * stride_qt + (h * GRP + rows % GRP) * stride_qh
+    q_rows = q_row * stride_qt + (h * GRP + rows % GRP) * stride_qh
     q = tl.load(Q + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     q_pos = P + tok
     e = P + t_hi + 1
@@ -203,5 +207,5 @@ def segpaged_extend_kernel(
         m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
                                UPCAST)  # fmt: skip
 
-    _store_rows(Out, Lse, acc, m_i, l_i, q_start, tok, rows, row_ok, h, d, stride_ot, stride_oh,
+    _store_rows(Out, Lse, acc, m_i, l_i, q_row, rows, row_ok, h, d, stride_ot, stride_oh,
                 stride_lse_t, GRP, WRITE_LSE)  # fmt: skip
