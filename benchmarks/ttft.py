@@ -175,6 +175,8 @@ def child(args) -> None:
     extra = {
         "mem_fraction_static": args.mem_fraction_static,
         "disable_prefill_cuda_graph": True,
+        # a prompt of one new token never decodes: no decode graphs to capture at startup
+        "disable_decode_cuda_graph": True,
         "chunked_prefill_size": args.chunked_prefill_size,
     }
     if fraction is None:
@@ -295,6 +297,11 @@ def main() -> None:
         help="after the timed prompts of each point, run one more under the torch profiler and "
         "write its trace under DIR/VARIANT-POINT (summarise with benchmarks/profile_summary.py)",
     )
+    ap.add_argument(
+        "--profile-variants",
+        default="",
+        help="with --profile-dir: profile only these variants (comma-separated; default all)",
+    )
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument(
         "--merge",
@@ -331,10 +338,14 @@ def main() -> None:
         "chunked_prefill_size",
         "profile_dir",
     )
+    profiled = set(split_variants(args.profile_variants or args.variants))
     results = {}
     for name in split_variants(args.variants):
+        child_args = base + ["--child", name]
+        if name not in profiled:
+            child_args[child_args.index("--profile-dir") + 1] = ""
         results[name] = common.run_child(
-            __file__, base + ["--child", name], log_grep="token-layers left to the cache"
+            __file__, child_args, log_grep="token-layers left to the cache"
         )
         lines = results[name].pop("log_lines", [])
         # per measured prompt (warm-up included), in order: token-layer FFNs skipped, and
@@ -349,7 +360,8 @@ def main() -> None:
         summary = summarize(cfg, results, args.reps)  # written after every variant
         common.write_json(args.out, common.record(
             model=args.model, load_format="dummy", points=args.points, question=args.question,
-            reps=args.reps, chunked_prefill_size=args.chunked_prefill_size, sink=SINK,
+            reps=args.reps, chunked_prefill_size=args.chunked_prefill_size,
+            decode_cuda_graph=False, sink=SINK,
             window=WINDOW, mem_fraction_static=args.mem_fraction_static,
             segment_fraction=args.segment_fraction, dense_layers_of_sparse_variant=DENSE_LAYERS,
             note="reuse: cached, re-aligned local-head K/V for segment tokens, every FFN run; "
@@ -369,8 +381,9 @@ def main() -> None:
 
 # What must be equal for runs to be compared as one (the device and commit above all).
 MERGE_KEYS = ("device", "commit", "model", "load_format", "question", "reps",
-              "chunked_prefill_size", "sink", "window", "mem_fraction_static",
-              "segment_fraction", "dense_layers_of_sparse_variant")  # fmt: skip
+              "chunked_prefill_size", "decode_cuda_graph", "sink", "window",
+              "mem_fraction_static", "segment_fraction",
+              "dense_layers_of_sparse_variant")  # fmt: skip
 
 
 def merge(cfg: dict, runs: dict[str, dict]) -> dict:
