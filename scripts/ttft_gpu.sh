@@ -4,7 +4,8 @@
 #      RoPE alignment with head maps, the 32K prefill), unless SKIP_TESTS=1;
 #   2. benchmarks/ttft.py at POINTS for VARIANTS (flashinfer in the same run: side by side);
 #   3. one more prompt of PROFILE_VARIANT under the torch profiler at each point, summarised by
-#      benchmarks/profile_summary.py (PROFILE_VARIANT= turns it off).
+#      benchmarks/profile_summary.py (PROFILE_VARIANT= turns it off); the trace of TRACE_POINT
+#      (default 32768x8) is kept.
 # Run from the pristine copy of scripts/device_prelude.sh. Writes $OUT/ttft.json,
 # $OUT/profile_<point>.json and $OUT/gpu_kernel_tests.log.
 #   OUT=/tmp/o REDKNOT_COMMIT=abc bash scripts/ttft_gpu.sh
@@ -17,7 +18,8 @@ profiled="${PROFILE_VARIANT-redknot-g0.125-reuse-sparse-cached}"
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest tests/kernels -m gpu -q -p no:cacheprovider \
-    -k "gathered or key_mass or rope_align or prefill_32k" > "$out/gpu_kernel_tests.log" 2>&1 || rc=1
+    -k "${TESTS_K:-gathered or key_mass or rope_align or prefill_32k}" \
+    > "$out/gpu_kernel_tests.log" 2>&1 || rc=1
   echo "kernel GPU tests: $(tail -n 1 "$out/gpu_kernel_tests.log")"
 fi
 prof=()
@@ -30,6 +32,7 @@ if [ -n "$profiled" ]; then
     [ -n "$trace" ] || { echo "no trace for $point"; rc=1; continue; }
     python3 benchmarks/profile_summary.py "$trace" --top 25 --out "$out/profile_$point.json" \
       > /dev/null || rc=1
+    [ "$point" = "${TRACE_POINT:-32768x8}" ] && cp "$trace" "$out/trace_$point.json.gz"
     python3 - "$out/profile_$point.json" <<'PY'
 import json, sys
 t = next(iter(json.load(open(sys.argv[1]))["traces"].values()))

@@ -79,9 +79,9 @@ def key_mass(
     assert BLOCK_M >= group, f"a GQA group of {group} does not fit {BLOCK_M} rows"
     key_mass_kernel[(triton.cdiv(end, BLOCK_N),)](
         q, lse, k_store, req_to_token, q_heads, out,
-        req_row, q_row0, pos0, num_probe, end, G, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), lse.stride(0), lse.stride(1),
-        k_store.stride(0), k_store.stride(1), req_to_token.stride(0),
+        req_row * req_to_token.stride(0), q_row0, pos0, num_probe, end, G,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), lse.stride(0), lse.stride(1),
+        k_store.stride(0), k_store.stride(1),
         GRP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, UPCAST=upcast_dots(q.dtype),
     )  # fmt: skip
     return out

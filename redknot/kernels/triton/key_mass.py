@@ -28,7 +28,7 @@ def key_mass_kernel(
     Req_to_token,  # [R, max_ctx] int32
     Q_heads,  # [G * GRP] int32: the query heads of global column c are Q_heads[c*GRP:(c+1)*GRP]
     Out,  # [end] fp32
-    req_row,
+    req_offset,  # the request's row of Req_to_token, as an element offset (row * stride)
     q_row0,
     pos0,  # position of the first probed query (query i is at pos0 + i)
     num_probe,
@@ -41,7 +41,6 @@ def key_mass_kernel(
     stride_lh,
     stride_ks,
     stride_kh,
-    stride_r2t,
     GRP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -51,7 +50,7 @@ def key_mass_kernel(
     BLOCK_P: tl.constexpr = BLOCK_M // GRP
     keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = keys < end
-    slot = tl.load(Req_to_token + req_row.to(tl.int64) * stride_r2t + keys, mask=valid, other=0)
+    slot = tl.load(Req_to_token + req_offset + keys, mask=valid, other=0)
     slot = slot.to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     rows = tl.arange(0, BLOCK_M)
