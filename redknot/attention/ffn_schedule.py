@@ -28,6 +28,7 @@ rank under tensor parallelism, where the mass is summed over ranks first) keeps 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,11 @@ class SparseFfn:
     def rows_of(self, positions: torch.Tensor) -> torch.Tensor:
         return positions - self.prefix + self.batch_offset
 
+    @functools.cached_property
+    def candidate_rows(self) -> torch.Tensor:
+        """``[C]`` int64 batch rows of the candidates (once per batch, not once per layer)."""
+        return self.rows_of(self.candidates)
+
 
 def skip_mask(
     spec: SparseFfn,
@@ -94,17 +100,18 @@ def skip_mask(
     mass_thresh: float,
     out: torch.Tensor,
     in_recovery: torch.Tensor | None = None,
+    check_votes: bool = True,
 ) -> torch.Tensor:
     """Mark in ``out`` (``[T]`` bool over the batch rows) the rows of ``spec``'s request that
     skip the FFN: the candidates (still ``in_recovery``, a ``[T]`` bool mask; default every
-    row) that are not important. None when ``mass`` is zero everywhere (no global head voted).
-    No host synchronisation."""
+    row) that are not important. None when ``mass`` is zero everywhere (no global head voted);
+    ``check_votes=False`` when the caller knows some did. No host synchronisation."""
     cand = spec.candidates
-    rows = spec.rows_of(cand)
+    rows = spec.candidate_rows
     active = None if in_recovery is None else in_recovery[rows]
     chosen = important_mask(mass, cand, mass_thresh, active)
     skip = ~chosen if active is None else active & ~chosen
-    out[rows] = skip & (mass.sum() > 0)  # the requests of a batch have disjoint rows
+    out[rows] = skip & (mass.sum() > 0) if check_votes else skip  # requests' rows are disjoint
     return out
 
 

@@ -56,7 +56,7 @@ class ExtendState:
     # Tokens that reuse a stored segment's local K/V (redknot.segcache.reuse):
     segment_reads: SegmentReads | None = None
     # skipped="cached" and token policies: the rows in recovery (rebuilt when rows leave)
-    held: HeldRows | None = None
+    held: HeldRows | LeavingRows | None = None
     kept_tokens: int = -1  # token policies: reused segment tokens kept (-1: not chosen yet)
     req_pool_indices: list[int] | None = None  # on the host, when segments are written or read
 
@@ -76,6 +76,19 @@ class HeldRows:
     def first_row(self, b: int, num_last: int) -> int:
         """Where the last ``num_last`` held rows of request ``b`` start among the held rows."""
         return int(self.plan.rows_indptr_cpu[b + 1]) - num_last
+
+
+@dataclass(frozen=True)
+class LeavingRows:
+    """The rows a layer's synchronisation chose to stay in recovery, before their plan is built:
+    :class:`HeldRows` is made from it when the next layer's attention first needs it, by then
+    the host has launched this layer's MLP, so that the GPU works while the plan is built."""
+
+    rows: torch.Tensor  # [A] int64 ascending batch rows
+    keep: torch.Tensor  # [T] bool
+    counts_cpu: list[int]  # rows of each request
+    leaving: torch.Tensor  # [R] bool over the reads: the reused tokens that leave
+    num_left: int  # leaving.sum()
 
 
 _READ_INDICES = ("tokens_gpu", "rows_gpu", "pos_off_gpu", "pos_on_gpu")
@@ -387,9 +400,6 @@ class SegPagedRunner:
         if state.segment_reads is not None:
             with phase("redknot.reuse_kv"):
                 self._reuse_kv(lid, k, v, state.segment_reads, held)
-        if save_kv_cache:
-            with phase("redknot.write_global"):
-                self.pool.write_global(lid, fb.out_cache_loc, k, v)
         out = q.new_empty(q.shape)
         plan = state.plan if held is None else held.plan  # only the rows in recovery
         reads = state.segment_reads
@@ -397,11 +407,16 @@ class SegPagedRunner:
             reads is not None and bool(reads.sparse) and lid >= self.dense_layers and save_kv_cache
         )
         lse = q.new_empty(q.shape[:2], dtype=torch.float32) if schedules else None
+        # the kernel reads this extend's keys from k / v, the stores only below the prefix:
+        # launched before the stores are written, so that the GPU starts early
         with phase("redknot.extend_kernel"):
             run_extend(
                 plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
                 self.heads[lid], layer.scaling, out=out, lse=lse,
             )  # fmt: skip
+        if save_kv_cache:
+            with phase("redknot.write_global"):
+                self.pool.write_global(lid, fb.out_cache_loc, k, v)
         with phase("redknot.local_writes"):
             self._write_local(lid, k, v, state, save_kv_cache)
         if schedules:
@@ -435,13 +450,27 @@ class SegPagedRunner:
             idx = state.segment_writes.tokens_gpu
             self.pool.segments.write(lid, state.segment_writes.rows_gpu, k[idx], v[idx])
 
-    @staticmethod
-    def _held_rows(state: ExtendState) -> HeldRows | None:
-        """The rows the current layer computes (``SCHEDULE.held``; None: every row)."""
+    def _held_rows(self, state: ExtendState) -> HeldRows | None:
+        """The rows the current layer computes (``SCHEDULE.held``; None: every row), their
+        plan built here the first time."""
         if SCHEDULE.held is None:
             return None
+        if isinstance(state.held, LeavingRows):
+            state.held = self._held_from(state.held)
         assert state.held is not None and state.held.rows is SCHEDULE.held
         return state.held
+
+    def _held_from(self, chosen: LeavingRows) -> HeldRows:
+        """The gathered plan and the left tokens' reads of the rows ``chosen`` keeps (no host
+        synchronisation)."""
+        state = self.extend_state
+        reads = state.segment_reads
+        left = torch.nonzero_static(chosen.leaving, size=chosen.num_left)[:, 0]
+        return HeldRows(
+            chosen.rows, chosen.keep, gather_tiles(state.plan, chosen.rows, chosen.counts_cpu),
+            replace(reads, sparse=(), tokens_cpu=None, pos_off_cpu=None,
+                    **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
+        )  # fmt: skip
 
     @staticmethod
     def _spread(x: torch.Tensor, held: HeldRows) -> torch.Tensor:
@@ -475,13 +504,17 @@ class SegPagedRunner:
         num_rows = state.plan.num_tokens
         held = self._held_rows(state)
         skip = torch.zeros(num_rows, dtype=torch.bool, device=q.device)
-        for spec in reads.sparse:
+        # without tensor parallelism the rank's global heads vote (each probe spreads a mass of
+        # one over the keys), or nobody does; summed over ranks, it may be nobody
+        voting = self.layout.num_global(lid) > 0
+        for spec in reads.sparse if voting or self.tp_size > 1 else ():
             with phase("redknot.importance_mass"):
                 mass = self._probe_mass(lid, q, lse, scale, spec, held)
                 if self.tp_size > 1:  # every rank must skip the same rows (the MLP all-reduces)
                     mass = self._sum_over_ranks()(mass)
             with phase("redknot.importance_select"):
-                skip_mask(spec, mass, self.mass_thresh, skip, None if held is None else held.mask)
+                skip_mask(spec, mass, self.mass_thresh, skip, None if held is None else held.mask,
+                          check_votes=self.tp_size > 1)  # fmt: skip
         keep = ~skip if held is None else held.mask & ~skip
         leaving = ~keep[reads.tokens_gpu] if self.skipped == "cached" else None
         with phase("redknot.sync"):
@@ -526,16 +559,10 @@ class SegPagedRunner:
         """From the next layer on only ``keep`` (``[T]`` bool on the device; ``counts_cpu[b]``
         rows of request ``b``) stays in recovery: the decoder-layer hook compacts to those rows,
         and every head of the reused tokens ``leaving`` (``[R]`` bool, ``num_left`` of them)
-        takes the cached K/V. Returns the rows on the device; no host synchronisation."""
-        state = self.extend_state
-        reads = state.segment_reads
+        takes the cached K/V. Returns the rows on the device; no host synchronisation (their
+        plan is built when the next layer attends: :meth:`_held_rows`)."""
         rows = torch.nonzero_static(keep, size=sum(counts_cpu))[:, 0]
-        left = torch.nonzero_static(leaving, size=num_left)[:, 0]
-        state.held = HeldRows(
-            rows, keep, gather_tiles(state.plan, rows, counts_cpu),
-            replace(reads, sparse=(), tokens_cpu=None, pos_off_cpu=None,
-                    **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
-        )  # fmt: skip
+        self.extend_state.held = LeavingRows(rows, keep, counts_cpu, leaving, num_left)
         SCHEDULE.target = rows
         return rows
 

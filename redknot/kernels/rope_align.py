@@ -110,23 +110,27 @@ def alignable_rope(rope: torch.nn.Module) -> AlignableRope:
     return AlignableRope(cache, bool(rope.is_neox_style), cache.shape[1], name)
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message) -> None:
+    """Raise ``ValueError(message)`` unless ``ok``; ``message`` may be a callable giving it (so
+    that a passing check formats nothing: this runs on the serving path)."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message() if callable(message) else message)
 
 
 def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
-    _check(t.dim() == 3, f"{name} must be [rows, heads, head_dim], got shape {tuple(t.shape)}")
-    _check(t.stride(-1) == 1, f"{name} must have unit stride in head_dim, got {t.stride()}")
+    _check(t.dim() == 3,
+           lambda: f"{name} must be [rows, heads, head_dim], got {tuple(t.shape)}")  # fmt: skip
+    _check(t.stride(-1) == 1, lambda: f"{name} must have unit stride in head_dim, got {t.stride()}")
     if like is not None:
-        _check(t.dtype == like.dtype, f"{name} dtype {t.dtype} != {like.dtype}")
-        _check(t.shape[1:] == like.shape[1:], f"{name} heads/dims {tuple(t.shape[1:])} "
+        _check(t.dtype == like.dtype, lambda: f"{name} dtype {t.dtype} != {like.dtype}")
+        _check(t.shape[1:] == like.shape[1:],
+               lambda: f"{name} heads/dims {tuple(t.shape[1:])} "
                f"!= {tuple(like.shape[1:])}")  # fmt: skip
 
 
 def _check_index(name: str, t: torch.Tensor, n: int) -> None:
-    _check(t.dim() == 1 and t.shape[0] == n, f"{name} must be [{n}], got {tuple(t.shape)}")
-    _check(t.dtype in _INDEX_DTYPES, f"{name} must be int32 or int64, got {t.dtype}")
+    _check(t.dim() == 1 and t.shape[0] == n, lambda: f"{name} must be [{n}], got {tuple(t.shape)}")
+    _check(t.dtype in _INDEX_DTYPES, lambda: f"{name} must be int32 or int64, got {t.dtype}")
 
 
 def rope_align(
@@ -175,32 +179,37 @@ def rope_align(
         Without them, ``k_src`` and ``k_dst`` have the same heads and every head moves.
     """
     n = src_rows.shape[0] if src_rows.dim() == 1 else -1
-    _check((src_heads is None) == (dst_heads is None), "give both src_heads and dst_heads, or neither")
+    _check((src_heads is None) == (dst_heads is None),
+           "give both src_heads and dst_heads, or neither")  # fmt: skip
     head_map = src_heads is not None
     _check_rows("k_src", k_src)
     _check_rows("k_dst", k_dst, like=None if head_map else k_src)
     if head_map:
         _check(k_dst.dtype == k_src.dtype and k_dst.shape[2] == k_src.shape[2],
-               f"k_dst {k_dst.dtype} {tuple(k_dst.shape)} must match k_src {k_src.dtype} "
-               f"{tuple(k_src.shape)} in dtype and head_dim")  # fmt: skip
+               lambda: f"k_dst {k_dst.dtype} {tuple(k_dst.shape)} must match k_src "
+               f"{k_src.dtype} {tuple(k_src.shape)} in dtype and head_dim")  # fmt: skip
         for name, t in (("src_heads", src_heads), ("dst_heads", dst_heads)):
             _check(t.dim() == 1 and t.dtype == torch.int32 and t.shape == src_heads.shape,
-                   f"{name} must be [Hm] int32 like src_heads, got {tuple(t.shape)} {t.dtype}")  # fmt: skip
-    _check(k_src.dtype in _KEY_DTYPES, f"keys must be float16 or bfloat16, got {k_src.dtype}")
+                   lambda: f"{name} must be [Hm] int32 like src_heads, got {tuple(t.shape)} "
+                   f"{t.dtype}")  # fmt: skip
+    _check(k_src.dtype in _KEY_DTYPES,
+           lambda: f"keys must be float16 or bfloat16, got {k_src.dtype}")  # fmt: skip
     for name, t in (("src_rows", src_rows), ("dst_rows", dst_rows), ("pos_off", pos_off),
                     ("pos_on", pos_on)):  # fmt: skip
         _check_index(name, t, n)
     _check(
         cos_sin_cache.dim() == 2 and cos_sin_cache.dtype == torch.float32,
-        f"cos_sin_cache must be [max_pos, rotary_dim] float32, got {tuple(cos_sin_cache.shape)} "
-        f"{cos_sin_cache.dtype} (SGLang keeps it in fp32 on CUDA; see alignable_rope)",
+        lambda: f"cos_sin_cache must be [max_pos, rotary_dim] float32, got "
+        f"{tuple(cos_sin_cache.shape)} {cos_sin_cache.dtype} (SGLang keeps it in fp32 on CUDA; "
+        "see alignable_rope)",
     )
     _check(cos_sin_cache.stride(-1) == 1, "cos_sin_cache must have unit stride in its last dim")
     R = cos_sin_cache.shape[1]
     head_dim = k_src.shape[2]
     _check(rotary_dim is None or rotary_dim == R,
-           f"rotary_dim {rotary_dim} != cos_sin_cache width {R}")  # fmt: skip
-    _check(R % 2 == 0 and 0 < R <= head_dim, f"rotary_dim {R} must be even and in (0, {head_dim}]")
+           lambda: f"rotary_dim {rotary_dim} != cos_sin_cache width {R}")  # fmt: skip
+    _check(R % 2 == 0 and 0 < R <= head_dim,
+           lambda: f"rotary_dim {R} must be even and in (0, {head_dim}]")  # fmt: skip
     _check((v_src is None) == (v_dst is None), "give both v_src and v_dst, or neither")
     if v_src is not None:
         _check_rows("v_src", v_src)
@@ -214,7 +223,7 @@ def rope_align(
     tensors += [v_src, v_dst] if v_src is not None else []
     tensors += [src_heads, dst_heads] if head_map else []
     devices = {t.device for t in tensors}
-    _check(len(devices) == 1, f"tensors on several devices: {devices}")
+    _check(len(devices) == 1, lambda: f"tensors on several devices: {devices}")
     if n == 0 or (head_map and src_heads.shape[0] == 0):
         return
 

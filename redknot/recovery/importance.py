@@ -52,14 +52,14 @@ def important_mask(
         return chosen if active is None else chosen & active
     if mass_thresh <= 0.0:
         return torch.zeros(C, dtype=torch.bool, device=candidates.device)
-    m = mass[candidates].to(torch.float64)
+    m = mass[candidates]
     if active is not None:
         m = m * active
     ordered, order = torch.sort(m, descending=True, stable=True)
-    covered = torch.cumsum(ordered, dim=0)
+    covered = torch.cumsum(ordered, dim=0, dtype=torch.float64)
     total = covered[-1:]
-    count = torch.searchsorted(covered, mass_thresh * total) + 1  # [1]
-    taken = torch.arange(C, device=order.device) < count  # in decreasing mass
+    # taken in decreasing mass while the mass taken before is short of the threshold
+    taken = (covered - ordered) < mass_thresh * total
     chosen = torch.empty_like(taken).scatter_(0, order, taken) & (total > 0)
     return chosen if active is None else chosen & active
 

@@ -20,7 +20,9 @@ from redknot.kernels.triton.common import mma
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+# Offsets and counts change with every request: one compiled kernel for all of them (Triton
+# would otherwise compile again whenever one of them turns 1 or a multiple of 16).
+@triton.jit(do_not_specialize=["req_offset", "q_row0", "pos0", "num_probe", "end"])
 def key_mass_kernel(
     Q,  # [rows, Hq, D] fp16/bf16: the probed queries are rows q_row0 .. q_row0 + num_probe
     Lse,  # [rows, Hq] fp32, natural-log LSE of the same rows
