@@ -56,7 +56,7 @@ class ExtendState:
     # Tokens that reuse a stored segment's local K/V (redknot.segcache.reuse):
     segment_reads: SegmentReads | None = None
     # skipped="cached" and token policies: the rows in recovery (rebuilt when rows leave)
-    held: HeldRows | LeavingRows | None = None
+    held: HeldRows | None = None
     kept_tokens: int = -1  # token policies: reused segment tokens kept (-1: not chosen yet)
     req_pool_indices: list[int] | None = None  # on the host, when segments are written or read
 
@@ -76,19 +76,6 @@ class HeldRows:
     def first_row(self, b: int, num_last: int) -> int:
         """Where the last ``num_last`` held rows of request ``b`` start among the held rows."""
         return int(self.plan.rows_indptr_cpu[b + 1]) - num_last
-
-
-@dataclass(frozen=True)
-class LeavingRows:
-    """The rows a layer's synchronisation chose to stay in recovery, before their plan is built:
-    :class:`HeldRows` is made from it when the next layer's attention first needs it, by then
-    the host has launched this layer's MLP, so that the GPU works while the plan is built."""
-
-    rows: torch.Tensor  # [A] int64 ascending batch rows
-    keep: torch.Tensor  # [T] bool
-    counts_cpu: list[int]  # rows of each request
-    leaving: torch.Tensor  # [R] bool over the reads: the reused tokens that leave
-    num_left: int  # leaving.sum()
 
 
 _READ_INDICES = ("tokens_gpu", "rows_gpu", "pos_off_gpu", "pos_on_gpu")
@@ -450,27 +437,13 @@ class SegPagedRunner:
             idx = state.segment_writes.tokens_gpu
             self.pool.segments.write(lid, state.segment_writes.rows_gpu, k[idx], v[idx])
 
-    def _held_rows(self, state: ExtendState) -> HeldRows | None:
-        """The rows the current layer computes (``SCHEDULE.held``; None: every row), their
-        plan built here the first time."""
+    @staticmethod
+    def _held_rows(state: ExtendState) -> HeldRows | None:
+        """The rows the current layer computes (``SCHEDULE.held``; None: every row)."""
         if SCHEDULE.held is None:
             return None
-        if isinstance(state.held, LeavingRows):
-            state.held = self._held_from(state.held)
         assert state.held is not None and state.held.rows is SCHEDULE.held
         return state.held
-
-    def _held_from(self, chosen: LeavingRows) -> HeldRows:
-        """The gathered plan and the left tokens' reads of the rows ``chosen`` keeps (no host
-        synchronisation)."""
-        state = self.extend_state
-        reads = state.segment_reads
-        left = torch.nonzero_static(chosen.leaving, size=chosen.num_left)[:, 0]
-        return HeldRows(
-            chosen.rows, chosen.keep, gather_tiles(state.plan, chosen.rows, chosen.counts_cpu),
-            replace(reads, sparse=(), tokens_cpu=None, pos_off_cpu=None,
-                    **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
-        )  # fmt: skip
 
     @staticmethod
     def _spread(x: torch.Tensor, held: HeldRows) -> torch.Tensor:
@@ -559,10 +532,16 @@ class SegPagedRunner:
         """From the next layer on only ``keep`` (``[T]`` bool on the device; ``counts_cpu[b]``
         rows of request ``b``) stays in recovery: the decoder-layer hook compacts to those rows,
         and every head of the reused tokens ``leaving`` (``[R]`` bool, ``num_left`` of them)
-        takes the cached K/V. Returns the rows on the device; no host synchronisation (their
-        plan is built when the next layer attends: :meth:`_held_rows`)."""
+        takes the cached K/V. Returns the rows on the device; no host synchronisation."""
+        state = self.extend_state
+        reads = state.segment_reads
         rows = torch.nonzero_static(keep, size=sum(counts_cpu))[:, 0]
-        self.extend_state.held = LeavingRows(rows, keep, counts_cpu, leaving, num_left)
+        left = torch.nonzero_static(leaving, size=num_left)[:, 0]
+        state.held = HeldRows(
+            rows, keep, gather_tiles(state.plan, rows, counts_cpu),
+            replace(reads, sparse=(), tokens_cpu=None, pos_off_cpu=None,
+                    **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
+        )  # fmt: skip
         SCHEDULE.target = rows
         return rows
 
