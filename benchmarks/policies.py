@@ -155,9 +155,10 @@ def plot(rows: list[dict], path: str, title: str) -> str:
     fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.5))
     if timed:  # top-1 against the measured TTFT speedup, one point per policy
         ax = axes[2]
-        for r in timed:
+        for i, r in enumerate(timed):  # labelled with the setting, nearby labels staggered
             ax.plot(r["ttft_speedup"], r["top1"], "o", color=colour[r["policy"]])
-            ax.annotate(r["policy"], (r["ttft_speedup"], r["top1"]), fontsize=7)
+            ax.annotate(r["setting"], (r["ttft_speedup"], r["top1"]), fontsize=6,
+                        xytext=(4, 8 * (i % 3) - 8), textcoords="offset points")  # fmt: skip
         source = timed[0]["ttft_source"]
         ax.set_xlabel(f"TTFT speedup over flashinfer ({source['point']}, 8B shape)")
         ax.set_ylabel("first token: top-1 agreement with dense")
