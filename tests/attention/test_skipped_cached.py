@@ -192,16 +192,18 @@ def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
     return hidden + residual, history
 
 
-def world_with_stored_segment(classes, seed, num_tokens):
+def world_with_stored_segment(classes, seed, num_tokens, segment_fraction=0.1):
     """A World over ``classes`` whose segments keep every head, its toy layers, ``num_tokens``
-    embeddings, and the segment (embeddings ``NEW .. NEW + SEG``) registered standalone.
+    embeddings, and the segment (embeddings ``NEW .. NEW + SEG``) registered standalone (the
+    region takes ``segment_fraction`` of the World's KV budget).
     Returns ``(world, rope, layers, embeddings, entry, the segment's stored K/V per layer)``."""
     from redknot.kernels.rope_align import alignable_rope
     from redknot.kernels.rope_reference import sglang_rope
     from redknot.segcache.registration import WriteJob
     from redknot.segcache.store import SegmentStore
 
-    w = World(classes, GRP, torch.bfloat16, seed=1, segment_fraction=0.1, segment_heads="all")
+    w = World(classes, GRP, torch.bfloat16, seed=1, segment_fraction=segment_fraction,
+              segment_heads="all")  # fmt: skip
     rope = sglang_rope(D, D, 512, 10000.0, True)
     w.runner.rope = alignable_rope(rope)
     g = torch.Generator().manual_seed(seed)
