@@ -26,12 +26,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import serving_common as common  # noqa: E402
+import serving_common as common
 
 
 def count(classes: tuple[str, ...], dense_layers: int, thresh: float) -> list[dict]:
     """Per layer: PyTorch operations and Triton launches of the backend's ``extend``."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
     from triton.runtime import interpreter
 
@@ -108,16 +107,20 @@ def main() -> None:
         "dense_layers": args.dense_layers,
         "mass_thresh": args.mass_thresh,
         "per_layer": rows,
-        "compacted_layer": {
-            "ops": max(r["ops"] for r in compacted),
-            "launches": max(r["launches"] for r in compacted),
-        }
-        if compacted
-        else None,
+        "compacted_layer": (
+            {
+                "ops": max(r["ops"] for r in compacted),
+                "launches": max(r["launches"] for r in compacted),
+            }
+            if compacted
+            else None
+        ),
     }
     common.write_json(args.out, common.record(**figures))
     for r in rows:
-        print(f"layer {r['layer']}: {r['rows']:3d} rows, {r['ops']:4d} ops, {r['launches']} launches")
+        print(
+            f"layer {r['layer']}: {r['rows']:3d} rows, {r['ops']:4d} ops, {r['launches']} launches"
+        )
 
 
 if __name__ == "__main__":

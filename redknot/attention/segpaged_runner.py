@@ -24,8 +24,8 @@ from redknot.attention.token_policy import TokenPolicy, kept_rows, per_request, 
 from redknot.attention.trace import phase
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_device
-from redknot.kernels.key_mass import key_mass, query_heads
 from redknot.kernels.geometry import LayerHeads, SegGeometry
+from redknot.kernels.key_mass import key_mass, query_heads
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
@@ -82,7 +82,7 @@ _READ_INDICES = ("tokens_gpu", "rows_gpu", "pos_off_gpu", "pos_on_gpu")
 
 
 @dataclass(frozen=True)
-class HeadMap:
+class AlignedHeads:
     """Heads moved by one RoPE-alignment launch: region column ``cols[i]`` to KV head
     ``heads[i]`` (int32 [n] on the device each)."""
 
@@ -90,7 +90,7 @@ class HeadMap:
     heads: torch.Tensor
 
     @classmethod
-    def of(cls, pairs: list[tuple[int, int]], device) -> HeadMap:
+    def of(cls, pairs: list[tuple[int, int]], device) -> AlignedHeads:
         """``pairs``: (KV head, region column)."""
         heads = [h for h, _ in pairs]
         cols = [c for _, c in pairs]
@@ -107,8 +107,8 @@ class HeadMap:
 class LayerConsts:
     """What the segment-reuse path of one layer looks up per forward, built once."""
 
-    local: HeadMap  # the local KV heads and their columns in the segment region
-    stored_global: HeadMap  # the global KV heads the region keeps, and their columns
+    local: AlignedHeads  # the local KV heads and their columns in the segment region
+    stored_global: AlignedHeads  # the global KV heads the region keeps, and their columns
     global_queries: torch.Tensor  # int32 [G * group]: the query heads of the global KV heads
 
     @classmethod
@@ -117,8 +117,8 @@ class LayerConsts:
         with ``skipped="cached"`` startup requires every global head among them)."""
         glob, grp = layout.global_heads(lid), layout.group_size
         return cls(
-            HeadMap.of([(h, stored.index(h)) for h in layout.local_heads(lid)], device),
-            HeadMap.of([(h, stored.index(h)) for h in glob if h in stored], device),
+            AlignedHeads.of([(h, stored.index(h)) for h in layout.local_heads(lid)], device),
+            AlignedHeads.of([(h, stored.index(h)) for h in glob if h in stored], device),
             query_heads(glob, grp, device),
         )
 
@@ -640,7 +640,7 @@ class SegPagedRunner:
         if held is not None and held.left.tokens_gpu.numel() and len(consts.stored_global):
             self._align(lid, k, v, consts.stored_global, held.left)
 
-    def _align(self, lid: int, k, v, heads: HeadMap, reads: SegmentReads) -> None:
+    def _align(self, lid: int, k, v, heads: AlignedHeads, reads: SegmentReads) -> None:
         """``k``/``v`` rows ``reads.tokens_gpu`` of KV heads ``heads.heads`` from the segment
         region's columns ``heads.cols`` (re-rotated keys, copied values; the region has the
         model's dtype, see :meth:`check_segment_dtype`)."""

@@ -190,9 +190,7 @@ def gather_tiles(plan: ExtendPlan, rows_gpu: torch.Tensor, counts_cpu: Sequence[
     for n in counts:
         indptr.append(indptr[-1] + n)
     NT = len(tiles)
-    packed = torch.tensor(
-        [t[1] for t in tiles] + [t[2] for t in tiles] + indptr, dtype=torch.int32
-    )
+    packed = torch.tensor([t[1] for t in tiles] + [t[2] for t in tiles] + indptr, dtype=torch.int32)
     on_device = to_device(packed, rows_gpu.device)  # one copy: tile_req | tile_start | indptr
     return replace(
         plan,

@@ -190,8 +190,8 @@ def rope_align(
                f"{k_src.dtype} {tuple(k_src.shape)} in dtype and head_dim")  # fmt: skip
         for name, t in (("src_heads", src_heads), ("dst_heads", dst_heads)):
             _check(t.dim() == 1 and t.dtype == torch.int32 and t.shape == src_heads.shape,
-                   lambda: f"{name} must be [Hm] int32 like src_heads, got {tuple(t.shape)} "
-                   f"{t.dtype}")  # fmt: skip
+                   lambda name=name, t=t: f"{name} must be [Hm] int32 like src_heads, got "
+                   f"{tuple(t.shape)} {t.dtype}")  # fmt: skip
     _check(k_src.dtype in _KEY_DTYPES,
            lambda: f"keys must be float16 or bfloat16, got {k_src.dtype}")  # fmt: skip
     for name, t in (("src_rows", src_rows), ("dst_rows", dst_rows), ("pos_off", pos_off),

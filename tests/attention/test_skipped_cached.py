@@ -262,7 +262,7 @@ def test_a_batch_of_a_reusing_and_a_plain_prompt_computes_each_as_alone(reusing_
     from redknot.segcache.reuse import SegmentUse
 
     n = NEW + SEG + QUESTION
-    w, rope, layers, tokens, entry, seg_kv = world_with_stored_segment(CLASSES, 3, n)
+    w, _, layers, tokens, entry, seg_kv = world_with_stored_segment(CLASSES, 3, n)
     w.runner.dense_layers, w.runner.mass_thresh, w.runner.recent_n = 1, 0.5, RECENT
     w.runner.skipped = "cached"
     plain = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(8))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from redknot.kernels.reference import key_mass_reference
 from redknot.kernels.key_mass import key_mass, query_heads
+from redknot.kernels.reference import key_mass_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, in the interpreter
 
