@@ -557,8 +557,9 @@ class SegPagedRunner:
         counts = [below[qo[b + 1]] - below[qo[b]] for b in range(plan.batch_size)]
         if sum(counts) < plan.num_tokens:
             device = reads.tokens_gpu.device
-            self._hold(to_device(keep_cpu, device), counts, to_device(~kept, device),
-                       int((~kept).sum()))  # fmt: skip
+            leaving = ~keep_cpu[reads.tokens_cpu]  # not ~kept: each request's last row stays
+            self._hold(to_device(keep_cpu, device), counts, to_device(leaving, device),
+                       int(leaving.sum()))  # fmt: skip
 
     def _blend(self, lid: int, k, v, reads: SegmentReads) -> None:
         """CacheBlend's choice in its check layer: the KV deviation of every reused token's

@@ -32,8 +32,9 @@ CLASSES = ("GG", "GG", "GG")  # every head global: token-level policies treat he
 
 
 def brute_force(world, layers, embed, seg_kv, policy):
-    """Every row's forward with the policy's rule applied directly; returns the final states
-    and, per layer, the rows that did not compute it (took cached K/V in every head)."""
+    """Every row's forward with the policy's rule applied directly; returns the final states,
+    per layer the rows that did not compute it (took cached K/V in every head), and per layer
+    the last row's keys (always computed)."""
     n = embed.shape[0]
     seg = torch.arange(NEW, NEW + SEG)
 
@@ -50,10 +51,11 @@ def brute_force(world, layers, embed, seg_kv, policy):
         left = leaving(torch.arange(SEG) < policy.epic_k)
     hidden, residual = embed.clone(), None
     positions = torch.arange(n)
-    history = []
+    history, last_keys = [], []
     for lid, layer in enumerate(layers):
         residual, x = layer_input(hidden, residual)
         q, k, v = layer.qkv(x, positions)
+        last_keys.append(k[n - 1].clone())
         cached_k, cached_v = aligned_segment_kv(world, seg_kv, lid)
         layout = world.layout
         for h in layout.local_heads(lid):  # local heads: every reused token from the cache
@@ -77,7 +79,7 @@ def brute_force(world, layers, embed, seg_kv, policy):
         residual = torch.where(left[:, None], residual, new_residual)
         if choose:
             left = leaving(kept)
-    return hidden + residual, history
+    return hidden + residual, history, last_keys
 
 
 DEFAULTS = {"epic_k": 16, "blend_check_layer": 1, "blend_ratio": 0.15, "sparseq_boundary": 2,
@@ -139,7 +141,7 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
     w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
     with caplog.at_level("INFO", logger="redknot.attention.segpaged_runner"):
         got = served(w, layers, 2, tokens, hooked=True)
-    want, history = brute_force(w, layers, tokens, seg_kv, policy)
+    want, history, last_keys = brute_force(w, layers, tokens, seg_kv, policy)
     from benchmarks.ttft import POLICY_LOG  # the TTFT benchmark reads the log line
 
     (logged,) = [m for m in map(POLICY_LOG.search, caplog.messages) if m]
@@ -157,6 +159,10 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
     assert SCHEDULE.left == sum(int(h.sum()) for h in history)
     kept = ~history[-1]  # rows that computed the last layer, the last row among them
     torch.testing.assert_close(got[kept], want[kept], atol=3e-2, rtol=3e-2)
+    for lid, fresh in enumerate(last_keys):  # the last row keeps its own keys, even when reused
+        glob = w.layout.global_heads(lid)
+        stored = w.pool.k_global[lid][w.req_to_token[2, n - 1].long()]
+        torch.testing.assert_close(stored.float(), fresh[glob].float(), atol=2e-2, rtol=2e-2)
     for lid in range(len(classes)):  # rows that left hold their cached K/V in every head
         gone = torch.nonzero(history[lid]).flatten()
         glob = w.layout.global_heads(lid)  # the global store (every head when all global)
