@@ -123,6 +123,14 @@ class LayerConsts:
         )
 
 
+def rows_per_request(keep: torch.Tensor, qo_indptr: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64: how many batch rows of each request ``keep`` (``[T]`` bool) keeps;
+    ``qo_indptr``: ``[B + 1]``, request ``b``'s rows ``qo_indptr[b] ..``. Where both are."""
+    qo = qo_indptr.long()
+    below = torch.nn.functional.pad(keep.cumsum(0), (1, 0))  # [T + 1]: kept rows below
+    return below[qo[1:]] - below[qo[:-1]]
+
+
 def model_rope(model: torch.nn.Module) -> AlignableRope:
     """The RoPE of a loaded SGLang model (its first rotary embedding), checked for alignment.
 
@@ -520,9 +528,7 @@ class SegPagedRunner:
         """The layer's one host synchronisation: rows of each request that ``keep`` (``[T]``
         bool on the device) keeps, and how many reused tokens are ``leaving`` (``[R]`` bool, or
         None)."""
-        qo = self.extend_state.plan.qo_indptr_gpu.long()
-        below = torch.nn.functional.pad(keep.cumsum(0), (1, 0))  # [T + 1]: kept rows below
-        counts = below[qo[1:]] - below[qo[:-1]]
+        counts = rows_per_request(keep, self.extend_state.plan.qo_indptr_gpu)
         if leaving is None:
             return counts.tolist(), 0
         stats = torch.cat([counts, leaving.sum().view(1)]).tolist()
@@ -552,9 +558,7 @@ class SegPagedRunner:
         reads, plan = state.segment_reads, state.plan
         keep_cpu = kept_rows(plan.num_tokens, reads.tokens_cpu, kept, plan.qo_indptr_cpu)
         state.kept_tokens = int(kept.sum())
-        qo = plan.qo_indptr_cpu.tolist()
-        below = [0, *keep_cpu.cumsum(0).tolist()]
-        counts = [below[qo[b + 1]] - below[qo[b]] for b in range(plan.batch_size)]
+        counts = rows_per_request(keep_cpu, plan.qo_indptr_cpu).tolist()
         if sum(counts) < plan.num_tokens:
             device = reads.tokens_gpu.device
             leaving = ~keep_cpu[reads.tokens_cpu]  # not ~kept: each request's last row stays
