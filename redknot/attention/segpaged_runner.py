@@ -14,25 +14,30 @@ token overwrites exactly the position that just left the window.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from redknot.attention.extend_state import (
+    AlignedHeads,
+    ExtendState,
+    HeldRows,
+    LayerConsts,
+    rows_per_request,
+)
 from redknot.attention.ffn_schedule import SCHEDULE, skip_mask
 from redknot.attention.token_policy import TokenPolicy, kept_rows, per_request, segment_spans
 from redknot.attention.trace import phase
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_device
 from redknot.kernels.geometry import LayerHeads, SegGeometry
-from redknot.kernels.key_mass import key_mass, query_heads
+from redknot.kernels.key_mass import key_mass
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 from redknot.recovery.cacheblend import kv_deviation
 from redknot.recovery.sparseq import select_tokens
 from redknot.segcache import registration, reuse
-from redknot.segcache.registration import SegmentWrites
 from redknot.segcache.reuse import SegmentReads
 
 if TYPE_CHECKING:
@@ -42,93 +47,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_SPLITS = 128  # long rows of small batches split this far (measured up to 128 useful)
-
-
-@dataclass
-class ExtendState:
-    plan: object  # redknot.kernels.extend.ExtendPlan
-    keep_tokens_gpu: torch.Tensor | None  # [K] int64, new tokens whose local K/V a ring keeps
-    keep_rows_gpu: torch.Tensor | None  # [K] int64, their rows in the local store
-    # Snapshot captures at branch points (see redknot.segcache.radix), local-store rows:
-    capture: tuple[torch.Tensor, ...] | None = None  # (dst<-ring, src ring, dst<-new, src tok)
-    # Tokens of segments being registered, and their segment-region rows:
-    segment_writes: SegmentWrites | None = None
-    # Tokens that reuse a stored segment's local K/V (redknot.segcache.reuse):
-    segment_reads: SegmentReads | None = None
-    # skipped="cached" and token policies: the rows in recovery (rebuilt when rows leave)
-    held: HeldRows | None = None
-    kept_tokens: int = -1  # token policies: reused segment tokens kept (-1: not chosen yet)
-    req_pool_indices: list[int] | None = None  # on the host, when segments are written or read
-
-
-@dataclass(frozen=True)
-class HeldRows:
-    """The batch rows still in recovery (``SCHEDULE.held``), as a mask over the batch rows, the
-    extend plan over them only (packed into tiles; its queries and outputs are these rows), and
-    the segment reads of the tokens that left (every head of theirs takes the cached K/V). Built
-    once when rows leave, on the device, from counts read in the layer's one synchronisation."""
-
-    rows: torch.Tensor  # [A] int64 ascending batch rows
-    mask: torch.Tensor  # [T] bool
-    plan: object  # redknot.kernels.extend.ExtendPlan, gathered over rows
-    left: SegmentReads  # the reads whose token left
-
-    def first_row(self, b: int, num_last: int) -> int:
-        """Where the last ``num_last`` held rows of request ``b`` start among the held rows."""
-        return int(self.plan.rows_indptr_cpu[b + 1]) - num_last
-
-
-_READ_INDICES = ("tokens_gpu", "rows_gpu", "pos_off_gpu", "pos_on_gpu")
-
-
-@dataclass(frozen=True)
-class AlignedHeads:
-    """Heads moved by one RoPE-alignment launch: region column ``cols[i]`` to KV head
-    ``heads[i]`` (int32 [n] on the device each)."""
-
-    cols: torch.Tensor
-    heads: torch.Tensor
-
-    @classmethod
-    def of(cls, pairs: list[tuple[int, int]], device) -> AlignedHeads:
-        """``pairs``: (KV head, region column)."""
-        heads = [h for h, _ in pairs]
-        cols = [c for _, c in pairs]
-        return cls(
-            torch.tensor(cols, dtype=torch.int32, device=device),
-            torch.tensor(heads, dtype=torch.int32, device=device),
-        )
-
-    def __len__(self) -> int:
-        return self.heads.shape[0]
-
-
-@dataclass(frozen=True)
-class LayerConsts:
-    """What the segment-reuse path of one layer looks up per forward, built once."""
-
-    local: AlignedHeads  # the local KV heads and their columns in the segment region
-    stored_global: AlignedHeads  # the global KV heads the region keeps, and their columns
-    global_queries: torch.Tensor  # int32 [G * group]: the query heads of the global KV heads
-
-    @classmethod
-    def of(cls, layout: HeadLayout, stored: tuple[int, ...], lid: int, device) -> LayerConsts:
-        """``stored``: the heads the segment region keeps in this layer (``segment_heads``;
-        with ``skipped="cached"`` startup requires every global head among them)."""
-        glob, grp = layout.global_heads(lid), layout.group_size
-        return cls(
-            AlignedHeads.of([(h, stored.index(h)) for h in layout.local_heads(lid)], device),
-            AlignedHeads.of([(h, stored.index(h)) for h in glob if h in stored], device),
-            query_heads(glob, grp, device),
-        )
-
-
-def rows_per_request(keep: torch.Tensor, qo_indptr: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64: how many batch rows of each request ``keep`` (``[T]`` bool) keeps;
-    ``qo_indptr``: ``[B + 1]``, request ``b``'s rows ``qo_indptr[b] ..``. Where both are."""
-    qo = qo_indptr.long()
-    below = torch.nn.functional.pad(keep.cumsum(0), (1, 0))  # [T + 1]: kept rows below
-    return below[qo[1:]] - below[qo[:-1]]
 
 
 def model_rope(model: torch.nn.Module) -> AlignableRope:
@@ -544,10 +462,8 @@ class SegPagedRunner:
         rows = torch.nonzero_static(keep, size=sum(counts_cpu))[:, 0]
         left = torch.nonzero_static(leaving, size=num_left)[:, 0]
         state.held = HeldRows(
-            rows, keep, gather_tiles(state.plan, rows, counts_cpu),
-            replace(reads, sparse=(), tokens_cpu=None, pos_off_cpu=None,
-                    **{f: getattr(reads, f)[left] for f in _READ_INDICES}),
-        )  # fmt: skip
+            rows, keep, gather_tiles(state.plan, rows, counts_cpu), reads.select(left)
+        )
         SCHEDULE.target = rows
         return rows
 

@@ -54,6 +54,14 @@ class SegmentReads:
     tokens_cpu: torch.Tensor | None = None  # tokens_gpu on the host
     pos_off_cpu: torch.Tensor | None = None  # pos_off_gpu on the host
 
+    def select(self, index: torch.Tensor) -> SegmentReads:
+        """The reads ``index`` (int64 on the device) only, without the sparse-FFN inputs or
+        host copies (no host synchronisation)."""
+        return SegmentReads(
+            self.tokens_gpu[index], self.rows_gpu[index], self.pos_off_gpu[index],
+            self.pos_on_gpu[index],
+        )  # fmt: skip
+
 
 def start(cache: Any, req: Any) -> None:
     """``req`` got its request slot: find its stored segments and hold them while it runs."""
