@@ -70,10 +70,10 @@ def _check_dense_path(pool) -> None:
 
 def _check_sparse_layers(model_runner: ModelRunner, runner, config: RedknotConfig) -> None:
     """The sparse layers (``--redknot-dense-layers``, or a token-level ``--redknot-policy``)
-    change the rows each layer computes from request to request, which a captured prefill graph
-    cannot; rows that leave recovery read every head of a cached segment."""
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-
+    need redknot's hooks on the model's classes; rows that leave recovery read every head of a
+    cached segment. (They change the rows each layer computes from request to request, which a
+    captured prefill graph cannot: extend batches that reuse segments run eagerly, see
+    :meth:`RedknotAttnBackend.needs_eager_extend`.)"""
     from redknot.attention import ffn_schedule
     from redknot.integration.plugin import wraps
 
@@ -83,14 +83,6 @@ def _check_sparse_layers(model_runner: ModelRunner, runner, config: RedknotConfi
         if token_policy
         else f"--redknot-dense-layers {config.dense_layers} (skipped={config.skipped})"
     )
-    graphs = getattr(model_runner.server_args, "cuda_graph_config", None)
-    prefill = getattr(getattr(graphs, "prefill", None), "backend", Backend.DISABLED)
-    if prefill != Backend.DISABLED:
-        raise ValueError(
-            f"{what} makes the rows of each layer depend on the request, which the prefill "
-            f"CUDA graph ({prefill}) would replay with the rows of its capture: add "
-            "--disable-prefill-cuda-graph"
-        )
     layer = next((m for m in model_runner.model.modules() if hasattr(m, "mlp")), None)
     if layer is None:
         raise ValueError(f"{what} needs a model with decoder layers that have an mlp")
@@ -230,6 +222,14 @@ class RedknotAttnBackend(AttentionBackend):
                 else "take the residual path"
             ),
         )
+
+    def needs_eager_extend(self, forward_batch: ForwardBatch) -> bool:
+        """True for an extend batch that SGLang's prefill CUDA graph must not replay: one that
+        reuses cached segments while the rows each layer computes depend on the request (the
+        layer schedule of ``--redknot-dense-layers``, or a token-level policy); a graph would
+        replay the rows of its capture. Every other batch may replay (SGLang's own gate
+        decides). Called by redknot's hook on ``PrefillCudaGraphRunner.can_run_graph``."""
+        return self.segpaged is not None and self.segpaged.rows_vary(forward_batch)
 
     # ---- planning: once per batch ------------------------------------------------------------
 

@@ -171,6 +171,16 @@ class SegPagedRunner:
         else:
             raise NotImplementedError(f"redknot does not serve forward mode {mode.name}")
 
+    def rows_vary(self, fb: ForwardBatch) -> bool:
+        """Whether the rows some layer of this extend computes depend on its requests: a request
+        of the batch reuses cached segments and the layer schedule or a token policy is on."""
+        if not self.pool.segment_reads or (
+            self.policy is None and self.dense_layers >= self.layout.num_layers
+        ):
+            return False
+        reads = self.pool.segment_reads
+        return any(rpi in reads for rpi in fb.req_pool_indices.tolist())
+
     def _plan_decode(self, fb: ForwardBatch) -> None:
         self.decode_plan = plan_decode(
             self.geo,

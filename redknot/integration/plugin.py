@@ -102,6 +102,16 @@ def _around_req_slot_alloc(original, self, reqs):
     return result
 
 
+def _around_prefill_can_run_graph(original, self, forward_batch):
+    """SGLang's prefill CUDA graph replays no extend batch whose rows vary per request under
+    redknot (:meth:`redknot.attention.backend.RedknotAttnBackend.needs_eager_extend`): such a
+    batch runs eagerly, every other one as SGLang decides."""
+    eager = getattr(getattr(self.model_runner, "attn_backend", None), "needs_eager_extend", None)
+    if eager is not None and eager(forward_batch):
+        return False
+    return original(self, forward_batch)
+
+
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 HOOKS: tuple[Hook, ...] = (
@@ -118,6 +128,12 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_KVC}.resolve_max_num_reqs", "AFTER", _after_max_num_reqs),
     Hook(f"{_KVC}._build_token_to_kv_pool", "AROUND", _around_build_pool),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", "AROUND", _around_req_slot_alloc),
+    Hook(
+        "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
+        ".can_run_graph",
+        "AROUND",
+        _around_prefill_can_run_graph,
+    ),
     # Segment reuse's sparse FFN (redknot.attention.ffn_schedule) on the served MLP classes
     Hook("sglang.srt.models.llama.LlamaMLP.forward", "AROUND", ffn_schedule.around_mlp),
     Hook("sglang.srt.models.qwen2.Qwen2MLP.forward", "AROUND", ffn_schedule.around_mlp),
