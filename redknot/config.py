@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,12 @@ SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.
 TOKEN_POLICIES = ("naive", "epic", "cacheblend", "sparsex")  # redknot.attention.token_policy
 HYBRID_POLICY = "redknot+sparseq"  # head classes and the sparse-Q choice together
 POLICY_CHOICES = ("redknot", HYBRID_POLICY, *TOKEN_POLICIES)
+# Recovery knobs a head map may record (HeadMap.recorded_recovery) that the server applies, and
+# those of the reference path only, with the value the server's recovery amounts to
+SERVED_RECOVERY_KNOBS = ("dense_layers", "mass_thresh", "recent_n", "skipped")
+REFERENCE_ONLY_KNOBS = {"restore_thresh": None, "local_kv": "cached"}
+
+logger = logging.getLogger(__name__)
 
 
 class RedknotConfigError(ValueError):
@@ -71,8 +78,8 @@ class RedknotConfig:
     )
     dense_layers: int | None = _opt(
         "Segment reuse: layers below this run the FFN on every token; deeper layers only on the "
-        "segment tokens the newest tokens attend to most. Not given: every layer runs every FFN "
-        "(sparse FFN is opt-in until it is measured on a GPU).",
+        "segment tokens the newest tokens attend to most. Not given: the head map's recorded "
+        "value, else every layer runs every FFN; the model's layer count turns it off.",
         default=None,
     )
     mass_thresh: float = _opt(
@@ -257,6 +264,12 @@ class RedknotConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str) -> RedknotConfig:
+        return cls(**cls._checked(values, source=source))
+
+    @classmethod
+    def _checked(cls, values: Mapping[str, Any], *, source: str) -> dict:
+        """``values`` without the ``None`` ones, each of its field's type (or an error naming
+        ``source``)."""
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise RedknotConfigError(
@@ -279,7 +292,7 @@ class RedknotConfig:
             if want_int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise RedknotConfigError(f"{source}: {name} must be an integer, got {value!r}")
             clean[name] = value
-        return cls(**clean)
+        return clean
 
     @classmethod
     def from_file(cls, path: str) -> dict:
@@ -304,12 +317,51 @@ class RedknotConfig:
         return data
 
     @classmethod
-    def merge(cls, file_path: str | None, overrides: Mapping[str, Any]) -> RedknotConfig:
-        """File values, then explicitly given overrides (``None`` means not given)."""
+    def merge(
+        cls, file_path: str | None, overrides: Mapping[str, Any], num_layers: int | None = None
+    ) -> RedknotConfig:
+        """The head map's recorded recovery defaults, then file values, then explicitly given
+        overrides (``None`` means not given). With the model's ``num_layers``, a
+        ``dense_layers`` of that many (every FFN runs) is the same as none."""
         values: dict = cls.from_file(file_path) if file_path else {}
         values.update({k: v for k, v in overrides.items() if v is not None})
         source = f"redknot options (file {file_path!r} and flags)" if file_path else "redknot flags"
-        return cls.from_mapping(values, source=source)
+        given = cls._checked(values, source=source)
+        recorded = cls._recorded_defaults(given)
+        taken = {k: v for k, v in recorded.items() if k not in given}
+        if taken:
+            logger.info(
+                "redknot: recovery defaults recorded in head map %r: %s (flags override them)",
+                given["head_map"],
+                ", ".join(f"{k}={v}" for k, v in sorted(taken.items())),
+            )
+        values = {**taken, **given}
+        if num_layers is not None and values.get("dense_layers") == num_layers:
+            del values["dense_layers"]  # the layer schedule off (segments keep local heads)
+        return cls(**values)
+
+    @classmethod
+    def _recorded_defaults(cls, given: Mapping[str, Any]) -> dict:
+        """The served recovery knobs the head map of ``given`` records (``{}`` without a map,
+        under another policy than ``redknot``, or when the map cannot be read: startup then
+        reports the map itself). Recorded knobs of the reference path only are logged when
+        their value differs from what the server does."""
+        path = given.get("head_map")
+        if path is None or given.get("policy", "redknot") != "redknot":
+            return {}
+        try:
+            recorded = HeadMap.load(path).recorded_recovery()
+        except HeadMapError:
+            return {}
+        for knob, served in REFERENCE_ONLY_KNOBS.items():
+            if knob in recorded and recorded[knob] != served:
+                logger.warning(
+                    "redknot: head map %r records %s=%r for the reference path; the server "
+                    "serves %s=%r (README, 'Recorded defaults')",
+                    path, knob, recorded[knob], knob, served,
+                )  # fmt: skip
+        served = {k: v for k, v in recorded.items() if k in SERVED_RECOVERY_KNOBS}
+        return cls._checked(served, source=f"the recovery defaults of head map {path!r}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

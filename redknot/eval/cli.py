@@ -178,13 +178,29 @@ def policy_settings(args: argparse.Namespace, policy: str) -> list[PolicySetting
     else:
         combos = [dict(zip(given, values)) for values in itertools.product(*given.values())]
     out = []
+    base = default_options(args)
     for changes in combos:
-        options = RecoveryOptions().replace(**changes)
+        options = base.replace(**changes)
         label = policy
         if changes:
             label += "[" + ",".join(f"{k}={v}" for k, v in changes.items()) + "]"
         out.append(PolicySetting(policy, options, label))
     return out
+
+
+def default_options(args: argparse.Namespace) -> RecoveryOptions:
+    """The knobs not given on the command line: those the head map records for its model
+    (``HeadMap.recorded_recovery``; the server takes the same), else ``RecoveryOptions``'s (also
+    when the map cannot be read: loading the backend reports that)."""
+    if not getattr(args, "head_map", None) or args.backend != "reference":
+        return RecoveryOptions()
+    from redknot.headmap import HeadMap, HeadMapError
+
+    try:
+        recorded = HeadMap.load(args.head_map).recorded_recovery()
+    except HeadMapError:
+        return RecoveryOptions()
+    return RecoveryOptions().replace(**{k: v for k, v in recorded.items() if k in KNOBS})
 
 
 def policies_of(args: argparse.Namespace) -> list[str]:
@@ -279,7 +295,7 @@ def fidelity(args: argparse.Namespace) -> int:
         "cases_file": args.cases,
         **info,
         **(
-            {"default_options": dataclasses.asdict(RecoveryOptions())}
+            {"default_options": dataclasses.asdict(default_options(args))}
             if args.backend == "reference"
             else {}
         ),

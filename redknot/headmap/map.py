@@ -135,6 +135,14 @@ class HeadMap:
 
     # ---- queries -------------------------------------------------------------------------
 
+    def recorded_recovery(self) -> dict[str, Any]:
+        """The recovery knob defaults recorded for this model (knob -> value): the ``recovery``
+        block, and ``dense_layers`` when it leaves some layer's FFN sparse."""
+        out = {k: v for k, v in self.recovery.items() if k != "dense_layers"}
+        if self.dense_layers < self.model.num_layers:
+            out["dense_layers"] = self.dense_layers
+        return out
+
     def is_global(self, layer: int, kv_head: int) -> bool:
         return self.classes[layer][kv_head] == GLOBAL
 

@@ -144,12 +144,15 @@ def resolve(server_args: Any) -> RedknotConfig | None:
         return None
     _reject_unsupported(server_args)
     file_path = options.pop(CONFIG_FILE_KEY, None) or envs.REDKNOT_CONFIG.get()
-    config = RedknotConfig.merge(file_path, options)
-    if server_args.model_path.lower() not in ("none", "dummy"):
+    if server_args.model_path.lower() in ("none", "dummy"):
+        config = RedknotConfig.merge(file_path, options)
+    else:
         model_config = server_args.get_model_config()
+        shape = ModelShape.from_hf_config(model_config.hf_config)
+        config = RedknotConfig.merge(file_path, options, num_layers=shape.num_layers)
         try:
             head_map = config.resolve_head_map(
-                ModelShape.from_hf_config(model_config.hf_config),
+                shape,
                 tp_size=server_args.tp_size,
                 context_len=model_config.context_len,
                 model_name=server_args.model_path,

@@ -1,0 +1,93 @@
+"""Recovery knob defaults recorded with a head map: the server and the reference path take them
+where the knob is not given; flags and config files override them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from redknot.config import RedknotConfig, RedknotConfigError
+from redknot.headmap import HeadMap
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "configs" / "heads" / "smollm2-135m-instruct.json"
+SYNTHETIC = ROOT / "configs" / "heads" / "synthetic" / "llama-3.1-8b-g0.125.json"
+
+
+def _map_with(tmp_path: Path, **changes) -> str:
+    """The shipped SmolLM2 map with top-level keys changed (``recovery`` replaced)."""
+    data = json.loads(SHIPPED.read_text())
+    data.update(changes)
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_the_shipped_map_records_what_its_fidelity_sweep_chose():
+    recorded = HeadMap.load(SHIPPED).recorded_recovery()
+    assert recorded == {
+        "dense_layers": 8, "mass_thresh": 0.5, "recent_n": 128, "skipped": "cached",
+        "restore_thresh": None, "local_kv": "cached",
+    }  # fmt: skip
+    assert "fidelity.json" in HeadMap.load(SHIPPED).provenance["recovery_source"]
+    assert HeadMap.load(SYNTHETIC).recorded_recovery() == {}  # every layer dense, no block
+
+
+def test_server_takes_the_recorded_knobs_and_flags_override_them(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="redknot.config"):
+        config = RedknotConfig.merge(None, {"head_map": str(SHIPPED)}, num_layers=30)
+    assert (config.dense_layers, config.mass_thresh, config.recent_n) == (8, 0.5, 128)
+    assert config.skipped == "cached" and config.segment_heads == "all"  # rows leave: every head
+    assert "recovery defaults recorded in head map" in caplog.text and "dense_layers=8" in caplog.text
+    assert "records" not in caplog.text  # restore off and cached local K/V: what the server does
+
+    flags = {"head_map": str(SHIPPED), "dense_layers": 4, "mass_thresh": 0.3}
+    config = RedknotConfig.merge(None, flags, num_layers=30)
+    assert (config.dense_layers, config.mass_thresh, config.recent_n) == (4, 0.3, 128)
+
+    file = tmp_path / "redknot.json"
+    file.write_text(json.dumps({"head_map": str(SHIPPED), "skipped": "residual"}))
+    config = RedknotConfig.merge(str(file), {"recent_n": 64}, num_layers=30)
+    assert (config.skipped, config.recent_n, config.dense_layers) == ("residual", 64, 8)
+    assert config.segment_heads == "local"  # residual rows never read a segment's global heads
+
+    # as many dense layers as the model has: the schedule is off, segments keep local heads
+    config = RedknotConfig.merge(None, {"head_map": str(SHIPPED), "dense_layers": 30}, 30)
+    assert config.dense_layers is None and config.segment_heads == "local"
+    config = RedknotConfig.merge(None, {"head_map": str(_map_with(tmp_path, dense_layers=30))}, 30)
+    assert config.dense_layers is None and config.segment_heads == "local"
+
+
+def test_recorded_knobs_apply_to_redknot_only_and_are_checked(tmp_path, caplog):
+    hybrid = RedknotConfig.merge(None, {"head_map": str(SHIPPED), "policy": "redknot+sparseq"})
+    assert hybrid.dense_layers is None  # the hybrid excludes the layer schedule
+    assert RedknotConfig.merge(None, {"head_map": str(SYNTHETIC)}).dense_layers is None
+    missing = RedknotConfig.merge(None, {"head_map": str(tmp_path / "none.json")})
+    assert missing.dense_layers is None  # the missing map is reported when the map is resolved
+
+    bad = _map_with(tmp_path, recovery={"mass_thresh": "high"})
+    with pytest.raises(RedknotConfigError, match=r"recovery defaults of head map .*mass_thresh"):
+        RedknotConfig.merge(None, {"head_map": bad})
+    with caplog.at_level(logging.WARNING, logger="redknot.config"):
+        config = RedknotConfig.merge(
+            None, {"head_map": _map_with(tmp_path, recovery={"restore_thresh": 0.1})}
+        )
+    assert config.dense_layers == 8
+    assert "records restore_thresh=0.1 for the reference path" in caplog.text
+
+
+def test_the_reference_path_takes_the_same_recorded_knobs():
+    from redknot.eval.cli import build_parser, default_options
+
+    args = build_parser().parse_args(
+        ["fidelity", "--cases", "x.jsonl", "--head-map", str(SHIPPED), "--out", "o.json"]
+    )
+    options = default_options(args)
+    assert options.restore_thresh is None and options.dense_layers == 8
+    assert options.mass_thresh == 0.5 and options.local_kv == "cached"
+    plain = argparse.Namespace(head_map=str(SYNTHETIC), backend="reference")
+    assert default_options(plain).restore_thresh == 0.1  # nothing recorded: the built-in default
