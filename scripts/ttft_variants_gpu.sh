@@ -11,7 +11,7 @@ mkdir -p "$out"
 rc=0
 IFS=';' read -ra variants <<< "${VARIANTS:-flashinfer;redknot-g0.125-reuse-sparse-cached}"
 for v in "${variants[@]}"; do
-  name=$(echo "$v" | tr -c 'A-Za-z0-9.=-' '_')
+  name=$(echo "$v" | tr -c 'A-Za-z0-9.-' '_')  # the device returns plain names only
   echo "== $v ($(date +%T))"
   python3 benchmarks/ttft.py --points "${POINTS:-32768x8,65536x8}" --reps "${REPS:-3}" \
     --variants "$v" --out "$out/ttft_$name.json" 2>&1 | tail -n 12 || rc=1
