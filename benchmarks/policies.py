@@ -9,8 +9,8 @@ reference path with SmolLM2-135M-Instruct and its profiled head map, for ``full`
 | ----------------- | ---------------------------------------- |
 | ``cacheblend``    | ``blend_ratio`` 0.15, 0.3 (check layer 1) |
 | ``epic``          | ``epic_k`` 16, 64                        |
-| ``sparsex``       | ``sparseq_boundary`` 0 (without, SparseX's "hybrid attention") and 5 (with), ``sparseq_k`` 512 |
-| ``redknot+sparseq`` | the same two boundaries                |
+| ``sparsex``       | ``sparseq_boundary`` 0 (without, SparseX's "hybrid attention"), 1 (the least the server takes) and 5 (with), ``sparseq_k`` 512 |
+| ``redknot+sparseq`` | the same three boundaries              |
 
 then writes one row per (policy, setting) to ``benchmarks/results/policies.json`` and a plot
 of first-token top-1 agreement against the FLOPs fraction (when matplotlib is installed).
@@ -21,7 +21,8 @@ default knobs), the TTFT the server measured for that policy at
 ``--ttft-point`` (8B shape, dummy weights: a different model than the fidelity's, the same
 schedule) and its speedup over flashinfer, and a panel of top-1 against that speedup. The
 server's ``redknot`` is the full layer schedule without adaptive restore (the reference row
-restores), its ``redknot+sparseq`` serves a 1/8 map::
+follows the map's recorded knobs, restore off for the shipped map), its ``redknot+sparseq``
+serves a 1/8 map::
 
     python benchmarks/policies.py --limit 6
     python benchmarks/policies.py --replot     # redraw the plot from the result file
@@ -49,7 +50,7 @@ POLICIES = "full,headclass,naive,redknot,cacheblend,epic,sparsex,redknot+sparseq
 SWEEP = {
     "blend-ratio": "0.15,0.3",
     "epic-k": "16,64",
-    "sparseq-boundary": "0,5",
+    "sparseq-boundary": "0,1,5",
 }
 COLUMNS = (
     "top1",
