@@ -101,6 +101,9 @@ def attach_ttft(rows: list[dict], ttft: dict, point: str, defaults: dict) -> int
     summary, matched = ttft["summary"], 0
     for row in rows:
         variant = row["setting"]  # a TTFT variant with the same knobs, e.g. epic[epic_k=64]
+        knobbed = TTFT_VARIANTS.get(row["policy"], "") + variant[len(row["policy"]) :]
+        if variant not in summary and knobbed in summary:  # e.g. the hybrid's 1/8-map variant
+            variant = knobbed
         if variant not in summary:
             variant = TTFT_VARIANTS.get(row["policy"])
             knobs = POLICY_CLASSES[row["policy"]].knobs if row["policy"] in POLICY_CLASSES else ()
