@@ -14,7 +14,7 @@ What becomes of a token that skipped the FFN of a deep layer is the ``skipped`` 
 | ``cached``   | leaves recovery: every head takes its cached, re-aligned K/V and nothing of it is computed (no projection, no attention row, no FFN) |
 
 In the server, the attention backend decides the rows of each layer while it attends
-(:func:`skip_mask`) and records them in :data:`SCHEDULE`; a hook around the model's MLP
+(:func:`redknot.kernels.choose.choose_rows`) and records them in :data:`SCHEDULE`; a hook around the model's MLP
 (:func:`around_mlp`) runs the MLP on those rows only. Under ``skipped="cached"`` a hook around
 the decoder layer (:func:`around_decoder_layer`) hands each layer only the rows still in
 recovery (``SCHEDULE.held``): the hidden states are compacted once when rows leave and scattered
@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from redknot.attention.trace import phase
-from redknot.recovery.importance import important_mask
 
 
 @dataclass
@@ -92,27 +91,6 @@ class SparseFfn:
     def candidate_rows(self) -> torch.Tensor:
         """``[C]`` int64 batch rows of the candidates (once per batch, not once per layer)."""
         return self.rows_of(self.candidates)
-
-
-def skip_mask(
-    spec: SparseFfn,
-    mass: torch.Tensor,
-    mass_thresh: float,
-    out: torch.Tensor,
-    in_recovery: torch.Tensor | None = None,
-    check_votes: bool = True,
-) -> torch.Tensor:
-    """Mark in ``out`` (``[T]`` bool over the batch rows) the rows of ``spec``'s request that
-    skip the FFN: the candidates (still ``in_recovery``, a ``[T]`` bool mask; default every
-    row) that are not important. None when ``mass`` is zero everywhere (no global head voted);
-    ``check_votes=False`` when the caller knows some did. No host synchronisation."""
-    cand = spec.candidates
-    rows = spec.candidate_rows
-    active = None if in_recovery is None else in_recovery[rows]
-    chosen = important_mask(mass, cand, mass_thresh, active)
-    skip = ~chosen if active is None else active & ~chosen
-    out[rows] = skip & (mass.sum() > 0) if check_votes else skip  # requests' rows are disjoint
-    return out
 
 
 def around_mlp(original, self, x, *args, **kwargs):

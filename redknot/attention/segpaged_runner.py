@@ -13,6 +13,7 @@ token overwrites exactly the position that just left the window.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import TYPE_CHECKING
 
@@ -25,9 +26,10 @@ from redknot.attention.extend_state import (
     LayerConsts,
     rows_per_request,
 )
-from redknot.attention.ffn_schedule import SCHEDULE, skip_mask
+from redknot.attention.ffn_schedule import SCHEDULE
 from redknot.attention.token_policy import TokenPolicy, kept_rows, per_request, segment_spans
 from redknot.attention.trace import phase
+from redknot.kernels.choose import choose_rows
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_device
 from redknot.kernels.geometry import LayerHeads, SegGeometry
@@ -408,32 +410,44 @@ class SegPagedRunner:
         and under ``skipped="cached"`` which rows leave recovery from the next layer on.
 
         ``q``, ``lse``: this layer's queries and their attention LSE, of the rows it computes.
-        One host synchronisation: how many rows of each request go on."""
+        Each reusing request's choice clears its skipping rows in the layer's keep mask and
+        counts them on the device (:func:`redknot.kernels.choose.choose_rows`); the one host
+        synchronisation reads those counts."""
         state = self.extend_state
         num_rows = state.plan.num_tokens
         held = self._held_rows(state)
-        skip = torch.zeros(num_rows, dtype=torch.bool, device=q.device)
         # without tensor parallelism the rank's global heads vote (each probe spreads a mass of
         # one over the keys), or nobody does; summed over ranks, it may be nobody
         voting = self.layout.num_global(lid) > 0
-        for spec in reads.sparse if voting or self.tp_size > 1 else ():
+        sparse = reads.sparse if voting or self.tp_size > 1 else ()
+        if held is None:  # every row in recovery, none left yet
+            keep = torch.ones(num_rows, dtype=torch.bool, device=q.device)
+            indptr, left_before = state.plan.qo_indptr_cpu.tolist(), 0
+        else:
+            keep = held.mask.clone()
+            indptr, left_before = held.plan.rows_indptr_cpu.tolist(), held.left.tokens_gpu.numel()
+        skipped = torch.zeros(max(len(sparse), 1), dtype=torch.int32, device=q.device)
+        for i, spec in enumerate(sparse):
             with phase("redknot.importance_mass"):
                 mass = self._probe_mass(lid, q, lse, scale, spec, held)
                 if self.tp_size > 1:  # every rank must skip the same rows (the MLP all-reduces)
                     mass = self._sum_over_ranks()(mass)
             with phase("redknot.importance_select"):
-                skip_mask(spec, mass, self.mass_thresh, skip, None if held is None else held.mask,
-                          check_votes=self.tp_size > 1)  # fmt: skip
-        keep = ~skip if held is None else held.mask & ~skip
-        leaving = ~keep[reads.tokens_gpu] if self.skipped == "cached" else None
-        with phase("redknot.sync"):
-            counts_cpu, num_left = self._counts(keep, leaving)
+                choose_rows(mass, spec.candidates, spec.candidate_rows, self.mass_thresh, keep,
+                            skipped, i, check_votes=self.tp_size > 1)  # fmt: skip
+        counts_cpu = [b - a for a, b in itertools.pairwise(indptr)]  # rows of each request
+        if sparse:
+            with phase("redknot.sync"):
+                gone = skipped.tolist()
+            for spec, n in zip(sparse, gone):
+                counts_cpu[spec.index] -= n
         kept = sum(counts_cpu)
         computed = num_rows if held is None else held.rows.numel()
         SCHEDULE.skipped += computed - kept
         if kept < computed:
-            if self.skipped == "cached":
-                rows = self._hold(keep, counts_cpu, leaving, num_left)
+            if self.skipped == "cached":  # the segment tokens outside the kept rows leave
+                leaving = ~keep[reads.tokens_gpu]
+                rows = self._hold(keep, counts_cpu, leaving, left_before + computed - kept)
             else:
                 rows = torch.nonzero_static(keep, size=kept)[:, 0]
             # the MLP sees the rows this layer computes: index into them
@@ -451,16 +465,6 @@ class SegPagedRunner:
                 SCHEDULE.left,
                 self.skipped,
             )
-
-    def _counts(self, keep, leaving) -> tuple[list[int], int]:
-        """The layer's one host synchronisation: rows of each request that ``keep`` (``[T]``
-        bool on the device) keeps, and how many reused tokens are ``leaving`` (``[R]`` bool, or
-        None)."""
-        counts = rows_per_request(keep, self.extend_state.plan.qo_indptr_gpu)
-        if leaving is None:
-            return counts.tolist(), 0
-        stats = torch.cat([counts, leaving.sum().view(1)]).tolist()
-        return stats[:-1], stats[-1]
 
     def _hold(self, keep, counts_cpu: list[int], leaving, num_left: int) -> torch.Tensor:
         """From the next layer on only ``keep`` (``[T]`` bool on the device; ``counts_cpu[b]``

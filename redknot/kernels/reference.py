@@ -162,3 +162,24 @@ def key_mass_reference(
     future = torch.arange(keys.shape[0], device=keys.device)[None, :] > q_pos[:, None]
     scores.masked_fill_(future[:, None, None, :], float("-inf"))
     return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+
+
+def choose_rows_reference(
+    mass: torch.Tensor,
+    candidates: torch.Tensor,
+    rows: torch.Tensor,
+    mass_thresh: float,
+    keep: torch.Tensor,
+    check_votes: bool = False,
+) -> tuple[torch.Tensor, int]:
+    """What :func:`redknot.kernels.choose.choose_rows` computes: ``(keep without the skipped
+    rows, how many skipped)``, from :func:`redknot.recovery.importance.important_mask`."""
+    from redknot.recovery.importance import important_mask
+
+    active = keep[rows]
+    skip = active & ~important_mask(mass, candidates, mass_thresh, active)
+    if check_votes and not bool(mass.sum() > 0):
+        skip[:] = False
+    out = keep.clone()
+    out[rows[skip]] = False
+    return out, int(skip.sum())

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from redknot.attention.ffn_schedule import SCHEDULE, SparseFfn, around_mlp, skip_mask
+from redknot.attention.ffn_schedule import SCHEDULE, SparseFfn, around_mlp
+from redknot.kernels.choose import choose_rows
 from redknot.kernels.reference import key_mass_reference
 
 
@@ -57,23 +58,27 @@ def test_rows_that_skip_the_ffn_match_brute_force(thresh, held):
     cand = torch.arange(10, 30)
     spec = SparseFfn(req_pool_idx=1, batch_offset=7, prefix=5, length=35, probe_start=30,
                      candidates=cand)  # fmt: skip
-    in_recovery = None
+    keep = torch.ones(42, dtype=torch.bool)  # rows in recovery
     active = cand.tolist()
     if held:  # rows that left earlier are no candidates: the choice is among the others
-        in_recovery = torch.ones(42, dtype=torch.bool)
-        in_recovery[[c - 5 + 7 for c in (11, 12, 20, 29)]] = False
+        keep[[c - 5 + 7 for c in (11, 12, 20, 29)]] = False
         active = [c for c in active if c not in (11, 12, 20, 29)]
-    out = torch.zeros(42, dtype=torch.bool)
-    out[0] = True  # another request's row: kept as it was
-    skip_mask(spec, mass, thresh, out, in_recovery)
+    keep[1] = False  # another request's row that left: stays out
+    before = keep.clone()
+    skipped = torch.zeros(2, dtype=torch.int32)
+    choose_rows(mass, spec.candidates, spec.candidate_rows, thresh, keep, skipped, 1)
     want = [c - 5 + 7 for c in brute_skip(mass, active, thresh)]
-    assert out.nonzero().squeeze(1).tolist() == [0] + want
+    assert (before & ~keep).nonzero().squeeze(1).tolist() == want
+    assert not (keep & ~before).any() and skipped.tolist() == [0, len(want)]
 
 
 def test_no_row_skips_when_no_global_head_voted():
     spec = SparseFfn(1, 0, 0, 20, 15, torch.arange(2, 12))
-    out = torch.zeros(20, dtype=torch.bool)
-    assert not skip_mask(spec, torch.zeros(20), 0.5, out).any()
+    keep = torch.ones(20, dtype=torch.bool)
+    skipped = torch.zeros(1, dtype=torch.int32)
+    choose_rows(torch.zeros(20), spec.candidates, spec.candidate_rows, 0.5, keep, skipped, 0,
+                check_votes=True)  # fmt: skip
+    assert keep.all() and skipped.tolist() == [0]
 
 
 def test_mlp_hook_runs_only_the_scheduled_rows():

@@ -42,7 +42,9 @@ def test_server_takes_the_recorded_knobs_and_flags_override_them(tmp_path, caplo
         config = RedknotConfig.merge(None, {"head_map": str(SHIPPED)}, num_layers=30)
     assert (config.dense_layers, config.mass_thresh, config.recent_n) == (8, 0.5, 128)
     assert config.skipped == "cached" and config.segment_heads == "all"  # rows leave: every head
-    assert "recovery defaults recorded in head map" in caplog.text and "dense_layers=8" in caplog.text
+    assert (
+        "recovery defaults recorded in head map" in caplog.text and "dense_layers=8" in caplog.text
+    )
     assert "records" not in caplog.text  # restore off and cached local K/V: what the server does
 
     flags = {"head_map": str(SHIPPED), "dense_layers": 4, "mass_thresh": 0.3}
