@@ -351,6 +351,47 @@ def check_backend(backend: Any, model_runner: Any, skip: bool) -> None:
     key = (backend.path, served.layout, served.dtype, served.kv_dtype, served.device)
     if key not in _passed:
         run_startup_check(served, backend.path, model_runner)
+        segpaged = backend.segpaged
+        if segpaged is not None and segpaged.dense_layers < backend.layout.num_layers:
+            check_choice(served.device, check_votes=segpaged.tp_size > 1)
         _passed.add(key)
         if served.device.type == "cuda":
             torch.cuda.empty_cache()  # the check's tensors, before CUDA-graph capture sizes memory
+
+
+def check_choice(device: torch.device, check_votes: bool = False, seed: int = 0) -> None:
+    """The layer schedule's choice of rows (``redknot.kernels.choose``) against its reference
+    on a synthetic request of 3000 candidates (ties and rows already out of recovery included),
+    on the serving device; raises ``StartupCheckError`` when it differs or cannot run."""
+    from redknot.kernels.choose import choose_rows
+    from redknot.kernels.reference import choose_rows_reference
+
+    g = torch.Generator().manual_seed(seed)
+    mass = (torch.rand(4000, generator=g) * 64).floor() / 64  # ties
+    candidates = torch.sort(torch.randperm(4000, generator=g)[:3000]).values
+    rows = candidates + 5
+    keep = torch.rand(4010, generator=g) > 0.2
+    mass, candidates, rows, keep = (x.to(device) for x in (mass, candidates, rows, keep))
+    try:
+        for thresh in (0.3, 0.5, 0.9):
+            want, count = choose_rows_reference(mass, candidates, rows, thresh, keep, check_votes)
+            got = keep.clone()
+            skipped = torch.zeros(1, dtype=torch.int32, device=device)
+            choose_rows(mass, candidates, rows, thresh, got, skipped, 0, check_votes=check_votes)
+            differ = int((got != want).sum())
+            if differ or int(skipped[0]) != count:
+                raise StartupCheckError(
+                    f"redknot startup check: the layer schedule's choice of rows "
+                    f"(redknot/kernels/choose.py) differs from its reference at mass_thresh "
+                    f"{thresh} on {device}: {differ} rows differ, {int(skipped[0])} counted "
+                    f"instead of {count}. Serve without --redknot-dense-layers (or with "
+                    f"--redknot-dense-layers equal to the model's layer count). {SKIP_HINT}"
+                )
+    except StartupCheckError:
+        raise
+    except Exception as e:
+        raise StartupCheckError(
+            f"redknot startup check could not run the layer schedule's choice of rows on "
+            f"{device}: {type(e).__name__}: {e}. {SKIP_HINT}"
+        ) from e
+    logger.info("redknot startup check passed: the layer schedule's choice of rows on %s", device)

@@ -62,3 +62,19 @@ def test_no_vote_skips_nobody_when_asked_and_everyone_otherwise():
 def test_choice_at_a_32k_prompt_on_the_gpu(thresh):
     args = _case(11, 32768, 30000, 0.4, False, device="cuda")
     assert _check(*args, thresh) > 0
+
+
+def test_startup_check_of_the_choice_passes_and_catches_a_wrong_choice(monkeypatch):
+    from redknot.attention import startup_check
+    from redknot.kernels import choose
+
+    startup_check.check_choice(torch.device("cpu"))
+    startup_check.check_choice(torch.device("cpu"), check_votes=True)
+    real = choose.choose_rows
+
+    def off_by_one(mass, candidates, rows, thresh, keep, skipped, index, check_votes=False):
+        real(mass, candidates, rows, min(thresh + 0.05, 1.0), keep, skipped, index, check_votes)
+
+    monkeypatch.setattr(choose, "choose_rows", off_by_one)
+    with pytest.raises(startup_check.StartupCheckError, match="choice of rows .* differs"):
+        startup_check.check_choice(torch.device("cpu"))
