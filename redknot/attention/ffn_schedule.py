@@ -14,8 +14,8 @@ What becomes of a token that skipped the FFN of a deep layer is the ``skipped`` 
 | ``cached``   | leaves recovery: every head takes its cached, re-aligned K/V and nothing of it is computed (no projection, no attention row, no FFN) |
 
 In the server, the attention backend decides the rows of each layer while it attends
-(:func:`redknot.kernels.choose.choose_rows`) and records them in :data:`SCHEDULE`; a hook around the model's MLP
-(:func:`around_mlp`) runs the MLP on those rows only. Under ``skipped="cached"`` a hook around
+(:func:`redknot.kernels.choose.choose_rows`) and records them in :data:`SCHEDULE`; a hook
+around the model's MLP (:func:`around_mlp`) runs the MLP on those rows only. Under ``skipped="cached"`` a hook around
 the decoder layer (:func:`around_decoder_layer`) hands each layer only the rows still in
 recovery (``SCHEDULE.held``): the hidden states are compacted once when rows leave and scattered
 back to every row after the last layer, so the projections and the FFN of a left row are never

@@ -421,22 +421,24 @@ class SegPagedRunner:
         voting = self.layout.num_global(lid) > 0
         sparse = reads.sparse if voting or self.tp_size > 1 else ()
         if held is None:  # every row in recovery, none left yet
-            keep = torch.ones(num_rows, dtype=torch.bool, device=q.device)
             indptr, left_before = state.plan.qo_indptr_cpu.tolist(), 0
         else:
-            keep = held.mask.clone()
             indptr, left_before = held.plan.rows_indptr_cpu.tolist(), held.left.tokens_gpu.numel()
-        skipped = torch.zeros(max(len(sparse), 1), dtype=torch.int32, device=q.device)
-        for i, spec in enumerate(sparse):
-            with phase("redknot.importance_mass"):
-                mass = self._probe_mass(lid, q, lse, scale, spec, held)
-                if self.tp_size > 1:  # every rank must skip the same rows (the MLP all-reduces)
-                    mass = self._sum_over_ranks()(mass)
-            with phase("redknot.importance_select"):
-                choose_rows(mass, spec.candidates, spec.candidate_rows, self.mass_thresh, keep,
-                            skipped, i, check_votes=self.tp_size > 1)  # fmt: skip
         counts_cpu = [b - a for a, b in itertools.pairwise(indptr)]  # rows of each request
         if sparse:
+            if held is None:
+                keep = torch.ones(num_rows, dtype=torch.bool, device=q.device)
+            else:
+                keep = held.mask.clone()
+            skipped = torch.zeros(len(sparse), dtype=torch.int32, device=q.device)
+            for i, spec in enumerate(sparse):
+                with phase("redknot.importance_mass"):
+                    mass = self._probe_mass(lid, q, lse, scale, spec, held)
+                    if self.tp_size > 1:  # every rank must skip the same rows (MLP all-reduce)
+                        mass = self._sum_over_ranks()(mass)
+                with phase("redknot.importance_select"):
+                    choose_rows(mass, spec.candidates, spec.candidate_rows, self.mass_thresh,
+                                keep, skipped, i, check_votes=self.tp_size > 1)  # fmt: skip
             with phase("redknot.sync"):
                 gone = skipped.tolist()
             for spec, n in zip(sparse, gone):

@@ -160,7 +160,9 @@ def parse_settings(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def policy_settings(args: argparse.Namespace, policy: str) -> list[PolicySetting]:
+def policy_settings(
+    args: argparse.Namespace, policy: str, defaults: RecoveryOptions | None = None
+) -> list[PolicySetting]:
     """Settings of a tunable ``policy``: one per combination of the values given for the knobs
     it reads (``POLICIES[policy].knobs``), or for ``redknot`` one per explicit setting of
     ``--redknot-settings``; labelled by the knobs that were given."""
@@ -178,9 +180,9 @@ def policy_settings(args: argparse.Namespace, policy: str) -> list[PolicySetting
     else:
         combos = [dict(zip(given, values)) for values in itertools.product(*given.values())]
     out = []
-    base = default_options(args)
+    defaults = default_options(args) if defaults is None else defaults  # the knobs not given
     for changes in combos:
-        options = base.replace(**changes)
+        options = defaults.replace(**changes)
         label = policy
         if changes:
             label += "[" + ",".join(f"{k}={v}" for k, v in changes.items()) + "]"
@@ -216,11 +218,12 @@ def settings_of(args: argparse.Namespace) -> list[PolicySetting]:
     if unknown:
         raise SystemExit(f"error: unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
     settings = [PolicySetting(REFERENCE_LABEL)]
+    defaults = default_options(args)  # the head map is read once
     for policy in dict.fromkeys(policies):  # in the order given, once each
         if policy == REFERENCE_LABEL:
             continue
         if POLICIES[policy].knobs:
-            settings += policy_settings(args, policy)
+            settings += policy_settings(args, policy, defaults)
         else:
             settings.append(PolicySetting(policy))
     return settings
