@@ -8,7 +8,10 @@ reports, over the traced span:
 - ``ranges``: per named range of the redknot forward (``redknot.attention.trace.phase``), its
   count, host time, GPU span and the kernel time inside that span;
 - ``kernels``: the GPU kernels with the most total time;
-- ``runtime``: CUDA runtime calls (launches, copies, synchronisations) by count and host time.
+- ``runtime``: CUDA runtime calls (launches, copies, synchronisations) by count and host time;
+- ``per_layer``: the span from one ``segpaged_extend_kernel`` launch (one per decoder layer of
+  an extend) to the next, the kernel time in it and its kernel count (the last one runs to the
+  end of the traced span: it includes what follows the last layer).
 
     python benchmarks/profile_summary.py TRACE.json.gz [...] --out benchmarks/results/x.json
 """
@@ -88,6 +91,18 @@ def summarize(events: list[dict], top: int = 25) -> dict:
             runtime[e["name"]][0] += 1
             runtime[e["name"]][1] += e["dur"]
     busy = sum(e - s for s, e in union)
+    layer_starts = sorted(e["ts"] for e in kernels if e["name"] == "segpaged_extend_kernel")
+    bounds = list(zip(layer_starts, [*layer_starts[1:], union[-1][1]]))
+    kernel_starts = sorted(e["ts"] for e in kernels)
+    per_layer = [
+        {
+            "span_ms": ms(hi - lo),
+            "kernel_ms": ms(busy_within(union, starts, lo, hi)),
+            "kernels": bisect.bisect_left(kernel_starts, hi)
+            - bisect.bisect_left(kernel_starts, lo),
+        }
+        for lo, hi in bounds
+    ]
     return {
         "span_ms": ms(span),
         "gpu_busy_ms": ms(busy),
@@ -101,6 +116,7 @@ def summarize(events: list[dict], top: int = 25) -> dict:
             {"name": n, "count": c, "host_ms": ms(t)}
             for n, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:top]
         ],
+        "per_layer": per_layer,
     }
 
 
