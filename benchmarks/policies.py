@@ -9,8 +9,8 @@ reference path with SmolLM2-135M-Instruct and its profiled head map, for ``full`
 | ----------------- | ---------------------------------------- |
 | ``cacheblend``    | ``blend_ratio`` 0.15, 0.3 (check layer 1) |
 | ``epic``          | ``epic_k`` 16, 64                        |
-| ``sparsex``       | ``sparseq_boundary`` 0 (without, SparseX's "hybrid attention"), 1 (the least the server takes) and 5 (with), ``sparseq_k`` 512 |
-| ``redknot+sparseq`` | the same three boundaries              |
+| ``sparsex``       | ``sparseq_boundary`` 0 (without, SparseX's "hybrid attention"), 1 (the least the server takes), 5 (with) and 8, ``sparseq_k`` 512 |
+| ``redknot+sparseq`` | the same four boundaries (8: the least the server takes with the shipped map, whose first global head is in layer 7) |
 
 then writes one row per (policy, setting) to ``benchmarks/results/policies.json`` and a plot
 of first-token top-1 agreement against the FLOPs fraction (when matplotlib is installed).
@@ -50,7 +50,7 @@ POLICIES = "full,headclass,naive,redknot,cacheblend,epic,sparsex,redknot+sparseq
 SWEEP = {
     "blend-ratio": "0.15,0.3",
     "epic-k": "16,64",
-    "sparseq-boundary": "0,1,5",
+    "sparseq-boundary": "0,1,5,8",
 }
 COLUMNS = (
     "top1",
