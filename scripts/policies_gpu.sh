@@ -4,13 +4,13 @@
 #             full layer schedule, the hybrid and the token-level policies -> $OUT/ttft_policies.json
 #   fidelity  the served policies against a dense server with SmolLM2's real weights (the
 #             checkpoint at /tmp/smol-hf, see scripts/server_fidelity.sh), each scored as its
-#             policy -> $OUT/fidelity_server_<policy>.json (compare with the reference path
+#             policy -> $OUT/fidelity_server_<name>.json (compare with the reference path
 #             case by case with benchmarks/fidelity_agreement.py)
 # A cold machine starts each engine in 1-2 minutes: split the parts over calls of 600 s
-# (PART=ttft VARIANTS=... or PART=fidelity POLICIES=...). The first SmolLM2 server on a cold
-# machine compiled for more than 300 s (H100): give the first fidelity call one policy and the
-# default STARTUP_S; later servers on the same warm machine start in about 40 s, and one policy's
-# 12 cases take about 20 s.
+# (PART=ttft VARIANTS=... or PART=fidelity SPECS=..., see scripts/server_fidelity.sh). The first
+# SmolLM2 server on a cold machine compiled for more than 300 s (H100): give the first fidelity
+# call few specs and a DEADLINE_S; later servers on the same warm machine start in about 40 s,
+# and one policy's 12 cases take about 20 s.
 # Usage: PART=ttft|fidelity bash scripts/policies_gpu.sh
 set -uo pipefail
 out="${OUT:-/tmp}"
@@ -21,17 +21,9 @@ case "${PART:-ttft}" in
       --variants "$variants" --out "$out/ttft_policies.json"
     ;;
   fidelity)
-    rc=0
-    for policy in ${POLICIES:-cacheblend epic sparsex naive redknot+sparseq}; do
-      flags="${REDKNOT_FLAGS:-}"
-      # the shipped SmolLM2 map's first global head is in layer 7
-      [ "$policy" = redknot+sparseq ] && flags="$flags --redknot-sparseq-boundary 8"
-      name="${policy//+/_}"
-      POLICY="$policy" REDKNOT_FLAGS="$flags" OUT="$out" bash scripts/server_fidelity.sh \
-        --limit "${LIMIT:-12}" || rc=1
-      mv "$out/fidelity_server.json" "$out/fidelity_server_$name.json" 2>/dev/null || rc=1
-    done
-    exit $rc
+    # one dense server, then one redknot server per spec (name:policy[:flags])
+    SPECS="${SPECS:-cacheblend:cacheblend;epic:epic;sparsex:sparsex;naive:naive;hybrid8:redknot+sparseq:--redknot-sparseq-boundary 8}" \
+      OUT="$out" bash scripts/server_fidelity.sh --limit "${LIMIT:-24}"
     ;;
   *) echo "PART must be ttft or fidelity"; exit 2 ;;
 esac
