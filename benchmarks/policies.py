@@ -10,7 +10,7 @@ reference path with SmolLM2-135M-Instruct and its profiled head map, for ``full`
 | ``cacheblend``    | ``blend_ratio`` 0.15, 0.3 (check layer 1) |
 | ``epic``          | ``epic_k`` 16, 64                        |
 | ``sparsex``       | ``sparseq_boundary`` 0 (without, SparseX's "hybrid attention"), 1 (the least the server takes), 5 (with) and 8, ``sparseq_k`` 512 |
-| ``redknot+sparseq`` | the same four boundaries (8: the least the server takes with the shipped map, whose first global head is in layer 7) |
+| ``redknot+sparseq`` | the same four boundaries (reference path only: not kept in the server) |
 
 then writes one row per (policy, setting) to ``benchmarks/results/policies.json`` and a plot
 of first-token top-1 agreement against the FLOPs fraction (when matplotlib is installed).
@@ -21,8 +21,8 @@ default knobs), the TTFT the server measured for that policy at
 ``--ttft-point`` (8B shape, dummy weights: a different model than the fidelity's, the same
 schedule) and its speedup over flashinfer, and a panel of top-1 against that speedup. The
 server's ``redknot`` is the full layer schedule without adaptive restore (the reference row
-follows the map's recorded knobs, restore off for the shipped map), its ``redknot+sparseq``
-serves a 1/8 map::
+follows the map's recorded knobs, restore off for the shipped map); ``redknot+sparseq`` has
+TTFT only from results of when the server still served it (a 1/8 map)::
 
     python benchmarks/policies.py --limit 6
     python benchmarks/policies.py --replot     # redraw the plot from the result file
@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 TTFT_VARIANTS = {  # policy -> the benchmarks/ttft.py variant serving it at its default knobs
     "full": "flashinfer",
     "redknot": "redknot-g0.125-reuse-sparse-cached",
-    "redknot+sparseq": "redknot-g0.125-reuse-sparseq",
+    "redknot+sparseq": "redknot-g0.125-reuse-sparseq",  # in older results only
     "naive": "naive",
     "epic": "epic",
     "cacheblend": "cacheblend",

@@ -13,10 +13,12 @@ dummy weights):
   prefill, not timed) and the prompt marks them as segments, so local heads take the cached,
   re-aligned K/V (``redknot.segcache.reuse``);
 - ``naive``, ``epic``, ``cacheblend``, ``sparsex``: the token-level policies
-  (``--redknot-policy``, every head global, default knobs) on the same registered documents;
-  ``redknot-g0.125-reuse-sparseq``: the hybrid ``redknot+sparseq`` under the 1/8 map. A policy
-  variant takes its knobs in the evaluation's label format, e.g. ``cacheblend[blend_ratio=0.3]``
-  or ``sparsex[sparseq_k=256,sparseq_block=8]`` (a TTFT front over the knobs).
+  (``--redknot-policy``, every head global, default knobs) on the same registered documents
+  (the hybrid ``redknot+sparseq`` is no longer served, see
+  ``redknot.config.REFERENCE_ONLY_POLICIES``; older results name it
+  ``redknot-g0.125-reuse-sparseq``). A policy variant takes its knobs in the evaluation's label
+  format, e.g. ``cacheblend[blend_ratio=0.3]`` or ``sparsex[sparseq_k=256,sparseq_block=8]``
+  (a TTFT front over the knobs).
 
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
 ``--reps`` after one warm-up at each point). ``flops`` is the analytical prefill FLOPs of the
@@ -72,8 +74,6 @@ VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reu
     "epic": (1.0, True, True, None, None, "epic"),
     "cacheblend": (1.0, True, True, None, None, "cacheblend"),
     "sparsex": (1.0, True, True, None, None, "sparsex"),
-    # the hybrid: the 1/8 map, and the sparse-Q set of the global heads from layer 5 on
-    "redknot-g0.125-reuse-sparseq": (0.125, False, True, None, None, "redknot+sparseq"),
 }
 
 
@@ -82,7 +82,6 @@ POLICY_KNOBS = {  # the server's knobs of each policy (--redknot-<knob>)
     "epic": ("epic_k",),
     "cacheblend": ("blend_check_layer", "blend_ratio"),
     "sparsex": ("sparseq_boundary", "sparseq_k", "sparseq_block"),
-    "redknot+sparseq": ("sparseq_boundary", "sparseq_k", "sparseq_block"),
 }
 
 

@@ -22,8 +22,14 @@ KERNEL_CHOICES = ("auto", "triton")
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
 TOKEN_POLICIES = ("naive", "epic", "cacheblend", "sparsex")  # redknot.attention.token_policy
-HYBRID_POLICY = "redknot+sparseq"  # head classes and the sparse-Q choice together
-POLICY_CHOICES = ("redknot", HYBRID_POLICY, *TOKEN_POLICIES)
+POLICY_CHOICES = ("redknot", *TOKEN_POLICIES)
+# Reference-path policies the server does not serve, and why (python -m redknot.eval runs them)
+REFERENCE_ONLY_POLICIES = {
+    "redknot+sparseq": "the hybrid of head classes and SparseX's sparse-Q choice was measured and "
+    "not kept in the server: it does not move the fidelity-TTFT front (README, 'Reuse policies "
+    "side by side'); evaluate it on the reference path with python -m redknot.eval fidelity "
+    "--policies full,redknot+sparseq",
+}
 # Recovery knobs a head map may record (HeadMap.recorded_recovery) that the server applies, and
 # those of the reference path only, with the value the server's recovery amounts to
 SERVED_RECOVERY_KNOBS = ("dense_layers", "mass_thresh", "recent_n", "skipped")
@@ -107,9 +113,7 @@ class RedknotConfig:
         "'naive' (no segment token), 'epic' (the first --redknot-epic-k of every segment), "
         "'cacheblend' (the --redknot-blend-ratio of largest KV deviation in "
         "--redknot-blend-check-layer), 'sparsex' (SparseX's sparse-Q selection after "
-        "--redknot-sparseq-boundary full layers). Token-level policies serve every head global. "
-        "'redknot+sparseq': head classes from the map, and from --redknot-sparseq-boundary on "
-        "only the sparse-Q set of the global heads' attention is computed.",
+        "--redknot-sparseq-boundary full layers). Token-level policies serve every head global.",
         default="redknot",
     )
     epic_k: int = _opt(
@@ -220,8 +224,13 @@ class RedknotConfig:
                 )
 
     def _resolve_policy(self) -> None:
-        """A token-level policy serves every head global; it and the hybrid read every head of
-        a cached segment and exclude the layer schedule of redknot's own recovery."""
+        """A token-level policy serves every head global, reads every head of a cached segment
+        and excludes the layer schedule of redknot's own recovery."""
+        if self.policy in REFERENCE_ONLY_POLICIES:
+            raise RedknotConfigError(
+                f"--redknot-policy {self.policy} is not served: "
+                f"{REFERENCE_ONLY_POLICIES[self.policy]}"
+            )
         if self.policy not in POLICY_CHOICES:
             raise RedknotConfigError(
                 f"--redknot-policy {self.policy!r} is not one of {', '.join(POLICY_CHOICES)}"
@@ -229,12 +238,8 @@ class RedknotConfig:
         if self.policy == "redknot":
             return
         flag = f"--redknot-policy {self.policy}"
-        token_level = self.policy in TOKEN_POLICIES
         conflicts = [
-            (
-                token_level and self.head_map is not None,
-                "--redknot-head-map (it serves every head global)",
-            ),
+            (self.head_map is not None, "--redknot-head-map (it serves every head global)"),
             (self.dense_layers is not None, "--redknot-dense-layers (redknot's own recovery)"),
             (self.segment_heads == "local", "--redknot-segment-heads local (it reads every head)"),
             (self.segment_fraction == 0, "--redknot-segment-fraction 0 (nothing to reuse)"),
@@ -242,8 +247,7 @@ class RedknotConfig:
         for bad, what in conflicts:
             if bad:
                 raise RedknotConfigError(f"{flag} cannot be combined with {what}")
-        if token_level:  # frozen dataclass: resolved once
-            object.__setattr__(self, "all_global", True)
+        object.__setattr__(self, "all_global", True)  # frozen dataclass: resolved once
         object.__setattr__(self, "segment_heads", "all")
 
     @property

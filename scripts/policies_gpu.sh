@@ -16,13 +16,13 @@ set -uo pipefail
 out="${OUT:-/tmp}"
 case "${PART:-ttft}" in
   ttft)
-    variants="${VARIANTS:-flashinfer,redknot-g0.125-reuse-sparse-cached,redknot-g0.125-reuse-sparseq,naive,epic,cacheblend,sparsex}"
+    variants="${VARIANTS:-flashinfer,redknot-g0.125-reuse-sparse-cached,naive,epic,cacheblend,sparsex}"
     python3 benchmarks/ttft.py --points "${POINTS:-32768x8}" --reps "${REPS:-2}" \
       --variants "$variants" --out "$out/ttft_policies.json"
     ;;
   fidelity)
     # one dense server, then one redknot server per spec (name:policy[:flags])
-    SPECS="${SPECS:-cacheblend:cacheblend;epic:epic;sparsex:sparsex;naive:naive;hybrid8:redknot+sparseq:--redknot-sparseq-boundary 8}" \
+    SPECS="${SPECS:-redknot:redknot;cacheblend:cacheblend;epic:epic;sparsex:sparsex;naive:naive}" \
       OUT="$out" bash scripts/server_fidelity.sh --limit "${LIMIT:-24}"
     ;;
   *) echo "PART must be ttft or fidelity"; exit 2 ;;

@@ -7,10 +7,10 @@
 # pieces' three runs on the GPU machine (README beside that script); run 3 calls this script
 # after the bundle unpack line and `python3 /tmp/smol/to_hf.py`.
 # Usage: SPECS="name:policy[:server flags];..." bash scripts/server_fidelity.sh [--limit N] [...]
-#   policy redknot (or redknot+sparseq) serves the shipped profiled map, any other
-#   --redknot-policy every head global (no map); the server flags give its knobs, e.g.
-#   "epic64:epic:--redknot-epic-k 64". The shipped SmolLM2 map has its first global head in
-#   layer 7: the hybrid needs --redknot-sparseq-boundary 8 or more. Default SPECS: redknot.
+#   policy redknot serves the shipped profiled map, any other --redknot-policy every head
+#   global (no map); the server flags give its knobs, e.g. "epic64:epic:--redknot-epic-k 64".
+#   Default SPECS: redknot. (The results of commit ccb5f14 also have the hybrid
+#   redknot+sparseq, served then with the map and --redknot-sparseq-boundary 8.)
 # DEADLINE_S: no spec starts after this many seconds (a device call has 600); the specs that
 # finished keep their files.
 set -uo pipefail
@@ -50,7 +50,7 @@ for spec in "${specs[@]}"; do
     echo "deadline: $name not started"; rc=1; continue
   fi
   case "$policy" in
-    redknot|redknot+sparseq) recovery=(--redknot-head-map "$map" --redknot-policy "$policy") ;;
+    redknot) recovery=(--redknot-head-map "$map" --redknot-policy "$policy") ;;
     *) recovery=(--redknot-policy "$policy") ;;
   esac
   log="$out/server_$name.log"

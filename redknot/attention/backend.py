@@ -190,15 +190,6 @@ class RedknotAttnBackend(AttentionBackend):
                     f"{flag} chooses in layer {runner.policy.select_layer}, which the model "
                     f"(layers 0-{layers - 1}) does not have: choose in a layer below {layers}"
                 )
-            if runner.policy.select_layer >= 0 and not runner.layout.num_global(
-                runner.policy.select_layer
-            ):
-                raise ValueError(
-                    f"--redknot-policy {config.policy} chooses from the global heads' attention "
-                    f"in layer {runner.policy.select_layer}, where this rank's head map slice "
-                    "has none: give a --redknot-sparseq-boundary whose previous layer has a "
-                    "global head on every rank"
-                )
             _check_sparse_layers(model_runner, runner, config)
             logger.info(
                 "redknot segment reuse: policy %s (%s); the reused tokens it does "

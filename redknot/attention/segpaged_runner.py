@@ -522,7 +522,7 @@ class SegPagedRunner:
 
     def _sparsex(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
         """SparseX's choice in the last full layer, per request: its sparse-Q set from this
-        layer's queries (``q``: [T, Hq, D]) of the global heads (every head for ``sparsex``)
+        layer's queries (``q``: [T, Hq, D]; every head is global under a token-level policy)
         and every key they attend (the global store)."""
         state, policy = self.extend_state, self.policy
         plan = state.plan
@@ -536,7 +536,7 @@ class SegPagedRunner:
             rows = reads.tokens_cpu[order] - start
             spans = segment_spans(rows, reads.pos_off_cpu[order])
             slots = self.req_to_token[state.req_pool_indices[b], : past + end - start].long()
-            queries = q[start:end][:, self.consts[lid].global_queries]  # global heads' only
+            queries = q[start:end][:, self.consts[lid].global_queries]
             selection = select_tokens(
                 queries.transpose(0, 1), self.pool.k_global[lid][slots].transpose(0, 1),
                 spans, past_len=past, classes="G" * self.layout.num_global(lid),

@@ -1,7 +1,6 @@
 """Token-level recovery policies in the server (``--redknot-policy naive|epic|cacheblend|
-sparsex``, and the hybrid ``redknot+sparseq``): the reference path's rules
-(``redknot.recovery.baselines``, ``epic``, ``cacheblend``, ``sparsex``, ``hybrid``) on the
-server's segment cache, RoPE alignment and kernels.
+sparsex``): the reference path's rules (``redknot.recovery.baselines``, ``epic``,
+``cacheblend``, ``sparsex``) on the server's segment cache, RoPE alignment and kernels.
 
 One choice per reused segment token for every head at once, taken once per extend. The chosen
 ("kept") tokens and every row that is not a reused segment token (the new text, and each
@@ -16,12 +15,12 @@ and nothing of them is computed.
 | ``epic``     | when the batch is planned | 0                         | the first ``epic_k`` of every reused segment |
 | ``cacheblend`` | in ``blend_check_layer`` | ``blend_check_layer + 1`` | per request, the ``round(blend_ratio * S)`` of its ``S`` reused tokens whose fresh K/V deviates most from the cached, aligned K/V (``redknot.recovery.cacheblend.kv_deviation``; ties: the lower row) |
 | ``sparsex``  | in ``sparseq_boundary - 1`` | ``sparseq_boundary``    | per request, SparseX's sparse-Q set from that layer's queries and keys (``redknot.recovery.sparseq.select_tokens``: top ``sparseq_k`` by the non-reused rows' attention, ``sparseq_block`` rows of overflow, the tail fallback) |
-| ``redknot+sparseq`` | in ``sparseq_boundary - 1`` | ``sparseq_boundary`` | as ``sparsex``, scored by the global heads only, under the head map: local heads reuse the cache for every reused token throughout (``redknot.recovery.hybrid``) |
 
-Token-level policies treat every head alike, so they are served with every head global; the
-hybrid ``redknot+sparseq`` keeps the head map (its choice needs a global head in the choosing
-layer on every rank). Under chunked prefill each chunk chooses among its own reused tokens (the
-reference path prefills in one call); with one chunk per prompt the two are the same.
+Token-level policies treat every head alike, so they are served with every head global. The
+reference path's hybrid ``redknot+sparseq`` is not served
+(``redknot.config.REFERENCE_ONLY_POLICIES`` says why). Under chunked prefill each chunk chooses
+among its own reused tokens (the reference path prefills in one call); with one chunk per
+prompt the two are the same.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redknot.config import HYBRID_POLICY, TOKEN_POLICIES, RedknotConfig
+from redknot.config import TOKEN_POLICIES, RedknotConfig
 from redknot.recovery.cacheblend import blend_count
 from redknot.recovery.importance import top_rows
 
@@ -48,12 +47,12 @@ class TokenPolicy:
     sparseq_block: int
 
     def __post_init__(self) -> None:
-        assert self.name in (*TOKEN_POLICIES, HYBRID_POLICY), self.name
+        assert self.name in TOKEN_POLICIES, self.name
 
     @classmethod
     def of(cls, config: RedknotConfig) -> TokenPolicy | None:
-        """The configured token-level policy or hybrid (None: redknot's recovery)."""
-        if config.policy not in (*TOKEN_POLICIES, HYBRID_POLICY):
+        """The configured token-level policy (None: redknot's recovery)."""
+        if config.policy not in TOKEN_POLICIES:
             return None
         return cls(
             config.policy, config.epic_k, config.blend_check_layer, config.blend_ratio,
@@ -68,9 +67,6 @@ class TokenPolicy:
             f"the {self.blend_ratio:g} of each request's reused tokens of largest KV deviation",
             "sparsex": f"every token recomputed below layer {self.sparseq_boundary}, then the "
             f"sparse-Q set (top {self.sparseq_k}, overflow {self.sparseq_block})",
-            HYBRID_POLICY: f"head classes; global heads recompute every token below layer "
-            f"{self.sparseq_boundary}, then the sparse-Q set of their attention (top "
-            f"{self.sparseq_k}, overflow {self.sparseq_block})",
         }[self.name]
 
     @property
@@ -81,7 +77,7 @@ class TokenPolicy:
     @property
     def select_layer(self) -> int:
         """The layer whose fresh K/V the choice reads (-1: none)."""
-        if self.name in ("sparsex", HYBRID_POLICY):
+        if self.name == "sparsex":
             return self.sparseq_boundary - 1
         return self.blend_check_layer if self.name == "cacheblend" else -1
 

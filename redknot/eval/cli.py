@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="reference",
         choices=BACKENDS,
         help="reference: PyTorch reference path; server: a redknot server against a dense "
-        "reference server over HTTP (full and redknot only, TTFT measured)",
+        "reference server over HTTP (full and the policy the server serves, TTFT measured)",
     )
     p.add_argument("--server", default=None, help="server backend: redknot server URL")
     p.add_argument(
@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--namespace", default="default", help="server backend: segment namespace")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="reference backend: the model's dtype (bfloat16: a server's numerics, to tell "
+        "them apart from a difference of algorithm)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--limit", type=int, default=None, help="first N cases only")
     p.add_argument("--work-dir", default=None, help="keep finished cases here; a rerun resumes")
@@ -234,10 +241,16 @@ def make_backend(args: argparse.Namespace) -> FidelityBackend:
         return server_backend(args)
     if not args.head_map:
         raise SystemExit("error: --head-map is required with --backend reference")
+    import torch
+
     from redknot.eval.reference_backend import ReferenceBackend
 
     return ReferenceBackend.load(
-        args.model, args.head_map, device=args.device, max_new_tokens=args.max_new_tokens
+        args.model,
+        args.head_map,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+        max_new_tokens=args.max_new_tokens,
     )
 
 

@@ -44,6 +44,7 @@ class ReferenceBackend(FidelityBackend):
         max_new_tokens: int = 16,
     ) -> None:
         self.runner = ReferenceRunner(hf_model)
+        self.dtype = next(hf_model.parameters()).dtype
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.device = device
@@ -56,11 +57,17 @@ class ReferenceBackend(FidelityBackend):
 
     @classmethod
     def load(
-        cls, model: str, head_map: str, *, device: str = "cpu", max_new_tokens: int = 16
+        cls,
+        model: str,
+        head_map: str,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_new_tokens: int = 16,
     ) -> ReferenceBackend:
         """Load ``model`` (a :func:`redknot.reference.resolve_source` spec, never downloaded)
-        and the head map file ``head_map``."""
-        hf_model, tokenizer, source = load_model(model, device=device)
+        in ``dtype`` and the head map file ``head_map``."""
+        hf_model, tokenizer, source = load_model(model, device=device, dtype=dtype)
         return cls(
             hf_model,
             tokenizer,
@@ -79,6 +86,7 @@ class ReferenceBackend(FidelityBackend):
             "device": self.device,
             "device_detail": f"{self.device} ({torch.get_num_threads()} threads, {detail}, "
             f"{platform.platform()})",
+            "dtype": str(self.dtype).removeprefix("torch."),
             "model": self.model_name,
             "head_map": {
                 "path": self.head_map_path,

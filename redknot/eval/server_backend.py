@@ -6,7 +6,7 @@ Two servers of the same model take part:
 | --------- | ------------------- | ------------------------------------------------------------ |
 | ``full``  | ``reference_url``   | the composed prompt, no segments (run it with ``--attention-backend flashinfer`` or ``redknot --redknot-all-global``) |
 | ``redknot`` | ``url``           | every segment registered first (``POST /redknot/segments``), then the prompt with its segments marked over ``input_ids`` |
-| ``redknot+sparseq``, ``naive``, ``epic``, ``cacheblend``, ``sparsex`` | ``url`` | as ``redknot``, on a server started with that ``--redknot-policy`` |
+| ``naive``, ``epic``, ``cacheblend``, ``sparsex`` | ``url`` | as ``redknot``, on a server started with that ``--redknot-policy`` |
 
 The recovery knobs are the redknot server's own options (``--redknot-dense-layers`` ...): a
 server serves one setting, recorded from its ``/server_info``. Prompts are composed exactly as

@@ -1,5 +1,6 @@
-"""Token-level policies in the server path (``naive``, ``epic``, ``cacheblend``): the toy decoder
-stack of ``test_skipped_cached`` with every head global, run through the decoder-layer hook and
+"""Token-level policies in the server path (``naive``, ``epic``, ``cacheblend``, ``sparsex``): the
+toy decoder stack of ``test_skipped_cached`` with every head global, run through the decoder-layer
+hook and
 the SegPaged runner, against a brute-force forward of every row that applies the policy's rule
 directly: from ``sparse_from`` on the reused segment tokens the policy did not keep take their
 cached, re-aligned K/V in every head and are not computed. Limits: ``epic`` keeping every token
@@ -33,8 +34,9 @@ CLASSES = ("GG", "GG", "GG")  # every head global: token-level policies treat he
 
 def brute_force(world, layers, embed, seg_kv, policy):
     """Every row's forward with the policy's rule applied directly; returns the final states,
-    per layer the rows that did not compute it (took cached K/V in every head), and per layer
-    the last row's keys (always computed)."""
+    per layer the rows that did not compute it (took cached K/V in every head), per layer
+    the last row's keys (always computed), and per layer every row's keys and values as
+    attended (what the stores must hold for decoding)."""
     n = embed.shape[0]
     seg = torch.arange(NEW, NEW + SEG)
 
@@ -51,7 +53,7 @@ def brute_force(world, layers, embed, seg_kv, policy):
         left = leaving(torch.arange(SEG) < policy.epic_k)
     hidden, residual = embed.clone(), None
     positions = torch.arange(n)
-    history, last_keys = [], []
+    history, last_keys, attended = [], [], []
     for lid, layer in enumerate(layers):
         residual, x = layer_input(hidden, residual)
         q, k, v = layer.qkv(x, positions)
@@ -61,7 +63,7 @@ def brute_force(world, layers, embed, seg_kv, policy):
         for h in layout.local_heads(lid):  # local heads: every reused token from the cache
             k[seg, h], v[seg, h] = cached_k[:, h], cached_v[:, h]
         choose = lid == policy.select_layer
-        if choose and policy.name in ("sparsex", "redknot+sparseq"):
+        if choose and policy.name == "sparsex":
             kept = brute_sparseq(q, k, policy, layout.global_heads(lid))
         elif choose:  # CacheBlend: KV deviation of the fresh K/V from the cached, aligned K/V
             dev = (k[seg].double() - cached_k.double()).square().sum((1, 2))
@@ -73,13 +75,14 @@ def brute_force(world, layers, embed, seg_kv, policy):
         history.append(left.clone())
         rows = seg[left[seg]]
         k[rows], v[rows] = cached_k[rows - NEW], cached_v[rows - NEW]
+        attended.append((k.clone(), v.clone()))
         new_residual = brute_attention(layout, lid, q, k, v) @ layer.wo + residual
         out = layer.mlp.forward(_norm(new_residual))
         hidden = torch.where(left[:, None], hidden, out)
         residual = torch.where(left[:, None], residual, new_residual)
         if choose:
             left = leaving(kept)
-    return hidden + residual, history, last_keys
+    return hidden + residual, history, last_keys, attended
 
 
 DEFAULTS = {"epic_k": 16, "blend_check_layer": 1, "blend_ratio": 0.15, "sparseq_boundary": 2,
@@ -119,10 +122,7 @@ POLICIES = [
     ("sparsex", {}),  # chooses in layer 1, from layer 2 on only the chosen rows
     ("sparsex", {"sparseq_boundary": 1, "sparseq_k": 0, "sparseq_block": 0}),
     ("sparsex", {"sparseq_boundary": 1, "sparseq_k": 100}),  # every row: the dense prefill
-    ("redknot+sparseq", {}),  # under a head map: the choice reads layer 1's global head
-    ("redknot+sparseq", {"sparseq_boundary": 1, "sparseq_k": 3}),
 ]
-HYBRID_CLASSES = ("GL", "LG", "GL")
 
 
 @pytest.mark.parametrize("name, knobs", POLICIES)
@@ -132,16 +132,15 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
     from redknot.segcache.reuse import SegmentUse
 
     policy = TokenPolicy(name, **{**DEFAULTS, **knobs})
-    classes = HYBRID_CLASSES if name == "redknot+sparseq" else CLASSES
     n = NEW + SEG + question
-    w, rope, layers, tokens, entry, seg_kv = world_with_stored_segment(classes, 5, n)
+    w, rope, layers, tokens, entry, seg_kv = world_with_stored_segment(CLASSES, 5, n)
 
     w.runner.policy = policy
     w.pool.cache.segments.acquire(entry)
     w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
     with caplog.at_level("INFO", logger="redknot.attention.segpaged_runner"):
         got = served(w, layers, 2, tokens, hooked=True)
-    want, history, last_keys = brute_force(w, layers, tokens, seg_kv, policy)
+    want, history, last_keys, attended = brute_force(w, layers, tokens, seg_kv, policy)
     from benchmarks.ttft import POLICY_LOG  # the TTFT benchmark reads the log line
 
     (logged,) = [m for m in map(POLICY_LOG.search, caplog.messages) if m]
@@ -152,7 +151,6 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
         "epic": policy.epic_k >= SEG,
         "cacheblend": policy.blend_ratio == 1.0,
         "sparsex": question == 0 or policy.sparseq_k >= n,  # no question: the tail is all
-        "redknot+sparseq": question == 0,
     }[name]
     assert bool(history[-1].any()) != dense  # rows leave unless the policy keeps them all
     assert SCHEDULE.held is None and SCHEDULE.full is None
@@ -163,7 +161,7 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
         glob = w.layout.global_heads(lid)
         stored = w.pool.k_global[lid][w.req_to_token[2, n - 1].long()]
         torch.testing.assert_close(stored.float(), fresh[glob].float(), atol=2e-2, rtol=2e-2)
-    for lid in range(len(classes)):  # rows that left hold their cached K/V in every head
+    for lid in range(len(CLASSES)):  # rows that left hold their cached K/V in every head
         gone = torch.nonzero(history[lid]).flatten()
         glob = w.layout.global_heads(lid)  # the global store (every head when all global)
         if gone.numel() and glob:
@@ -176,6 +174,12 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, capl
             )
             stored_v = w.pool.v_global[lid][slots]
             assert torch.equal(stored_v, seg_kv[lid][1][gone - NEW][:, glob])
+    # what a decode step reads: every row's K/V as attended, in the global store (every head)
+    slots = w.req_to_token[2, :n].long()
+    for lid, (k, v) in enumerate(attended):
+        for store, want_kv in ((w.pool.k_global, k), (w.pool.v_global, v)):
+            torch.testing.assert_close(store[lid][slots].float(), want_kv.float(), atol=2e-2,
+                                       rtol=2e-2)  # fmt: skip
 
 
 def test_kept_rows_keep_new_text_and_each_requests_last_row():

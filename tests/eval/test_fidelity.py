@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from redknot.eval import Case, PolicySetting, write_cases
 from redknot.eval.cli import build_parser, main, settings_of
 from redknot.eval.compose import compose
 from redknot.eval.fidelity import evaluate
+from redknot.eval.reference_backend import ReferenceBackend
 from redknot.recovery import RecoveryOptions
+
+from .conftest import CharTokenizer, tiny_llama
 
 CASES = [
     Case(
@@ -72,6 +76,21 @@ def test_evaluate_scores_every_setting_against_dense(backend, tmp_path):
     fresh = evaluate(backend, CASES, grown, log=lambda s: None)
     for label in ("full", "naive", "r0"):
         assert more["summary"][label] == fresh["summary"][label]
+
+
+def test_a_bfloat16_reference_is_described_and_keeps_its_own_work(backend, tmp_path):
+    """``--dtype bfloat16`` (a server's numerics on the reference path) is recorded, and its
+    work is never taken for the float32 run's (the stored work is keyed by the backend)."""
+    bf16 = ReferenceBackend(
+        tiny_llama().to(torch.bfloat16), CharTokenizer(), backend.head_map, model_name="tiny",
+        max_new_tokens=4,
+    )  # fmt: skip
+    assert backend.describe()["dtype"] == "float32" and bf16.describe()["dtype"] == "bfloat16"
+    quiet = {"work_dir": tmp_path, "log": lambda s: None}
+    evaluate(backend, CASES[:1], SETTINGS[:2], **quiet)
+    ran = evaluate(bf16, CASES[:1], SETTINGS[:2], **quiet)
+    assert ran["cases"]["case_settings_reused_from_work_dir"] == 0
+    assert ran["summary"]["full"]["top1"] == 1.0
 
 
 def test_settings_need_the_reference(backend):

@@ -65,8 +65,8 @@ def test_server_takes_the_recorded_knobs_and_flags_override_them(tmp_path, caplo
 
 
 def test_recorded_knobs_apply_to_redknot_only_and_are_checked(tmp_path, caplog):
-    hybrid = RedknotConfig.merge(None, {"head_map": str(SHIPPED), "policy": "redknot+sparseq"})
-    assert hybrid.dense_layers is None  # the hybrid excludes the layer schedule
+    epic = RedknotConfig.merge(None, {"policy": "epic"})
+    assert epic.dense_layers is None  # a token-level policy excludes the layer schedule
     assert RedknotConfig.merge(None, {"head_map": str(SYNTHETIC)}).dense_layers is None
     missing = RedknotConfig.merge(None, {"head_map": str(tmp_path / "none.json")})
     assert missing.dense_layers is None  # the missing map is reported when the map is resolved
