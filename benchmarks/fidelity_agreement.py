@@ -44,6 +44,18 @@ def agreement(a: dict, b: dict, pairs: list[tuple[str, str]]) -> dict:
     return out
 
 
+def run_record(script: str, argv: list[str] | None) -> dict:
+    """Date, commit and command of a run of ``benchmarks/<script>`` (for its result JSON)."""
+    commit, dirty = git_commit()
+    return {
+        "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
+        "commit": commit,
+        "git_dirty": dirty,
+        "command": f"python benchmarks/{script} "
+        + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("a")
@@ -53,14 +65,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     a, b = (json.loads(Path(p).read_text()) for p in (args.a, args.b))
     pairs = [tuple(p.split("=", 1)) for p in args.pair]
-    commit, dirty = git_commit()
     result = {
         "device": {"a": a.get("device_detail"), "b": b.get("device_detail")},
-        "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
-        "commit": commit,
-        "git_dirty": dirty,
-        "command": "python benchmarks/fidelity_agreement.py "
-        + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])),
+        **run_record("fidelity_agreement.py", argv),
         "a": args.a,
         "a_commit": a.get("git_commit"),
         "b": args.b,

@@ -15,17 +15,14 @@ as ``restore_thresh`` null and ``local_kv`` cached.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import shlex
 import sys
 from pathlib import Path
 
-from redknot.headmap.provenance import git_commit
 from redknot.recovery import POLICIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
-from fidelity_agreement import agreement
+from fidelity_agreement import agreement, run_record
 
 METRICS = ("top1", "top10", "exact_match", "contains")
 SERVED_FIXED = {"restore_thresh": None, "local_kv": "cached"}  # what every server does
@@ -94,14 +91,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     reference = json.loads(Path(args.reference).read_text())
     rows = [compare(p, reference) for p in args.served]
-    commit, dirty = git_commit()
     result = {
         "benchmark": "policies_server",
-        "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
-        "commit": commit,
-        "git_dirty": dirty,
-        "command": "python benchmarks/server_policies.py "
-        + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])),
+        **run_record("server_policies.py", argv),
         "gpu": args.gpu,
         "reference": args.reference,
         "reference_commit": reference.get("git_commit"),
@@ -113,8 +105,9 @@ def main(argv=None) -> int:
     print(f"{'server run':34} {'reference setting':36} top-1 server/ref  EM server/ref  same/cases")
     for r in rows:
         s, f = r["server"], r["reference"]
+        name = Path(r["file"]).name
         print(
-            f"{Path(r['file']).name:34} {r['reference_setting']:36} {s['top1']:.3f} / {f['top1']:.3f}"
+            f"{name:34} {r['reference_setting']:36} {s['top1']:.3f} / {f['top1']:.3f}"
             f"    {s['exact_match']:.3f} / {f['exact_match']:.3f}   "
             f"{r['identical_outputs']}/{r['cases']} (dense {r['dense_identical_outputs']})"
         )

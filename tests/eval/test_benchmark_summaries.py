@@ -235,3 +235,27 @@ def test_policies_take_the_servers_ttft_at_their_default_knobs_only():
     assert rows[1]["ttft_source"] == {"variant": "epic", "point": "32768x8", "device": "H100",
                                       "commit": "abc"}  # fmt: skip
     assert all("ttft_s" not in r for r in rows[2:])
+
+
+def test_each_served_setting_finds_the_reference_row_of_its_knobs():
+    """``server_policies.py``: a server's resolved knobs pick the reference row of the same
+    policy and knobs; the server never restores and always reuses cached local K/V."""
+    from benchmarks.server_policies import reference_row
+
+    served = {"window": None, "sink": None, "dense_layers": 8, "mass_thresh": 0.5,
+              "recent_n": 128, "skipped": "cached"}  # fmt: skip
+    redknot = {**served, "restore_edge": 32, "local_kv": "cached"}
+    rows = [
+        {"policy": "epic", "setting": "epic[epic_k=16]", "options": {"epic_k": 16}},
+        {"policy": "epic", "setting": "epic[epic_k=64]", "options": {"epic_k": 64}},
+        {"policy": "redknot", "setting": "redknot", "options": {**redknot, "restore_thresh": None}},
+        {"policy": "redknot", "setting": "r-on", "options": {**redknot, "restore_thresh": 0.1}},
+        {"policy": "naive", "setting": "naive", "options": None},
+    ]
+    assert reference_row(rows, "epic", {"epic_k": 64}, "f")["setting"] == "epic[epic_k=64]"
+    assert reference_row(rows, "redknot", served, "f")["setting"] == "redknot"
+    assert reference_row(rows, "naive", {}, "f")["setting"] == "naive"
+    with pytest.raises(SystemExit, match="0 reference rows of epic with knobs {'epic_k': 32}"):
+        reference_row(rows, "epic", {"epic_k": 32}, "f")
+    with pytest.raises(SystemExit, match="0 reference rows of redknot"):
+        reference_row(rows, "redknot", {**served, "dense_layers": 4}, "f")
