@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The recovery policies side by side on the GPU machine, in one command per part:
 #   ttft      TTFT at 32K (8 cached segments, 8B shape, dummy weights) of flashinfer, redknot's
-#             full layer schedule, the hybrid and the token-level policies -> $OUT/ttft_policies.json
+#             full layer schedule and the token-level policies -> $OUT/ttft_policies.json
 #   fidelity  the served policies against a dense server with SmolLM2's real weights (the
 #             checkpoint at /tmp/smol-hf, see scripts/server_fidelity.sh), each scored as its
 #             policy -> $OUT/fidelity_server_<name>.json (compare with the reference path

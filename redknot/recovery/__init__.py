@@ -12,7 +12,7 @@
 | ``epic``      | EPIC: the first tokens of every segment (``epic``)                    |
 | ``sparseq``   | SparseX's sparse-Q token selection (top-k, overflow, tail)            |
 | ``sparsex``   | SparseX: full layers, then the sparse-Q set (``sparsex``)             |
-| ``hybrid``    | head classes plus sparse-Q in deep layers (``redknot+sparseq``)       |
+| ``hybrid``    | head classes plus sparse-Q in deep layers (``redknot+sparseq``; reference path only) |
 | ``importance``| token importance for the sparse FFN, top-k of a score                 |
 | ``restore``   | adaptive restore of local heads (edge mass)                           |
 | ``record``    | what a prefill computed, recomputed fractions                         |
