@@ -148,6 +148,13 @@ class SyntheticBatch:
     def reference(self, layer: int, phase: str, scale: float) -> torch.Tensor:
         """[T, Hq, D] float32: each query attends the keys its head class lets it see
         (``redknot.kernels.reference.visibility``), in fp32 with full-precision matmuls."""
+        return self.reference_with_lse(layer, phase, scale)[0]
+
+    def reference_with_lse(
+        self, layer: int, phase: str, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`reference` and ``[T, Hq]`` the natural-log log-sum-exp of each query's scaled
+        scores over the keys it sees."""
         Hq, H, D = self.layout.num_q_heads, self.layout.num_kv_heads, self.layout.head_dim
         grp = Hq // H
         is_local = torch.tensor([c != "G" for c in self.layout.classes[layer]], device=self.device)
@@ -155,7 +162,7 @@ class SyntheticBatch:
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")
         try:
-            outs = []
+            outs, lses = [], []
             for r, x in zip(self.requests, self.fused(layer)):
                 x = x.float()
                 q_all = x[:, : Hq * D].view(-1, Hq, D)
@@ -173,11 +180,12 @@ class SyntheticBatch:
                         visibility(i, keys, False, self.geo)[None],
                     )  # [Hq, n, N]
                     s = torch.einsum("nhd,mhd->hnm", q_all[i], k) * scale
-                    p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
-                    outs.append(torch.einsum("hnm,mhd->nhd", p, v))
+                    s = s.masked_fill(~vis, float("-inf"))
+                    outs.append(torch.einsum("hnm,mhd->nhd", torch.softmax(s, dim=-1), v))
+                    lses.append(torch.logsumexp(s, dim=-1).T)
         finally:
             torch.set_float32_matmul_precision(precision)
-        return torch.cat(outs)
+        return torch.cat(outs), torch.cat(lses)
 
     def locate(self, phase: str, token: int) -> tuple[int, int]:
         """(request index, position) of row ``token`` of a ``phase`` forward."""

@@ -289,7 +289,9 @@ class SegPagedRunner:
 
     # ---- running -----------------------------------------------------------------------------
 
-    def _stores(self, layer_id: int):
+    def stores(self, layer_id: int):
+        """The layer's four stores as the kernels take them (global K, V, local K, V; a small
+        stand-in where the layer has no head of a class)."""
         g = self.layout.num_global(layer_id)
         loc = self.layout.num_local(layer_id)
         kg = self.pool.k_global[layer_id] if g else self._dummy
@@ -336,7 +338,7 @@ class SegPagedRunner:
         # launched before the stores are written, so that the GPU starts early
         with phase("redknot.extend_kernel"):
             run_extend(
-                plan, q, k.to(q.dtype), v.to(q.dtype), *self._stores(lid), self.req_to_token,
+                plan, q, k.to(q.dtype), v.to(q.dtype), *self.stores(lid), self.req_to_token,
                 self.heads[lid], layer.scaling, out=out, lse=lse,
             )  # fmt: skip
         if save_kv_cache:
@@ -598,7 +600,7 @@ class SegPagedRunner:
                 self.pool.write_local(lid, self.decode_rows, k, v)
         out = q.new_empty(q.shape)
         run_decode(
-            self.decode_plan, q, *self._stores(lid), self.req_to_token, self.heads[lid],
+            self.decode_plan, q, *self.stores(lid), self.req_to_token, self.heads[lid],
             layer.scaling, out=out,
         )  # fmt: skip
         return out.flatten(1)

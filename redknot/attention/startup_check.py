@@ -10,8 +10,12 @@ shape and compares every output with the PyTorch reference attention.
 Both run on a pool and a request table of their own (a few hundred token slots; one layer per
 checked head-class row), never on the serving pool, through the same planning and launch calls
 as serving: ``prefill``, ``extend`` and ``decode`` (for ``segpaged`` also decode planned as
-under CUDA graphs, with its fixed split count). The served attention layers (scaling, logit cap)
-are used as they are.
+under CUDA graphs, with its fixed split count). For ``segpaged`` the extend is also run as
+segment reuse runs it (:data:`ROW_CASES`): over every third row only, packed into tiles
+(``gather_tiles``, the rows still in recovery), and with the attention's log-sum-exp (what the
+layer schedule's importance reads), each checked against the reference too; these are the
+kernel variants a reusing request would otherwise compile on first use. The served attention
+layers (scaling, logit cap) are used as they are.
 
 Tolerance, as the kernel tests: ``|out - ref| <= tol + tol * |ref|`` with ``tol`` 2e-2 for
 bfloat16 and 4e-3 for float16 (inputs are standard normal, outputs of order 1).
@@ -45,6 +49,12 @@ PATH_NAMES = {
     "segpaged": "the Triton path (redknot's SegPaged kernels)",
 }
 _MAX_LINES = 8  # failing cases listed in the error
+# The extend as segment reuse runs it: (case name, rows packed into tiles, with the LSE)
+ROW_CASES = (
+    ("extend (every third row, packed)", True, False),
+    ("extend (with LSE)", False, True),
+    ("extend (every third row, packed, with LSE)", True, True),
+)
 _passed: set[tuple] = set()  # what this process already checked (TBO builds two backends)
 
 
@@ -208,6 +218,32 @@ class SegPagedPath:
         run = self.runner.decode if fb.forward_mode.is_decode() else self.runner.extend
         return run(q, k, v, layer, fb, True)
 
+    def run_rows(self, q, k, v, layer, packed: bool, with_lse: bool):
+        """The planned extend's attention in ``layer`` as segment reuse runs it: every third
+        row packed into tiles if ``packed`` (else every row), with the log-sum-exp if
+        ``with_lse``; writes no store. Returns ``(batch rows, out [A, Hq, D], lse [A, Hq] or
+        None)``."""
+        from redknot.attention.extend_state import rows_per_request
+        from redknot.kernels.extend import gather_tiles, run_extend
+
+        r, lid = self.runner, layer.layer_id
+        plan = r.extend_state.plan
+        lay = r.layout
+        q = q.view(-1, lay.num_q_heads, lay.head_dim)
+        picked = torch.arange(plan.num_tokens, device=q.device)
+        if packed:
+            keep = torch.arange(plan.num_tokens) % 3 == 0
+            counts = rows_per_request(keep, plan.qo_indptr_cpu).tolist()
+            picked = picked[keep.to(q.device)]
+            plan, q = gather_tiles(plan, picked, counts), q[picked]
+        out = q.new_empty(q.shape)
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32) if with_lse else None
+        run_extend(
+            plan, q, k.to(q.dtype), v.to(q.dtype), *r.stores(lid), r.req_to_token, r.heads[lid],
+            layer.scaling, out=out, lse=lse,
+        )  # fmt: skip
+        return picked, out, lse
+
 
 class _RunnerWith:
     """The server's model runner with the check's own pools in place of the serving ones."""
@@ -305,18 +341,38 @@ def _run_case(served, runner, batch, rows, phase: str, graph: bool, tol: float):
     results = []
     for i, (row, layer_id) in enumerate(rows):
         layer = _LayerAt(served.layer(layer_id), i)
-        out = runner.run(*batch.qkv_of(i, phase), layer, fb)
-        out = out.view(-1, lay.num_q_heads, lay.head_dim)
-        ref = batch.reference(i, phase, layer.scaling)
-        max_err, ratio, bad, (t, hq, _) = compare(out, ref, tol)
-        b, pos = batch.locate(phase, t)
-        r, h = batch.requests[b], hq // lay.group_size
-        where = (
-            f"request {b} (prefix {r.prefix}, {r.new} new) position {pos}, query head {hq} "
-            f"(KV head {h}, {'global' if row[h] == 'G' else 'local'})"
-        )
-        results.append(CaseResult(case, row, layer_id, max_err, ratio, bad, out.numel(), where))
+        qkv = batch.qkv_of(i, phase)
+        rows_too = phase == "extend" and not graph and isinstance(runner, SegPagedPath)
+        if rows_too:  # read-only, so before the layer's new keys are written to the stores
+            ref, ref_lse = batch.reference_with_lse(i, phase, layer.scaling)
+            for name, packed, with_lse in ROW_CASES:
+                picked, out, lse = runner.run_rows(*qkv, layer, packed, with_lse)
+                pairs = [(name, out, ref[picked])]
+                if with_lse:
+                    pairs.append((name + ": log-sum-exp", lse, ref_lse[picked]))
+                for label, got, want in pairs:
+                    err = compare(got, want, tol)
+                    results.append(_result(label, batch, phase, row, layer_id, err, picked,
+                                            got.numel()))  # fmt: skip
+        else:
+            ref = batch.reference(i, phase, layer.scaling)
+        out = runner.run(*qkv, layer, fb).view(-1, lay.num_q_heads, lay.head_dim)
+        results.append(_result(case, batch, phase, row, layer_id, compare(out, ref, tol), None,
+                               out.numel()))  # fmt: skip
     return results
+
+
+def _result(case, batch, phase, row, layer_id, err, picked, numel) -> CaseResult:
+    """A case's result, its worst value located (``picked``: the batch rows the output holds,
+    None for every row)."""
+    max_err, ratio, bad, (t, hq, *_) = err
+    b, pos = batch.locate(phase, t if picked is None else int(picked[t]))
+    r, h = batch.requests[b], hq // batch.layout.group_size
+    where = (
+        f"request {b} (prefix {r.prefix}, {r.new} new) position {pos}, query head {hq} "
+        f"(KV head {h}, {'global' if row[h] == 'G' else 'local'})"
+    )
+    return CaseResult(case, row, layer_id, max_err, ratio, bad, numel, where)
 
 
 def _failure_message(served, path, tol, failed: list[CaseResult]) -> str:

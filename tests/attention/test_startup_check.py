@@ -12,6 +12,7 @@ import torch
 from redknot.attention import segpaged_runner
 from redknot.attention.check_batch import synthetic_requests
 from redknot.attention.startup_check import (
+    ROW_CASES,
     ServedAttention,
     StartupCheckError,
     checked_rows,
@@ -50,10 +51,15 @@ def test_checked_rows_are_every_head_global_then_each_distinct_row():
 
 def test_triton_path_with_local_heads_passes(gate_log):
     results = run_startup_check(_served(), "segpaged")
-    cases = ["prefill", "extend", "decode", "decode (graph plan)"]
-    assert [(r.case, r.row) for r in results] == [(c, row) for c in cases for row in
-                                                  ("GG", "GL", "LG")]  # fmt: skip
-    assert all(r.bad == 0 and r.ratio <= 1 for r in results)
+    rows = ("GG", "GL", "LG")
+    reuse = []  # per row, the extend as segment reuse runs it, then as a plain extend does
+    for name, _, with_lse in ROW_CASES:
+        reuse += [name] + ([name + ": log-sum-exp"] if with_lse else [])
+    want = [("prefill", row) for row in rows]
+    want += [(c, row) for row in rows for c in reuse + ["extend"]]
+    want += [(c, row) for c in ("decode", "decode (graph plan)") for row in rows]
+    assert [(r.case, r.row) for r in results] == want
+    assert len(reuse) == 5 and all(r.bad == 0 and r.ratio <= 1 for r in results)
     (line,) = [m for m in gate_log if "startup check passed" in m]
     assert "TinyLlama on TP rank 0/1: 4 query / 2 KV heads, head_dim 64" in line
     assert "sink 2 + window 4" in line and "the Triton path" in line and " s" in line
@@ -83,6 +89,39 @@ def test_a_perturbed_decode_kernel_fails_the_gate(monkeypatch):
     max_err = float(lines[0].split("max |out - ref| ")[1].split(",")[0])
     assert 0.2 < max_err < 0.3
     assert "--redknot-skip-startup-check" in msg and "unverified" in msg
+
+
+def test_a_wrong_log_sum_exp_or_packed_row_fails_the_gate(monkeypatch):
+    """The extend as segment reuse runs it is checked too: a log-sum-exp off by 0.5 for query
+    head 1, or the packed rows' outputs shifted by one row, stop startup."""
+    from redknot.kernels import extend
+
+    real = extend.run_extend
+
+    def wrong_lse(plan, q, *args, lse=None, **kwargs):
+        out = real(plan, q, *args, lse=lse, **kwargs)
+        if lse is not None:
+            lse[:, 1] += 0.5
+        return out
+
+    monkeypatch.setattr(extend, "run_extend", wrong_lse)
+    with pytest.raises(StartupCheckError) as e:
+        run_startup_check(_served(), "segpaged")
+    lines = [x for x in str(e.value).splitlines() if x.startswith("  - ")]
+    assert lines and all(": log-sum-exp, head classes " in x for x in lines)
+    assert all("query head 1 (KV head 0, " in x for x in lines)
+
+    def shifted(plan, q, *args, **kwargs):
+        out = real(plan, q, *args, **kwargs)
+        if plan.gathered:
+            out.copy_(out.roll(1, dims=0))
+        return out
+
+    monkeypatch.setattr(extend, "run_extend", shifted)
+    with pytest.raises(StartupCheckError) as e:
+        run_startup_check(_served(), "segpaged")
+    lines = [x for x in str(e.value).splitlines() if x.startswith("  - ")]
+    assert lines and all(x.startswith("  - extend (every third row, packed") for x in lines)
 
 
 def test_a_kernel_that_drops_the_sink_fails_on_local_heads_only(monkeypatch):
@@ -132,7 +171,8 @@ def test_triton_path_passes_the_gate_at_llama_shape_on_gpu(dtype, monkeypatch):
         max_context_len=131072, table_width=131076, model="Llama-3.1-8B shape",
     )  # fmt: skip
     results = run_startup_check(served, "segpaged")
-    assert len(results) == 4 * len(classes) and all(r.bad == 0 for r in results)
+    per_row = 4 + sum(1 + with_lse for _, _, with_lse in ROW_CASES)
+    assert len(results) == per_row * len(classes) and all(r.bad == 0 for r in results)
     real = segpaged_runner.run_decode
 
     def perturbed(plan, q, *args, **kwargs):
