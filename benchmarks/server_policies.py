@@ -19,13 +19,13 @@ import json
 import sys
 from pathlib import Path
 
+from redknot.config import REFERENCE_ONLY_KNOBS
 from redknot.recovery import POLICIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 from fidelity_agreement import agreement, run_record
 
 METRICS = ("top1", "top10", "exact_match", "contains")
-SERVED_FIXED = {"restore_thresh": None, "local_kv": "cached"}  # what every server does
 UNMATCHED = ("restore_edge",)  # no effect while restore is off
 
 
@@ -38,7 +38,7 @@ def served_label(result: dict) -> str:
 
 def reference_row(rows: list[dict], policy: str, config: dict, path: str) -> dict:
     """The reference row of ``policy`` whose knobs equal the server's."""
-    served = {**config, **SERVED_FIXED}
+    served = {**config, **REFERENCE_ONLY_KNOBS}  # what every server does
     knobs = [k for k in POLICIES[policy].knobs if k not in UNMATCHED]
     matches = [
         r

@@ -181,8 +181,9 @@ class SyntheticBatch:
                     )  # [Hq, n, N]
                     s = torch.einsum("nhd,mhd->hnm", q_all[i], k) * scale
                     s = s.masked_fill(~vis, float("-inf"))
-                    outs.append(torch.einsum("hnm,mhd->nhd", torch.softmax(s, dim=-1), v))
-                    lses.append(torch.logsumexp(s, dim=-1).T)
+                    lse = torch.logsumexp(s, dim=-1)  # every query sees itself: finite
+                    outs.append(torch.einsum("hnm,mhd->nhd", torch.exp(s - lse[..., None]), v))
+                    lses.append(lse.T)
         finally:
             torch.set_float32_matmul_precision(precision)
         return torch.cat(outs), torch.cat(lses)

@@ -15,11 +15,12 @@ What becomes of a token that skipped the FFN of a deep layer is the ``skipped`` 
 
 In the server, the attention backend decides the rows of each layer while it attends
 (:func:`redknot.kernels.choose.choose_rows`) and records them in :data:`SCHEDULE`; a hook
-around the model's MLP (:func:`around_mlp`) runs the MLP on those rows only. Under ``skipped="cached"`` a hook around
-the decoder layer (:func:`around_decoder_layer`) hands each layer only the rows still in
-recovery (``SCHEDULE.held``): the hidden states are compacted once when rows leave and scattered
-back to every row after the last layer, so the projections and the FFN of a left row are never
-computed; the backend fills that row's K/V of every head from the segment cache. Importance
+around the model's MLP (:func:`around_mlp`) runs the MLP on those rows only. Under
+``skipped="cached"`` a hook around the decoder layer (:func:`around_decoder_layer`) hands each
+layer only the rows still in recovery (``SCHEDULE.held``): the hidden states are compacted once
+when rows leave and scattered back to every row after the last layer, so the projections and the
+FFN of a left row are never computed; the backend fills that row's K/V of every head from the
+segment cache. Importance
 comes from the layer's global heads (causal softmax of the probed queries over every key of the
 request, summed over heads and probes: :func:`redknot.kernels.key_mass.key_mass`); local heads,
 which see only sink + window, do not vote. A layer whose rank holds no global head (and every

@@ -524,8 +524,8 @@ class SegPagedRunner:
 
     def _sparsex(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
         """SparseX's choice in the last full layer, per request: its sparse-Q set from this
-        layer's queries (``q``: [T, Hq, D]; every head is global under a token-level policy)
-        and every key they attend (the global store)."""
+        layer's queries (``q``: [T, Hq, D]; a token-level policy serves every head global, so
+        every query head scores) and every key they attend (the global store)."""
         state, policy = self.extend_state, self.policy
         plan = state.plan
         qo, prefix = plan.qo_indptr_cpu.tolist(), plan.prefix_lens_cpu.tolist()
@@ -538,9 +538,8 @@ class SegPagedRunner:
             rows = reads.tokens_cpu[order] - start
             spans = segment_spans(rows, reads.pos_off_cpu[order])
             slots = self.req_to_token[state.req_pool_indices[b], : past + end - start].long()
-            queries = q[start:end][:, self.consts[lid].global_queries]
             selection = select_tokens(
-                queries.transpose(0, 1), self.pool.k_global[lid][slots].transpose(0, 1),
+                q[start:end].transpose(0, 1), self.pool.k_global[lid][slots].transpose(0, 1),
                 spans, past_len=past, classes="G" * self.layout.num_global(lid),
                 window=self.layout.window, sink=self.layout.sink, scale=scale,
                 k=policy.sparseq_k, block=policy.sparseq_block, reduce=reduce,
