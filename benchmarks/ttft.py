@@ -21,7 +21,9 @@ dummy weights):
   (a TTFT front over the knobs).
 
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
-``--reps`` after one warm-up at each point). ``flops`` is the analytical prefill FLOPs of the
+``--reps`` after one warm-up at each point; the warm-up's own TTFT is kept as ``warmup_ttft_s``:
+at the first point it is the engine's first reusing prompt, and ``--compile-log`` names the
+Triton kernels compiled at startup and in each warm-up, from an empty cache). ``flops`` is the analytical prefill FLOPs of the
 schedule each variant runs (projections and FFN of every token, attention over the keys each
 head sees); for ``redknot-g0.125-reuse-sparse-ffn`` (``--redknot-dense-layers 8``: the FFN of
 deeper layers runs only on the segment tokens the question attends to most) minus the FFNs the
@@ -41,11 +43,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -199,7 +204,10 @@ def child(args) -> None:
         if not all_global:
             extra["redknot_head_map"] = common.synthetic_map_file(args.model, fraction, "/tmp")
     context = max(length for length, _ in points) + args.question + 64
+    if args.compile_log:  # a cache of its own: every Triton kernel this engine uses compiles
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="redknot-triton-")
     engine = sgl.Engine(**common.engine_kwargs(args.model, context, **extra))
+    compiled = triton_kernels() if args.compile_log else {}
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
 
@@ -210,6 +218,7 @@ def child(args) -> None:
         info = engine.get_server_info()["internal_states"][0].get("redknot_segments", {})
         return {k: info.get(k, 0) for k in STORE_COUNTERS}
 
+    startup = sorted(compiled)
     one = {"temperature": 0.0, "max_new_tokens": 1}
     out = {}
     try:
@@ -239,6 +248,12 @@ def child(args) -> None:
                 engine.generate(input_ids=ids, sampling_params=sampling)
                 if rep:  # the first is a warm-up
                     times.append(time.perf_counter() - t0)
+                else:
+                    warmup_s = time.perf_counter() - t0
+                    if args.compile_log:  # what compiled in the point's first prompt
+                        now = triton_kernels()
+                        first_compiles = sorted(set(now) - set(compiled))
+                        compiled = now
             if args.profile_dir:  # one more prompt under the torch profiler (not timed)
                 ids[0] = rand(1)[0]  # a prefix no earlier prompt had
                 where = Path(args.profile_dir, f"{args.child}-{point_key(length, segments)}")
@@ -254,7 +269,10 @@ def child(args) -> None:
                 "prompt_tokens": len(ids),
                 "ttft_s": statistics.median(times),
                 "ttft_samples_s": times,
+                "warmup_ttft_s": warmup_s,  # the point's first prompt (the engine's first too)
             }
+            if args.compile_log:
+                row["triton_compiled_in_warmup"] = first_compiles
             if reuse:  # this point's lookups only (warm-up included)
                 after = store_counters()
                 row["segment_store"] = {k: after[k] - before[k] for k in STORE_COUNTERS}
@@ -263,7 +281,16 @@ def child(args) -> None:
             print(args.child, length, segments, row["ttft_s"], flush=True)
     finally:
         engine.shutdown()
-    print("RESULT " + json.dumps({"points": out}))
+    result = {"points": out}
+    if args.compile_log:
+        result["triton_compiled_at_startup"] = startup
+    print("RESULT " + json.dumps(result))
+
+
+def triton_kernels() -> dict[str, int]:
+    """Kernel name -> compiled variants in this process's Triton cache directory."""
+    names = [p.stem for p in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/*.json")]
+    return dict(Counter(n for n in names if not n.startswith("__grp__")))
 
 
 def main() -> None:
@@ -304,6 +331,12 @@ def main() -> None:
         default="",
         help="with --profile-dir: profile only these variants (comma-separated; default all)",
     )
+    ap.add_argument(
+        "--compile-log",
+        action="store_true",
+        help="give each engine an empty Triton cache and record the kernels compiled at "
+        "startup and in each point's first (warm-up) prompt",
+    )
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument(
         "--merge",
@@ -339,7 +372,7 @@ def main() -> None:
         "segment_fraction",
         "chunked_prefill_size",
         "profile_dir",
-    )
+    ) + (["--compile-log"] if args.compile_log else [])
     profiled = set(split_variants(args.profile_variants or args.variants))
     results = {}
     for name in split_variants(args.variants):
@@ -442,6 +475,8 @@ def summarize(cfg: dict, results: dict, reps: int) -> dict:
                 "ttft_s": row["ttft_s"],
                 "flops": flops,
             }
+            if "warmup_ttft_s" in row:
+                entry["warmup_ttft_s"] = row["warmup_ttft_s"]
             if "every_segment_hit" in row:
                 entry["every_segment_hit"] = row["every_segment_hit"]
             if mine:

@@ -14,8 +14,11 @@ under CUDA graphs, with its fixed split count). For ``segpaged`` the extend is a
 segment reuse runs it (:data:`ROW_CASES`): over every third row only, packed into tiles
 (``gather_tiles``, the rows still in recovery), and with the attention's log-sum-exp (what the
 layer schedule's importance reads), each checked against the reference too; these are the
-kernel variants a reusing request would otherwise compile on first use. The served attention
-layers (scaling, logit cap) are used as they are.
+kernel variants a reusing request would otherwise compile on first use. With segments on, segment
+reuse's other kernels are checked the same way (:func:`check_reuse_kernels`: the RoPE
+re-alignment of cached K/V in each distinct launch shape of the served region and head map, and
+the layer schedule's key mass), and the layer schedule's choice of rows (:func:`check_choice`).
+The served attention layers (scaling, logit cap) are used as they are.
 
 Tolerance, as the kernel tests: ``|out - ref| <= tol + tol * |ref|`` with ``tol`` 2e-2 for
 bfloat16 and 4e-3 for float16 (inputs are standard normal, outputs of order 1).
@@ -410,6 +413,8 @@ def check_backend(backend: Any, model_runner: Any, skip: bool) -> None:
         segpaged = backend.segpaged
         if segpaged is not None and segpaged.dense_layers < backend.layout.num_layers:
             check_choice(served.device, check_votes=segpaged.tp_size > 1)
+        if segpaged is not None and segpaged.rope is not None:
+            check_reuse_kernels(segpaged, served)
         _passed.add(key)
         if served.device.type == "cuda":
             torch.cuda.empty_cache()  # the check's tensors, before CUDA-graph capture sizes memory
@@ -451,3 +456,179 @@ def check_choice(device: torch.device, check_votes: bool = False, seed: int = 0)
             f"{device}: {type(e).__name__}: {e}. {SKIP_HINT}"
         ) from e
     logger.info("redknot startup check passed: the layer schedule's choice of rows on %s", device)
+
+
+# ---- segment reuse's other kernels -----------------------------------------------------------
+
+_MASS_TOL = 1e-3  # key mass: float32 sums of probabilities from the same inputs on both sides
+
+
+def reuse_launches(runner: Any) -> list[tuple[str, int]]:
+    """(launch, first layer with its shape) for every distinct kernel launch segment reuse makes
+    on this rank (what :meth:`SegPagedRunner._reuse_kv`, ``_blend`` and ``_probe_mass`` launch):
+
+    | launch        | when                                       | distinct by                 |
+    | ------------- | ------------------------------------------ | --------------------------- |
+    | ``local``     | every reusing request, layers with local heads | region width, local heads |
+    | ``left``      | rows leave recovery (layer schedule or a token policy) | region width, global heads kept |
+    | ``blend``     | CacheBlend's check layer                   | region width                |
+    | ``mass``      | the layer schedule's deep layers with global heads | global heads            |
+    """
+    lay = runner.layout
+    widths = [len(h) for h in runner.pool.segments.heads]
+    schedule = runner.dense_layers < lay.num_layers
+    leave = schedule or runner.policy is not None
+    seen: dict[tuple, tuple[str, int]] = {}
+    for lid, consts in enumerate(runner.consts):
+        keys = [("local", widths[lid], len(consts.local))] if len(consts.local) else []
+        if leave and len(consts.stored_global):
+            keys.append(("left", widths[lid], len(consts.stored_global)))
+        if schedule and lid >= runner.dense_layers and lay.num_global(lid):
+            keys.append(("mass", lay.num_global(lid)))
+        for key in keys:
+            seen.setdefault(key, (key[0], lid))
+    policy = runner.policy
+    if policy is not None and policy.name == "cacheblend":
+        lid = policy.blend_check_layer
+        seen.setdefault(("blend", widths[lid]), ("blend", lid))
+    return list(seen.values())
+
+
+def check_reuse_kernels(runner: Any, served: ServedAttention, seed: int = 0) -> int:
+    """Segment reuse's RoPE re-alignment (``redknot.kernels.rope_align``) and, under the layer
+    schedule, its key mass (``redknot.kernels.key_mass``), launched as a reusing request
+    launches them (:func:`reuse_launches`: the served region's head columns, the layer's K/V as
+    views of one projection output, the model's RoPE table) on a synthetic request, against
+    their PyTorch references. Compiles the variants a first reusing request would otherwise
+    compile. Raises ``StartupCheckError``; returns the number of launches checked."""
+    start = time.perf_counter()
+    g = torch.Generator().manual_seed(seed)
+    launches = reuse_launches(runner)
+    name = ""
+    try:
+        for name, lid in launches:
+            if name == "mass":
+                _check_mass(runner, served, lid, g)
+            else:
+                _check_align(runner, served, name, lid, g)
+    except StartupCheckError:
+        raise
+    except Exception as e:
+        raise StartupCheckError(
+            f"redknot startup check could not run segment reuse's {_REUSE_KERNELS[name]} "
+            f"({name} launch) for {served.describe()}: {type(e).__name__}: {e}. {_REUSE_HINT} "
+            f"{SKIP_HINT}"
+        ) from e
+    logger.info(
+        "redknot startup check passed: segment reuse's kernels (%s) match their references on "
+        "%s; %.2f s", ", ".join(f"{n} of layer {lid}" for n, lid in launches) or "none",
+        served.device, time.perf_counter() - start,
+    )  # fmt: skip
+    return len(launches)
+
+
+_REUSE_KERNELS = {
+    "local": "RoPE re-alignment (redknot/kernels/rope_align.py)",
+    "left": "RoPE re-alignment (redknot/kernels/rope_align.py)",
+    "blend": "RoPE re-alignment (redknot/kernels/rope_align.py)",
+    "mass": "key mass (redknot/kernels/key_mass.py)",
+    "": "kernels",
+}
+_REUSE_HINT = (
+    "Reused segments would be computed wrong on this device: serve without segment reuse "
+    "(--redknot-segment-fraction 0), or without the layer schedule (no --redknot-dense-layers) "
+    "if only the key mass fails."
+)
+
+
+def _layer_kv(served: ServedAttention, rows: int, g: torch.Generator):
+    """Queries, keys and values of ``rows`` tokens as a layer sees them: views of one
+    projection output ``[rows, (Hq + 2 H_kv) * D]`` (the strides SGLang's attention passes)."""
+    lay = served.layout
+    hq, hk, d = lay.num_q_heads, lay.num_kv_heads, lay.head_dim
+    qkv = torch.randn((rows, (hq + 2 * hk) * d), generator=g).to(served.dtype).to(served.device)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    return q.view(rows, hq, d), k.view(rows, hk, d), v.view(rows, hk, d)
+
+
+def _reuse_failure(served, name: str, lid: int, what: str, err, tol: float) -> None:
+    max_err, _, bad, _ = err
+    if bad:
+        raise StartupCheckError(
+            f"redknot startup check failed for {served.describe()}: segment reuse's "
+            f"{_REUSE_KERNELS[name]} differs from its reference ({name} launch, shaped as in "
+            f"layer {lid}; {what}): max |out - ref| {max_err:.3g}, {bad} values beyond "
+            f"{tol:g} + {tol:g} * |ref|. {_REUSE_HINT} {SKIP_HINT}"
+        )
+
+
+def _check_align(runner, served: ServedAttention, name: str, lid: int, g) -> None:
+    """One RoPE re-alignment launch as ``_align`` (``local``, ``left``: head columns of the
+    region to KV heads of the layer's K/V) or ``_blend`` (every region column to a buffer)."""
+    from redknot.kernels.rope_align import rope_align
+    from redknot.kernels.rope_reference import rope_align_reference
+
+    region, rope, dev = runner.pool.segments, runner.rope, served.device
+    width, d = region.k[lid].shape[1], served.layout.head_dim
+    n, src_rows, dst_len = 40, 64, 48
+    k_src, v_src = (torch.randn((src_rows, width, d), generator=g).to(region.dtype).to(dev)
+                    for _ in range(2))  # fmt: skip
+    if name == "blend":
+        k_dst, v_dst = (x.new_empty((dst_len, width, d)).normal_() for x in (k_src, v_src))
+        heads = {}
+    else:
+        _, k_dst, v_dst = _layer_kv(served, dst_len, g)
+        pair = runner.consts[lid].local if name == "local" else runner.consts[lid].stored_global
+        heads = {"src_heads": pair.cols, "dst_heads": pair.heads}
+    max_pos = rope.cos_sin_cache.shape[0]
+    index = {
+        "src_rows": torch.randperm(src_rows, generator=g)[:n],
+        "dst_rows": torch.randperm(dst_len, generator=g)[:n],
+        "pos_off": torch.randint(0, min(max_pos, 4096), (n,), generator=g),
+        "pos_on": torch.randint(0, max_pos, (n,), generator=g),
+    }
+    index["pos_on"][:4] = index["pos_off"][:4]  # a key at its own position: copied bit for bit
+    index = {k: t.to(dev) for k, t in index.items()}
+    want_k, want_v = rope_align_reference(
+        k_src, index["src_rows"], k_dst, index["dst_rows"], index["pos_off"], index["pos_on"],
+        rope.cos_sin_cache, is_neox=rope.is_neox, v_src=v_src, v_dst=v_dst, **heads,
+    )  # fmt: skip
+    rope_align(
+        k_src, index["src_rows"], k_dst, index["dst_rows"], index["pos_off"], index["pos_on"],
+        rope.cos_sin_cache, is_neox=rope.is_neox, rotary_dim=rope.rotary_dim, v_src=v_src,
+        v_dst=v_dst, **heads,
+    )  # fmt: skip
+    tol = TOLERANCE.get(served.dtype, TOLERANCE[torch.bfloat16])
+    _reuse_failure(served, name, lid, "keys", compare(k_dst, want_k.float(), tol), tol)
+    _reuse_failure(served, name, lid, "values", compare(v_dst, want_v.float(), 0.0), 0.0)
+
+
+def _check_mass(runner, served: ServedAttention, lid: int, g) -> None:
+    """One key-mass launch as ``_probe_mass``: probed queries of a request's last rows, their
+    log-sum-exp over every key they see, the keys read from a global store through a request
+    table row."""
+    from redknot.kernels.key_mass import key_mass
+    from redknot.kernels.reference import key_mass_reference
+
+    lay, dev = served.layout, served.device
+    num_g, grp, d = lay.num_global(lid), lay.group_size, lay.head_dim
+    end, probes, rows, slots = 200, 16, 24, 256
+    q, _, _ = _layer_kv(served, rows, g)
+    store = torch.randn((slots, num_g, d), generator=g).to(served.dtype).to(dev)
+    table = torch.zeros((3, served.table_width), dtype=torch.int32)
+    table[1, :end] = torch.randperm(slots, generator=g)[:end].to(torch.int32)
+    table = table.to(dev)
+    q_heads = runner.consts[lid].global_queries
+    scale = served.layer(lid).scaling
+    q_row0, pos0 = rows - probes, end - probes
+    probed = q[q_row0:, q_heads.long()].view(probes, num_g, grp, d)
+    keys = store[table[1, :end].long()]
+    q_pos = torch.arange(pos0, end, device=dev)
+    scores = torch.einsum("pgjd,lgd->pgjl", probed.float(), keys.float()) * scale
+    future = torch.arange(end, device=dev)[None, :] > q_pos[:, None]
+    scores.masked_fill_(future[:, None, None, :], float("-inf"))
+    lse = torch.zeros((rows, lay.num_q_heads), dtype=torch.float32, device=dev)
+    lse[q_row0:, q_heads.long()] = torch.logsumexp(scores, -1).view(probes, num_g * grp)
+    want = key_mass_reference(probed, keys, q_pos, scale)
+    got = key_mass(q, lse, store, table, 1, q_row0, pos0, probes, end, q_heads, scale)
+    _reuse_failure(served, "mass", lid, "mass per key", compare(got, want, _MASS_TOL), _MASS_TOL)

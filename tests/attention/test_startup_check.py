@@ -15,7 +15,9 @@ from redknot.attention.startup_check import (
     ROW_CASES,
     ServedAttention,
     StartupCheckError,
+    check_reuse_kernels,
     checked_rows,
+    reuse_launches,
     run_startup_check,
 )
 from redknot.pool.layout import HeadLayout
@@ -183,3 +185,92 @@ def test_triton_path_passes_the_gate_at_llama_shape_on_gpu(dtype, monkeypatch):
     monkeypatch.setattr(segpaged_runner, "run_decode", perturbed)
     with pytest.raises(StartupCheckError, match=r"query head 7 \(KV head 1, "):
         run_startup_check(served, "segpaged")
+
+
+# ---- segment reuse's RoPE re-alignment and key mass ---------------------------------------------
+
+
+def _reuse_world(dense_layers: int, segment_heads: str, layout=None, device="cpu"):
+    """A runner over a pool with a segment region (``layout``: 4 layers of 2 KV heads by
+    default), a plain RoPE, the layer schedule from ``dense_layers`` on; and the
+    ServedAttention the gate would build for it."""
+    from redknot.attention.segpaged_runner import SegPagedRunner
+    from redknot.kernels.rope_align import alignable_rope
+    from redknot.kernels.rope_reference import sglang_rope
+    from redknot.pool.kv_pool import RedknotKVPool
+    from redknot.pool.segment_region import plan_segments
+
+    layout = layout or HeadLayout(classes=("GL", "LG", "GG", "LL"), num_q_heads=4, head_dim=64,
+                                  window=WINDOW, sink=SINK)  # fmt: skip
+    dtype, d = torch.bfloat16, layout.head_dim
+    plan = plan_segments([layout], dtype, 10**6, 0.1, segment_heads)
+    pool = RedknotKVPool(600, 1, dtype, layout, num_rings=6, num_snapshots=0, device=device,
+                         segment_plan=plan)  # fmt: skip
+    table = torch.zeros((6, 200), dtype=torch.int32, device=device)
+    runner = SegPagedRunner(layout, pool, table, 6, 200, torch.device(device))
+    runner.rope = alignable_rope(sglang_rope(d, d, 4096, 10000.0, True).to(device))
+    runner.dense_layers = dense_layers
+    served = ServedAttention(
+        layout=layout, dtype=dtype, kv_dtype=dtype, device=torch.device(device),
+        max_context_len=200, table_width=200, model="TinyLlama",
+    )  # fmt: skip
+    return runner, served
+
+
+def test_reuse_launches_are_each_distinct_launch_shape():
+    runner, _ = _reuse_world(dense_layers=4, segment_heads="local")
+    assert reuse_launches(runner) == [("local", 0), ("local", 3)]  # widths 1 and 2
+    runner, _ = _reuse_world(dense_layers=1, segment_heads="all")
+    assert reuse_launches(runner) == [
+        ("local", 0), ("left", 0), ("mass", 1), ("left", 2), ("mass", 2), ("local", 3),
+    ]  # fmt: skip
+
+
+def test_reuse_kernels_pass_and_a_wrong_alignment_or_mass_stops_startup(monkeypatch, gate_log):
+    import importlib
+
+    # the modules (the package re-exports a function under the name rope_align)
+    rope_align = importlib.import_module("redknot.kernels.rope_align")
+    key_mass = importlib.import_module("redknot.kernels.key_mass")
+    runner, served = _reuse_world(dense_layers=1, segment_heads="all")
+    assert check_reuse_kernels(runner, served) == 6
+    (line,) = [m for m in gate_log if "segment reuse's kernels" in m]
+    assert "local of layer 0, left of layer 0, mass of layer 1" in line
+
+    real_align, real_mass = rope_align.rope_align, key_mass.key_mass
+
+    def misaligned(k_src, src_rows, k_dst, dst_rows, *args, **kwargs):
+        real_align(k_src, src_rows, k_dst, dst_rows, *args, **kwargs)
+        k_dst[dst_rows[5], :, 3] += 0.5  # one key's dim 3, every head moved
+
+    monkeypatch.setattr(rope_align, "rope_align", misaligned)
+    with pytest.raises(StartupCheckError) as e:
+        check_reuse_kernels(runner, served)
+    msg = str(e.value)
+    assert "RoPE re-alignment (redknot/kernels/rope_align.py) differs from its reference" in msg
+    assert "(local launch, shaped as in layer 0; keys)" in msg
+    assert "--redknot-segment-fraction 0" in msg and "--redknot-skip-startup-check" in msg
+
+    def off_mass(*args, **kwargs):
+        out = real_mass(*args, **kwargs)
+        out[7] += 0.01
+        return out
+
+    monkeypatch.setattr(rope_align, "rope_align", real_align)
+    monkeypatch.setattr(key_mass, "key_mass", off_mass)
+    with pytest.raises(
+        StartupCheckError, match=r"key mass .* \(mass launch, shaped as in layer 1;"
+    ):
+        check_reuse_kernels(runner, served)
+
+
+@pytest.mark.gpu
+def test_reuse_kernels_pass_the_gate_at_llama_shape_on_gpu():
+    """Llama-3.1-8B's attention shape with a 1/8 map, segments keeping every head and the layer
+    schedule on: every launch shape of segment reuse matches its reference."""
+    classes = ("GLLLLLLL", "LLLGLLLL", "GLGLGGLL", "LLLLLLLL", "GGGGGGGG")
+    layout = HeadLayout(classes=classes, num_q_heads=32, head_dim=128, window=256, sink=64)
+    runner, served = _reuse_world(1, "all", layout, "cuda")
+    launches = reuse_launches(runner)
+    assert {name for name, _ in launches} == {"local", "left", "mass"}
+    assert check_reuse_kernels(runner, served) == len(launches)

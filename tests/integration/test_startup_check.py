@@ -112,22 +112,29 @@ def test_skip_flag_is_documented_in_help(sglang_plugins):
 # ---- the backend runs the gate -----------------------------------------------------------
 
 
-def _model_runner(args, layout_dtype=torch.bfloat16):
+def _model_runner(args, layout_dtype=torch.bfloat16, segments=False):
     """What the redknot backend reads of SGLang's ModelRunner, with a pool built as the pool hook
-    builds it and the model's attention layers (no weights: the gate needs none)."""
+    builds it and the model's attention layers (no weights: the gate needs none); with
+    ``segments``, a segment region in the pool and the model's RoPE."""
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from redknot.integration.server_args import published_config, rank_layout
+    from redknot.kernels.rope_reference import sglang_rope
     from redknot.pool.kv_pool import RedknotKVPool
+    from redknot.pool.segment_region import plan_segments
 
     mc = args.get_model_config()
     layout = rank_layout(published_config(), mc)
     req_pool = ReqToTokenPool(4, mc.context_len + 4, "cpu", enable_memory_saver=False)
-    pool = RedknotKVPool(256, 1, layout_dtype, layout, num_rings=5, num_snapshots=0, device="cpu")
+    plan = plan_segments([layout], layout_dtype, 10**6, 0.1, "local") if segments else None
+    pool = RedknotKVPool(256, 1, layout_dtype, layout, num_rings=5, num_snapshots=0,
+                         device="cpu", segment_plan=plan)  # fmt: skip
     model = torch.nn.ModuleList(
         RadixAttention(4, 64, 0.125, 2, layer_id=i) for i in range(TINY["num_hidden_layers"])
     )
+    if segments:
+        model.append(sglang_rope(64, 64, 512, 10000.0, True))
     return SimpleNamespace(
         model_config=mc, model=model, device="cpu", dtype=layout_dtype,
         kv_cache_dtype=layout_dtype, use_mla_backend=False, is_hybrid_swa=False,
@@ -167,6 +174,16 @@ def test_backend_with_local_heads_passes_the_gate_before_it_is_returned(
     assert "LlamaForCausalLM on TP rank 0/1: 4 query / 2 KV heads, head_dim 64" in line
     rows = {"G" * 2} | set(backend.layout.classes)
     assert f"on {len(rows)} head-class row(s)" in line
+
+
+def test_with_segments_the_gate_also_checks_the_reuse_kernels(
+    sglang_plugins, tiny_dir, tiny_map, fresh_gate, gate_log
+):
+    args = _parse(tiny_dir, *MAP_FLAGS, "--redknot-head-map", str(tiny_map))
+    backend = _build_backend(_model_runner(args, segments=True))
+    assert backend.segpaged.rope is not None
+    (line,) = [m for m in gate_log if "segment reuse's kernels" in m]
+    assert "(local of layer 0" in line and "match their references on cpu" in line
 
 
 def test_a_wrong_kernel_stops_the_backend_from_being_built(
