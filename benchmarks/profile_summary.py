@@ -11,7 +11,9 @@ reports, over the traced span:
 - ``runtime``: CUDA runtime calls (launches, copies, synchronisations) by count and host time;
 - ``per_layer``: the span from one ``segpaged_extend_kernel`` launch (one per decoder layer of
   an extend) to the next, the kernel time in it and its kernel count (the last one runs to the
-  end of the traced span: it includes what follows the last layer).
+  end of the traced span: it includes what follows the last layer);
+- ``longest_host``: the longest single host events (ranges, operators, runtime calls), where a
+  first prompt's one-off costs (compiles, first launches) show.
 
     python benchmarks/profile_summary.py TRACE.json.gz [...] --out benchmarks/results/x.json
 """
@@ -117,6 +119,13 @@ def summarize(events: list[dict], top: int = 25) -> dict:
             for n, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:top]
         ],
         "per_layer": per_layer,
+        "longest_host": [
+            {"name": e.get("name", "")[:160], "cat": e.get("cat"), "ms": ms(e["dur"])}
+            for e in sorted(
+                (e for e in events if e.get("cat") not in ("kernel", "gpu_user_annotation")),
+                key=lambda e: -e["dur"],
+            )[:top]
+        ],
     }
 
 

@@ -218,7 +218,7 @@ def child(args) -> None:
         info = engine.get_server_info()["internal_states"][0].get("redknot_segments", {})
         return {k: info.get(k, 0) for k in STORE_COUNTERS}
 
-    startup = sorted(compiled)
+    compiled_at_startup = dict(compiled)
     one = {"temperature": 0.0, "max_new_tokens": 1}
     out = {}
     try:
@@ -244,17 +244,29 @@ def child(args) -> None:
                 sampling = dict(one)
                 if reuse:
                     sampling["custom_params"] = encode_marks(marks)
+                profiled = args.profile_warmup and not rep and not out
+                if profiled:  # the engine's first prompt of this kind, under the profiler
+                    where = Path(args.profile_dir, f"{args.child}-warmup")
+                    engine.start_profile(
+                        output_dir=str(where), activities=["CPU", "GPU"], with_stack=False,
+                        record_shapes=False,
+                    )  # fmt: skip
                 t0 = time.perf_counter()
                 engine.generate(input_ids=ids, sampling_params=sampling)
                 if rep:  # the first is a warm-up
                     times.append(time.perf_counter() - t0)
                 else:
                     warmup_s = time.perf_counter() - t0
+                    if profiled:
+                        engine.stop_profile()
                     if args.compile_log:  # what compiled in the point's first prompt
                         now = triton_kernels()
-                        first_compiles = sorted(set(now) - set(compiled))
+                        first_compiles = {
+                            k: n - compiled.get(k, 0) for k, n in now.items()
+                            if n > compiled.get(k, 0)
+                        }  # fmt: skip
                         compiled = now
-            if args.profile_dir:  # one more prompt under the torch profiler (not timed)
+            if args.profile_dir and not args.profile_warmup:  # one more, under the profiler
                 ids[0] = rand(1)[0]  # a prefix no earlier prompt had
                 where = Path(args.profile_dir, f"{args.child}-{point_key(length, segments)}")
                 engine.start_profile(
@@ -283,7 +295,7 @@ def child(args) -> None:
         engine.shutdown()
     result = {"points": out}
     if args.compile_log:
-        result["triton_compiled_at_startup"] = startup
+        result["triton_compiled_at_startup"] = compiled_at_startup
     print("RESULT " + json.dumps(result))
 
 
@@ -327,6 +339,12 @@ def main() -> None:
         "write its trace under DIR/VARIANT-POINT (summarise with benchmarks/profile_summary.py)",
     )
     ap.add_argument(
+        "--profile-warmup",
+        action="store_true",
+        help="with --profile-dir: profile the first point's warm-up prompt (the engine's first "
+        "prompt of its kind: compiles and first-use costs show) instead of one more prompt",
+    )
+    ap.add_argument(
         "--profile-variants",
         default="",
         help="with --profile-dir: profile only these variants (comma-separated; default all)",
@@ -335,7 +353,7 @@ def main() -> None:
         "--compile-log",
         action="store_true",
         help="give each engine an empty Triton cache and record the kernels compiled at "
-        "startup and in each point's first (warm-up) prompt",
+        "startup and in each point's first (warm-up) prompt (name -> new variants)",
     )
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument(
@@ -372,7 +390,11 @@ def main() -> None:
         "segment_fraction",
         "chunked_prefill_size",
         "profile_dir",
-    ) + (["--compile-log"] if args.compile_log else [])
+    ) + [
+        f"--{flag}"
+        for flag in ("compile-log", "profile-warmup")
+        if getattr(args, flag.replace("-", "_"))
+    ]
     profiled = set(split_variants(args.profile_variants or args.variants))
     results = {}
     for name in split_variants(args.variants):

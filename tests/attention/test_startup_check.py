@@ -203,7 +203,7 @@ def _reuse_world(dense_layers: int, segment_heads: str, layout=None, device="cpu
     layout = layout or HeadLayout(classes=("GL", "LG", "GG", "LL"), num_q_heads=4, head_dim=64,
                                   window=WINDOW, sink=SINK)  # fmt: skip
     dtype, d = torch.bfloat16, layout.head_dim
-    plan = plan_segments([layout], dtype, 10**6, 0.1, segment_heads)
+    plan = plan_segments([layout], dtype, 10**8, 0.1, segment_heads)
     pool = RedknotKVPool(600, 1, dtype, layout, num_rings=6, num_snapshots=0, device=device,
                          segment_plan=plan)  # fmt: skip
     table = torch.zeros((6, 200), dtype=torch.int32, device=device)

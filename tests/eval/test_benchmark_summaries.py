@@ -207,6 +207,11 @@ def test_profile_summary_busy_time_and_ranges_on_a_made_up_trace():
     assert "other" not in out["ranges"]
     assert out["kernels"][0] == {"name": "gemm", "count": 2, "total_ms": 0.02}
     assert out["runtime"] == [{"name": "cudaStreamSynchronize", "count": 1, "host_ms": 0.007}]
+    assert out["longest_host"] == [  # host events only, longest first
+        {"name": "redknot.spread", "cat": "user_annotation", "ms": 0.04},
+        {"name": "cudaStreamSynchronize", "cat": "cuda_runtime", "ms": 0.007},
+        {"name": "other", "cat": "user_annotation", "ms": 0.003},
+    ]
 
 
 def test_policies_take_the_servers_ttft_at_their_default_knobs_only():
