@@ -257,6 +257,7 @@ def child(args) -> None:
                     times.append(time.perf_counter() - t0)
                 else:
                     warmup_s = time.perf_counter() - t0
+                    warmup_at = time.time() - warmup_s  # wall clock, to match compile logs
                     if profiled:
                         engine.stop_profile()
                     if args.compile_log:  # what compiled in the point's first prompt
@@ -285,6 +286,7 @@ def child(args) -> None:
             }
             if args.compile_log:
                 row["triton_compiled_in_warmup"] = first_compiles
+                row["warmup_started_at"] = warmup_at
             if reuse:  # this point's lookups only (warm-up included)
                 after = store_counters()
                 row["segment_store"] = {k: after[k] - before[k] for k in STORE_COUNTERS}
