@@ -27,6 +27,7 @@ from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.extend import segpaged_extend_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16)
+_ALIGN_INT32 = 4  # int32 entries in 16 bytes
 
 
 @dataclass(frozen=True)
@@ -190,17 +191,24 @@ def gather_tiles(plan: ExtendPlan, rows_gpu: torch.Tensor, counts_cpu: Sequence[
     for n in counts:
         indptr.append(indptr[-1] + n)
     NT = len(tiles)
-    packed = torch.tensor([t[1] for t in tiles] + [t[2] for t in tiles] + indptr, dtype=torch.int32)
-    on_device = to_device(packed, rows_gpu.device)  # one copy: tile_req | tile_start | indptr
+    # One copy: tile_req | tile_start | indptr, each part at a 16-byte boundary. Triton
+    # specialises a kernel on whether each pointer is 16-byte aligned, so unaligned parts would
+    # compile a new variant of the kernel per tile count modulo 4 (in a request, not at startup).
+    at = _ALIGN_INT32 * -(-NT // _ALIGN_INT32)
+    packed = torch.zeros(2 * at + len(indptr), dtype=torch.int32)
+    packed[:NT] = torch.tensor([t[1] for t in tiles], dtype=torch.int32)
+    packed[at : at + NT] = torch.tensor([t[2] for t in tiles], dtype=torch.int32)
+    packed[2 * at :] = torch.tensor(indptr, dtype=torch.int32)
+    on_device = to_device(packed, rows_gpu.device)
     return replace(
         plan,
         tile_req_cpu=packed[:NT],
-        tile_start_cpu=packed[NT : 2 * NT],
+        tile_start_cpu=packed[at : at + NT],
         tile_req_gpu=on_device[:NT],
-        tile_start_gpu=on_device[NT : 2 * NT],
+        tile_start_gpu=on_device[at : at + NT],
         rows_gpu=rows_gpu,
-        rows_indptr_gpu=on_device[2 * NT :],
-        rows_indptr_cpu=packed[2 * NT :],
+        rows_indptr_gpu=on_device[2 * at :],
+        rows_indptr_cpu=packed[2 * at :],
     )
 
 

@@ -241,6 +241,19 @@ def test_gather_tiles_packs_each_requests_rows():
         gather_tiles(plan, rows, counts[:-1])
 
 
+@pytest.mark.parametrize("num_rows", [1, 5, 9, 13, 17, 30])  # 1 to 4 tiles and more
+def test_gather_tiles_device_tables_start_16_byte_aligned(num_rows):
+    """Triton specialises on each pointer's 16-byte alignment: every table of a gathered plan
+    starts aligned whatever the tile count, so one compiled variant serves every batch."""
+    plan = _two_group_batch(torch.bfloat16, seed=5)[3]
+    rows = torch.arange(num_rows)  # the first request's rows
+    counts = [num_rows] + [0] * (plan.batch_size - 1)
+    gathered = gather_tiles(plan, rows, counts)
+    tables = (gathered.tile_req_gpu, gathered.tile_start_gpu, gathered.rows_indptr_gpu)
+    assert all(t.data_ptr() % 16 == 0 for t in tables), [t.data_ptr() % 16 for t in tables]
+    assert gathered.tile_start_cpu.tolist() == sorted(range(0, num_rows, SMALL.block_q(2)))[::-1]
+
+
 # ---- GPU: real shapes -------------------------------------------------------------------------
 
 LLAMA = "GLLLLLLL"  # 8 KV heads, 1 global; 32 query heads
