@@ -23,7 +23,9 @@ dummy weights):
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
 ``--reps`` after one warm-up at each point; the warm-up's own TTFT is kept as ``warmup_ttft_s``:
 at the first point it is the engine's first reusing prompt, and ``--compile-log`` names the
-Triton kernels compiled at startup and in each warm-up, from an empty cache). ``flops`` is the analytical prefill FLOPs of the
+Triton kernels compiled at startup and in each warm-up, from an empty cache). Each engine first
+runs the warm-up request ``launch_server`` sends once it is up (three tokens, eight new ones),
+so SGLang's own first-use builds are not counted in a first prompt. ``flops`` is the analytical prefill FLOPs of the
 schedule each variant runs (projections and FFN of every token, attention over the keys each
 head sees); for ``redknot-g0.125-reuse-sparse-ffn`` (``--redknot-dense-layers 8``: the FFN of
 deeper layers runs only on the segment tokens the question attends to most) minus the FFNs the
@@ -218,6 +220,13 @@ def child(args) -> None:
         info = engine.get_server_info()["internal_states"][0].get("redknot_segments", {})
         return {k: info.get(k, 0) for k in STORE_COUNTERS}
 
+    # launch_server's own warm-up request (SGLang's http_server: a short prompt, 8 new tokens):
+    # what a served model has run before its first request (SGLang's first-use JIT builds)
+    t0 = time.perf_counter()
+    engine.generate(input_ids=[10, 11, 12], sampling_params={"max_new_tokens": 8})
+    server_warmup_s = time.perf_counter() - t0
+    if args.compile_log:
+        compiled = triton_kernels()
     compiled_at_startup = dict(compiled)
     one = {"temperature": 0.0, "max_new_tokens": 1}
     out = {}
@@ -295,7 +304,7 @@ def child(args) -> None:
             print(args.child, length, segments, row["ttft_s"], flush=True)
     finally:
         engine.shutdown()
-    result = {"points": out}
+    result = {"points": out, "server_warmup_s": server_warmup_s}
     if args.compile_log:
         result["triton_compiled_at_startup"] = compiled_at_startup
     print("RESULT " + json.dumps(result))
