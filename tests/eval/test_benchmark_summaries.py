@@ -264,3 +264,19 @@ def test_each_served_setting_finds_the_reference_row_of_its_knobs():
         reference_row(rows, "epic", {"epic_k": 32}, "f")
     with pytest.raises(SystemExit, match="0 reference rows of redknot"):
         reference_row(rows, "redknot", {**served, "dense_layers": 4}, "f")
+
+
+def test_first_request_summary_keeps_the_first_prompt_apart_from_the_later_ones():
+    from benchmarks.first_request import first_prompts
+
+    run = {"variants": {"redknot": {
+        "server_warmup_s": 0.9, "triton_compiled_at_startup": {"k": 1},
+        "points": {"32768x8": {"warmup_ttft_s": 6.7, "ttft_samples_s": [0.31, 0.30],
+                               "triton_compiled_in_warmup": {"rope_align_kernel": 2}}},
+    }}}  # fmt: skip
+    got = first_prompts(run)["redknot"]
+    assert got["server_warmup_s"] == 0.9 and got["triton_compiled_at_startup"] == {"k": 1}
+    assert got["points"]["32768x8"] == {
+        "first_ttft_s": 6.7, "later_ttft_s": [0.31, 0.30],
+        "triton_compiled_in_first": {"rope_align_kernel": 2},
+    }  # fmt: skip
