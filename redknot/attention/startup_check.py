@@ -467,12 +467,12 @@ def reuse_launches(runner: Any) -> list[tuple[str, int]]:
     """(launch, first layer with its shape) for every distinct kernel launch segment reuse makes
     on this rank (what :meth:`SegPagedRunner._reuse_kv`, ``_blend`` and ``_probe_mass`` launch):
 
-    | launch        | when                                       | distinct by                 |
-    | ------------- | ------------------------------------------ | --------------------------- |
-    | ``local``     | every reusing request, layers with local heads | region width, local heads |
-    | ``left``      | rows leave recovery (layer schedule or a token policy) | region width, global heads kept |
-    | ``blend``     | CacheBlend's check layer                   | region width                |
-    | ``mass``      | the layer schedule's deep layers with global heads | global heads            |
+    | launch    | when                                               | distinct by                |
+    | --------- | -------------------------------------------------- | -------------------------- |
+    | ``local`` | every reusing request, in layers with local heads  | region width, local heads  |
+    | ``left``  | rows leave recovery (layer schedule, token policy) | region width, global heads |
+    | ``blend`` | CacheBlend's check layer                           | region width               |
+    | ``mass``  | the layer schedule's deep layers with global heads | global heads               |
     """
     lay = runner.layout
     widths = [len(h) for h in runner.pool.segments.heads]
