@@ -608,7 +608,7 @@ def _check_mass(runner, served: ServedAttention, lid: int, g) -> None:
     log-sum-exp over every key they see, the keys read from a global store through a request
     table row."""
     from redknot.kernels.key_mass import key_mass
-    from redknot.kernels.reference import key_mass_reference
+    from redknot.kernels.reference import key_mass_reference, probe_lse
 
     lay, dev = served.layout, served.device
     num_g, grp, d = lay.num_global(lid), lay.group_size, lay.head_dim
@@ -624,11 +624,8 @@ def _check_mass(runner, served: ServedAttention, lid: int, g) -> None:
     probed = q[q_row0:, q_heads.long()].view(probes, num_g, grp, d)
     keys = store[table[1, :end].long()]
     q_pos = torch.arange(pos0, end, device=dev)
-    scores = torch.einsum("pgjd,lgd->pgjl", probed.float(), keys.float()) * scale
-    future = torch.arange(end, device=dev)[None, :] > q_pos[:, None]
-    scores.masked_fill_(future[:, None, None, :], float("-inf"))
     lse = torch.zeros((rows, lay.num_q_heads), dtype=torch.float32, device=dev)
-    lse[q_row0:, q_heads.long()] = torch.logsumexp(scores, -1).view(probes, num_g * grp)
+    lse[q_row0:, q_heads.long()] = probe_lse(probed, keys, q_pos, scale).view(probes, -1)
     want = key_mass_reference(probed, keys, q_pos, scale)
     got = key_mass(q, lse, store, table, 1, q_row0, pos0, probes, end, q_heads, scale)
     _reuse_failure(served, "mass", lid, "mass per key", compare(got, want, _MASS_TOL), _MASS_TOL)

@@ -141,6 +141,19 @@ def extend_reference(
     return out.to(q.dtype), lse
 
 
+def _probe_scores(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float):
+    """[P, G, grp, L] float32 scaled scores of the probed queries, -inf after each position."""
+    scores = torch.einsum("pgjd,lgd->pgjl", q.float(), keys.float()) * scale
+    future = torch.arange(keys.shape[0], device=keys.device)[None, :] > q_pos[:, None]
+    return scores.masked_fill_(future[:, None, None, :], float("-inf"))
+
+
+def probe_lse(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float):
+    """[P, G, grp] float32: the log-sum-exp the layer's attention writes for each probed query
+    (over every key at or before its position); arguments as :func:`key_mass_reference`."""
+    return torch.logsumexp(_probe_scores(q, keys, q_pos, scale), dim=-1)
+
+
 def key_mass_reference(
     q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -158,10 +171,7 @@ def key_mass_reference(
     -------
     [L] float32 mass per key.
     """
-    scores = torch.einsum("pgjd,lgd->pgjl", q.float(), keys.float()) * scale
-    future = torch.arange(keys.shape[0], device=keys.device)[None, :] > q_pos[:, None]
-    scores.masked_fill_(future[:, None, None, :], float("-inf"))
-    return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+    return torch.softmax(_probe_scores(q, keys, q_pos, scale), dim=-1).sum(dim=(0, 1, 2))
 
 
 def choose_rows_reference(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from redknot.kernels.key_mass import key_mass, query_heads
-from redknot.kernels.reference import key_mass_reference
+from redknot.kernels.reference import key_mass_reference, probe_lse
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, in the interpreter
 
@@ -31,12 +31,9 @@ def _case(num_kv, glob, grp, dim, end, probe_start, q_row0, dtype, device, seed)
     probe_q = q[q_row0 : q_row0 + num_probe][:, heads.long()].view(num_probe, G, grp, dim)
     keys = store[slots]  # [end, G, D]
     positions = torch.arange(probe_start, end)
-    # the LSE the attention of the layer writes: over every key at or before each query
-    s = torch.einsum("pgjd,lgd->pgjl", probe_q.float(), keys.float()) * scale
-    s = s.masked_fill(torch.arange(end)[None, None, None, :] > positions[:, None, None, None],
-                      float("-inf"))  # fmt: skip
     lse = torch.full((rows, Hq), 5.0)  # rows other than the probed ones are never read
-    lse[q_row0 : q_row0 + num_probe, heads.long()] = torch.logsumexp(s, -1).view(num_probe, -1)
+    probed = probe_lse(probe_q, keys, positions, scale)  # what the layer's attention writes
+    lse[q_row0 : q_row0 + num_probe, heads.long()] = probed.view(num_probe, -1)
     want = key_mass_reference(probe_q, keys, positions, scale)
     to = lambda t: t.to(device)
     got = key_mass(to(q), to(lse), to(store), to(req_to_token), 1, q_row0, probe_start,
