@@ -209,7 +209,6 @@ def child(args) -> None:
     if args.compile_log:  # a cache of its own: every Triton kernel this engine uses compiles
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="redknot-triton-")
     engine = sgl.Engine(**common.engine_kwargs(args.model, context, **extra))
-    compiled = triton_kernels() if args.compile_log else {}
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
 
@@ -225,9 +224,7 @@ def child(args) -> None:
     t0 = time.perf_counter()
     engine.generate(input_ids=[10, 11, 12], sampling_params={"max_new_tokens": 8})
     server_warmup_s = time.perf_counter() - t0
-    if args.compile_log:
-        compiled = triton_kernels()
-    compiled_at_startup = dict(compiled)
+    compiled_at_startup = compiled = triton_kernels() if args.compile_log else {}
     one = {"temperature": 0.0, "max_new_tokens": 1}
     out = {}
     try:
@@ -255,11 +252,7 @@ def child(args) -> None:
                     sampling["custom_params"] = encode_marks(marks)
                 profiled = args.profile_warmup and not rep and not out
                 if profiled:  # the engine's first prompt of this kind, under the profiler
-                    where = Path(args.profile_dir, f"{args.child}-warmup")
-                    engine.start_profile(
-                        output_dir=str(where), activities=["CPU", "GPU"], with_stack=False,
-                        record_shapes=False,
-                    )  # fmt: skip
+                    start_profile(engine, Path(args.profile_dir, f"{args.child}-warmup"))
                 t0 = time.perf_counter()
                 engine.generate(input_ids=ids, sampling_params=sampling)
                 if rep:  # the first is a warm-up
@@ -278,11 +271,9 @@ def child(args) -> None:
                         compiled = now
             if args.profile_dir and not args.profile_warmup:  # one more, under the profiler
                 ids[0] = rand(1)[0]  # a prefix no earlier prompt had
-                where = Path(args.profile_dir, f"{args.child}-{point_key(length, segments)}")
-                engine.start_profile(
-                    output_dir=str(where), activities=["CPU", "GPU"], with_stack=False,
-                    record_shapes=False,
-                )  # fmt: skip
+                start_profile(
+                    engine, Path(args.profile_dir, f"{args.child}-{point_key(length, segments)}")
+                )
                 engine.generate(input_ids=ids, sampling_params=sampling)
                 engine.stop_profile()
             row = {
@@ -308,6 +299,13 @@ def child(args) -> None:
     if args.compile_log:
         result["triton_compiled_at_startup"] = compiled_at_startup
     print("RESULT " + json.dumps(result))
+
+
+def start_profile(engine, where: Path) -> None:
+    """The torch profiler (host and GPU, no stacks or shapes) on the engine, traces to ``where``."""
+    engine.start_profile(
+        output_dir=str(where), activities=["CPU", "GPU"], with_stack=False, record_shapes=False
+    )
 
 
 def triton_kernels() -> dict[str, int]:

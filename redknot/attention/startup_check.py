@@ -504,7 +504,6 @@ def check_reuse_kernels(runner: Any, served: ServedAttention, seed: int = 0) -> 
     start = time.perf_counter()
     g = torch.Generator().manual_seed(seed)
     launches = reuse_launches(runner)
-    name = ""
     try:
         for name, lid in launches:
             if name == "mass":
@@ -515,7 +514,7 @@ def check_reuse_kernels(runner: Any, served: ServedAttention, seed: int = 0) -> 
         raise
     except Exception as e:
         raise StartupCheckError(
-            f"redknot startup check could not run segment reuse's {_REUSE_KERNELS[name]} "
+            f"redknot startup check could not run segment reuse's {_kernel_of(name)} "
             f"({name} launch) for {served.describe()}: {type(e).__name__}: {e}. {_REUSE_HINT} "
             f"{SKIP_HINT}"
         ) from e
@@ -527,13 +526,12 @@ def check_reuse_kernels(runner: Any, served: ServedAttention, seed: int = 0) -> 
     return len(launches)
 
 
-_REUSE_KERNELS = {
-    "local": "RoPE re-alignment (redknot/kernels/rope_align.py)",
-    "left": "RoPE re-alignment (redknot/kernels/rope_align.py)",
-    "blend": "RoPE re-alignment (redknot/kernels/rope_align.py)",
-    "mass": "key mass (redknot/kernels/key_mass.py)",
-    "": "kernels",
-}
+def _kernel_of(launch: str) -> str:
+    if launch == "mass":
+        return "key mass (redknot/kernels/key_mass.py)"
+    return "RoPE re-alignment (redknot/kernels/rope_align.py)"  # local, left, blend
+
+
 _REUSE_HINT = (
     "Reused segments would be computed wrong on this device: serve without segment reuse "
     "(--redknot-segment-fraction 0), or without the layer schedule (no --redknot-dense-layers) "
@@ -556,7 +554,7 @@ def _reuse_failure(served, name: str, lid: int, what: str, err, tol: float) -> N
     if bad:
         raise StartupCheckError(
             f"redknot startup check failed for {served.describe()}: segment reuse's "
-            f"{_REUSE_KERNELS[name]} differs from its reference ({name} launch, shaped as in "
+            f"{_kernel_of(name)} differs from its reference ({name} launch, shaped as in "
             f"layer {lid}; {what}): max |out - ref| {max_err:.3g}, {bad} values beyond "
             f"{tol:g} + {tol:g} * |ref|. {_REUSE_HINT} {SKIP_HINT}"
         )
