@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the time of a reusing prompt goes without the torch profiler: the redknot variant's TTFT
-# plain, then again with scripts/diag_site's host sampler and layer timeline (their summaries,
-# plus the plain and the instrumented TTFT, under $OUT).
+# plain, then again with scripts/diag_site's layer timeline (its summary and raw lines, plus the
+# plain and the instrumented TTFT, under $OUT).
 #   after `source scripts/device_prelude.sh`: bash scripts/host_timeline_gpu.sh
 # VARIANT / POINTS / REPS override the variant, points and reps; SKIP_PLAIN=1 runs only the
 # instrumented engine.
@@ -12,12 +12,10 @@ if [ "${SKIP_PLAIN:-0}" != 1 ]; then
     --out "$OUT/ttft_plain.json" > "$OUT/plain.log" 2>&1
 fi
 rm -rf /tmp/diag && mkdir -p /tmp/diag
-REDKNOT_HOST_SAMPLE_LOG=/tmp/diag/host REDKNOT_LAYER_TIMELINE=/tmp/diag/timeline.jsonl \
+REDKNOT_LAYER_TIMELINE=/tmp/diag/timeline.jsonl \
   REDKNOT_TIMELINE_MIN_ROWS=$rows PYTHONPATH="$PWD/scripts/diag_site:$PYTHONPATH" \
   python3 benchmarks/ttft.py --points $points --reps $reps --variants $variant \
     --out "$OUT/ttft_diag.json" > "$OUT/diag.log" 2>&1
-python3 scripts/diag_site/host_sample_summary.py /tmp/diag/host.*.json --in-timeline --top 80 \
-  --out "$OUT/host_samples.json" > /dev/null
 python3 scripts/diag_site/layer_timeline_summary.py /tmp/diag/timeline.jsonl \
   --out "$OUT/layer_timeline.json" > /dev/null
 tar -C /tmp/diag -czf "$OUT/diag_raw.tgz" .

@@ -52,11 +52,14 @@ PATH_NAMES = {
     "segpaged": "the Triton path (redknot's SegPaged kernels)",
 }
 _MAX_LINES = 8  # failing cases listed in the error
-# The extend as segment reuse runs it: (case name, rows packed into tiles, with the LSE)
+# The extend as segment reuse runs it: (case name, rows packed into tiles, with the LSE, runs
+# each global row's keys are split into: None as served, where the synthetic rows are too short
+# to split; 3 for the split launch and its merge)
 ROW_CASES = (
-    ("extend (every third row, packed)", True, False),
-    ("extend (with LSE)", False, True),
-    ("extend (every third row, packed, with LSE)", True, True),
+    ("extend (every third row, packed)", True, False, None),
+    ("extend (with LSE)", False, True, None),
+    ("extend (every third row, packed, with LSE)", True, True, None),
+    ("extend (every third row, packed, with LSE, keys split in 3)", True, True, 3),
 )
 _passed: set[tuple] = set()  # what this process already checked (TBO builds two backends)
 
@@ -221,11 +224,11 @@ class SegPagedPath:
         run = self.runner.decode if fb.forward_mode.is_decode() else self.runner.extend
         return run(q, k, v, layer, fb, True)
 
-    def run_rows(self, q, k, v, layer, packed: bool, with_lse: bool):
+    def run_rows(self, q, k, v, layer, packed: bool, with_lse: bool, num_splits: int | None):
         """The planned extend's attention in ``layer`` as segment reuse runs it: every third
         row packed into tiles if ``packed`` (else every row), with the log-sum-exp if
-        ``with_lse``; writes no store. Returns ``(batch rows, out [A, Hq, D], lse [A, Hq] or
-        None)``."""
+        ``with_lse``, global rows' keys split in ``num_splits`` runs (None: as served); writes
+        no store. Returns ``(batch rows, out [A, Hq, D], lse [A, Hq] or None)``."""
         from redknot.attention.extend_state import rows_per_request
         from redknot.kernels.extend import gather_tiles, run_extend
 
@@ -243,7 +246,7 @@ class SegPagedPath:
         lse = q.new_empty(q.shape[:2], dtype=torch.float32) if with_lse else None
         run_extend(
             plan, q, k.to(q.dtype), v.to(q.dtype), *r.stores(lid), r.req_to_token, r.heads[lid],
-            layer.scaling, out=out, lse=lse,
+            layer.scaling, out=out, lse=lse, num_splits=num_splits,
         )  # fmt: skip
         return picked, out, lse
 
@@ -348,8 +351,8 @@ def _run_case(served, runner, batch, rows, phase: str, graph: bool, tol: float):
         rows_too = phase == "extend" and not graph and isinstance(runner, SegPagedPath)
         if rows_too:  # read-only, so before the layer's new keys are written to the stores
             ref, ref_lse = batch.reference_with_lse(i, phase, layer.scaling)
-            for name, packed, with_lse in ROW_CASES:
-                picked, out, lse = runner.run_rows(*qkv, layer, packed, with_lse)
+            for name, packed, with_lse, splits in ROW_CASES:
+                picked, out, lse = runner.run_rows(*qkv, layer, packed, with_lse, splits)
                 pairs = [(name, out, ref[picked])]
                 if with_lse:
                     pairs.append((name + ": log-sum-exp", lse, ref_lse[picked]))

@@ -15,6 +15,7 @@ the layer's attention, or size the ring for them.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -24,7 +25,7 @@ import torch
 from redknot.kernels.decode import check_layer_io
 from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.kernels.triton.common import upcast_dots
-from redknot.kernels.triton.extend import segpaged_extend_kernel
+from redknot.kernels.triton.extend import segpaged_extend_kernel, segpaged_extend_merge_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN_INT32 = 4  # int32 entries in 16 bytes
@@ -40,6 +41,11 @@ class ExtendConfig:
     block_n: int = 64  # keys per inner-loop block
     num_warps: int = 8
     num_stages: int = 3
+    # Splitting the keys of global rows when few tiles attend long rows (choose_extend_splits)
+    split_programs_per_sm: int = 2  # split until global-head programs fill the SMs this often
+    min_split_keys: int = 512  # keys per run at least
+    max_splits: int = 64
+    max_split_bytes: int = 256 << 20  # the runs' outputs (float32) at most
 
     def block_q(self, group_size: int) -> int:
         """New tokens per tile (a GQA group of 3 uses 126 of 128 rows)."""
@@ -118,6 +124,40 @@ class ExtendPlan:
     @property
     def num_tiles(self) -> int:
         return self.tile_req_cpu.shape[0]
+
+    @functools.cached_property
+    def max_keys(self) -> int:
+        """Keys of the longest request (cached and new tokens)."""
+        lens = self.qo_indptr_cpu[1:] - self.qo_indptr_cpu[:-1]
+        return int((self.prefix_lens_cpu + lens).max()) if self.batch_size else 0
+
+
+def choose_extend_splits(plan: ExtendPlan, num_global: int, num_sms: int) -> int:
+    """Runs of a global row's keys (``segpaged_extend_kernel``): enough that the global heads'
+    tiles make ``split_programs_per_sm`` programs per SM, each run at least ``min_split_keys``
+    keys of the longest request; 1 (no split) when the tiles already fill the GPU."""
+    cfg = plan.config
+    programs = plan.num_tiles * num_global
+    if programs == 0 or programs >= cfg.split_programs_per_sm * num_sms:
+        return 1
+    want = -(-cfg.split_programs_per_sm * num_sms // programs)
+    runs = min(want, plan.max_keys // cfg.min_split_keys, cfg.max_splits)
+    per_run = plan.num_rows * num_global * plan.geometry.group_size * (plan.geometry.head_dim + 1)
+    return max(1, min(runs, cfg.max_split_bytes // max(4 * per_run, 1)))
+
+
+@functools.cache
+def _no_parts(device: torch.device, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for the runs' outputs of an unsplit launch (float32, as the kernel takes)."""
+    return (torch.empty((1, 1, 1, head_dim), dtype=torch.float32, device=device),
+            torch.empty((1, 1, 1), dtype=torch.float32, device=device))  # fmt: skip
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the Triton interpreter: any count
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def plan_extend(
@@ -228,6 +268,7 @@ def run_extend(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     skip_global: bool = False,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal extend attention of one layer.
 
@@ -245,6 +286,7 @@ def run_extend(
     lse : optional [rows of q, Hq] float32, filled with the natural-log log-sum-exp.
     skip_global : leave the query heads of global KV heads untouched (another kernel fills
         them, see ``redknot.kernels.flashinfer``).
+    num_splits : runs each global row's keys are split into (None: :func:`choose_extend_splits`).
 
     Returns
     -------
@@ -266,22 +308,44 @@ def run_extend(
     num_slots = geo.num_kv_heads - first_slot
     if plan.num_tiles == 0 or num_slots == 0:
         return out
+    num_global = 0 if skip_global else heads.num_global
+    if num_splits is None:
+        num_splits = choose_extend_splits(plan, num_global, _num_sms(q.device))
+    assert num_splits >= 1, num_splits
+    if num_global == 0:
+        num_splits = 1
+    # the runs' outputs [S, A, global query heads, D] and base-2 LSEs (a stand-in unsplit)
+    gq = num_global * geo.group_size
+    if num_splits > 1:
+        part_lse = torch.empty((num_splits, A, gq), dtype=torch.float32, device=q.device)
+        part_o = torch.empty((num_splits, A, gq, D), dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = _no_parts(q.device, D)
     lse_arg = lse if lse is not None else out
     rows = plan.rows_gpu if plan.gathered else plan.tile_start_gpu  # not read without GATHER
     rows_indptr = plan.rows_indptr_gpu if plan.gathered else plan.qo_indptr_gpu
-    segpaged_extend_kernel[(plan.num_tiles, num_slots)](
+    segpaged_extend_kernel[(plan.num_tiles, num_slots, num_splits)](
         q, k_new, v_new, k_global, v_global, k_local, v_local,
         req_to_token, plan.req_pool_indices_gpu, plan.prefix_lens_gpu, plan.qo_indptr_gpu,
         plan.tile_req_gpu, plan.tile_start_gpu, rows, rows_indptr,
-        heads.is_local_gpu, heads.column_gpu, heads.order_gpu, out, lse_arg,
-        sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, first_slot,
+        heads.is_local_gpu, heads.column_gpu, heads.order_gpu, out, lse_arg, part_o, part_lse,
+        sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, first_slot, num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
         k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1),
         k_local.stride(0), k_local.stride(1), v_local.stride(0), v_local.stride(1),
         req_to_token.stride(0),
+        part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
         GRP=geo.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
         RING=geo.ring, WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
         GATHER=plan.gathered, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if num_splits > 1:
+        merge_lse = lse if lse is not None else part_lse  # not written without an LSE
+        segpaged_extend_merge_kernel[(A, gq)](
+            out, merge_lse, part_o, part_lse, heads.order_gpu, num_splits, int(lse is not None),
+            out.stride(0), out.stride(1), merge_lse.stride(0),
+            part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
+            GRP=geo.group_size, HEAD_DIM=D,
+        )  # fmt: skip
     return out

@@ -7,12 +7,6 @@ first on PYTHONPATH and set either variable.
 - ``REDKNOT_STACK_SAMPLE_LOG=FILE``: every 0.5 s, the main thread's innermost frames as one JSON
   line (wall time, pid, frames): what a process does during a long pause the profiler does not
   see (pure Python, compiles).
-- ``REDKNOT_HOST_SAMPLE_LOG=FILE``: every ``REDKNOT_HOST_SAMPLE_MS`` (default 1) ms, the main
-  thread's stack while it runs a batch (a frame named ``run_batch`` on it), counted per distinct
-  stack and written to ``FILE.<pid>.json`` every 2 s (with the period measured, as sleeps
-  overshoot; each stack tagged with whether a layer timeline, below, was recording): where the host time of a forward goes,
-  without the torch profiler's own cost (summary: ``host_sample_summary.py``). The process's
-  GIL switch interval is lowered to half the period so that samples land between bytecodes.
 - ``REDKNOT_LAYER_TIMELINE=FILE``: for every extend of at least ``REDKNOT_TIMELINE_MIN_ROWS``
   (default 8192) rows, a CUDA event and a host clock reading at each decoder layer's start and
   at each ``redknot.attention.trace.phase`` boundary, one JSON line per forward (summary:
@@ -65,60 +59,13 @@ if _STACKS:
     threading.Thread(target=_sample, daemon=True, name="redknot-stack-sampler").start()
 
 
-_TIMELINE_STATE: dict = {}  # the layer timeline's state, when one is installed
-_SAMPLES = os.environ.get("REDKNOT_HOST_SAMPLE_LOG")
-if _SAMPLES:
-    import collections
-
-    _period = float(os.environ.get("REDKNOT_HOST_SAMPLE_MS", "1")) / 1000
-    sys.setswitchinterval(min(sys.getswitchinterval(), _period / 2))
-    _main_id = threading.main_thread().ident
-    _counts: collections.Counter = collections.Counter()
-
-    _ticks = {"n": 0, "t0": time.time()}
-
-    def _host_sampler() -> None:
-        last_dump, dumped = time.time(), 0
-        while True:
-            time.sleep(_period)
-            _ticks["n"] += 1
-            frame = sys._current_frames().get(_main_id)
-            frames, in_batch = [], False
-            while frame is not None and len(frames) < 80:
-                code = frame.f_code
-                in_batch = in_batch or code.co_name == "run_batch"
-                name = code.co_filename.rsplit("/", 3)
-                frames.append(f"{'/'.join(name[-3:])}:{code.co_name}:{frame.f_lineno}")
-                frame = frame.f_back
-            if in_batch:  # tagged with whether a layer timeline was recording
-                timed = _TIMELINE_STATE.get("marks") is not None
-                _counts[(timed, *frames)] += 1
-            total = sum(_counts.values())
-            if time.time() - last_dump > 2 and total != dumped:
-                last_dump, dumped = time.time(), total
-                _dump_samples()
-
-    def _dump_samples() -> None:
-        real = (time.time() - _ticks["t0"]) / max(_ticks["n"], 1)  # sleep overshoots
-        record = {"pid": os.getpid(), "period_ms": real * 1000,
-                  "stacks": [{"n": n, "in_timeline": f[0], "frames": list(f[1:])}
-                             for f, n in list(_counts.items())]}
-        with open(f"{_SAMPLES}.{os.getpid()}.json", "w") as f:
-            json.dump(record, f)
-
-    import atexit
-
-    atexit.register(lambda: _counts and _dump_samples())
-    threading.Thread(target=_host_sampler, daemon=True, name="redknot-host-sampler").start()
-
 _TIMELINE = os.environ.get("REDKNOT_LAYER_TIMELINE")
 if _TIMELINE:
     try:
         import redknot.attention.trace as _trace
 
         _min_rows = int(os.environ.get("REDKNOT_TIMELINE_MIN_ROWS", "8192"))
-        _state = _TIMELINE_STATE
-        _state["marks"] = None
+        _state = {"marks": None}
         _plain_phase = _trace.phase
 
         def _mark(name: str, kind: str) -> None:
@@ -155,8 +102,9 @@ if _TIMELINE:
                 big = forward_batch.forward_mode.is_extend() and hidden_states.shape[0] >= _min_rows
                 _state["marks"] = [] if big else None
             if _state["marks"] is None:
-                return _plain_layer(original, self, positions, hidden_states, forward_batch,
-                                    residual)
+                return _plain_layer(
+                    original, self, positions, hidden_states, forward_batch, residual
+                )
             _mark(f"layer{lid}", "start")
             out = _plain_layer(original, self, positions, hidden_states, forward_batch, residual)
             if lid == _fs.SCHEDULE.last_layer:
@@ -164,11 +112,13 @@ if _TIMELINE:
                 marks, _state["marks"] = _state["marks"], None
                 torch.cuda.synchronize()
                 h0, e0 = marks[0][2], marks[0][3]
-                rows = [(n, k, round((h - h0) * 1000, 4), round(e0.elapsed_time(e), 4))
-                        for n, k, h, e in marks]
+                rows = [
+                    (n, k, round((h - h0) * 1000, 4), round(e0.elapsed_time(e), 4))
+                    for n, k, h, e in marks
+                ]
                 _append(_TIMELINE, {"rows": hidden_states.shape[0], "marks": rows})
             return out
 
         _fs.around_decoder_layer = _timed_layer
-    except Exception as e:  # never stop the process it watches
+    except Exception as e:  # noqa: BLE001 - never stop the process it watches
         print(f"layer timeline not installed: {e}")

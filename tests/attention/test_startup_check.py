@@ -20,6 +20,7 @@ from redknot.attention.startup_check import (
     reuse_launches,
     run_startup_check,
 )
+from redknot.kernels import extend as extend_mod
 from redknot.pool.layout import HeadLayout
 
 SINK, WINDOW = 2, 4
@@ -55,16 +56,34 @@ def test_triton_path_with_local_heads_passes(gate_log):
     results = run_startup_check(_served(), "segpaged")
     rows = ("GG", "GL", "LG")
     reuse = []  # per row, the extend as segment reuse runs it, then as a plain extend does
-    for name, _, with_lse in ROW_CASES:
+    for name, _, with_lse, _ in ROW_CASES:
         reuse += [name] + ([name + ": log-sum-exp"] if with_lse else [])
     want = [("prefill", row) for row in rows]
     want += [(c, row) for row in rows for c in reuse + ["extend"]]
     want += [(c, row) for c in ("decode", "decode (graph plan)") for row in rows]
     assert [(r.case, r.row) for r in results] == want
-    assert len(reuse) == 5 and all(r.bad == 0 and r.ratio <= 1 for r in results)
+    assert len(reuse) == 7 and all(r.bad == 0 and r.ratio <= 1 for r in results)
     (line,) = [m for m in gate_log if "startup check passed" in m]
     assert "TinyLlama on TP rank 0/1: 4 query / 2 KV heads, head_dim 64" in line
     assert "sink 2 + window 4" in line and "the Triton path" in line and " s" in line
+
+
+def test_a_perturbed_merge_of_split_keys_fails_the_gate(monkeypatch):
+    """The extend with global rows' keys split (checked with 3 runs, as a short question over a
+    long prefix is served) is compared like the others: an off merge stops startup."""
+    real = extend_mod.run_extend
+
+    def perturbed(plan, q, *args, num_splits=None, **kwargs):
+        out = real(plan, q, *args, num_splits=num_splits, **kwargs)
+        if num_splits is not None and num_splits > 1:
+            out[0, 0] += 0.25  # the first row, query head 0 (of global KV head 0)
+        return out
+
+    monkeypatch.setattr(extend_mod, "run_extend", perturbed)
+    with pytest.raises(StartupCheckError) as e:
+        run_startup_check(_served(), "segpaged")
+    assert "keys split in 3" in str(e.value)
+    assert "extend (with LSE)" not in str(e.value)  # the unsplit launches still pass
 
 
 def test_a_perturbed_decode_kernel_fails_the_gate(monkeypatch):
@@ -93,6 +112,11 @@ def test_a_perturbed_decode_kernel_fails_the_gate(monkeypatch):
     assert "--redknot-skip-startup-check" in msg and "unverified" in msg
 
 
+def _case_lines(message: str) -> list[str]:
+    """The failing cases a gate error lists (not its "and N more" line)."""
+    return [x for x in message.splitlines() if x.startswith("  - ") and " more case" not in x]
+
+
 def test_a_wrong_log_sum_exp_or_packed_row_fails_the_gate(monkeypatch):
     """The extend as segment reuse runs it is checked too: a log-sum-exp off by 0.5 for query
     head 1, or the packed rows' outputs shifted by one row, stop startup."""
@@ -109,7 +133,7 @@ def test_a_wrong_log_sum_exp_or_packed_row_fails_the_gate(monkeypatch):
     monkeypatch.setattr(extend, "run_extend", wrong_lse)
     with pytest.raises(StartupCheckError) as e:
         run_startup_check(_served(), "segpaged")
-    lines = [x for x in str(e.value).splitlines() if x.startswith("  - ")]
+    lines = _case_lines(str(e.value))
     assert lines and all(": log-sum-exp, head classes " in x for x in lines)
     assert all("query head 1 (KV head 0, " in x for x in lines)
 
@@ -122,7 +146,7 @@ def test_a_wrong_log_sum_exp_or_packed_row_fails_the_gate(monkeypatch):
     monkeypatch.setattr(extend, "run_extend", shifted)
     with pytest.raises(StartupCheckError) as e:
         run_startup_check(_served(), "segpaged")
-    lines = [x for x in str(e.value).splitlines() if x.startswith("  - ")]
+    lines = _case_lines(str(e.value))
     assert lines and all(x.startswith("  - extend (every third row, packed") for x in lines)
 
 
@@ -136,7 +160,7 @@ def test_a_kernel_that_drops_the_sink_fails_on_local_heads_only(monkeypatch):
     monkeypatch.setattr(segpaged_runner, "run_extend", no_sink)
     with pytest.raises(StartupCheckError) as e:
         run_startup_check(_served(), "segpaged")
-    lines = [x for x in str(e.value).splitlines() if x.startswith("  - ")]
+    lines = _case_lines(str(e.value))
     failed = {(x[4:].split(",")[0], x.split("head classes ")[1][:2]) for x in lines}
     # every-head-global rows never read a sink; local heads of the long requests do
     assert failed == {("prefill", "GL"), ("prefill", "LG"), ("extend", "GL"), ("extend", "LG")}
@@ -173,7 +197,7 @@ def test_triton_path_passes_the_gate_at_llama_shape_on_gpu(dtype, monkeypatch):
         max_context_len=131072, table_width=131076, model="Llama-3.1-8B shape",
     )  # fmt: skip
     results = run_startup_check(served, "segpaged")
-    per_row = 4 + sum(1 + with_lse for _, _, with_lse in ROW_CASES)
+    per_row = 4 + sum(1 + with_lse for _, _, with_lse, _ in ROW_CASES)
     assert len(results) == per_row * len(classes) and all(r.bad == 0 for r in results)
     real = segpaged_runner.run_decode
 

@@ -6,10 +6,19 @@ small tiles, so that prefix tails, causal edges and sink/window edges all occur.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from redknot.kernels.extend import ExtendConfig, gather_tiles, plan_extend, run_extend
+from redknot.kernels.extend import (
+    ExtendConfig,
+    _num_sms,
+    choose_extend_splits,
+    gather_tiles,
+    plan_extend,
+    run_extend,
+)
 from redknot.kernels.reference import extend_reference
 
 from .segpaged_data import make_batch, make_geometry
@@ -39,7 +48,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _run_case(classes, grp, dim, dtype, mode, requests, device, config, sink=SINK,
-              window=WINDOW, seed=0, ring_extra=3, rows=None):  # fmt: skip
+              window=WINDOW, seed=0, ring_extra=3, rows=None, num_splits=None):  # fmt: skip
     """Kernel and reference outputs and LSEs; with ``rows`` (batch rows) the kernel runs a
     gathered plan over them only (queries and outputs of those rows) and the outputs are placed
     at their batch rows, the other rows holding 7.0."""
@@ -61,6 +70,7 @@ def _run_case(classes, grp, dim, dtype, mode, requests, device, config, sink=SIN
     out = run_extend(
         plan, q_in, k_new, v_new, batch.k_global, batch.v_global, batch.k_local, batch.v_local,
         batch.req_to_token, batch.heads, 0.125, lse=lse, out=torch.full_like(q_in, 7.0),
+        num_splits=num_splits,
     )  # fmt: skip
     if rows is not None:
         assert (out != 7.0).any(-1).all() and (lse != 7.0).all(), "a listed row was not written"
@@ -210,6 +220,67 @@ def test_extend_gathered_rows_window_spanning_several_blocks(mode):
     torch.testing.assert_close(lse[rows], ref_lse[rows], atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("classes,grp,dim,dtype,mode", CASES[:3] + CASES[4:5])
+def test_extend_split_keys_match_reference(classes, grp, dim, dtype, mode, num_splits):
+    """Global rows' keys split into runs (some runs empty: a row of a few blocks, more runs
+    than blocks), merged: the same output and LSE as the reference, also over gathered rows."""
+    out, lse, ref_out, ref_lse = _run_case(
+        classes, grp, dim, dtype, mode, REQUESTS, "cpu", SMALL, num_splits=num_splits
+    )
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    rows = _scattered_rows([e for _, e in REQUESTS], seed=num_splits)
+    out, lse, ref_out, ref_lse = _run_case(
+        classes, grp, dim, dtype, mode, REQUESTS, "cpu", SMALL, rows=rows, num_splits=num_splits
+    )
+    _close(out[rows], ref_out[rows])
+    torch.testing.assert_close(lse[rows], ref_lse[rows], atol=1e-3, rtol=1e-3)
+
+
+def test_extend_split_keys_without_lse_and_window_blocks():
+    """Split runs merged without an LSE output, with windows of several blocks and a long
+    prefix (cache, new and diagonal blocks each cut by a run boundary)."""
+    requests = [(0, 70), (150, 31), (9, 44), (100, 5)]
+    geo, layout = make_geometry("LGLG", 4, 64, 5, 37, "ring", ring_extra=3)
+    cfg = ExtendConfig(block_m=16, block_n=16)  # blocks a GPU compiles (the lowering test)
+    prefix, lens = [p for p, _ in requests], [e for _, e in requests]
+    batch, _, _ = make_batch(geo, layout, prefix, torch.float16, "cpu", seed=3)
+    T, H = sum(lens), geo.num_kv_heads
+    qkv = torch.randn(T, geo.num_q_heads + 2 * H, 64, generator=torch.Generator().manual_seed(4))
+    q, k_new, v_new = qkv.half().split([geo.num_q_heads, H, H], dim=1)
+    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=cfg)
+    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
+    whole = run_extend(plan, q, k_new, v_new, *stores, batch.heads, 0.125, num_splits=1)
+    for splits in (4, 5):
+        split = run_extend(plan, q, k_new, v_new, *stores, batch.heads, 0.125, num_splits=splits)
+        _close(split, whole)
+    ref_out, _ = extend_reference(
+        q, k_new, v_new, *stores, batch.req_pool_indices, torch.tensor(prefix),
+        plan.qo_indptr_cpu, batch.heads, geo, 0.125,
+    )  # fmt: skip
+    _close(whole, ref_out)
+
+
+def test_choose_extend_splits():
+    """No split while the global tiles fill the GPU, without global heads, or for short rows;
+    otherwise enough runs to fill it, each of min_split_keys keys at least, within the caps."""
+    plan = _two_group_batch(torch.bfloat16, seed=5)[3]  # 2 global heads, max keys 79
+    cfg = ExtendConfig(block_m=16, block_n=16, min_split_keys=8)
+    plan = replace(plan, config=cfg)
+    tiles = plan.num_tiles
+    assert choose_extend_splits(plan, 0, 132) == 1
+    assert choose_extend_splits(plan, 2, tiles) == 1  # 2 * tiles programs: twice the SMs
+    assert choose_extend_splits(plan, 2, 4 * tiles) == 4  # 2 programs per SM wanted
+    assert choose_extend_splits(plan, 2, 1000) == 79 // 8  # keys of the longest row
+    assert choose_extend_splits(replace(plan, config=replace(cfg, max_splits=3)), 2, 1000) == 3
+    small = replace(cfg, max_split_bytes=4 * plan.num_rows * 2 * 2 * 65 * 2)
+    assert choose_extend_splits(replace(plan, config=small), 2, 1000) == 2
+    assert (
+        choose_extend_splits(replace(plan, config=replace(cfg, min_split_keys=512)), 2, 1000) == 1
+    )
+
+
 def test_gather_tiles_packs_each_requests_rows():
     """Brute force: each request's rows in order, ``block_q`` per tile, no tile for a request
     without rows; a request's later tiles before its earlier ones, and the tiles of the request
@@ -328,3 +399,38 @@ def test_extend_gpu_flashinfer_global_rows(classes):
     )  # fmt: skip
     _close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("classes", [LLAMA, "GLGLGGLL"])
+def test_extend_gpu_split_keys_short_question_over_long_prefix(classes):
+    """A follow-up turn: few new tokens over a long cached prefix, so the launch splits the
+    global rows' keys (checked to be the chosen launch) and merges them, at the Llama shape."""
+    requests = [(30000, 64), (4000, 1), (100, 7)]
+    geo, _ = make_geometry(classes, 4, 128, 64, 256, "ring", ring_extra=64)
+    plan = plan_extend(geo, torch.zeros(3, dtype=torch.int64, device="cuda"),
+                       [p for p, _ in requests], [e for _, e in requests])  # fmt: skip
+    assert choose_extend_splits(plan, classes.count("G"), _num_sms(torch.device("cuda"))) > 1
+    out, lse, ref_out, ref_lse = _run_case(
+        classes, 4, 128, torch.bfloat16, "ring", requests, "cuda", ExtendConfig(),
+        sink=64, window=256, ring_extra=64,
+    )  # fmt: skip
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_extend_gpu_split_keys_held_rows_of_a_32k_prompt():
+    """The rows segment reuse keeps in a deep layer of a 32K prompt (a few hundred scattered
+    rows and the question), gathered, split and merged, with the LSE."""
+    L = 32768
+    g = torch.Generator().manual_seed(3)
+    rows = torch.cat([torch.randperm(L - 128, generator=g)[:200].sort().values,
+                      torch.arange(L - 128, L)])  # fmt: skip
+    out, lse, ref_out, ref_lse = _run_case(
+        LLAMA, 4, 128, torch.bfloat16, "ring", [(0, L)], "cuda", ExtendConfig(),
+        sink=64, window=256, ring_extra=64, rows=rows,
+    )  # fmt: skip
+    rows = rows.cuda()
+    _close(out[rows], ref_out[rows])
+    torch.testing.assert_close(lse[rows], ref_lse[rows], atol=2e-3, rtol=2e-3)

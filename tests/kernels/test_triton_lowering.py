@@ -20,11 +20,12 @@ RECORDED = [  # tests whose launches cover every kernel and its constexpr varian
     "tests/kernels/test_decode.py::test_decode_matches_reference",
     "tests/kernels/test_decode.py::test_decode_local_rows_split_and_merge",
     "tests/kernels/test_extend.py::test_extend_matches_reference",
+    "tests/kernels/test_extend.py::test_extend_split_keys_without_lse_and_window_blocks",
     "tests/kernels/test_rope_align.py::test_align_matches_reference_and_sglang",
 ]
 KERNELS = {
     "segpaged_decode_kernel", "segpaged_decode_merge_kernel", "segpaged_extend_kernel",
-    "rope_align_kernel",
+    "segpaged_extend_merge_kernel", "rope_align_kernel",
 }  # fmt: skip
 
 

@@ -31,6 +31,17 @@ tile), ``w0 = max(sink, a - window + 1)`` (the window's first key), ``d_lo = max
 (keys in ``[c_lo, d_lo)`` are visible to every row). ``sink + edge`` reads positions below
 ``P`` from the local store. A local row thus costs ``O(BLOCK_Q + sink + window)`` keys whatever
 ``P`` is. No branch on the head class: it only sets loop bounds, so each loop is compiled once.
+
+Splitting a global row's keys. A tile of a global head visits ``O(P + E)`` keys in one program,
+which leaves the GPU idle when few tiles attend long rows (a short question over a long prefix,
+or the few rows segment reuse keeps in deep layers). With ``num_splits > 1`` the grid's third
+axis splits the key blocks of a global row (the cache, new and diagonal loops in that order, as
+one list of blocks) into ``num_splits`` runs; program ``(t, j, s)`` of a global head writes its
+run's normalised output and base-2 log-sum-exp to ``Part_o`` / ``Part_lse`` (``[S, rows, global
+query heads, D]`` / ``[S, rows, global query heads]``) and
+:func:`segpaged_extend_merge_kernel` combines them. A local row stays whole in split 0 (its keys
+are few); its programs with ``s > 0`` do nothing. ``num_splits`` is not specialised, so one
+compiled kernel serves every split count.
 """
 
 from __future__ import annotations
@@ -92,16 +103,20 @@ def _store_rows(Out, Lse, acc, m_i, l_i, q_row, rows, row_ok, h, d, stride_ot, s
         tl.store(Lse + lse_rows, lse, mask=row_ok)
 
 
-@triton.jit
+_SPLIT_ARGS = ["num_splits", "stride_pos", "stride_pot", "stride_pls", "stride_plt"]
+
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def segpaged_extend_kernel(
     Q, K_new, V_new, K_g, V_g, K_l, V_l,
     Req_to_token, Req_pool_indices, Prefix_lens, Qo_indptr, Tile_req, Tile_start,
-    Rows, Rows_indptr, Is_local, Column, Order, Out, Lse,
-    qk_scale, sink, window, ring_len, head_slot_offset,
+    Rows, Rows_indptr, Is_local, Column, Order, Out, Lse, Part_o, Part_lse,
+    qk_scale, sink, window, ring_len, head_slot_offset, num_splits,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_ot, stride_oh, stride_lse_t,
     stride_kgs, stride_kgh, stride_vgs, stride_vgh,
     stride_kls, stride_klh, stride_vls, stride_vlh, stride_r2t,
+    stride_pos, stride_pot, stride_pls, stride_plt,
     GRP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -113,7 +128,9 @@ def segpaged_extend_kernel(
 ):  # fmt: skip
     BLOCK_Q: tl.constexpr = BLOCK_M // GRP
     tile = tl.program_id(0)
-    h = tl.load(Order + tl.program_id(1) + head_slot_offset)
+    head_slot = tl.program_id(1) + head_slot_offset  # global heads take the first slots
+    split = tl.program_id(2)
+    h = tl.load(Order + head_slot)
     is_local = tl.load(Is_local + h) != 0
     is_global = tl.load(Is_local + h) == 0
     col = tl.load(Column + h)
@@ -141,8 +158,9 @@ def segpaged_extend_kernel(
         t_hi = tl.minimum(t0 + BLOCK_Q, E) - 1
         q_row = q_start + tok
     d = tl.arange(0, HEAD_DIM)
+    active = is_global | (split == 0)  # a local row's keys all go to split 0
     q_rows = q_row * stride_qt + (h * GRP + rows % GRP) * stride_qh
-    q = tl.load(Q + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & active, other=0.0)
     q_pos = P + tok
     e = P + t_hi + 1
     u = P + (t_lo + 1) // BLOCK_N * BLOCK_N
@@ -157,9 +175,25 @@ def segpaged_extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # cache: a global row's prefix, from the global store (every key visible to every row)
+    # Bounds of the module table: window start w0, masked diagonal [d_lo, e), unmasked
+    # [c_lo, d_lo) (new keys every row sees), a local row's left window edge [w0, c_lo).
     hi = tl.where(is_local, 0, P)
-    for start in tl.range(0, hi, BLOCK_N):
+    w0 = tl.maximum(sink, P + t_lo - window + 1)
+    d_lo = tl.where(is_local, tl.maximum(u, w0), u)
+    lower = tl.where(is_local, tl.maximum(tl.maximum(P, e - window), w0), P)
+    c_lo = tl.where(d_lo > lower, d_lo - (d_lo - lower) // BLOCK_N * BLOCK_N, d_lo)
+
+    # This program's run [b_lo, b_hi) of the row's blocks: nc cache, nn new, nd diagonal
+    nc = tl.cdiv(hi, BLOCK_N)
+    nn = (d_lo - c_lo) // BLOCK_N
+    nd = tl.cdiv(e - d_lo, BLOCK_N)
+    nb = nc + nn + nd
+    chunk = tl.where(is_local, nb, tl.cdiv(nb, num_splits))
+    b_lo = tl.minimum(split * chunk, nb)
+    b_hi = tl.minimum(b_lo + chunk, nb)
+
+    # cache: a global row's prefix, from the global store (every key visible to every row)
+    for start in tl.range(tl.minimum(b_lo, nc) * BLOCK_N, tl.minimum(b_hi, nc) * BLOCK_N, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         slot = store_slots(pos, valid, req_row, Req_to_token, stride_r2t, sink, ring_len, False)
@@ -168,17 +202,10 @@ def segpaged_extend_kernel(
         m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, valid[None, :], BLOCK_M,
                                BLOCK_N, True, UPCAST)  # fmt: skip
 
-    # Bounds of the module table: window start w0, masked diagonal [d_lo, e), unmasked
-    # [c_lo, d_lo) (new keys every row sees), a local row's left window edge [w0, c_lo).
-    w0 = tl.maximum(sink, P + t_lo - window + 1)
-    d_lo = tl.where(is_local, tl.maximum(u, w0), u)
-    lower = tl.where(is_local, tl.maximum(tl.maximum(P, e - window), w0), P)
-    c_lo = tl.where(d_lo > lower, d_lo - (d_lo - lower) // BLOCK_N * BLOCK_N, d_lo)
-
     # sink + edge: a local row's sink [0, min(sink, e)) and left window edge [w0, c_lo), as one
     # run of n1 + n2 keys; below P from the local store, above from K_new / V_new
-    n1 = tl.where(is_local, tl.minimum(sink, e), 0)
-    n2 = tl.where(is_local, c_lo - w0, 0)
+    n1 = tl.where(is_local & (split == 0), tl.minimum(sink, e), 0)
+    n2 = tl.where(is_local & (split == 0), c_lo - w0, 0)
     for start in tl.range(0, n1 + n2, BLOCK_N):
         k, v, vis = _sink_window_keys(start, n1, n1 + n2, w0, P, q_pos, req_row, Req_to_token,
                                       stride_r2t, Kl, Vl, Kn, Vn, stride_kls, stride_vls,
@@ -188,7 +215,9 @@ def segpaged_extend_kernel(
                                UPCAST)  # fmt: skip
 
     # new: keys every row of the tile sees, from K_new / V_new, no mask
-    for start in tl.range(c_lo, d_lo, BLOCK_N):
+    new_lo = c_lo + tl.minimum(tl.maximum(b_lo - nc, 0), nn) * BLOCK_N
+    new_hi = c_lo + tl.minimum(tl.maximum(b_hi - nc, 0), nn) * BLOCK_N
+    for start in tl.range(new_lo, new_hi, BLOCK_N):
         row = (start - P + tl.arange(0, BLOCK_N)).to(tl.int64)
         k = tl.load(Kn + row[:, None] * stride_knt + d[None, :])
         v = tl.load(Vn + row[:, None] * stride_vnt + d[None, :])
@@ -196,7 +225,9 @@ def segpaged_extend_kernel(
                                UPCAST)  # fmt: skip
 
     # diagonal: the tile's own new keys, causal (and the window for a local row)
-    for start in tl.range(d_lo, e, BLOCK_N):
+    diag_lo = d_lo + tl.minimum(tl.maximum(b_lo - nc - nn, 0), nd) * BLOCK_N
+    diag_hi = tl.minimum(d_lo + tl.minimum(tl.maximum(b_hi - nc - nn, 0), nd) * BLOCK_N, e)
+    for start in tl.range(diag_lo, diag_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < e
         row = (pos - P).to(tl.int64)
@@ -207,5 +238,48 @@ def segpaged_extend_kernel(
         m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
                                UPCAST)  # fmt: skip
 
-    _store_rows(Out, Lse, acc, m_i, l_i, q_row, rows, row_ok, h, d, stride_ot, stride_oh,
-                stride_lse_t, GRP, WRITE_LSE)  # fmt: skip
+    if is_global & (num_splits > 1):  # this run's part, for the merge
+        safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+        part = head_slot * GRP + rows % GRP
+        o_at = split * stride_pos + q_row * stride_pot + part * HEAD_DIM
+        tl.store(Part_o + o_at[:, None] + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
+        lse2 = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
+        tl.store(Part_lse + split * stride_pls + q_row * stride_plt + part, lse2, mask=row_ok)
+    else:
+        _store_rows(Out, Lse, acc, m_i, l_i, q_row, rows, row_ok & active, h, d, stride_ot,
+                    stride_oh, stride_lse_t, GRP, WRITE_LSE)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS + ["write_lse", "stride_lse_t"])
+def segpaged_extend_merge_kernel(
+    Out, Lse, Part_o, Part_lse, Order,
+    num_splits, write_lse,
+    stride_ot, stride_oh, stride_lse_t, stride_pos, stride_pot, stride_pls, stride_plt,
+    GRP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Program ``(a, j)``: combine the ``num_splits`` runs of global query head ``j`` (query
+    head ``j % GRP`` of the layer's ``j // GRP``-th global KV head) of row ``a`` of ``Out``;
+    with ``write_lse`` also its natural-log LSE."""
+    a = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    head = tl.load(Order + j // GRP) * GRP + j % GRP
+    d = tl.arange(0, HEAD_DIM)
+    lse2 = tl.load(Part_lse + a * stride_plt + j)  # split 0
+    m = tl.maximum(lse2, NO_KEY_MAX)
+    den = tl.math.exp2(lse2 - m)
+    acc = den * tl.load(Part_o + a * stride_pot + j * HEAD_DIM + d)
+    for s in range(1, num_splits):
+        lse2 = tl.load(Part_lse + s * stride_pls + a * stride_plt + j)
+        o = tl.load(Part_o + s * stride_pos + a * stride_pot + j * HEAD_DIM + d)
+        m_new = tl.maximum(m, lse2)
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse2 - m_new)  # 0 for a run without keys (lse2 = -inf)
+        den = den * alpha + w
+        acc = acc * alpha + w * o
+        m = m_new
+    safe = tl.where(den > 0.0, den, 1.0)
+    tl.store(Out + a * stride_ot + head * stride_oh + d, (acc / safe).to(Out.dtype.element_ty))
+    if write_lse != 0:
+        lse = tl.where(den > 0.0, (m + tl.math.log2(safe)) * LN2, float("-inf"))
+        tl.store(Lse + a * stride_lse_t + head, lse)

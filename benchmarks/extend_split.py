@@ -1,0 +1,147 @@
+"""The extend kernel with global rows' keys split over programs, against the same launch
+unsplit, on one GPU (Llama-3.1-8B attention, a 1/8-global layer, sink 64 + window 256, local
+heads in a ring store; ``segpaged_kernels.py``'s timer and layer).
+
+Two shapes where few query tiles attend long rows, so that an unsplit launch leaves most SMs
+idle:
+
+- ``question``: ``E`` new tokens over a cached prefix of ``P`` tokens (a follow-up turn of a long
+  chat or agent session); also dense FlashInfer (paged prefill, every head) for scale;
+- ``held_rows``: the rows segment reuse keeps in a deep layer of a ``L``-token prompt (the last
+  ``recent`` rows and ``scattered`` others), gathered into tiles, with the LSE (the layer
+  schedule's importance reads it), as ``SegPagedRunner.extend`` runs them.
+
+    python benchmarks/extend_split.py --out benchmarks/results/extend_split.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from segpaged_kernels import (
+    DEV,
+    DTYPE,
+    HKV,
+    HQ,
+    RING_LEN,
+    SCALE,
+    D,
+    Timer,
+    attempt,
+    flashinfer_workspace,
+    layer_of,
+    rand,
+)
+
+from redknot.kernels.extend import (
+    ExtendConfig,
+    _num_sms,
+    choose_extend_splits,
+    gather_tiles,
+    plan_extend,
+    run_extend,
+)
+
+
+def stores(keys: int, num_global: int):
+    """Global store of ``keys`` slots (request 0's table maps position i to slot i) and one
+    request's ring."""
+    r2t = torch.arange(keys, dtype=torch.int32, device=DEV).view(1, keys)
+    kg, vg = rand(keys, num_global, D), rand(keys, num_global, D)
+    kl, vl = rand(RING_LEN, HKV - num_global, D), rand(RING_LEN, HKV - num_global, D)
+    return kg, vg, kl, vl, r2t
+
+
+def timed_pair(row: dict, timer: Timer, plan, q, k, v, st, heads, lse) -> None:
+    """``ms_unsplit`` and ``ms_split`` (the splits ``run_extend`` chooses) of one launch."""
+    out = torch.empty_like(q)
+    splits = choose_extend_splits(plan, heads.num_global, _num_sms(q.device))
+    row["num_splits"] = splits
+    for name, n in (("unsplit", 1), ("split", splits)):
+        attempt(row, name, timer, lambda n=n: lambda: run_extend(
+            plan, q, k, v, *st, heads, SCALE, out=out, lse=lse, num_splits=n))  # fmt: skip
+    if row.get("ms_unsplit") and row.get("ms_split"):
+        row["speedup_split"] = row["ms_unsplit"] / row["ms_split"]
+
+
+def question_case(P: int, E: int, timer: Timer) -> dict:
+    import flashinfer
+
+    _, heads, geo = layer_of(1 / 8)
+    G = heads.num_global
+    row = {"shape": "question", "P": P, "E": E, "num_global_heads": G}
+    q, k, v = rand(E, HQ, D), rand(E, HKV, D), rand(E, HKV, D)
+    st = stores(P + E, G)
+    plan = plan_extend(geo, torch.zeros(1, dtype=torch.int64, device=DEV), [P], [E])
+    timed_pair(row, timer, plan, q, k, v, st, heads, None)
+
+    kd, vd = rand(P + E, 1, HKV, D), rand(P + E, 1, HKV, D)
+
+    def dense():
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(flashinfer_workspace(), "NHD")
+        qo = torch.tensor([0, E], dtype=torch.int32, device=DEV)
+        kv = torch.tensor([0, P + E], dtype=torch.int32, device=DEV)
+        w.plan(qo, kv, torch.arange(P + E, dtype=torch.int32, device=DEV),
+               torch.ones(1, dtype=torch.int32, device=DEV), HQ, HKV, D, 1, causal=True,
+               sm_scale=SCALE, q_data_type=DTYPE, kv_data_type=DTYPE)  # fmt: skip
+        return lambda: w.run(q, (kd, vd))
+
+    attempt(row, "dense_flashinfer", timer, dense)
+    if row.get("ms_dense_flashinfer") and row.get("ms_split"):
+        row["speedup_split_vs_dense_flashinfer"] = row["ms_dense_flashinfer"] / row["ms_split"]
+    return row
+
+
+def held_rows_case(L: int, recent: int, scattered: int, timer: Timer) -> dict:
+    _, heads, geo = layer_of(1 / 8)
+    G = heads.num_global
+    row = {"shape": "held_rows", "L": L, "rows": recent + scattered, "num_global_heads": G}
+    g = torch.Generator().manual_seed(0)
+    others = torch.randperm(L - recent, generator=g)[:scattered]
+    rows = torch.cat([others.sort().values, torch.arange(L - recent, L)]).to(DEV)
+    k, v = rand(L, HKV, D), rand(L, HKV, D)
+    q = rand(rows.numel(), HQ, D)
+    st = stores(1, G)  # no prefix: the keys are this extend's
+    plan = plan_extend(geo, torch.zeros(1, dtype=torch.int64, device=DEV), [0], [L])
+    plan = gather_tiles(plan, rows, [rows.numel()])
+    lse = torch.empty(rows.numel(), HQ, dtype=torch.float32, device=DEV)
+    timed_pair(row, timer, plan, q, k, v, st, heads, lse)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/extend_split.json")
+    ap.add_argument("--commit", default="unknown", help="commit of the code being measured")
+    args = ap.parse_args()
+    timer = Timer()
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": args.commit,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "torch": torch.__version__,
+        "extend_config": dataclasses.asdict(ExtendConfig()),
+        "num_sms": _num_sms(torch.device(DEV)),
+        "rows": [],
+    }
+    cases = [(question_case, (P, E)) for P in (8192, 32768, 131072) for E in (64, 512)]
+    cases += [(held_rows_case, (L, 128, n)) for L in (32768, 65536) for n in (64, 1024)]
+    for fn, case in cases:
+        row = fn(*case, timer)
+        result["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "timing"}), flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
