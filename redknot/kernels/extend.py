@@ -86,6 +86,7 @@ class ExtendPlan:
     rows_gpu: torch.Tensor | None = None  # [A] int64 batch rows
     rows_indptr_gpu: torch.Tensor | None = None  # [B + 1] int32
     rows_indptr_cpu: torch.Tensor | None = None  # [B + 1] int32
+    max_keys: int = 0  # keys (cached and new tokens) of the longest request
 
     def __post_init__(self) -> None:
         B = self.batch_size
@@ -125,11 +126,6 @@ class ExtendPlan:
     def num_tiles(self) -> int:
         return self.tile_req_cpu.shape[0]
 
-    @functools.cached_property
-    def max_keys(self) -> int:
-        """Keys of the longest request (cached and new tokens)."""
-        lens = self.qo_indptr_cpu[1:] - self.qo_indptr_cpu[:-1]
-        return int((self.prefix_lens_cpu + lens).max()) if self.batch_size else 0
 
 
 def choose_extend_splits(plan: ExtendPlan, num_global: int, num_sms: int) -> int:
@@ -192,6 +188,7 @@ def plan_extend(
         geometry=geo,
         config=config,
         num_tokens=int(indptr[-1]),
+        max_keys=int((prefix + lens).max()) if lens.numel() else 0,
         req_pool_indices_gpu=req_pool_indices_gpu,
         prefix_lens_cpu=prefix32,
         qo_indptr_cpu=indptr32,

@@ -240,7 +240,8 @@ def test_extend_split_keys_match_reference(classes, grp, dim, dtype, mode, num_s
 
 def test_extend_split_keys_without_lse_and_window_blocks():
     """Split runs merged without an LSE output, with windows of several blocks and a long
-    prefix (cache, new and diagonal blocks each cut by a run boundary)."""
+    prefix (cache, new and diagonal blocks each cut by a run boundary); then over gathered rows
+    further apart than the window, with the LSE (also the lowering test's gathered launch)."""
     requests = [(0, 70), (150, 31), (9, 44), (100, 5)]
     geo, layout = make_geometry("LGLG", 4, 64, 5, 37, "ring", ring_extra=3)
     cfg = ExtendConfig(block_m=16, block_n=16)  # blocks a GPU compiles (the lowering test)
@@ -255,11 +256,19 @@ def test_extend_split_keys_without_lse_and_window_blocks():
     for splits in (4, 5):
         split = run_extend(plan, q, k_new, v_new, *stores, batch.heads, 0.125, num_splits=splits)
         _close(split, whole)
-    ref_out, _ = extend_reference(
+    ref_out, ref_lse = extend_reference(
         q, k_new, v_new, *stores, batch.req_pool_indices, torch.tensor(prefix),
         plan.qo_indptr_cpu, batch.heads, geo, 0.125,
     )  # fmt: skip
     _close(whole, ref_out)
+    # rows further apart than the window, gathered: local heads skip the blocks between them
+    rows = torch.tensor([0, 1, 40, 69, 70, 100, 101, 110, 140, 144, 145, 149])
+    gathered = gather_tiles(plan, rows, _counts(rows, lens))
+    lse = torch.empty(rows.numel(), geo.num_q_heads)
+    out = run_extend(gathered, q[rows], k_new, v_new, *stores, batch.heads, 0.125, lse=lse,
+                     num_splits=3)  # fmt: skip
+    _close(out, ref_out[rows])
+    torch.testing.assert_close(lse, ref_lse[rows], atol=1e-3, rtol=1e-3)
 
 
 def test_choose_extend_splits():

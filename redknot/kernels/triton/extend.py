@@ -31,6 +31,8 @@ tile), ``w0 = max(sink, a - window + 1)`` (the window's first key), ``d_lo = max
 (keys in ``[c_lo, d_lo)`` are visible to every row). ``sink + edge`` reads positions below
 ``P`` from the local store. A local row thus costs ``O(BLOCK_Q + sink + window)`` keys whatever
 ``P`` is. No branch on the head class: it only sets loop bounds, so each loop is compiled once.
+Under ``GATHER`` a tile's rows may lie far apart, so its diagonal run spans them all; a local
+head then skips each block that no row's window reaches.
 
 Splitting a global row's keys. A tile of a global head visits ``O(P + E)`` keys in one program,
 which leaves the GPU idle when few tiles attend long rows (a short question over a long prefix,
@@ -87,6 +89,22 @@ def _sink_window_keys(start, n1, n, w0, P, q_pos, req_row, Req_to_token, stride_
     vis = valid[None, :] & (pos[None, :] <= q_pos[:, None])
     vis = vis & ((pos[None, :] < sink) | (q_pos[:, None] - pos[None, :] < window))
     return k, v, vis
+
+
+@triton.jit
+def _diagonal_block(m_i, l_i, acc, q, start, e, P, q_pos, Kn, Vn, stride_knt, stride_vnt, d,
+                    is_global, window, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    UPCAST: tl.constexpr):  # fmt: skip
+    """New keys ``[start, start + BLOCK_N)`` (below ``e``), causal, and within the window for a
+    local row."""
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < e
+    row = (pos - P).to(tl.int64)
+    k = tl.load(Kn + row[:, None] * stride_knt + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(Vn + row[:, None] * stride_vnt + d[None, :], mask=valid[:, None], other=0.0)
+    vis = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+    vis = vis & (is_global | (q_pos[:, None] - pos[None, :] < window))
+    return _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True, UPCAST)
 
 
 @triton.jit
@@ -228,15 +246,15 @@ def segpaged_extend_kernel(
     diag_lo = d_lo + tl.minimum(tl.maximum(b_lo - nc - nn, 0), nd) * BLOCK_N
     diag_hi = tl.minimum(d_lo + tl.minimum(tl.maximum(b_hi - nc - nn, 0), nd) * BLOCK_N, e)
     for start in tl.range(diag_lo, diag_hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < e
-        row = (pos - P).to(tl.int64)
-        k = tl.load(Kn + row[:, None] * stride_knt + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(Vn + row[:, None] * stride_vnt + d[None, :], mask=valid[:, None], other=0.0)
-        vis = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        vis = vis & (is_global | (q_pos[:, None] - pos[None, :] < window))
-        m_i, l_i, acc = _block(m_i, l_i, acc, q, k, v, qk_scale, vis, BLOCK_M, BLOCK_N, True,
-                               UPCAST)  # fmt: skip
+        if GATHER:  # rows far apart: a local row's window covers few of the blocks between
+            seen = row_ok & (q_pos >= start) & (q_pos - start < BLOCK_N - 1 + window)
+            needed = is_global | (tl.max(seen.to(tl.int32), 0) > 0)
+        else:
+            needed = True
+        if needed:
+            m_i, l_i, acc = _diagonal_block(m_i, l_i, acc, q, start, e, P, q_pos, Kn, Vn,
+                                            stride_knt, stride_vnt, d, is_global, window,
+                                            qk_scale, BLOCK_M, BLOCK_N, UPCAST)  # fmt: skip
 
     if is_global & (num_splits > 1):  # this run's part, for the merge
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
