@@ -60,6 +60,11 @@ def main() -> None:
     ap.add_argument("log")
     ap.add_argument("--min-rows", type=int, default=0)
     ap.add_argument("--out")
+    ap.add_argument(
+        "--meta",
+        default="{}",
+        help="JSON object of fields recorded first (device, date, commit, command)",
+    )
     args = ap.parse_args()
     with open(args.log) as f:
         forwards = [json.loads(line) for line in f]
@@ -67,6 +72,7 @@ def main() -> None:
     runs = [one_forward(r["marks"]) for r in forwards]
     med = lambda xs: round(statistics.median(xs), 3)
     summary = {
+        **json.loads(args.meta),
         "forwards": len(runs),
         "rows": [r["rows"] for r in forwards],
         "total_host_ms": [round(r["total_host_ms"], 3) for r in runs],
