@@ -17,8 +17,6 @@ idle:
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -39,10 +37,10 @@ from segpaged_kernels import (
     flashinfer_workspace,
     layer_of,
     rand,
+    result_header,
 )
 
 from redknot.kernels.extend import (
-    ExtendConfig,
     _num_sms,
     choose_extend_splits,
     gather_tiles,
@@ -123,16 +121,7 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown", help="commit of the code being measured")
     args = ap.parse_args()
     timer = Timer()
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": args.commit,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "torch": torch.__version__,
-        "extend_config": dataclasses.asdict(ExtendConfig()),
-        "num_sms": _num_sms(torch.device(DEV)),
-        "rows": [],
-    }
+    result = result_header(args.commit, num_sms=_num_sms(torch.device(DEV)))
     cases = [(question_case, (P, E)) for P in (8192, 32768, 131072) for E in (64, 512)]
     cases += [(held_rows_case, (L, 128, n)) for L in (32768, 65536) for n in (64, 1024)]
     for fn, case in cases:

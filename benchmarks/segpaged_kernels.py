@@ -133,6 +133,21 @@ def flashinfer_workspace() -> torch.Tensor:
     return torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
 
 
+def result_header(commit: str, **extra) -> dict:
+    """The results file's record of the run (device, date, commit, command, versions, launch
+    settings) before its rows."""
+    return {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "torch": torch.__version__,
+        **extra,
+        "extend_config": dataclasses.asdict(ExtendConfig()),
+        "rows": [],
+    }
+
+
 def attempt(row: dict, name: str, timer: Timer, make, eager: bool = False) -> None:
     """Time ``make()`` (which returns the call to time) into ``row[name]``; errors become notes."""
     try:
@@ -456,16 +471,7 @@ def main() -> None:
     cases = [("prefill", 1, L, f) for f in FRACS for L in (32768, 8192)]
     cases += [("decode", B, L, f) for f in FRACS for B in (32, 1) for L in (32768, 8192, 131072)]
     cases.sort(key=lambda c: (c[3] != "1/8", c[1:3] not in ((1, 32768), (32, 32768))))
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": args.commit,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "torch": torch.__version__,
-        "decode_config": dataclasses.asdict(DecodeConfig()),
-        "extend_config": dataclasses.asdict(ExtendConfig()),
-        "rows": [],
-    }
+    result = result_header(args.commit, decode_config=dataclasses.asdict(DecodeConfig()))
     for phase, B, L, frac in cases:
         name = f"{phase} B={B} L={L} global={frac}"
         if args.only and args.only not in name:
