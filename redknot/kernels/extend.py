@@ -25,7 +25,7 @@ import torch
 from redknot.kernels.decode import check_layer_io
 from redknot.kernels.geometry import LayerHeads, SegGeometry
 from redknot.kernels.triton.common import upcast_dots
-from redknot.kernels.triton.extend import segpaged_extend_kernel, segpaged_extend_merge_kernel
+from redknot.kernels.triton.extend import segpaged_extend_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN_INT32 = 4  # int32 entries in 16 bytes
@@ -127,7 +127,6 @@ class ExtendPlan:
         return self.tile_req_cpu.shape[0]
 
 
-
 def choose_extend_splits(plan: ExtendPlan, num_global: int, num_sms: int) -> int:
     """Runs of a global row's keys (``segpaged_extend_kernel``): enough that the global heads'
     tiles make ``split_programs_per_sm`` programs per SM, each run at least ``min_split_keys``
@@ -143,10 +142,27 @@ def choose_extend_splits(plan: ExtendPlan, num_global: int, num_sms: int) -> int
 
 
 @functools.cache
-def _no_parts(device: torch.device, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stand-ins for the runs' outputs of an unsplit launch (float32, as the kernel takes)."""
+def _no_parts(device: torch.device, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Stand-ins for the runs' outputs and counters of an unsplit launch (the dtypes the kernel
+    takes)."""
     return (torch.empty((1, 1, 1, head_dim), dtype=torch.float32, device=device),
-            torch.empty((1, 1, 1), dtype=torch.float32, device=device))  # fmt: skip
+            torch.empty((1, 1, 1), dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))  # fmt: skip
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _run_counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` zeroed int32 counters of finished runs, one per (tile, head slot) of a split launch:
+    kept per device and stream (the kernel zeroes each again when its tile is merged, so one
+    buffer serves every launch that stream orders after it)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < n:
+        have = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have
 
 
 @functools.cache
@@ -316,8 +332,9 @@ def run_extend(
     if num_splits > 1:
         part_lse = torch.empty((num_splits, A, gq), dtype=torch.float32, device=q.device)
         part_o = torch.empty((num_splits, A, gq, D), dtype=torch.float32, device=q.device)
+        counters = _run_counters(q.device, plan.num_tiles * num_slots)
     else:
-        part_o, part_lse = _no_parts(q.device, D)
+        part_o, part_lse, counters = _no_parts(q.device, D)
     lse_arg = lse if lse is not None else out
     rows = plan.rows_gpu if plan.gathered else plan.tile_start_gpu  # not read without GATHER
     rows_indptr = plan.rows_indptr_gpu if plan.gathered else plan.qo_indptr_gpu
@@ -326,6 +343,7 @@ def run_extend(
         req_to_token, plan.req_pool_indices_gpu, plan.prefix_lens_gpu, plan.qo_indptr_gpu,
         plan.tile_req_gpu, plan.tile_start_gpu, rows, rows_indptr,
         heads.is_local_gpu, heads.column_gpu, heads.order_gpu, out, lse_arg, part_o, part_lse,
+        counters,
         sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, first_slot, num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
@@ -337,12 +355,4 @@ def run_extend(
         RING=geo.ring, WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
         GATHER=plan.gathered, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        merge_lse = lse if lse is not None else part_lse  # not written without an LSE
-        segpaged_extend_merge_kernel[(A, gq)](
-            out, merge_lse, part_o, part_lse, heads.order_gpu, num_splits, int(lse is not None),
-            out.stride(0), out.stride(1), merge_lse.stride(0),
-            part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
-            GRP=geo.group_size, HEAD_DIM=D,
-        )  # fmt: skip
     return out

@@ -40,10 +40,11 @@ or the few rows segment reuse keeps in deep layers). With ``num_splits > 1`` the
 axis splits the key blocks of a global row (the cache, new and diagonal loops in that order, as
 one list of blocks) into ``num_splits`` runs; program ``(t, j, s)`` of a global head writes its
 run's normalised output and base-2 log-sum-exp to ``Part_o`` / ``Part_lse`` (``[S, rows, global
-query heads, D]`` / ``[S, rows, global query heads]``) and
-:func:`segpaged_extend_merge_kernel` combines them. A local row stays whole in split 0 (its keys
-are few); its programs with ``s > 0`` do nothing. ``num_splits`` is not specialised, so one
-compiled kernel serves every split count.
+query heads, D]`` / ``[S, rows, global query heads]``), then counts itself done on its tile's
+counter (``Counters[t * slots + j]``, acquire-release); the run that finds every other run done
+merges the tile's parts, writes the rows and zeroes the counter for the next launch. One launch,
+as unsplit. A local row stays whole in split 0 (its keys are few); its programs with ``s > 0`` do
+nothing. ``num_splits`` is not specialised, so one compiled kernel serves every split count.
 """
 
 from __future__ import annotations
@@ -121,6 +122,28 @@ def _store_rows(Out, Lse, acc, m_i, l_i, q_row, rows, row_ok, h, d, stride_ot, s
         tl.store(Lse + lse_rows, lse, mask=row_ok)
 
 
+@triton.jit
+def _merge_runs(Part_o, Part_lse, o_at, lse_at, row_ok, d, num_splits, stride_pos, stride_pls,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """The ``num_splits`` runs' parts of the tile's rows combined: ``(m, l, acc)`` as the
+    online softmax keeps them (base 2). Loads bypass L1: other SMs wrote the parts."""
+    m = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_KEY_MAX
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(num_splits):
+        lse2 = tl.load(Part_lse + s * stride_pls + lse_at, mask=row_ok, other=float("-inf"),
+                       cache_modifier=".cg")  # fmt: skip
+        o = tl.load(Part_o + s * stride_pos + o_at[:, None] + d[None, :], mask=row_ok[:, None],
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, lse2)
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse2 - m_new)  # 0 for a run without keys (lse2 = -inf)
+        den = den * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    return m, den, acc
+
+
 _SPLIT_ARGS = ["num_splits", "stride_pos", "stride_pot", "stride_pls", "stride_plt"]
 
 
@@ -128,7 +151,7 @@ _SPLIT_ARGS = ["num_splits", "stride_pos", "stride_pot", "stride_pls", "stride_p
 def segpaged_extend_kernel(
     Q, K_new, V_new, K_g, V_g, K_l, V_l,
     Req_to_token, Req_pool_indices, Prefix_lens, Qo_indptr, Tile_req, Tile_start,
-    Rows, Rows_indptr, Is_local, Column, Order, Out, Lse, Part_o, Part_lse,
+    Rows, Rows_indptr, Is_local, Column, Order, Out, Lse, Part_o, Part_lse, Counters,
     qk_scale, sink, window, ring_len, head_slot_offset, num_splits,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_ot, stride_oh, stride_lse_t,
@@ -256,48 +279,23 @@ def segpaged_extend_kernel(
                                             stride_knt, stride_vnt, d, is_global, window,
                                             qk_scale, BLOCK_M, BLOCK_N, UPCAST)  # fmt: skip
 
-    if is_global & (num_splits > 1):  # this run's part, for the merge
+    if is_global & (num_splits > 1):  # this run's part; the tile's last run merges them all
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
         part = head_slot * GRP + rows % GRP
-        o_at = split * stride_pos + q_row * stride_pot + part * HEAD_DIM
-        tl.store(Part_o + o_at[:, None] + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
+        o_at = q_row * stride_pot + part * HEAD_DIM
+        lse_at = q_row * stride_plt + part
+        tl.store(Part_o + split * stride_pos + o_at[:, None] + d[None, :], acc / safe_l[:, None],
+                 mask=row_ok[:, None])  # fmt: skip
         lse2 = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
-        tl.store(Part_lse + split * stride_pls + q_row * stride_plt + part, lse2, mask=row_ok)
+        tl.store(Part_lse + split * stride_pls + lse_at, lse2, mask=row_ok)
+        # release this run's part, and learn whether every other run of the tile has released
+        counter = Counters + tile * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            m_i, l_i, acc = _merge_runs(Part_o, Part_lse, o_at, lse_at, row_ok, d, num_splits,
+                                        stride_pos, stride_pls, BLOCK_M, HEAD_DIM)  # fmt: skip
+            _store_rows(Out, Lse, acc, m_i, l_i, q_row, rows, row_ok, h, d, stride_ot,
+                        stride_oh, stride_lse_t, GRP, WRITE_LSE)  # fmt: skip
+            tl.atomic_xchg(counter, 0)  # zero again for the next launch
     else:
         _store_rows(Out, Lse, acc, m_i, l_i, q_row, rows, row_ok & active, h, d, stride_ot,
                     stride_oh, stride_lse_t, GRP, WRITE_LSE)  # fmt: skip
-
-
-@triton.jit(do_not_specialize=_SPLIT_ARGS + ["write_lse", "stride_lse_t"])
-def segpaged_extend_merge_kernel(
-    Out, Lse, Part_o, Part_lse, Order,
-    num_splits, write_lse,
-    stride_ot, stride_oh, stride_lse_t, stride_pos, stride_pot, stride_pls, stride_plt,
-    GRP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """Program ``(a, j)``: combine the ``num_splits`` runs of global query head ``j`` (query
-    head ``j % GRP`` of the layer's ``j // GRP``-th global KV head) of row ``a`` of ``Out``;
-    with ``write_lse`` also its natural-log LSE."""
-    a = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    head = tl.load(Order + j // GRP) * GRP + j % GRP
-    d = tl.arange(0, HEAD_DIM)
-    lse2 = tl.load(Part_lse + a * stride_plt + j)  # split 0
-    m = tl.maximum(lse2, NO_KEY_MAX)
-    den = tl.math.exp2(lse2 - m)
-    acc = den * tl.load(Part_o + a * stride_pot + j * HEAD_DIM + d)
-    for s in range(1, num_splits):
-        lse2 = tl.load(Part_lse + s * stride_pls + a * stride_plt + j)
-        o = tl.load(Part_o + s * stride_pos + a * stride_pot + j * HEAD_DIM + d)
-        m_new = tl.maximum(m, lse2)
-        alpha = tl.math.exp2(m - m_new)
-        w = tl.math.exp2(lse2 - m_new)  # 0 for a run without keys (lse2 = -inf)
-        den = den * alpha + w
-        acc = acc * alpha + w * o
-        m = m_new
-    safe = tl.where(den > 0.0, den, 1.0)
-    tl.store(Out + a * stride_ot + head * stride_oh + d, (acc / safe).to(Out.dtype.element_ty))
-    if write_lse != 0:
-        lse = tl.where(den > 0.0, (m + tl.math.log2(safe)) * LN2, float("-inf"))
-        tl.store(Lse + a * stride_lse_t + head, lse)
