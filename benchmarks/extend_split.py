@@ -59,11 +59,14 @@ def stores(keys: int, num_global: int):
 
 
 def timed_pair(row: dict, timer: Timer, plan, q, k, v, st, heads, lse) -> None:
-    """``ms_unsplit`` and ``ms_split`` (the splits ``run_extend`` chooses) of one launch."""
+    """``ms_unsplit`` and ``ms_split`` (the splits ``run_extend`` chooses) of one launch, and
+    ``ms_split_<n>_runs`` for other run counts (what ``ExtendConfig.max_splits`` was set from)."""
     out = torch.empty_like(q)
     splits = choose_extend_splits(plan, heads.num_global, _num_sms(q.device))
     row["num_splits"] = splits
-    for name, n in (("unsplit", 1), ("split", splits)):
+    runs = [("unsplit", 1), ("split", splits)]
+    runs += [(f"split_{n}_runs", n) for n in (4, 8, 16, 32, 64) if n != splits]  # the cap's choice
+    for name, n in runs:
         attempt(row, name, timer, lambda n=n: lambda: run_extend(
             plan, q, k, v, *st, heads, SCALE, out=out, lse=lse, num_splits=n))  # fmt: skip
     if row.get("ms_unsplit") and row.get("ms_split"):

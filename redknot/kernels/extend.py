@@ -44,7 +44,7 @@ class ExtendConfig:
     # Splitting the keys of global rows when few tiles attend long rows (choose_extend_splits)
     split_programs_per_sm: int = 2  # split until global-head programs fill the SMs this often
     min_split_keys: int = 512  # keys per run at least
-    max_splits: int = 64
+    max_splits: int = 16  # the tile's last run merges every run: more cost it more (measured)
     max_split_bytes: int = 256 << 20  # the runs' outputs (float32) at most
 
     def block_q(self, group_size: int) -> int:
