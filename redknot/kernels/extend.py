@@ -42,8 +42,9 @@ class ExtendConfig:
     num_warps: int = 8
     num_stages: int = 3
     # Splitting the keys of global rows when few tiles attend long rows (choose_extend_splits)
-    split_programs_per_sm: int = 2  # split until global-head programs fill the SMs this often
-    min_split_keys: int = 512  # keys per run at least
+    # (set from the run counts measured in benchmarks/results/extend_split.json)
+    split_programs_per_sm: int = 1  # split until global-head programs fill the SMs this often
+    min_split_keys: int = 1024  # keys per run at least
     max_splits: int = 16  # the tile's last run merges every run: more cost it more (measured)
     max_split_bytes: int = 256 << 20  # the runs' outputs (float32) at most
 
@@ -130,7 +131,8 @@ class ExtendPlan:
 def choose_extend_splits(plan: ExtendPlan, num_global: int, num_sms: int) -> int:
     """Runs of a global row's keys (``segpaged_extend_kernel``): enough that the global heads'
     tiles make ``split_programs_per_sm`` programs per SM, each run at least ``min_split_keys``
-    keys of the longest request; 1 (no split) when the tiles already fill the GPU."""
+    keys of the longest request, rounded down to a power of two; 1 (no split) when the tiles
+    already fill the GPU."""
     cfg = plan.config
     programs = plan.num_tiles * num_global
     if programs == 0 or programs >= cfg.split_programs_per_sm * num_sms:
@@ -138,7 +140,8 @@ def choose_extend_splits(plan: ExtendPlan, num_global: int, num_sms: int) -> int
     want = -(-cfg.split_programs_per_sm * num_sms // programs)
     runs = min(want, plan.max_keys // cfg.min_split_keys, cfg.max_splits)
     per_run = plan.num_rows * num_global * plan.geometry.group_size * (plan.geometry.head_dim + 1)
-    return max(1, min(runs, cfg.max_split_bytes // max(4 * per_run, 1)))
+    runs = max(1, min(runs, cfg.max_split_bytes // max(4 * per_run, 1)))
+    return 1 << (runs.bit_length() - 1)  # a power of two, as measured
 
 
 @functools.cache

@@ -276,16 +276,17 @@ def test_extend_split_keys_without_lse_and_window_blocks():
 
 def test_choose_extend_splits():
     """No split while the global tiles fill the GPU, without global heads, or for short rows;
-    otherwise enough runs to fill it, each of min_split_keys keys at least, within the caps."""
+    otherwise enough runs to fill it, each of min_split_keys keys at least, within the caps,
+    rounded down to a power of two."""
     plan = _two_group_batch(torch.bfloat16, seed=5)[3]  # 2 global heads, max keys 79
     cfg = ExtendConfig(block_m=16, block_n=16, min_split_keys=8)
     plan = replace(plan, config=cfg)
     tiles = plan.num_tiles
     assert choose_extend_splits(plan, 0, 132) == 1
     assert choose_extend_splits(plan, 2, tiles) == 1  # 2 * tiles programs: twice the SMs
-    assert choose_extend_splits(plan, 2, 4 * tiles) == 4  # 2 programs per SM wanted
-    assert choose_extend_splits(plan, 2, 1000) == 79 // 8  # keys of the longest row
-    assert choose_extend_splits(replace(plan, config=replace(cfg, max_splits=3)), 2, 1000) == 3
+    assert choose_extend_splits(plan, 2, 8 * tiles) == 4  # 1 program per SM wanted
+    assert choose_extend_splits(plan, 2, 1000) == 8  # 79 // 8 keys of the longest row, to 2^k
+    assert choose_extend_splits(replace(plan, config=replace(cfg, max_splits=3)), 2, 1000) == 2
     small = replace(cfg, max_split_bytes=4 * plan.num_rows * 2 * 2 * 65 * 2)
     assert choose_extend_splits(replace(plan, config=small), 2, 1000) == 2
     assert (
