@@ -288,8 +288,10 @@ def segpaged_extend_kernel(
                  mask=row_ok[:, None])  # fmt: skip
         lse2 = tl.where(l_i > 0.0, m_i + tl.math.log2(safe_l), float("-inf"))
         tl.store(Part_lse + split * stride_pls + lse_at, lse2, mask=row_ok)
-        # release this run's part, and learn whether every other run of the tile has released
+        # release this run's part (every thread's stores, hence the barrier before the one
+        # atomic), and learn whether every other run of the tile has released theirs
         counter = Counters + tile * tl.num_programs(1) + tl.program_id(1)
+        tl.debug_barrier()
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             m_i, l_i, acc = _merge_runs(Part_o, Part_lse, o_at, lse_at, row_ok, d, num_splits,
                                         stride_pos, stride_pls, BLOCK_M, HEAD_DIM)  # fmt: skip
