@@ -41,12 +41,12 @@ from segpaged_kernels import (
 )
 
 from redknot.kernels.extend import (
-    _num_sms,
     choose_extend_splits,
     gather_tiles,
     plan_extend,
     run_extend,
 )
+from redknot.kernels.geometry import num_sms
 
 
 def stores(keys: int, num_global: int):
@@ -62,7 +62,7 @@ def timed_pair(row: dict, timer: Timer, plan, q, k, v, st, heads, lse) -> None:
     """``ms_unsplit`` and ``ms_split`` (the splits ``run_extend`` chooses) of one launch, and
     ``ms_split_<n>_runs`` for other run counts (what ``ExtendConfig.max_splits`` was set from)."""
     out = torch.empty_like(q)
-    splits = choose_extend_splits(plan, heads.num_global, _num_sms(q.device))
+    splits = choose_extend_splits(plan, heads.num_global, num_sms(q.device))
     row["num_splits"] = splits
     runs = [("unsplit", 1), ("split", splits)]
     runs += [(f"split_{n}_runs", n) for n in (4, 8, 16, 32, 64) if n != splits]  # the cap's choice
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown", help="commit of the code being measured")
     args = ap.parse_args()
     timer = Timer()
-    result = result_header(args.commit, num_sms=_num_sms(torch.device(DEV)))
+    result = result_header(args.commit, num_sms=num_sms(DEV))
     cases = [(question_case, (P, E)) for P in (8192, 32768, 131072) for E in (64, 512)]
     cases += [(held_rows_case, (L, 128, n)) for L in (32768, 65536) for n in (64, 1024)]
     for fn, case in cases:

@@ -32,7 +32,7 @@ from redknot.attention.trace import phase
 from redknot.kernels.choose import choose_rows
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_device
-from redknot.kernels.geometry import LayerHeads, SegGeometry
+from redknot.kernels.geometry import LayerHeads, SegGeometry, num_sms
 from redknot.kernels.key_mass import key_mass
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
@@ -97,11 +97,7 @@ class SegPagedRunner:
         )
         self.heads = LayerHeads.all_layers(layout, device)
         self.heavy_heads = max(layout.num_global(i) for i in range(layout.num_layers)) or 1
-        self.num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if torch.device(device).type == "cuda"
-            else 8
-        )
+        self.num_sms = num_sms(device)
         self.workspace = DecodeWorkspace.sized_for(
             self.geo, max_batch_size, self.num_sms, device, max_splits=MAX_SPLITS
         )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from redknot.kernels.geometry import LayerHeads, SegGeometry
+from redknot.kernels.geometry import num_sms as device_sms
 from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.decode import segpaged_decode_kernel, segpaged_decode_merge_kernel
 
@@ -177,12 +178,7 @@ def plan_decode(
     if num_splits is None:
         assert seq_lens_cpu is not None, "give seq_lens_cpu or num_splits"
         if num_sms is None:
-            dev = seq_lens_gpu.device
-            num_sms = (
-                torch.cuda.get_device_properties(dev).multi_processor_count
-                if dev.type == "cuda"
-                else 8
-            )
+            num_sms = device_sms(seq_lens_gpu.device)
         max_len = int(seq_lens_cpu.max()) if B else 1
         heavy = geo.num_kv_heads if heavy_heads is None else heavy_heads
         num_splits = choose_num_splits(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from redknot.kernels.decode import check_layer_io
-from redknot.kernels.geometry import LayerHeads, SegGeometry
+from redknot.kernels.geometry import LayerHeads, SegGeometry, num_sms
 from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.extend import segpaged_extend_kernel
 
@@ -166,13 +166,6 @@ def _run_counters(device: torch.device, n: int) -> torch.Tensor:
     if have is None or have.numel() < n:
         have = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return have
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the Triton interpreter: any count
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def plan_extend(
@@ -326,7 +319,7 @@ def run_extend(
         return out
     num_global = 0 if skip_global else heads.num_global
     if num_splits is None:
-        num_splits = choose_extend_splits(plan, num_global, _num_sms(q.device))
+        num_splits = choose_extend_splits(plan, num_global, num_sms(q.device))
     assert num_splits >= 1, num_splits
     if num_global == 0:
         num_splits = 1

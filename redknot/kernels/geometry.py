@@ -22,11 +22,23 @@ Local-store addressing (``local_mode``):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from redknot.pool.layout import HeadLayout
+
+
+@functools.cache
+def num_sms(device: torch.device | str) -> int:
+    """Streaming multiprocessors of ``device``, which the kernels' split choices fill (8 off
+    CUDA: the Triton interpreter runs any count)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
 
 LOCAL_MODES = ("token_table", "ring")
 

@@ -14,12 +14,12 @@ import torch
 from redknot.kernels import extend as extend_mod
 from redknot.kernels.extend import (
     ExtendConfig,
-    _num_sms,
     choose_extend_splits,
     gather_tiles,
     plan_extend,
     run_extend,
 )
+from redknot.kernels.geometry import num_sms
 from redknot.kernels.reference import extend_reference
 
 from .segpaged_data import make_batch, make_geometry
@@ -423,7 +423,7 @@ def test_extend_gpu_split_keys_short_question_over_long_prefix(classes):
     geo, _ = make_geometry(classes, 4, 128, 64, 256, "ring", ring_extra=64)
     plan = plan_extend(geo, torch.zeros(3, dtype=torch.int64, device="cuda"),
                        [p for p, _ in requests], [e for _, e in requests])  # fmt: skip
-    assert choose_extend_splits(plan, classes.count("G"), _num_sms(torch.device("cuda"))) > 1
+    assert choose_extend_splits(plan, classes.count("G"), num_sms("cuda")) > 1
     out, lse, ref_out, ref_lse = _run_case(
         classes, 4, 128, torch.bfloat16, "ring", requests, "cuda", ExtendConfig(),
         sink=64, window=256, ring_extra=64,
