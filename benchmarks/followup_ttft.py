@@ -54,9 +54,7 @@ def child(args) -> None:
                                                               "max_new_tokens": 1})  # fmt: skip
         return time.perf_counter() - t0, out["meta_info"].get("cached_tokens", -1)
 
-    engine.generate(
-        input_ids=[10, 11, 12], sampling_params={"max_new_tokens": 8}
-    )  # as launch_server
+    common.launch_server_warmup(engine)
     points = {}
     try:
         for H in histories:

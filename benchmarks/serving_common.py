@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,15 @@ def engine_kwargs(model: str, context_length: int, **extra) -> dict:
     }
     kwargs.update(extra)
     return kwargs
+
+
+def launch_server_warmup(engine) -> float:
+    """Run the warm-up request ``launch_server`` sends once a server is up (SGLang's http_server:
+    a short prompt, 8 new tokens), so that SGLang's first-use JIT builds are not counted in a
+    measured request; returns its seconds."""
+    t0 = time.perf_counter()
+    engine.generate(input_ids=[10, 11, 12], sampling_params={"max_new_tokens": 8})
+    return time.perf_counter() - t0
 
 
 def forward_args(args, *names: str) -> list[str]:

@@ -219,11 +219,7 @@ def child(args) -> None:
         info = engine.get_server_info()["internal_states"][0].get("redknot_segments", {})
         return {k: info.get(k, 0) for k in STORE_COUNTERS}
 
-    # launch_server's own warm-up request (SGLang's http_server: a short prompt, 8 new tokens):
-    # what a served model has run before its first request (SGLang's first-use JIT builds)
-    t0 = time.perf_counter()
-    engine.generate(input_ids=[10, 11, 12], sampling_params={"max_new_tokens": 8})
-    server_warmup_s = time.perf_counter() - t0
+    server_warmup_s = common.launch_server_warmup(engine)
     compiled_at_startup = compiled = triton_kernels() if args.compile_log else {}
     one = {"temperature": 0.0, "max_new_tokens": 1}
     out = {}
