@@ -343,15 +343,19 @@ def test_gather_tiles_device_tables_start_16_byte_aligned(num_rows):
 LLAMA = "GLLLLLLL"  # 8 KV heads, 1 global; 32 query heads
 
 
+def _llama_case(classes, mode, requests, rows=None):
+    """:func:`_run_case` on the GPU at the Llama-3.1-8B attention shape (groups of 4, head_dim
+    128, bf16, sink 64 + window 256) with the tuned launch settings."""
+    return _run_case(classes, 4, 128, torch.bfloat16, mode, requests, "cuda", ExtendConfig(),
+                     sink=64, window=256, ring_extra=64, rows=rows)  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["token_table", "ring"])
 @pytest.mark.parametrize("classes", [LLAMA, "GLGLGGLL", "LLLLLLLL", "GGGGGGGG"])
 def test_extend_gpu_llama_shape(classes, mode):
     requests = [(0, 4099), (20000, 1000), (300, 0), (5, 700), (321, 1)]
-    out, lse, ref_out, ref_lse = _run_case(
-        classes, 4, 128, torch.bfloat16, mode, requests, "cuda", ExtendConfig(),
-        sink=64, window=256, ring_extra=64,
-    )  # fmt: skip
+    out, lse, ref_out, ref_lse = _llama_case(classes, mode, requests)
     _close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
 
@@ -363,10 +367,7 @@ def test_extend_gpu_gathered_rows():
     requests = [(0, 8192), (3000, 2048), (5, 1)]
     rows = _scattered_rows([e for _, e in requests], seed=11)
     rows = rows[(torch.arange(rows.numel()) % 2 == 0) | (rows >= 8192)]
-    out, lse, ref_out, ref_lse = _run_case(
-        LLAMA, 4, 128, torch.bfloat16, "ring", requests, "cuda", ExtendConfig(),
-        sink=64, window=256, ring_extra=64, rows=rows,
-    )  # fmt: skip
+    out, lse, ref_out, ref_lse = _llama_case(LLAMA, "ring", requests, rows=rows)
     rows = rows.cuda()
     _close(out[rows], ref_out[rows])
     torch.testing.assert_close(lse[rows], ref_lse[rows], atol=2e-3, rtol=2e-3)
@@ -374,10 +375,7 @@ def test_extend_gpu_gathered_rows():
 
 @pytest.mark.gpu
 def test_extend_gpu_prefill_32k():
-    out, _, ref_out, _ = _run_case(
-        LLAMA, 4, 128, torch.bfloat16, "ring", [(0, 32768)], "cuda", ExtendConfig(),
-        sink=64, window=256, ring_extra=64,
-    )  # fmt: skip
+    out, _, ref_out, _ = _llama_case(LLAMA, "ring", [(0, 32768)])
     _close(out, ref_out)
 
 
@@ -424,10 +422,7 @@ def test_extend_gpu_split_keys_short_question_over_long_prefix(classes):
     plan = plan_extend(geo, torch.zeros(3, dtype=torch.int64, device="cuda"),
                        [p for p, _ in requests], [e for _, e in requests])  # fmt: skip
     assert choose_extend_splits(plan, classes.count("G"), num_sms("cuda")) > 1
-    out, lse, ref_out, ref_lse = _run_case(
-        classes, 4, 128, torch.bfloat16, "ring", requests, "cuda", ExtendConfig(),
-        sink=64, window=256, ring_extra=64,
-    )  # fmt: skip
+    out, lse, ref_out, ref_lse = _llama_case(classes, "ring", requests)
     _close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
 
@@ -440,10 +435,7 @@ def test_extend_gpu_split_keys_held_rows_of_a_32k_prompt():
     g = torch.Generator().manual_seed(3)
     rows = torch.cat([torch.randperm(L - 128, generator=g)[:200].sort().values,
                       torch.arange(L - 128, L)])  # fmt: skip
-    out, lse, ref_out, ref_lse = _run_case(
-        LLAMA, 4, 128, torch.bfloat16, "ring", [(0, L)], "cuda", ExtendConfig(),
-        sink=64, window=256, ring_extra=64, rows=rows,
-    )  # fmt: skip
+    out, lse, ref_out, ref_lse = _llama_case(LLAMA, "ring", [(0, L)], rows=rows)
     rows = rows.cuda()
     _close(out[rows], ref_out[rows])
     torch.testing.assert_close(lse[rows], ref_lse[rows], atol=2e-3, rtol=2e-3)
