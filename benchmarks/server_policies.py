@@ -38,7 +38,8 @@ def served_label(result: dict) -> str:
 
 def reference_row(rows: list[dict], policy: str, config: dict, path: str) -> dict:
     """The reference row of ``policy`` whose knobs equal the server's."""
-    served = {**config, **REFERENCE_ONLY_KNOBS}  # what every server does
+    # what every server does; servers from before --redknot-local-kv reused cached local K/V
+    served = {"local_kv": "cached", **config, **REFERENCE_ONLY_KNOBS}
     knobs = [k for k in POLICIES[policy].knobs if k not in UNMATCHED]
     matches = [
         r

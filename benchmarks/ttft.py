@@ -90,6 +90,15 @@ POLICY_KNOBS = {  # the server's knobs of each policy (--redknot-<knob>)
     "cacheblend": ("blend_check_layer", "blend_ratio"),
     "sparsex": ("sparseq_boundary", "sparseq_k", "sparseq_block"),
 }
+RECOVERY_KNOBS = ("local_kv",)  # the server's knobs of redknot's own recovery (-reuse variants)
+
+
+def variant_knobs(base: str) -> tuple[str, ...]:
+    """The knobs a variant takes in brackets: its policy's, or redknot's recovery's."""
+    _, _, reuse, _, _, policy = VARIANTS[base]
+    if policy is not None:
+        return POLICY_KNOBS[policy]
+    return RECOVERY_KNOBS if reuse else ()
 
 
 def split_variants(text: str) -> list[str]:
@@ -106,14 +115,18 @@ def parse_variant(name: str) -> tuple[str, dict]:
         raise SystemExit(f"--variants: {base!r} is not one of {', '.join(VARIANTS)}")
     if not rest:
         return base, {}
-    policy = VARIANTS[base][5]
+    allowed = variant_knobs(base)
     knobs = {}
     for item in rest.rstrip("]").split(","):
         key, _, value = item.partition("=")
-        if policy is None or key not in POLICY_KNOBS[policy] or not value:
-            allowed = POLICY_KNOBS.get(policy, ())
-            raise SystemExit(f"--variants: {name!r}: knobs of {base} are {', '.join(allowed)}")
-        knobs[key] = float(value) if "." in value else int(value)
+        if key not in allowed or not value:
+            raise SystemExit(
+                f"--variants: {name!r}: knobs of {base} are {', '.join(allowed) or 'none'}"
+            )
+        try:
+            knobs[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            knobs[key] = value  # a word (local_kv=fresh)
     return base, knobs
 
 
@@ -197,9 +210,9 @@ def child(args) -> None:
             extra["redknot_dense_layers"] = dense_layers
             extra["redknot_skipped"] = skipped
             extra["log_level"] = "info"  # the sparse-FFN log lines count what was skipped
+        extra.update({f"redknot_{k}": v for k, v in knobs.items()})
         if policy is not None:
             extra["redknot_policy"] = policy
-            extra.update({f"redknot_{k}": v for k, v in knobs.items()})
             extra["log_level"] = "info"  # the policy's log lines count the rows that left
         elif all_global:  # (token-level policies serve every head global by themselves)
             extra["redknot_all_global"] = True

@@ -20,6 +20,7 @@ from redknot.headmap import HeadMap, HeadMapError, ModelShape
 
 KERNEL_CHOICES = ("auto", "triton")
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
+LOCAL_KV_CHOICES = ("cached", "fresh")  # redknot.recovery.options.LOCAL_KV_SOURCES
 SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
 TOKEN_POLICIES = ("naive", "epic", "cacheblend", "sparsex")  # redknot.attention.token_policy
 POLICY_CHOICES = ("redknot", *TOKEN_POLICIES)
@@ -32,8 +33,8 @@ REFERENCE_ONLY_POLICIES = {
 }
 # Recovery knobs a head map may record (HeadMap.recorded_recovery) that the server applies, and
 # those of the reference path only, with the value the server's recovery amounts to
-SERVED_RECOVERY_KNOBS = ("dense_layers", "mass_thresh", "recent_n", "skipped")
-REFERENCE_ONLY_KNOBS = {"restore_thresh": None, "local_kv": "cached"}
+SERVED_RECOVERY_KNOBS = ("dense_layers", "mass_thresh", "recent_n", "skipped", "local_kv")
+REFERENCE_ONLY_KNOBS = {"restore_thresh": None}
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,14 @@ class RedknotConfig:
         "cached K/V and nothing of it is computed (the reference path's default; needs "
         "--redknot-segment-heads all); 'residual': goes on along the residual path and its "
         "projections and attention keep being computed.",
+        default="cached",
+    )
+    local_kv: str = _opt(
+        "Segment reuse: the K/V of local heads for the reused tokens a layer computes: "
+        "'cached' (the segment's cached K/V, re-rotated to the new positions: RedKnot's "
+        "recovery) or 'fresh' (the K/V this prompt's projections compute, as global heads'; "
+        "tokens that left recovery still take the cache). Not given: the head map's recorded "
+        "value, else 'cached'.",
         default="cached",
     )
     recent_n: int = _opt(
@@ -182,6 +191,10 @@ class RedknotConfig:
             raise RedknotConfigError(
                 f"--redknot-skipped {self.skipped!r} is not one of {', '.join(SKIPPED_CHOICES)}"
             )
+        if self.local_kv not in LOCAL_KV_CHOICES:
+            raise RedknotConfigError(
+                f"--redknot-local-kv {self.local_kv!r} is not one of {', '.join(LOCAL_KV_CHOICES)}"
+            )
         leaves = self.dense_layers is not None and self.skipped == "cached"
         if self.segment_heads is None:  # frozen dataclass: resolve the default once
             object.__setattr__(self, "segment_heads", "all" if leaves else "local")
@@ -243,6 +256,7 @@ class RedknotConfig:
             (self.dense_layers is not None, "--redknot-dense-layers (redknot's own recovery)"),
             (self.segment_heads == "local", "--redknot-segment-heads local (it reads every head)"),
             (self.segment_fraction == 0, "--redknot-segment-fraction 0 (nothing to reuse)"),
+            (self.local_kv != "cached", f"--redknot-local-kv {self.local_kv} (local heads)"),
         ]
         for bad, what in conflicts:
             if bad:

@@ -176,6 +176,7 @@ class RedknotAttnBackend(AttentionBackend):
         runner = self.segpaged
         runner.dense_layers, runner.mass_thresh = dense, config.mass_thresh
         runner.recent_n, runner.tp_size, runner.skipped = config.recent_n, tp, config.skipped
+        runner.local_kv = config.local_kv
         runner.policy = TokenPolicy.of(config)
         if runner.pool.segments is None:
             return
@@ -198,6 +199,12 @@ class RedknotAttnBackend(AttentionBackend):
                 runner.policy.describe(),
             )
             return
+        if config.local_kv == "fresh":
+            logger.info(
+                "redknot segment reuse: local heads take the K/V this prompt computes "
+                "(--redknot-local-kv fresh)%s",
+                "" if dense < layers else "; without the layer schedule no cached K/V is read",
+            )
         if dense >= layers:
             return
         _check_sparse_layers(model_runner, runner, config)

@@ -77,6 +77,7 @@ class LayerConsts:
 
     local: AlignedHeads  # the local KV heads and their columns in the segment region
     stored_global: AlignedHeads  # the global KV heads the region keeps, and their columns
+    stored: AlignedHeads  # both: every head of a token that left recovery, local_kv="fresh"
     global_queries: torch.Tensor  # int32 [G * group]: the query heads of the global KV heads
 
     @classmethod
@@ -84,9 +85,12 @@ class LayerConsts:
         """``stored``: the heads the segment region keeps in this layer (``segment_heads``;
         with ``skipped="cached"`` startup requires every global head among them)."""
         glob, grp = layout.global_heads(lid), layout.group_size
+        local = [(h, stored.index(h)) for h in layout.local_heads(lid)]
+        stored_global = [(h, stored.index(h)) for h in glob if h in stored]
         return cls(
-            AlignedHeads.of([(h, stored.index(h)) for h in layout.local_heads(lid)], device),
-            AlignedHeads.of([(h, stored.index(h)) for h in glob if h in stored], device),
+            AlignedHeads.of(local, device),
+            AlignedHeads.of(stored_global, device),
+            AlignedHeads.of(sorted(local + stored_global), device),
             query_heads(glob, grp, device),
         )
 

@@ -114,6 +114,7 @@ class SegPagedRunner:
         self.mass_thresh = 1.0
         self.recent_n = 128
         self.skipped = "cached"  # what becomes of a row that skipped a deep FFN (ffn_schedule)
+        self.local_kv = "cached"  # local heads of the reused rows a layer computes: cache or fresh
         self.policy: TokenPolicy | None = None  # a token-level policy (token_policy); None: redknot
         self.tp_size = 1
         self._arange = torch.arange(max_context_len, device=device)
@@ -565,14 +566,22 @@ class SegPagedRunner:
     def _reuse_kv(self, lid: int, k, v, reads: SegmentReads, held: HeldRows | None) -> None:
         """Reused segment tokens take the cached K/V, re-rotated to their positions in this
         prompt (in place in this layer's ``k``, ``v``: [T, H_kv, D]): local heads for every
-        segment token; every head for the tokens that left recovery (``held.left``). One
+        segment token (``local_kv="cached"``; under ``"fresh"`` they keep what this layer
+        projected); every head for the tokens that left recovery (``held.left``). One
         alignment launch for each of the two, straight into ``k``/``v``; no host
         synchronisation."""
+        left = self.left_heads(lid)
+        if self.local_kv == "cached" and len(self.consts[lid].local):
+            self._align(lid, k, v, self.consts[lid].local, reads)
+        if held is not None and held.left.tokens_gpu.numel() and len(left):
+            self._align(lid, k, v, left, held.left)
+
+    def left_heads(self, lid: int) -> AlignedHeads:
+        """The heads that tokens which left recovery take from the cache in layer ``lid``: the
+        stored global heads (their local heads come with every segment token's), or under
+        ``local_kv="fresh"`` every stored head."""
         consts = self.consts[lid]
-        if len(consts.local):
-            self._align(lid, k, v, consts.local, reads)
-        if held is not None and held.left.tokens_gpu.numel() and len(consts.stored_global):
-            self._align(lid, k, v, consts.stored_global, held.left)
+        return consts.stored if self.local_kv == "fresh" else consts.stored_global
 
     def _align(self, lid: int, k, v, heads: AlignedHeads, reads: SegmentReads) -> None:
         """``k``/``v`` rows ``reads.tokens_gpu`` of KV heads ``heads.heads`` from the segment

@@ -472,8 +472,8 @@ def reuse_launches(runner: Any) -> list[tuple[str, int]]:
 
     | launch    | when                                               | distinct by                |
     | --------- | -------------------------------------------------- | -------------------------- |
-    | ``local`` | every reusing request, in layers with local heads  | region width, local heads  |
-    | ``left``  | rows leave recovery (layer schedule, token policy) | region width, global heads |
+    | ``local`` | every reusing request, in layers with local heads (``local_kv="cached"``) | region width, local heads |
+    | ``left``  | rows leave recovery (layer schedule, token policy) | region width, heads they take |
     | ``blend`` | CacheBlend's check layer                           | region width               |
     | ``mass``  | the layer schedule's deep layers with global heads | global heads               |
     """
@@ -483,9 +483,10 @@ def reuse_launches(runner: Any) -> list[tuple[str, int]]:
     leave = schedule or runner.policy is not None
     seen: dict[tuple, tuple[str, int]] = {}
     for lid, consts in enumerate(runner.consts):
-        keys = [("local", widths[lid], len(consts.local))] if len(consts.local) else []
-        if leave and len(consts.stored_global):
-            keys.append(("left", widths[lid], len(consts.stored_global)))
+        local = len(consts.local) if runner.local_kv == "cached" else 0
+        keys = [("local", widths[lid], local)] if local else []
+        if leave and len(runner.left_heads(lid)):
+            keys.append(("left", widths[lid], len(runner.left_heads(lid))))
         if schedule and lid >= runner.dense_layers and lay.num_global(lid):
             keys.append(("mass", lay.num_global(lid)))
         for key in keys:
@@ -579,7 +580,7 @@ def _check_align(runner, served: ServedAttention, name: str, lid: int, g) -> Non
         heads = {}
     else:
         _, k_dst, v_dst = _layer_kv(served, dst_len, g)
-        pair = runner.consts[lid].local if name == "local" else runner.consts[lid].stored_global
+        pair = runner.consts[lid].local if name == "local" else runner.left_heads(lid)
         heads = {"src_heads": pair.cols, "dst_heads": pair.heads}
     max_pos = rope.cos_sin_cache.shape[0]
     index = {

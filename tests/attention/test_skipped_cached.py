@@ -154,8 +154,10 @@ def aligned_segment_kv(world, seg_kv, lid):
     return k.to(torch.bfloat16), seg_kv[lid][1]
 
 
-def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
-    """Every row's forward, with the rule applied directly (no compaction, no kernels)."""
+def brute_force(world, layers, embed, seg_kv, dense_layers, thresh, local_kv="cached"):
+    """Every row's forward, with the rule applied directly (no compaction, no kernels): local
+    heads of segment rows take the cached K/V under ``local_kv="cached"``, and every head of the
+    rows that left recovery does."""
     layout = world.layout
     n, seg = embed.shape[0], torch.arange(NEW, NEW + SEG)
     probe = torch.arange(min(NEW + SEG, n - RECENT), n)  # the question, at least RECENT rows
@@ -168,7 +170,8 @@ def brute_force(world, layers, embed, seg_kv, dense_layers, thresh):
         q, k, v = layer.qkv(x, positions)
         cached_k, cached_v = aligned_segment_kv(world, seg_kv, lid)
         for h in range(layout.num_kv_heads):
-            rows = seg if layout.classes[lid][h] == "L" else seg[left[seg]]
+            reused = layout.classes[lid][h] == "L" and local_kv == "cached"
+            rows = seg if reused else seg[left[seg]]
             k[rows, h] = cached_k[rows - NEW, h]
             v[rows, h] = cached_v[rows - NEW, h]
         new_residual = brute_attention(layout, lid, q, k, v) @ layer.wo + residual
@@ -219,19 +222,25 @@ def world_with_stored_segment(classes, seed, num_tokens, segment_fraction=0.1):
     return w, rope, layers, tokens, entry, seg_kv
 
 
-@pytest.mark.parametrize("dense_layers, thresh", [(1, 0.5), (0, 0.4), (3, 0.5), (1, 1.0)])
-def test_rows_that_skip_a_deep_ffn_leave_recovery_and_take_cached_kv(dense_layers, thresh):
+@pytest.mark.parametrize(
+    "dense_layers, thresh, local_kv",
+    [(1, 0.5, "cached"), (0, 0.4, "cached"), (3, 0.5, "cached"), (1, 1.0, "cached"),
+     (1, 0.5, "fresh"), (0, 0.4, "fresh")],
+)  # fmt: skip
+def test_rows_that_skip_a_deep_ffn_leave_recovery_and_take_cached_kv(
+    dense_layers, thresh, local_kv
+):
     from redknot.kernels.rope_reference import delta_rotate
     from redknot.segcache.reuse import SegmentUse
 
     n = NEW + SEG + QUESTION
     w, rope, layers, tokens, entry, seg_kv = world_with_stored_segment(CLASSES, 3, n)
     w.runner.dense_layers, w.runner.mass_thresh, w.runner.recent_n = dense_layers, thresh, RECENT
-    w.runner.skipped = "cached"
+    w.runner.skipped, w.runner.local_kv = "cached", local_kv
     w.pool.cache.segments.acquire(entry)
     w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
     got = served(w, layers, 2, tokens, hooked=True)
-    want, history = brute_force(w, layers, tokens, seg_kv, dense_layers, thresh)
+    want, history = brute_force(w, layers, tokens, seg_kv, dense_layers, thresh, local_kv)
 
     if 0 < thresh < 1 and dense_layers < len(CLASSES) - 1:
         assert history[-2].any(), "the test needs rows that leave before the last layer"
@@ -252,6 +261,26 @@ def test_rows_that_skip_a_deep_ffn_leave_recovery_and_take_cached_kv(dense_layer
             torch.testing.assert_close(
                 stored.float(), cached[:, glob].float(), atol=2e-2, rtol=2e-2
             )
+
+
+def test_fresh_local_kv_without_the_layer_schedule_computes_the_prompt_as_without_reuse():
+    """The exact limit of ``local_kv="fresh"``: with every FFN run (no layer schedule), a
+    prompt that reuses a cached segment reads nothing from the cache and computes exactly what
+    the same prompt without the segment mark computes; with ``"cached"`` it differs (the test
+    can fail)."""
+    from redknot.segcache.reuse import SegmentUse
+
+    n = NEW + SEG + QUESTION
+    w, _, layers, tokens, entry, _ = world_with_stored_segment(CLASSES, 3, n)
+    plain = served(w, layers, 5, tokens, hooked=True)
+    got = {}
+    for rpi, local_kv in ((2, "fresh"), (3, "cached")):
+        w.runner.local_kv = local_kv
+        w.pool.cache.segments.acquire(entry)
+        w.pool.segment_reads[rpi] = [SegmentUse(NEW, entry, prompt_len=n)]
+        got[local_kv] = served(w, layers, rpi, tokens, hooked=True)
+    assert torch.equal(got["fresh"], plain)
+    assert not torch.allclose(got["cached"], plain, atol=1e-2)
 
 
 @pytest.mark.parametrize("reusing_first", [True, False])

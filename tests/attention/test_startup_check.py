@@ -248,6 +248,15 @@ def test_reuse_launches_are_each_distinct_launch_shape():
     assert reuse_launches(runner) == [
         ("local", 0), ("left", 0), ("mass", 1), ("left", 2), ("mass", 2), ("local", 3),
     ]  # fmt: skip
+    runner.local_kv = "fresh"  # no local launch; rows that leave take every stored head (one
+    assert reuse_launches(runner) == [("left", 0), ("mass", 1), ("mass", 2)]  # shape: 2 of 2)
+    assert [len(runner.left_heads(lid)) for lid in range(4)] == [2, 2, 2, 2]
+
+
+def test_fresh_local_kv_checks_the_launch_of_every_stored_head():
+    runner, served = _reuse_world(dense_layers=1, segment_heads="all")
+    runner.local_kv = "fresh"
+    assert check_reuse_kernels(runner, served) == 3
 
 
 def test_reuse_kernels_pass_and_a_wrong_alignment_or_mass_stops_startup(monkeypatch, gate_log):

@@ -132,10 +132,14 @@ def test_variants_take_their_policys_knobs_in_the_evaluations_label_format():
     assert parse_variant(names[0]) == ("flashinfer", {})
     assert parse_variant(names[1]) == ("cacheblend", {"blend_ratio": 0.3})
     assert parse_variant(names[2]) == ("sparsex", {"sparseq_k": 256, "sparseq_block": 8})
+    fresh = "redknot-g0.125-reuse-sparse-cached[local_kv=fresh]"  # redknot's recovery knobs
+    assert parse_variant(fresh) == ("redknot-g0.125-reuse-sparse-cached", {"local_kv": "fresh"})
     for bad, message in (
         ("nope", "is not one of"),
         ("epic[blend_ratio=0.3]", "knobs of epic are epic_k"),
-        ("flashinfer[epic_k=4]", "knobs of flashinfer are"),
+        ("flashinfer[epic_k=4]", "knobs of flashinfer are none"),
+        ("redknot-g0.125[local_kv=fresh]", "knobs of redknot-g0.125 are none"),
+        ("redknot-g0.125-reuse[epic_k=4]", "knobs of redknot-g0.125-reuse are local_kv"),
         ("epic[epic_k=]", "knobs of epic"),
     ):
         with pytest.raises(SystemExit, match=message):
@@ -244,7 +248,8 @@ def test_policies_take_the_servers_ttft_at_their_default_knobs_only():
 
 def test_each_served_setting_finds_the_reference_row_of_its_knobs():
     """``server_policies.py``: a server's resolved knobs pick the reference row of the same
-    policy and knobs; the server never restores and always reuses cached local K/V."""
+    policy and knobs; the server never restores, and one that does not record ``local_kv``
+    reused cached local K/V."""
     from benchmarks.server_policies import reference_row
 
     served = {"window": None, "sink": None, "dense_layers": 8, "mass_thresh": 0.5,
@@ -259,6 +264,13 @@ def test_each_served_setting_finds_the_reference_row_of_its_knobs():
     ]
     assert reference_row(rows, "epic", {"epic_k": 64}, "f")["setting"] == "epic[epic_k=64]"
     assert reference_row(rows, "redknot", served, "f")["setting"] == "redknot"
+    fresh = {"policy": "redknot", "setting": "fresh",
+             "options": {**redknot, "restore_thresh": None, "local_kv": "fresh"}}  # fmt: skip
+    rows.append(fresh)
+    assert reference_row(rows, "redknot", {**served, "local_kv": "fresh"}, "f") is fresh
+    assert reference_row(rows, "redknot", {**served, "local_kv": "cached"}, "f")["setting"] == (
+        "redknot"
+    )
     assert reference_row(rows, "naive", {}, "f")["setting"] == "naive"
     with pytest.raises(SystemExit, match="0 reference rows of epic with knobs {'epic_k': 32}"):
         reference_row(rows, "epic", {"epic_k": 32}, "f")

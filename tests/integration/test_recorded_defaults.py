@@ -82,6 +82,21 @@ def test_recorded_knobs_apply_to_redknot_only_and_are_checked(tmp_path, caplog):
     assert "records restore_thresh=0.1 for the reference path" in caplog.text
 
 
+def test_local_kv_is_served_recorded_or_given_and_checked(tmp_path, caplog):
+    fresh_map = _map_with(tmp_path, recovery={"dense_layers": 8, "local_kv": "fresh"})
+    with caplog.at_level(logging.INFO, logger="redknot.config"):
+        config = RedknotConfig.merge(None, {"head_map": fresh_map}, num_layers=30)
+    assert config.local_kv == "fresh" and "local_kv=fresh" in caplog.text
+    assert "for the reference path" not in caplog.text  # served, not warned about
+    given = RedknotConfig.merge(None, {"head_map": fresh_map, "local_kv": "cached"}, 30)
+    assert given.local_kv == "cached"  # a flag overrides the map
+    assert RedknotConfig.merge(None, {"head_map": str(SYNTHETIC)}).local_kv == "cached"
+    with pytest.raises(RedknotConfigError, match="--redknot-local-kv 'stale' is not one of"):
+        RedknotConfig(head_map=str(SHIPPED), local_kv="stale")
+    with pytest.raises(RedknotConfigError, match="cannot be combined with --redknot-local-kv"):
+        RedknotConfig(policy="epic", local_kv="fresh")
+
+
 def test_the_reference_path_takes_the_same_recorded_knobs():
     from redknot.eval.cli import build_parser, default_options
 
