@@ -8,8 +8,8 @@ path, same weights, same cases), with how many generations are identical case by
 
 The reference row is found from the knobs the server resolved (its ``redknot_config``): the
 row of the same policy whose options equal them on every knob of that policy. The server
-never restores local heads and always reuses cached local K/V, so those two knobs are matched
-as ``restore_thresh`` null and ``local_kv`` cached.
+never restores local heads, so ``restore_thresh`` is matched as null; a server from before
+``--redknot-local-kv`` reused cached local K/V.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from redknot.recovery import POLICIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 from fidelity_agreement import agreement, run_record
+from policies import rows_of
 
 METRICS = ("top1", "top10", "exact_match", "contains")
 UNMATCHED = ("restore_edge",)  # no effect while restore is off
@@ -61,7 +62,8 @@ def compare(path: str, reference: dict) -> dict:
     label = served_label(served)
     config = served["servers"]["redknot"]["redknot_config"]
     policy = config.get("policy", "redknot")
-    ref = reference_row(reference["rows"], policy, config, path)
+    rows = reference["rows"] if "rows" in reference else rows_of(reference)  # policies.py's, or
+    ref = reference_row(rows, policy, config, path)  # an evaluation's own result
     pairs = [("full", "full"), (label, ref["setting"])]
     agree = agreement(served, reference, pairs)
     dense, recovered = (agree["pairs"][f"{a} | {b}"] for a, b in pairs)
@@ -86,7 +88,11 @@ def compare(path: str, reference: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("served", nargs="+", help="fidelity_server_*.json files")
-    ap.add_argument("--reference", default="benchmarks/results/policies.json")
+    ap.add_argument(
+        "--reference",
+        default="benchmarks/results/policies.json",
+        help="benchmarks/policies.py's result, or a `python -m redknot.eval fidelity` result",
+    )
     ap.add_argument("--gpu", required=True, help="the GPU the servers ran on (for the record)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
