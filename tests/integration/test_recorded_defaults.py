@@ -95,6 +95,10 @@ def test_local_kv_is_served_recorded_or_given_and_checked(tmp_path, caplog):
         RedknotConfig(head_map=str(SHIPPED), local_kv="stale")
     with pytest.raises(RedknotConfigError, match="cannot be combined with --redknot-local-kv"):
         RedknotConfig(policy="epic", local_kv="fresh")
+    from redknot.config import LOCAL_KV_CHOICES
+    from redknot.recovery.options import LOCAL_KV_SOURCES
+
+    assert LOCAL_KV_CHOICES == LOCAL_KV_SOURCES  # the server serves what the reference path runs
 
 
 def test_the_reference_path_takes_the_same_recorded_knobs():
