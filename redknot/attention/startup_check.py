@@ -484,9 +484,10 @@ def reuse_launches(runner: Any) -> list[tuple[str, int]]:
     seen: dict[tuple, tuple[str, int]] = {}
     for lid, consts in enumerate(runner.consts):
         local = len(consts.local) if runner.local_kv == "cached" else 0
+        left = len(runner.left_heads(lid))
         keys = [("local", widths[lid], local)] if local else []
-        if leave and len(runner.left_heads(lid)):
-            keys.append(("left", widths[lid], len(runner.left_heads(lid))))
+        if leave and left:
+            keys.append(("left", widths[lid], left))
         if schedule and lid >= runner.dense_layers and lay.num_global(lid):
             keys.append(("mass", lay.num_global(lid)))
         for key in keys:

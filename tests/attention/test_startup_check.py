@@ -248,8 +248,10 @@ def test_reuse_launches_are_each_distinct_launch_shape():
     assert reuse_launches(runner) == [
         ("local", 0), ("left", 0), ("mass", 1), ("left", 2), ("mass", 2), ("local", 3),
     ]  # fmt: skip
-    runner.local_kv = "fresh"  # no local launch; rows that leave take every stored head (one
-    assert reuse_launches(runner) == [("left", 0), ("mass", 1), ("mass", 2)]  # shape: 2 of 2)
+    # fresh: no local launch; rows that leave take every stored head, 2 of 2 in every layer,
+    # so one left launch shape serves all layers
+    runner.local_kv = "fresh"
+    assert reuse_launches(runner) == [("left", 0), ("mass", 1), ("mass", 2)]
     assert [len(runner.left_heads(lid)) for lid in range(4)] == [2, 2, 2, 2]
 
 
