@@ -249,6 +249,7 @@ def run_decode(
     *,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    promoted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one layer.
 
@@ -261,6 +262,9 @@ def run_decode(
     heads : the layer's head tables.
     out : [B, Hq, D] like ``q`` (allocated if None; pass it under CUDA graphs).
     lse : optional [B, Hq] float32, filled with the natural-log log-sum-exp.
+    promoted : optional [rows of req_to_token, R] int32, the local KV heads each request
+        promoted to global (adaptive restore; -1: none), read from column ``G_l + r`` of the
+        global store (see ``redknot.kernels.extend.run_extend``).
 
     Returns
     -------
@@ -273,6 +277,11 @@ def run_decode(
     assert q.device == plan.seq_lens_gpu.device, (q.device, plan.seq_lens_gpu.device)
     out = check_layer_io(q, (k_global, v_global, k_local, v_local), req_to_token, heads, geo,
                          out, lse)  # fmt: skip
+    restore = 0 if promoted is None else promoted.shape[1]
+    if restore:
+        assert promoted.dtype == torch.int32 and promoted.stride(1) == 1, promoted.dtype
+        assert promoted.shape[0] == req_to_token.shape[0], (promoted.shape, req_to_token.shape)
+        assert k_global.shape[1] >= heads.num_global + restore, (k_global.shape, restore)
     if B == 0:
         return out
 
@@ -281,34 +290,41 @@ def run_decode(
     lse_arg = lse if lse is not None else plan.part_lse_gpu
     po, pl = plan.part_o_gpu, plan.part_lse_gpu
     num_global = heads.num_global
-    programs = num_global * plan.num_splits + (geo.num_kv_heads - num_global) * plan.local_splits
+    # a promoted local head's row is as long as a global one's: it needs as many splits
+    local_splits = plan.num_splits if restore else plan.local_splits
+    programs = num_global * plan.num_splits + (geo.num_kv_heads - num_global) * local_splits
+    promoted_arg = promoted if restore else heads.column_gpu
+    stride_pr = promoted.stride(0) if restore else 0
+    restore_p2 = triton_next_pow2(max(restore, 1))
     segpaged_decode_kernel[(programs, B)](
         q, k_global, v_global, k_local, v_local,
         req_to_token, plan.req_pool_indices_gpu, plan.seq_lens_gpu,
-        heads.is_local_gpu, heads.column_gpu, heads.order_gpu,
+        heads.is_local_gpu, heads.column_gpu, heads.order_gpu, promoted_arg,
         out, lse_arg, po, pl,
         sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, plan.num_splits,
-        plan.local_splits, num_global,
+        local_splits, num_global,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
         k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1),
         k_local.stride(0), k_local.stride(1), v_local.stride(0), v_local.stride(1),
         req_to_token.stride(0), po.stride(0), po.stride(1), po.stride(2),
-        pl.stride(0), pl.stride(1),
+        pl.stride(0), pl.stride(1), stride_pr,
         GRP=grp, BLOCK_H=block_h, BLOCK_N=cfg.block_n, HEAD_DIM=D,
         MIN_CHUNK=cfg.min_chunk, RING=geo.ring,
         WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
+        RESTORE=restore, RESTORE_P2=restore_p2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if plan.num_splits > 1:
         splits_p2 = triton_next_pow2(plan.num_splits)
         segpaged_decode_merge_kernel[(B, Hq)](
-            plan.seq_lens_gpu, heads.is_local_gpu, out, lse_arg, po, pl,
-            geo.sink, geo.window, plan.num_splits, plan.local_splits,
+            plan.seq_lens_gpu, plan.req_pool_indices_gpu, heads.is_local_gpu, heads.column_gpu,
+            promoted_arg, out, lse_arg, po, pl,
+            geo.sink, geo.window, plan.num_splits, local_splits, num_global,
             out.stride(0), out.stride(1), lse_arg.stride(0),
-            po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+            po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), stride_pr,
             GRP=grp, BLOCK_N=cfg.block_n, HEAD_DIM=D, SPLITS_P2=splits_p2,
             SPLITS_BLOCK=min(splits_p2, 16), MIN_CHUNK=cfg.min_chunk,
-            WRITE_LSE=lse is not None, num_warps=4,
+            WRITE_LSE=lse is not None, RESTORE=restore, RESTORE_P2=restore_p2, num_warps=4,
         )  # fmt: skip
     return out
 

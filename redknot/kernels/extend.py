@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+import triton
 
 from redknot.kernels.decode import check_layer_io
 from redknot.kernels.geometry import LayerHeads, SegGeometry, num_sms
@@ -278,6 +279,7 @@ def run_extend(
     lse: torch.Tensor | None = None,
     skip_global: bool = False,
     num_splits: int | None = None,
+    promoted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal extend attention of one layer.
 
@@ -296,6 +298,10 @@ def run_extend(
     skip_global : leave the query heads of global KV heads untouched (another kernel fills
         them, see ``redknot.kernels.flashinfer``).
     num_splits : runs each global row's keys are split into (None: :func:`choose_extend_splits`).
+    promoted : optional [rows of req_to_token, R] int32 (rows of R contiguous), the local KV
+        heads each request promoted to global (adaptive restore; -1: none): request ``b``'s
+        promoted head in entry ``r`` attends every key, reading the cache from column
+        ``G_l + r`` of the global store, which then has ``G_l + R`` columns.
 
     Returns
     -------
@@ -313,6 +319,12 @@ def run_extend(
     out = check_layer_io(q, (k_global, v_global, k_local, v_local), req_to_token, heads, geo,
                          out, lse)  # fmt: skip
 
+    restore = 0 if promoted is None else promoted.shape[1]
+    if restore:
+        assert not skip_global, "adaptive restore runs every head in this kernel"
+        assert promoted.dtype == torch.int32 and promoted.stride(1) == 1, promoted.dtype
+        assert promoted.shape[0] == req_to_token.shape[0], (promoted.shape, req_to_token.shape)
+        assert k_global.shape[1] >= heads.num_global + restore, (k_global.shape, restore)
     first_slot = heads.num_global if skip_global else 0
     num_slots = geo.num_kv_heads - first_slot
     if plan.num_tiles == 0 or num_slots == 0:
@@ -321,10 +333,11 @@ def run_extend(
     if num_splits is None:
         num_splits = choose_extend_splits(plan, num_global, num_sms(q.device))
     assert num_splits >= 1, num_splits
-    if num_global == 0:
+    if num_global == 0 and not restore:
         num_splits = 1
-    # the runs' outputs [S, A, global query heads, D] and base-2 LSEs (a stand-in unsplit)
-    gq = num_global * geo.group_size
+    # the runs' outputs [S, A, query heads of the rows that may split, D] and base-2 LSEs (a
+    # stand-in unsplit); a promoted head's rows split as a global head's
+    gq = (geo.num_kv_heads if restore else num_global) * geo.group_size
     if num_splits > 1:
         part_lse = torch.empty((num_splits, A, gq), dtype=torch.float32, device=q.device)
         part_o = torch.empty((num_splits, A, gq, D), dtype=torch.float32, device=q.device)
@@ -339,16 +352,19 @@ def run_extend(
         req_to_token, plan.req_pool_indices_gpu, plan.prefix_lens_gpu, plan.qo_indptr_gpu,
         plan.tile_req_gpu, plan.tile_start_gpu, rows, rows_indptr,
         heads.is_local_gpu, heads.column_gpu, heads.order_gpu, out, lse_arg, part_o, part_lse,
-        counters,
+        counters, promoted if restore else counters,
         sm_scale * math.log2(math.e), geo.sink, geo.window, geo.ring_len, first_slot, num_splits,
+        heads.num_global,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
         k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1),
         k_local.stride(0), k_local.stride(1), v_local.stride(0), v_local.stride(1),
         req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
+        promoted.stride(0) if restore else 0,
         GRP=geo.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
         RING=geo.ring, WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
-        GATHER=plan.gathered, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GATHER=plan.gathered, RESTORE=restore, RESTORE_P2=triton.next_power_of_2(max(restore, 1)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -2,6 +2,9 @@
 one KV head at a time, on the device of the inputs. It defines the semantics the Triton kernels
 must match; see ``redknot.kernels.geometry`` for visibility and local-store addressing.
 
+A request may promote local heads to global (adaptive restore, ``promoted``): see
+``redknot.kernels.extend.run_extend``.
+
 Both functions return ``(out, lse)``: ``out`` in the dtype of ``q``, ``lse`` float32 natural-log
 log-sum-exp of the scaled scores per (token, query head), ``-inf`` where no key is visible (the
 output there is 0).
@@ -51,11 +54,19 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor
     return torch.einsum("mgn,nd->mgd", p, v), lse
 
 
-def _head(heads: LayerHeads, h: int, stores: tuple[torch.Tensor, ...]):
+def _head(heads: LayerHeads, h: int, stores: tuple[torch.Tensor, ...], promoted_row=None):
+    """``(is_local, column, K store, V store)`` of KV head ``h``; a local head in the request's
+    row of ``promoted`` is global, in restore column ``num_global + r`` of the global store."""
     is_local = bool(heads.is_local_gpu[h].item())
     col = int(heads.column_gpu[h].item())
+    if is_local and promoted_row is not None and h in promoted_row.tolist():
+        is_local, col = False, heads.num_global + promoted_row.tolist().index(h)
     k_store, v_store = (stores[2], stores[3]) if is_local else (stores[0], stores[1])
     return is_local, col, k_store, v_store
+
+
+def _promoted_row(promoted: torch.Tensor | None, row: int):
+    return None if promoted is None else promoted[row]
 
 
 def decode_reference(
@@ -70,6 +81,7 @@ def decode_reference(
     heads: LayerHeads,
     geo: SegGeometry,
     sm_scale: float,
+    promoted: torch.Tensor | None = None,  # [R rows, restore columns] int32, -1: none
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention: the query of request ``b`` sits at position ``seq_lens[b] - 1``."""
     B, Hq, D = q.shape
@@ -83,7 +95,7 @@ def decode_reference(
             continue
         pos = torch.arange(n, device=dev)
         for h in range(geo.num_kv_heads):
-            is_local, col, ks, vs = _head(heads, h, stores)
+            is_local, col, ks, vs = _head(heads, h, stores, _promoted_row(promoted, row))
             vis = visibility(pos[-1:], pos, is_local, geo)
             keep = pos[vis[0]]
             slots = store_slots(keep, row, req_to_token, is_local, geo)
@@ -109,6 +121,7 @@ def extend_reference(
     heads: LayerHeads,
     geo: SegGeometry,
     sm_scale: float,
+    promoted: torch.Tensor | None = None,  # [R rows, restore columns] int32, -1: none
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal extend: new token ``t`` of request ``b`` sits at position ``prefix_lens[b] + t``;
     keys below ``prefix_lens[b]`` come from the stores, the others from ``k_new``/``v_new``."""
@@ -125,7 +138,7 @@ def extend_reference(
         row = int(req_pool_indices[b])
         pos = torch.arange(P + E, device=dev)
         for h in range(geo.num_kv_heads):
-            is_local, col, ks, vs = _head(heads, h, stores)
+            is_local, col, ks, vs = _head(heads, h, stores, _promoted_row(promoted, row))
             # Prefix keys a local head never sees may be absent from a ring: read only the seen.
             seen = visibility(pos[P:], pos, is_local, geo).any(dim=0)
             old = pos[:P][seen[:P]]

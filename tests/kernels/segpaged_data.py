@@ -92,3 +92,35 @@ def make_batch(
                 vl[token_slots, column[h]] = v[:, h]
     batch = SegBatch(geo, heads, kg, vg, kl, vl, req_to_token, req_rows.to(device))
     return batch, keys, values
+
+
+def with_restore(
+    batch: SegBatch,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    promote: dict[int, list[int]],
+    restore: int,
+) -> tuple[SegBatch, torch.Tensor]:
+    """``batch`` with ``restore`` restore columns after the global store's columns, and request
+    ``b`` of ``promote`` promoting the local heads ``promote[b]`` (at most ``restore``): their
+    cached keys/values (``keys[b]``, as :func:`make_batch` returned them) written to the
+    request's restore columns. Returns the batch and the ``[rows of req_to_token, restore]``
+    int32 table of promoted heads (-1: none)."""
+    heads = batch.heads
+    G, device = heads.num_global, batch.k_global.device
+    S, _, D = batch.k_global.shape
+    kg = _nan_store(S, G + restore, D, batch.k_global.dtype, device)
+    vg = kg.clone()
+    kg[:, :G], vg[:, :G] = batch.k_global[:, :G], batch.v_global[:, :G]
+    promoted = torch.full((batch.req_to_token.shape[0], restore), -1, dtype=torch.int32)
+    for b, hs in promote.items():
+        assert len(hs) <= restore and all(heads.is_local_gpu[h] for h in hs), hs
+        row = int(batch.req_pool_indices[b])
+        slots = batch.req_to_token[row, : keys[b].shape[0]].long()
+        for r, h in enumerate(hs):
+            promoted[row, r] = h
+            kg[slots, G + r] = keys[b][:, h]
+            vg[slots, G + r] = values[b][:, h]
+    out = SegBatch(batch.geo, heads, kg, vg, batch.k_local, batch.v_local, batch.req_to_token,
+                   batch.req_pool_indices)  # fmt: skip
+    return out, promoted.to(device)

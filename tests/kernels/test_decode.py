@@ -19,7 +19,7 @@ from redknot.kernels.decode import (
 )
 from redknot.kernels.reference import decode_reference
 
-from .segpaged_data import make_batch, make_geometry
+from .segpaged_data import make_batch, make_geometry, with_restore
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, in the interpreter
 
@@ -211,3 +211,33 @@ def test_decode_local_rows_split_and_merge(classes, num_splits):
     )
     _close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize(
+    "classes,grp,dtype,mode,promote",
+    [("GLLG", 2, torch.float16, "ring", {2: [1], 4: [2, 1], 5: [2]}),
+     ("LLLL", 4, torch.bfloat16, "token_table", {3: [3], 5: [0, 2]})],
+)  # fmt: skip
+def test_decode_promoted_heads_match_reference(classes, grp, dtype, mode, promote, num_splits):
+    """Adaptive restore in decode: a request's promoted local heads attend every key from its
+    restore columns, with the splits of a global row (merged by the merge kernel); against the
+    reference, and different from the unpromoted attention."""
+    geo, layout = make_geometry(classes, grp, 64, SINK, WINDOW, mode)
+    batch, keys, values = make_batch(geo, layout, SEQ_LENS, dtype, "cpu", seed=7)
+    batch, promoted = with_restore(batch, keys, values, promote, restore=2)
+    B = len(SEQ_LENS)
+    q = torch.randn(B, geo.num_q_heads, 64, generator=torch.Generator().manual_seed(8)).to(dtype)
+    seq_lens_t = torch.tensor(SEQ_LENS, dtype=torch.int64)
+    ws = DecodeWorkspace(geo, max_batch_size=B, max_splits=16, device="cpu")
+    plan = plan_decode(geo, ws, seq_lens_t, batch.req_pool_indices, num_splits=num_splits,
+                       config=SMALL)  # fmt: skip
+    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
+    lse = torch.empty(B, geo.num_q_heads)
+    out = run_decode(plan, q, *stores, batch.heads, 0.125, lse=lse, promoted=promoted)
+    args = (q, *stores, batch.req_pool_indices, seq_lens_t, batch.heads, geo, 0.125)
+    ref_out, ref_lse = decode_reference(*args, promoted=promoted)
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    plain, _ = decode_reference(*args)
+    assert not torch.allclose(ref_out.float(), plain.float(), atol=1e-2)

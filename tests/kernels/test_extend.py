@@ -22,7 +22,7 @@ from redknot.kernels.extend import (
 from redknot.kernels.geometry import num_sms
 from redknot.kernels.reference import extend_reference
 
-from .segpaged_data import make_batch, make_geometry
+from .segpaged_data import make_batch, make_geometry, with_restore
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, in the interpreter
 
@@ -439,3 +439,42 @@ def test_extend_gpu_split_keys_held_rows_of_a_32k_prompt():
     rows = rows.cuda()
     _close(out[rows], ref_out[rows])
     torch.testing.assert_close(lse[rows], ref_lse[rows], atol=2e-3, rtol=2e-3)
+
+
+PROMOTE_CASES = [  # classes, group size, dtype, local mode, request -> promoted local heads
+    ("GLLG", 2, torch.float16, "ring", {0: [1], 3: [2, 1], 4: [2]}),
+    ("LLLL", 4, torch.bfloat16, "token_table", {1: [3], 4: [0, 2], 5: [1]}),  # no global head
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("classes,grp,dtype,mode,promote", PROMOTE_CASES)
+def test_extend_promoted_heads_match_reference(classes, grp, dtype, mode, promote, gathered,
+                                               num_splits):  # fmt: skip
+    """Adaptive restore: the local heads a request promoted attend every key (their cache from
+    the request's restore columns), split and merged as global rows; other requests and heads
+    keep their class. Against the reference, and different from the unpromoted run."""
+    geo, layout = make_geometry(classes, grp, 64, SINK, WINDOW, mode)
+    prefix, lens = [p for p, _ in REQUESTS], [e for _, e in REQUESTS]
+    batch, keys, values = make_batch(geo, layout, prefix, dtype, "cpu", seed=11)
+    batch, promoted = with_restore(batch, keys, values, promote, restore=2)
+    T, H = sum(lens), geo.num_kv_heads
+    g = torch.Generator().manual_seed(12)
+    q, k_new, v_new = (torch.randn(T, n, 64, generator=g).to(dtype) for n in (H * grp, H, H))
+    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=SMALL)
+    rows = _scattered_rows(lens, seed=5) if gathered else torch.arange(T)
+    if gathered:
+        plan = gather_tiles(plan, rows, _counts(rows, lens))
+    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
+    lse = torch.empty(rows.numel(), geo.num_q_heads)
+    out = run_extend(plan, q[rows], k_new, v_new, *stores, batch.heads, 0.125, lse=lse,
+                     num_splits=num_splits, promoted=promoted)  # fmt: skip
+    args = (q, k_new, v_new, *stores, batch.req_pool_indices, torch.tensor(prefix),
+            torch.tensor([0, *torch.tensor(lens).cumsum(0)]), batch.heads, geo, 0.125)  # fmt: skip
+    ref_out, ref_lse = extend_reference(*args, promoted=promoted)
+    _close(out, ref_out[rows])
+    torch.testing.assert_close(lse, ref_lse[rows], atol=1e-3, rtol=1e-3)
+    plain, _ = extend_reference(*args)
+    assert not torch.allclose(ref_out.float(), plain.float(), atol=1e-2)
+    assert all(int(c.abs().sum()) == 0 for c in extend_mod._COUNTERS.values())

@@ -59,3 +59,28 @@ def softmax_step(qk, m_i, l_i, acc, v, dtype: tl.constexpr, UPCAST: tl.constexpr
     acc = acc * alpha[:, None]
     acc = mma(p.to(dtype), v, acc, UPCAST)
     return m_new, l_i, acc
+
+
+@triton.jit
+def restored_head(
+    Promoted,  # [rows of req_to_token, RESTORE] int32: KV heads promoted per request (-1: none)
+    req_row,  # int64 row of the request (= req_pool_indices[b])
+    stride_pr,
+    h,  # the program's KV head
+    is_local,  # int32, 1 for a head the layer classes local
+    col,  # int32, its column in its store
+    num_global,  # global heads of the layer: restore columns start there in the global store
+    RESTORE: tl.constexpr,  # restore columns per layer (0: adaptive restore off)
+    RESTORE_P2: tl.constexpr,  # RESTORE rounded up to a power of two
+):
+    """``(is_local, col)`` of KV head ``h`` for this request: a local head the request promoted
+    (adaptive restore) is a global row reading restore column ``num_global + r`` of the global
+    store, where ``r`` is its entry in the request's row of ``Promoted``."""
+    if RESTORE > 0:
+        r = tl.arange(0, RESTORE_P2)
+        heads = tl.load(Promoted + req_row * stride_pr + r, mask=r < RESTORE, other=-1)
+        hit = heads == h
+        promoted = (tl.sum(hit.to(tl.int32), 0) > 0) & (is_local != 0)
+        is_local = tl.where(promoted, 0, is_local)
+        col = tl.where(promoted, num_global + tl.sum(tl.where(hit, r, 0), 0), col)
+    return is_local, col

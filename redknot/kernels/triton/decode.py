@@ -20,6 +20,11 @@ Split ``s`` takes ``v`` in ``[s * chunk, (s + 1) * chunk)`` with ``chunk`` from
 ``split_chunk`` (over the row's own split count); ``nvalid = cdiv(cnt, chunk)`` splits hold keys. A row with ``nvalid <= 1``
 is finished by its split 0 (written to ``Out``); other rows write partial outputs and base-2
 log-sum-exps that ``segpaged_decode_merge_kernel`` (grid ``(B, Hq)``) combines.
+
+Adaptive restore (``RESTORE > 0``): a local head request ``b`` promoted is a global row of that
+request, reading restore column ``num_global + r`` of the global store
+(``redknot.kernels.triton.common.restored_head``); the wrapper then gives local heads
+``num_splits`` programs too, so that a promoted row has the splits of a global one.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton.common import NO_KEY_MAX, mma, softmax_step
+from redknot.kernels.triton.common import NO_KEY_MAX, mma, restored_head, softmax_step
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -58,13 +63,13 @@ def split_chunk(cnt, is_local, num_splits, local_splits, BLOCK_N: tl.constexpr,
 def segpaged_decode_kernel(
     Q, K_g, V_g, K_l, V_l,
     Req_to_token, Req_pool_indices, Seq_lens,
-    Is_local, Column, Order,
+    Is_local, Column, Order, Promoted,
     Out, Lse, Part_o, Part_lse,
     qk_scale, sink, window, ring_len, num_splits, local_splits, num_global,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_lse_b,
     stride_kgs, stride_kgh, stride_vgs, stride_vgh,
     stride_kls, stride_klh, stride_vls, stride_vlh,
-    stride_r2t, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    stride_r2t, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_pr,
     GRP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -73,6 +78,8 @@ def segpaged_decode_kernel(
     RING: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
+    RESTORE: tl.constexpr,
+    RESTORE_P2: tl.constexpr,
 ):  # fmt: skip
     # Axis 0 enumerates (head, split) pairs: ``num_splits`` per global head (the layer's first
     # ``num_global`` heads in ``Order``), then ``local_splits`` per local head, so that no
@@ -85,10 +92,11 @@ def segpaged_decode_kernel(
     idx = tl.where(in_global, pid // num_splits, num_global + rest // local_splits)
     split = tl.where(in_global, pid % num_splits, rest % local_splits)
     h = tl.load(Order + idx)
-    is_local = tl.load(Is_local + h)
-    col = tl.load(Column + h)
     n = tl.load(Seq_lens + b).to(tl.int32)
     req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+    is_local, col = restored_head(Promoted, req_row, stride_pr, h, tl.load(Is_local + h),
+                                  tl.load(Column + h), num_global, RESTORE,
+                                  RESTORE_P2)  # fmt: skip
 
     ns, ws, cnt = visible_span(n, is_local, sink, window)
     chunk = split_chunk(cnt, is_local, num_splits, local_splits, BLOCK_N, MIN_CHUNK)
@@ -158,10 +166,10 @@ def segpaged_decode_kernel(
 
 @triton.jit
 def segpaged_decode_merge_kernel(
-    Seq_lens, Is_local, Out, Lse, Part_o, Part_lse,
-    sink, window, num_splits, local_splits,
+    Seq_lens, Req_pool_indices, Is_local, Column, Promoted, Out, Lse, Part_o, Part_lse,
+    sink, window, num_splits, local_splits, num_global,
     stride_ob, stride_oh, stride_lse_b,
-    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_pr,
     GRP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -169,12 +177,17 @@ def segpaged_decode_merge_kernel(
     SPLITS_BLOCK: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    RESTORE: tl.constexpr,
+    RESTORE_P2: tl.constexpr,
 ):  # fmt: skip
     """Program ``(b, qh)``: combine the splits of query head ``qh`` of request ``b``."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     n = tl.load(Seq_lens + b).to(tl.int32)
-    is_local = tl.load(Is_local + head // GRP)
+    h = head // GRP
+    req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+    is_local, _ = restored_head(Promoted, req_row, stride_pr, h, tl.load(Is_local + h),
+                               tl.load(Column + h), num_global, RESTORE, RESTORE_P2)  # fmt: skip
     _, _, cnt = visible_span(n, is_local, sink, window)
     nvalid = tl.cdiv(cnt, split_chunk(cnt, is_local, num_splits, local_splits, BLOCK_N, MIN_CHUNK))
     if nvalid > 1:

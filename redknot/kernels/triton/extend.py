@@ -34,6 +34,11 @@ tile), ``w0 = max(sink, a - window + 1)`` (the window's first key), ``d_lo = max
 Under ``GATHER`` a tile's rows may lie far apart, so its diagonal run spans them all; a local
 head then skips each block that no row's window reaches.
 
+Adaptive restore (``RESTORE > 0``): a request may promote up to ``RESTORE`` local KV heads of
+the layer (``Promoted[req_pool_indices[b]]``); the programs of a promoted head are global rows
+of that request that read the cache from restore column ``num_global + r`` of the global store
+(``redknot.kernels.triton.common.restored_head``). Other requests see the layer's classes.
+
 Splitting a global row's keys. A tile of a global head visits ``O(P + E)`` keys in one program,
 which leaves the GPU idle when few tiles attend long rows (a short question over a long prefix,
 or the few rows segment reuse keeps in deep layers). With ``num_splits > 1`` the grid's third
@@ -52,7 +57,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton.common import NO_KEY_MAX, mma, softmax_step, store_slots
+from redknot.kernels.triton.common import (
+    NO_KEY_MAX,
+    mma,
+    restored_head,
+    softmax_step,
+    store_slots,
+)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -151,13 +162,13 @@ _SPLIT_ARGS = ["num_splits", "stride_pos", "stride_pot", "stride_pls", "stride_p
 def segpaged_extend_kernel(
     Q, K_new, V_new, K_g, V_g, K_l, V_l,
     Req_to_token, Req_pool_indices, Prefix_lens, Qo_indptr, Tile_req, Tile_start,
-    Rows, Rows_indptr, Is_local, Column, Order, Out, Lse, Part_o, Part_lse, Counters,
-    qk_scale, sink, window, ring_len, head_slot_offset, num_splits,
+    Rows, Rows_indptr, Is_local, Column, Order, Out, Lse, Part_o, Part_lse, Counters, Promoted,
+    qk_scale, sink, window, ring_len, head_slot_offset, num_splits, num_global,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_ot, stride_oh, stride_lse_t,
     stride_kgs, stride_kgh, stride_vgs, stride_vgh,
     stride_kls, stride_klh, stride_vls, stride_vlh, stride_r2t,
-    stride_pos, stride_pot, stride_pls, stride_plt,
+    stride_pos, stride_pot, stride_pls, stride_plt, stride_pr,
     GRP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -166,21 +177,25 @@ def segpaged_extend_kernel(
     WRITE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
     GATHER: tl.constexpr,
+    RESTORE: tl.constexpr,
+    RESTORE_P2: tl.constexpr,
 ):  # fmt: skip
     BLOCK_Q: tl.constexpr = BLOCK_M // GRP
     tile = tl.program_id(0)
     head_slot = tl.program_id(1) + head_slot_offset  # global heads take the first slots
     split = tl.program_id(2)
     h = tl.load(Order + head_slot)
-    is_local = tl.load(Is_local + h) != 0
-    is_global = tl.load(Is_local + h) == 0
-    col = tl.load(Column + h)
     b = tl.load(Tile_req + tile)
     t0 = tl.load(Tile_start + tile)
     q_start = tl.load(Qo_indptr + b).to(tl.int64)
     E = (tl.load(Qo_indptr + b + 1) - q_start).to(tl.int32)
     P = tl.load(Prefix_lens + b).to(tl.int32)
     req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+    local_flag, col = restored_head(Promoted, req_row, stride_pr, h, tl.load(Is_local + h),
+                                    tl.load(Column + h), num_global, RESTORE,
+                                    RESTORE_P2)  # fmt: skip
+    is_local = local_flag != 0
+    is_global = local_flag == 0
 
     rows = tl.arange(0, BLOCK_M)
     entry = t0 + rows // GRP
