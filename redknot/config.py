@@ -33,8 +33,11 @@ REFERENCE_ONLY_POLICIES = {
 }
 # Recovery knobs a head map may record (HeadMap.recorded_recovery) that the server applies, and
 # those of the reference path only, with the value the server's recovery amounts to
-SERVED_RECOVERY_KNOBS = ("dense_layers", "mass_thresh", "recent_n", "skipped", "local_kv")
-REFERENCE_ONLY_KNOBS = {"restore_thresh": None}
+SERVED_RECOVERY_KNOBS = (
+    "dense_layers", "mass_thresh", "recent_n", "skipped", "local_kv", "restore_thresh",
+    "restore_edge",
+)  # fmt: skip
+REFERENCE_ONLY_KNOBS: dict[str, Any] = {}
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +115,27 @@ class RedknotConfig:
     )
     recent_n: int = _opt(
         "Segment reuse: the newest tokens (the question, at least this many) whose attention "
-        "decides importance; they always run the FFN.",
+        "decides importance and restore; they always run the FFN.",
         default=128,
+    )
+    restore_thresh: float | None = _opt(
+        "Segment reuse, adaptive restore: a local head whose attention mass on the oldest "
+        "--redknot-restore-edge tokens of its window (from the newest tokens) exceeds this in a "
+        "layer is promoted to full attention for that request, in the prefill and every decode "
+        "step. Not given: the head map's recorded value, else off.",
+        default=None,
+    )
+    restore_edge: int = _opt(
+        "Segment reuse, adaptive restore: width in tokens of the oldest edge of a local head's "
+        "window.",
+        default=32,
+    )
+    restore_heads: int | None = _opt(
+        "Segment reuse, adaptive restore: most local heads a request may promote per layer (the "
+        "largest edge masses first). Every token slot keeps this many more heads per layer, "
+        "counted in the KV budget. Not given: 1 when --redknot-restore-thresh is set; 0 turns "
+        "restore off.",
+        default=None,
     )
     policy: str = _opt(
         "How reused segment tokens are recovered: 'redknot' (head classes: global heads "
@@ -195,6 +217,7 @@ class RedknotConfig:
             raise RedknotConfigError(
                 f"--redknot-local-kv {self.local_kv!r} is not one of {', '.join(LOCAL_KV_CHOICES)}"
             )
+        self._resolve_restore()
         leaves = self.dense_layers is not None and self.skipped == "cached"
         if self.segment_heads is None:  # frozen dataclass: resolve the default once
             object.__setattr__(self, "segment_heads", "all" if leaves else "local")
@@ -211,14 +234,17 @@ class RedknotConfig:
                 parse()
             except ValueError as e:
                 raise RedknotConfigError(str(e)) from None
-        for name in ("mass_thresh", "blend_ratio"):
+        for name in ("mass_thresh", "blend_ratio", "restore_thresh"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value <= 1):
                 flag = name.replace("_", "-")
                 raise RedknotConfigError(
                     f"--redknot-{flag} must be a number in [0, 1], got {value!r}"
                 )
-        for name, low in (("dense_layers", 0), ("recent_n", 1), ("epic_k", 0),
+        for name, low in (("dense_layers", 0), ("recent_n", 1), ("epic_k", 0), ("restore_edge", 1),
+                          ("restore_heads", 0),
                           ("blend_check_layer", 0), ("sparseq_boundary", 1), ("sparseq_k", 0),
                           ("sparseq_block", 0)):  # fmt: skip
             value = getattr(self, name)
@@ -235,6 +261,29 @@ class RedknotConfig:
                     f"--redknot-{name} must be an integer >= {int(name == 'window')}, "
                     f"got {value!r}"
                 )
+
+    def _resolve_restore(self) -> None:
+        """Adaptive restore is on with a threshold and at least one restore column; the columns
+        default to 1 with a threshold, 0 without one (frozen dataclass: resolved once)."""
+        if self.restore_heads is None:
+            on = self.restore_thresh is not None and not self.all_global
+            object.__setattr__(self, "restore_heads", 1 if on else 0)
+        elif self.restore_heads and self.restore_thresh is None:
+            raise RedknotConfigError(
+                f"--redknot-restore-heads {self.restore_heads} needs --redknot-restore-thresh "
+                "(or a head map that records restore_thresh): it sets how many heads restore "
+                "may promote"
+            )
+        elif self.restore_heads and self.all_global:
+            raise RedknotConfigError(
+                "--redknot-restore-heads cannot be combined with every head global: there is "
+                "no local head to restore"
+            )
+
+    @property
+    def restore(self) -> bool:
+        """Whether adaptive restore is served."""
+        return self.restore_thresh is not None and bool(self.restore_heads)
 
     def _resolve_policy(self) -> None:
         """A token-level policy serves every head global, reads every head of a cached segment
@@ -257,6 +306,10 @@ class RedknotConfig:
             (self.segment_heads == "local", "--redknot-segment-heads local (it reads every head)"),
             (self.segment_fraction == 0, "--redknot-segment-fraction 0 (nothing to reuse)"),
             (self.local_kv != "cached", f"--redknot-local-kv {self.local_kv} (local heads)"),
+            (
+                self.restore_thresh is not None or bool(self.restore_heads),
+                "--redknot-restore-thresh / --redknot-restore-heads (local heads)",
+            ),
         ]
         for bad, what in conflicts:
             if bad:

@@ -178,6 +178,9 @@ class RedknotAttnBackend(AttentionBackend):
         runner.recent_n, runner.tp_size, runner.skipped = config.recent_n, tp, config.skipped
         runner.local_kv = config.local_kv
         runner.policy = TokenPolicy.of(config)
+        if config.restore:
+            runner.restore_thresh, runner.restore_edge = config.restore_thresh, config.restore_edge
+            _warn_restore_scope(model_runner, runner)
         if runner.pool.segments is None:
             return
         if runner.policy is not None:
@@ -295,3 +298,29 @@ class RedknotAttnBackend(AttentionBackend):
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )
         return self.segpaged.decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+
+def _warn_restore_scope(model_runner: ModelRunner, runner) -> None:
+    """Adaptive restore's log line at startup, with its scope (redknot.attention.restore)."""
+    chunk = model_runner.server_args.chunked_prefill_size
+    context = model_runner.model_config.context_len
+    logger.info(
+        "redknot segment reuse: adaptive restore promotes at most %d local head(s) per layer "
+        "and request whose edge mass (the oldest %d window tokens) exceeds %.3g; %d more "
+        "head(s) per layer in every token slot",
+        runner.layout.restore, runner.restore_edge, runner.restore_thresh, runner.layout.restore,
+    )  # fmt: skip
+    if runner.pool.segments is None:
+        logger.warning(
+            "redknot: adaptive restore is on but segment caching is off "
+            "(--redknot-segment-fraction 0): no request reuses a segment, none is restored, "
+            "and the restore columns cost memory for nothing"
+        )
+    elif chunk is not None and 0 < chunk < context:
+        logger.warning(
+            "redknot: adaptive restore needs a reusing prompt's new part in one extend: prompts "
+            "longer than --chunked-prefill-size %d (or after a cached prefix longer than sink + "
+            "window) are served without restore; pass --chunked-prefill-size -1 to restore "
+            "every prompt up to the context length (%d)",
+            chunk, context,
+        )  # fmt: skip

@@ -30,6 +30,10 @@ class ExtendState:
     held: HeldRows | None = None
     kept_tokens: int = -1  # token policies: reused segment tokens kept (-1: not chosen yet)
     req_pool_indices: list[int] | None = None  # on the host, when segments are written or read
+    # Adaptive restore (redknot.attention.restore): each row's request slot ([T] int64, when
+    # the pool has restore columns) and the probes of the requests this extend completes
+    row_req: torch.Tensor | None = None
+    restore: object | None = None  # redknot.attention.restore.RestorePlan
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from redknot.attention import restore
 from redknot.attention.extend_state import (
     AlignedHeads,
     ExtendState,
@@ -33,7 +34,7 @@ from redknot.kernels.choose import choose_rows
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_device
 from redknot.kernels.geometry import LayerHeads, SegGeometry, num_sms
-from redknot.kernels.key_mass import key_mass
+from redknot.kernels.key_mass import key_mass, query_heads
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
@@ -115,6 +116,13 @@ class SegPagedRunner:
         self.recent_n = 128
         self.skipped = "cached"  # what becomes of a row that skipped a deep FFN (ffn_schedule)
         self.local_kv = "cached"  # local heads of the reused rows a layer computes: cache or fresh
+        # Adaptive restore (redknot.attention.restore): on with a threshold and restore columns
+        self.restore_thresh: float | None = None
+        self.restore_edge = 32
+        self._local_queries = [
+            query_heads(layout.local_heads(i), layout.group_size, device).long()
+            for i in range(layout.num_layers)
+        ] if layout.restore else []  # fmt: skip
         self.policy: TokenPolicy | None = None  # a token-level policy (token_policy); None: redknot
         self.tp_size = 1
         self._arange = torch.arange(max_context_len, device=device)
@@ -153,8 +161,14 @@ class SegPagedRunner:
 
     # ---- planning ----------------------------------------------------------------------------
 
+    @property
+    def restores(self) -> bool:
+        """Whether this server promotes local heads (adaptive restore)."""
+        return bool(self.layout.restore) and self.restore_thresh is not None
+
     def plan(self, fb: ForwardBatch, for_graph: bool = False, in_capture: bool = False) -> None:
         self.pool.pending.run(self.pool)
+        self.pool.reset_promoted()
         SCHEDULE.reset()
         SCHEDULE.last_layer = self.layout.num_layers - 1
         mode = fb.forward_mode
@@ -243,6 +257,16 @@ class SegPagedRunner:
         self.extend_state = ExtendState(
             plan, keep_tokens, keep_rows, capture, writes, reads, req_pool_indices=rpis
         )
+        if self.layout.restore:  # every row's request, for its restore columns
+            per_row = torch.repeat_interleave(
+                torch.arange(len(lens_cpu)), torch.as_tensor(lens_cpu)
+            )
+            self.extend_state.row_req = fb.req_pool_indices[to_device(per_row, self.device)]
+        if reads is not None and self.restores:
+            self.extend_state.restore = restore.plan_restore(
+                self.pool, reads, rpis, plan.qo_indptr_cpu, self.req_to_token, self.layout.sink,
+                self.layout.window, self.restore_edge, self.device,
+            )  # fmt: skip
         if reads is not None and self.policy is not None and self.policy.chooses_at_plan:
             self._keep(self.policy.planned_kept(reads.pos_off_cpu))
 
@@ -289,7 +313,7 @@ class SegPagedRunner:
     def stores(self, layer_id: int):
         """The layer's four stores as the kernels take them (global K, V, local K, V; a small
         stand-in where the layer has no head of a class)."""
-        g = self.layout.num_global(layer_id)
+        g = self.layout.global_columns(layer_id)
         loc = self.layout.num_local(layer_id)
         kg = self.pool.k_global[layer_id] if g else self._dummy
         vg = self.pool.v_global[layer_id] if g else self._dummy
@@ -321,9 +345,18 @@ class SegPagedRunner:
         if held is not None:  # q stays as it is: the gathered plan reads and writes held rows
             with phase("redknot.spread"):
                 k, v = self._spread(k, held), self._spread(v, held)
+        probing = state.restore is not None and self.layout.num_local(lid) > 0
+        fresh = None
+        if probing and self.local_kv == "cached" and state.restore.probes:
+            with phase("redknot.restore_save"):  # the projections the re-alignment replaces
+                tok, li = state.segment_reads.tokens_gpu, self.pool.local_index[lid]
+                fresh = (k[tok][:, li], v[tok][:, li])
         if state.segment_reads is not None:
             with phase("redknot.reuse_kv"):
                 self._reuse_kv(lid, k, v, state.segment_reads, held)
+        if probing:
+            with phase("redknot.restore"):
+                self._restore(lid, q, k, v, fresh, held, layer.scaling)
         out = q.new_empty(q.shape)
         plan = state.plan if held is None else held.plan  # only the rows in recovery
         reads = state.segment_reads
@@ -337,15 +370,20 @@ class SegPagedRunner:
             run_extend(
                 plan, q, k.to(q.dtype), v.to(q.dtype), *self.stores(lid), self.req_to_token,
                 self.heads[lid], layer.scaling, out=out, lse=lse,
+                promoted=self.pool.promoted_of(lid),
             )  # fmt: skip
         if save_kv_cache:
             with phase("redknot.write_global"):
                 self.pool.write_global(lid, fb.out_cache_loc, k, v)
+                if self.layout.restore:
+                    self.pool.write_restored(lid, fb.out_cache_loc, state.row_req, k, v)
         with phase("redknot.local_writes"):
             self._write_local(lid, k, v, state, save_kv_cache)
         if schedules:
             with phase("redknot.schedule_ffn"):
                 self._schedule_ffn(lid, q, lse, layer.scaling, reads)
+        if state.restore is not None and lid == self.layout.num_layers - 1:
+            self._log_restore(state.restore)
         if reads is not None and self.policy is not None:
             if lid == self.policy.select_layer and save_kv_cache:
                 assert held is None, "a policy chooses before any row leaves"
@@ -357,6 +395,45 @@ class SegPagedRunner:
             if lid == self.layout.num_layers - 1:
                 self._log_policy(reads)
         return out.flatten(1)
+
+    def _restore(self, lid: int, q, k, v, fresh, held: HeldRows | None, scale: float) -> None:
+        """Adaptive restore in layer ``lid`` (:mod:`redknot.attention.restore`): probe each
+        completing request's newest rows, promote its local heads over the threshold, copy
+        their cached prefix to the restore columns and, under ``local_kv="cached"``, put this
+        prompt's projections (``fresh``: K, V of the reused tokens' local heads) back for the
+        promoted heads. ``q``: the rows this layer computes; ``k``/``v``: every row."""
+        state = self.extend_state
+        lay = self.layout
+        li = self.pool.local_index[lid]
+        column = self.heads[lid].column_gpu
+        shape = (lay.num_local(lid), lay.group_size, lay.head_dim)
+        for probe in state.restore.probes:
+            spec = probe.spec
+            row0 = (spec.rows_of(spec.probe_start) if held is None
+                    else held.first_row(spec.index, spec.num_probe))  # fmt: skip
+            q_probe = q[row0 : row0 + spec.num_probe][:, self._local_queries[lid]]
+            keys = torch.cat([self.pool.k_local[lid][probe.ring_rows], k[probe.new_rows][:, li]])
+            mass = restore.edge_mass(q_probe.view(-1, *shape), keys, probe, scale)
+            restore.promote(self.pool.promoted[spec.req_pool_idx, lid], mass, li,
+                            self.restore_thresh)  # fmt: skip
+            restore.fill_prefix(self.pool, lid, probe, column)
+        if fresh is not None:
+            reads = state.segment_reads
+            heads = self.pool.promoted[state.restore.token_req, lid]
+            computed = None if held is None else held.mask
+            for x, saved in zip((k, v), fresh):
+                restore.keep_fresh(x, saved, reads.tokens_gpu, heads, column, computed)
+
+    def _log_restore(self, plan: restore.RestorePlan) -> None:
+        """The extend's promotions (one host synchronisation, after the last layer)."""
+        slots = [p.spec.req_pool_idx for p in plan.probes]
+        promoted = int((self.pool.promoted[slots] >= 0).sum()) if slots else 0
+        logger.info(
+            "redknot restore: %d local heads promoted (layer, head pairs) in %d request(s); "
+            "%d reusing request(s) served without restore (prefix beyond sink + window: "
+            "prefill their prompt in one extend, --chunked-prefill-size -1)",
+            promoted, len(slots), len(plan.refused),
+        )  # fmt: skip
 
     def _write_local(self, lid: int, k, v, state: ExtendState, save_kv_cache: bool) -> None:
         """After the attention: snapshot captures, the ring's new positions, registered
@@ -398,7 +475,8 @@ class SegPagedRunner:
             row0 = spec.rows_of(spec.probe_start)
         else:  # the probed rows are the request's last rows, always held
             row0 = held.first_row(spec.index, num_probe)
-        store = self.pool.k_global[lid] if self.layout.num_global(lid) else self._dummy[:, :0]
+        g = self.layout.num_global(lid)  # not the restore columns: the map's global heads vote
+        store = self.pool.k_global[lid][:, :g] if g else self._dummy[:, :0]
         return key_mass(
             q, lse, store, self.req_to_token, spec.req_pool_idx, row0, spec.probe_start,
             num_probe, spec.prefix + spec.length, self.consts[lid].global_queries, scale,
@@ -602,9 +680,12 @@ class SegPagedRunner:
             self.pool.write_global(lid, fb.out_cache_loc, k, v)
             if self.pool.ring_len:
                 self.pool.write_local(lid, self.decode_rows, k, v)
+            if self.layout.restore:
+                rpis = self.decode_plan.req_pool_indices_gpu
+                self.pool.write_restored(lid, fb.out_cache_loc, rpis, k, v)
         out = q.new_empty(q.shape)
         run_decode(
             self.decode_plan, q, *self.stores(lid), self.req_to_token, self.heads[lid],
-            layer.scaling, out=out,
+            layer.scaling, out=out, promoted=self.pool.promoted_of(lid),
         )  # fmt: skip
         return out.flatten(1)

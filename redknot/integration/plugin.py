@@ -92,6 +92,8 @@ def _around_req_slot_alloc(original, self, reqs):
     cache = getattr(self, "redknot_cache", None)
     if result is not None and cache is not None:
         for req in fresh:
+            if cache.pool.layout.restore:  # no head promoted by the slot's last request
+                cache.pool.promoted_resets.append(req.req_pool_idx)
             if cache.uses_snapshots:
                 if len(req.prefix_indices) > 0:
                     cache.queue_restore(req.req_pool_idx, req.last_node)

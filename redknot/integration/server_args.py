@@ -184,7 +184,9 @@ def rank_layout(config: RedknotConfig, model_config: Any) -> HeadLayout:
         tp_size=tp_size,
         context_len=model_config.context_len,
     )
-    return HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=tp_rank)
+    return HeadLayout.from_head_map(
+        head_map, tp_size=tp_size, tp_rank=tp_rank, restore=config.restore_heads
+    )
 
 
 def published_config() -> RedknotConfig:

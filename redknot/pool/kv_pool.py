@@ -5,9 +5,13 @@ follow ``HeadLayout.tables()['column']``):
 
 | buffer                       | shape                                   | row index                 |
 | ---------------------------- | --------------------------------------- | ------------------------- |
-| ``k_global[l]``/``v_global`` | ``[size + page_size, G_l, D]``          | token slot (SGLang's      |
+| ``k_global[l]``/``v_global`` | ``[size + page_size, G_l + R, D]``      | token slot (SGLang's      |
 |                              |                                         | ``out_cache_loc`` / ``req_to_token``) |
 | ``k_local[l]``/``v_local``   | ``[(rings + snapshots) * ring_len, L_l, D]`` | ``slot * ring_len + ring_index(pos)`` |
+
+``R`` restore columns (``layout.restore``, 0 unless adaptive restore is on) follow a layer's
+global heads: a local head a request promoted (``promoted[req_pool_idx, l, r]``, -1 where none)
+keeps the request's K/V in column ``G_l + r`` at its token slots.
 
 Global heads keep every token in token slots handed out by SGLang's own allocator, so the
 scheduler's token accounting counts exactly the global KV (``bytes_per_token``). Local heads
@@ -38,8 +42,9 @@ GB = 1 << 30
 
 
 def bytes_per_token(layout: HeadLayout, dtype: torch.dtype) -> int:
-    """Global-store bytes (K and V) one token costs over all layers of this rank."""
-    heads = sum(layout.num_global(layer) for layer in range(layout.num_layers))
+    """Global-store bytes (K and V) one token costs over all layers of this rank (restore
+    columns included)."""
+    heads = sum(layout.global_columns(layer) for layer in range(layout.num_layers))
     return 2 * heads * layout.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -107,7 +112,9 @@ class RedknotKVPool(KVCache):
         rows = (num_rings + num_snapshots) * self.ring_len
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
             self.k_global = [
-                torch.zeros((size + page_size, layout.num_global(i), d), dtype=dtype, device=device)
+                torch.zeros(
+                    (size + page_size, layout.global_columns(i), d), dtype=dtype, device=device
+                )
                 for i in range(layout.num_layers)
             ]
             self.v_global = [torch.zeros_like(t) for t in self.k_global]
@@ -122,12 +129,21 @@ class RedknotKVPool(KVCache):
                 if segment_plan is not None and segment_plan.num_pages > 0
                 else None
             )
+        # Adaptive restore: the local KV heads each request promoted, per layer (-1: none); a
+        # request's row is reset when it gets its slot (every slot of the batch's rings)
+        self.promoted = torch.full(
+            (num_rings, layout.num_layers, max(layout.restore, 1)), -1, dtype=torch.int32,
+            device=device,
+        )  # fmt: skip
+        self.promoted_resets: list[int] = []  # request slots given to new requests
         self._finalize_allocation_log(size)
         logger.info(
-            "redknot pool: %d token slots for %d global heads, %d rings + %d snapshots of %d "
-            "positions for %d local heads (%.2f GB global, %.2f GB local)",
+            "redknot pool: %d token slots for %d global heads + %d restore columns per layer, "
+            "%d rings + %d snapshots of %d positions for %d local heads (%.2f GB global, %.2f GB "
+            "local)",
             size,
             sum(layout.num_global(i) for i in range(layout.num_layers)),
+            layout.restore,
             num_rings,
             num_snapshots,
             self.ring_len,
@@ -173,13 +189,42 @@ class RedknotKVPool(KVCache):
 
     def write_global(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """``k``, ``v``: [T, H_kv, D] for all rank-local heads; keeps the global ones."""
-        if self.layout.num_global(layer_id) == 0:
+        g = self.layout.num_global(layer_id)
+        if g == 0:
             return
         if self.layout.num_local(layer_id):
             idx = self.global_index[layer_id]
             k, v = k.index_select(1, idx), v.index_select(1, idx)
+        if self.layout.restore:  # the restore columns follow: write the global ones only
+            self.k_global[layer_id][loc, :g] = k.to(self.dtype)
+            self.v_global[layer_id][loc, :g] = v.to(self.dtype)
+            return
         self.k_global[layer_id][loc] = k.to(self.dtype)
         self.v_global[layer_id][loc] = v.to(self.dtype)
+
+    def write_restored(
+        self, layer_id: int, loc: torch.Tensor, rpi: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Restore columns of token slots ``loc`` (``[T]``; row ``i`` belongs to the request in
+        slot ``rpi[i]``): the K/V of the heads that request promoted in this layer, from ``k``,
+        ``v`` ([T, H_kv, D], every rank-local head). Entries without a promoted head take head
+        0's (never read). No host synchronisation."""
+        g, r = self.layout.num_global(layer_id), self.layout.restore
+        heads = self.promoted[rpi, layer_id].clamp_min(0).long()  # [T, R]
+        index = heads[:, :, None].expand(-1, -1, k.shape[2])
+        self.k_global[layer_id][loc, g : g + r] = k.gather(1, index).to(self.dtype)
+        self.v_global[layer_id][loc, g : g + r] = v.gather(1, index).to(self.dtype)
+
+    def reset_promoted(self) -> None:
+        """Clear the promoted heads of the request slots handed out since the last forward
+        (run by the backend on the forward stream, before the slots' first extend)."""
+        if self.promoted_resets:
+            slots, self.promoted_resets = self.promoted_resets, []
+            self.promoted[torch.tensor(slots, dtype=torch.int64).to(self.promoted.device)] = -1
+
+    def promoted_of(self, layer_id: int) -> torch.Tensor | None:
+        """``[rings, R]`` int32 view of the layer's promoted heads (None: restore off)."""
+        return self.promoted[:, layer_id] if self.layout.restore else None
 
     def local_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows of the local store holding ``positions`` of the rings/snapshots ``slots``."""

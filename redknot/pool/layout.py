@@ -10,7 +10,9 @@ Invariants (rank-local head indices ``h`` in ``[0, num_kv_heads)``):
 | ``order``        | [num_layers, num_kv_heads] | heads of the layer, global ones first          |
 
 A global head ``h`` of layer ``l`` is column ``column[l, h]`` of that layer's global store,
-which has ``num_global(l)`` columns; likewise for local heads and the local store.
+which has ``num_global(l)`` columns, then ``restore`` restore columns (adaptive restore: the
+local heads a request promotes keep every token's K/V there, see
+``redknot.kernels.extend.run_extend``); likewise for local heads and the local store.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class HeadLayout:
     head_dim: int
     window: int
     sink: int
+    restore: int = 0  # restore columns per layer in the global store (0: adaptive restore off)
 
     def __post_init__(self) -> None:
         widths = {len(row) for row in self.classes}
@@ -37,7 +40,9 @@ class HeadLayout:
         assert self.num_q_heads % self.num_kv_heads == 0, (self.num_q_heads, self.num_kv_heads)
 
     @classmethod
-    def from_head_map(cls, head_map: HeadMap, *, tp_size: int = 1, tp_rank: int = 0) -> HeadLayout:
+    def from_head_map(
+        cls, head_map: HeadMap, *, tp_size: int = 1, tp_rank: int = 0, restore: int = 0
+    ) -> HeadLayout:
         num_q = head_map.model.num_attention_heads
         assert num_q % tp_size == 0, f"{num_q} query heads cannot be split over --tp {tp_size}"
         return cls(
@@ -46,6 +51,7 @@ class HeadLayout:
             head_dim=head_map.model.head_dim,
             window=head_map.window,
             sink=head_map.sink,
+            restore=restore,
         )
 
     @property
@@ -71,6 +77,10 @@ class HeadLayout:
 
     def num_local(self, layer: int) -> int:
         return self.num_kv_heads - self.num_global(layer)
+
+    def global_columns(self, layer: int) -> int:
+        """Columns of the layer's global store: its global heads, then the restore columns."""
+        return self.num_global(layer) + self.restore
 
     @cached_property
     def all_global(self) -> bool:

@@ -122,13 +122,17 @@ def rank_layouts(kvc: Any) -> list[HeadLayout]:
     if tp_size == 1:
         layouts = [layout_of(kvc)]
     else:
-        head_map = published_config().resolve_head_map(
+        config = published_config()
+        head_map = config.resolve_head_map(
             ModelShape.from_hf_config(kvc.model_config.hf_config),
             tp_size=tp_size,
             context_len=kvc.model_config.context_len,
         )
         layouts = [
-            HeadLayout.from_head_map(head_map, tp_size=tp_size, tp_rank=r) for r in range(tp_size)
+            HeadLayout.from_head_map(
+                head_map, tp_size=tp_size, tp_rank=r, restore=config.restore_heads
+            )
+            for r in range(tp_size)
         ]
     state_of(kvc)["rank_layouts"] = layouts
     return layouts

@@ -33,13 +33,15 @@ def reference(q, keys, values, positions, layout, layer, scale):
 
 
 class World:
-    def __init__(self, classes, grp, dtype, seed=0, segment_fraction=0.0, segment_heads="local"):
+    def __init__(self, classes, grp, dtype, seed=0, segment_fraction=0.0, segment_heads="local",
+                 restore=0):  # fmt: skip
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         self.FM = ForwardMode
         self.layout = HeadLayout(
-            classes=classes, num_q_heads=len(classes[0]) * grp, head_dim=D, window=WINDOW, sink=SINK
-        )
+            classes=classes, num_q_heads=len(classes[0]) * grp, head_dim=D, window=WINDOW,
+            sink=SINK, restore=restore,
+        )  # fmt: skip
         self.dtype = dtype
         plan = None
         if segment_fraction:

@@ -195,7 +195,7 @@ def brute_force(world, layers, embed, seg_kv, dense_layers, thresh, local_kv="ca
     return hidden + residual, history
 
 
-def world_with_stored_segment(classes, seed, num_tokens, segment_fraction=0.1):
+def world_with_stored_segment(classes, seed, num_tokens, segment_fraction=0.1, restore=0):
     """A World over ``classes`` whose segments keep every head, its toy layers, ``num_tokens``
     embeddings, and the segment (embeddings ``NEW .. NEW + SEG``) registered standalone (the
     region takes ``segment_fraction`` of the World's KV budget).
@@ -206,7 +206,7 @@ def world_with_stored_segment(classes, seed, num_tokens, segment_fraction=0.1):
     from redknot.segcache.store import SegmentStore
 
     w = World(classes, GRP, torch.bfloat16, seed=1, segment_fraction=segment_fraction,
-              segment_heads="all")  # fmt: skip
+              segment_heads="all", restore=restore)  # fmt: skip
     rope = sglang_rope(D, D, 512, 10000.0, True)
     w.runner.rope = alignable_rope(rope)
     g = torch.Generator().manual_seed(seed)
