@@ -19,7 +19,6 @@ import json
 import sys
 from pathlib import Path
 
-from redknot.config import REFERENCE_ONLY_KNOBS
 from redknot.recovery import POLICIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
@@ -27,7 +26,6 @@ from fidelity_agreement import agreement, run_record
 from policies import rows_of
 
 METRICS = ("top1", "top10", "exact_match", "contains")
-UNMATCHED = ("restore_edge",)  # no effect while restore is off
 
 
 def served_label(result: dict) -> str:
@@ -39,9 +37,12 @@ def served_label(result: dict) -> str:
 
 def reference_row(rows: list[dict], policy: str, config: dict, path: str) -> dict:
     """The reference row of ``policy`` whose knobs equal the server's."""
-    # what every server does; servers from before --redknot-local-kv reused cached local K/V
-    served = {"local_kv": "cached", **config, **REFERENCE_ONLY_KNOBS}
-    knobs = [k for k in POLICIES[policy].knobs if k not in UNMATCHED]
+    # servers from before --redknot-local-kv reused cached local K/V, and those from before
+    # --redknot-restore-thresh did not restore
+    served = {"local_kv": "cached", "restore_thresh": None, **config}
+    knobs = list(POLICIES[policy].knobs)
+    if served.get("restore_thresh") is None:  # the edge has no effect while restore is off
+        knobs = [k for k in knobs if k != "restore_edge"]
     matches = [
         r
         for r in rows
@@ -68,6 +69,8 @@ def compare(path: str, reference: dict) -> dict:
     agree = agreement(served, reference, pairs)
     dense, recovered = (agree["pairs"][f"{a} | {b}"] for a, b in pairs)
     knobs = {k: config.get(k) for k in POLICIES[policy].knobs if k in config}
+    if config.get("restore_heads"):  # the server's cap on promotions per layer (none in the
+        knobs["restore_heads"] = config["restore_heads"]  # reference)
     return {
         "file": path,
         "policy": policy,

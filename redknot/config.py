@@ -31,13 +31,11 @@ REFERENCE_ONLY_POLICIES = {
     "side by side'); evaluate it on the reference path with python -m redknot.eval fidelity "
     "--policies full,redknot+sparseq",
 }
-# Recovery knobs a head map may record (HeadMap.recorded_recovery) that the server applies, and
-# those of the reference path only, with the value the server's recovery amounts to
+# Recovery knobs a head map may record (HeadMap.recorded_recovery) that the server applies
 SERVED_RECOVERY_KNOBS = (
     "dense_layers", "mass_thresh", "recent_n", "skipped", "local_kv", "restore_thresh",
     "restore_edge",
 )  # fmt: skip
-REFERENCE_ONLY_KNOBS: dict[str, Any] = {}
 
 logger = logging.getLogger(__name__)
 
@@ -415,8 +413,7 @@ class RedknotConfig:
     def _recorded_defaults(cls, given: Mapping[str, Any]) -> dict:
         """The served recovery knobs the head map of ``given`` records (``{}`` without a map,
         under another policy than ``redknot``, or when the map cannot be read: startup then
-        reports the map itself). Recorded knobs of the reference path only are logged when
-        their value differs from what the server does."""
+        reports the map itself)."""
         path = given.get("head_map")
         if path is None or given.get("policy", "redknot") != "redknot":
             return {}
@@ -424,13 +421,6 @@ class RedknotConfig:
             recorded = HeadMap.load(path).recorded_recovery()
         except HeadMapError:
             return {}
-        for knob, served in REFERENCE_ONLY_KNOBS.items():
-            if knob in recorded and recorded[knob] != served:
-                logger.warning(
-                    "redknot: head map %r records %s=%r for the reference path; the server "
-                    "serves %s=%r (README, 'Recorded defaults')",
-                    path, knob, recorded[knob], knob, served,
-                )  # fmt: skip
         served = {k: v for k, v in recorded.items() if k in SERVED_RECOVERY_KNOBS}
         return cls._checked(served, source=f"the recovery defaults of head map {path!r}")
 

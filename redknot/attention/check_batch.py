@@ -11,6 +11,10 @@ With ``span = sink + window``:
 | 1       | span // 4     | 3       | below span (when span > 5)     | a request shorter than the span |
 | 2       | span - 7      | 20      | span + 14                      | an extend crossing the span     |
 
+With adaptive restore (``layout.restore > 0``), request 0 promotes the first local head of every
+checked layer (``promoted``), which it then attends as a global head, so that the restore
+columns and the kernels' per-request classes are checked too.
+
 Keys and values are drawn once per request for its whole sequence, so the reference reads them
 directly and never the stores the path under test wrote. Query, key and value of a forward are
 slices of one fused ``[T, (Hq + 2 H) * D]`` tensor, with the strides of a model's QKV output.
@@ -92,6 +96,25 @@ class SyntheticBatch:
         # that layers hold different K/V at the memory cost of one layer.
         self._base = [torch.randn(r.length, width, generator=g).to(dtype).to(device)
                       for r in requests]  # fmt: skip
+        # (request index, layer) -> the local KV head the request promoted there
+        self.promoted: dict[tuple[int, int], int] = {}
+        if layout.restore:
+            for layer in range(layout.num_layers):
+                local = layout.local_heads(layer)
+                if local:
+                    self.promoted[(0, layer)] = local[0]
+
+    def promote_in(self, promoted: torch.Tensor) -> None:
+        """Write :attr:`promoted` into a pool's ``[rows, layers, R]`` table of promoted heads."""
+        for (b, layer), h in self.promoted.items():
+            promoted[self.requests[b].row, layer, 0] = h
+
+    def _is_local(self, b: int, layer: int) -> torch.Tensor:
+        """[H] bool: the KV heads request ``b`` attends as local heads in ``layer``."""
+        classes = list(self.layout.classes[layer])
+        if (b, layer) in self.promoted:
+            classes[self.promoted[(b, layer)]] = "G"
+        return torch.tensor([c != "G" for c in classes], device=self.device)
 
     def fused(self, layer: int) -> list[torch.Tensor]:
         """Per request, [length, (Hq + 2 H) * D]: its fused Q/K/V projection in ``layer``."""
@@ -157,13 +180,12 @@ class SyntheticBatch:
         scores over the keys it sees."""
         Hq, H, D = self.layout.num_q_heads, self.layout.num_kv_heads, self.layout.head_dim
         grp = Hq // H
-        is_local = torch.tensor([c != "G" for c in self.layout.classes[layer]], device=self.device)
-        local_q = is_local.repeat_interleave(grp)[:, None, None]  # [Hq, 1, 1]
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")
         try:
             outs, lses = [], []
-            for r, x in zip(self.requests, self.fused(layer)):
+            for b, (r, x) in enumerate(zip(self.requests, self.fused(layer))):
+                local_q = self._is_local(b, layer).repeat_interleave(grp)[:, None, None]
                 x = x.float()
                 q_all = x[:, : Hq * D].view(-1, Hq, D)
                 k = x[:, Hq * D : (Hq + H) * D].view(-1, H, D).repeat_interleave(grp, dim=1)

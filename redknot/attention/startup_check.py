@@ -5,7 +5,7 @@ shape and compares every output with the PyTorch reference attention.
 | served path (``RedknotAttnBackend.path``) | what runs                                        |
 | ----------------------------------------- | ------------------------------------------------ |
 | ``dense`` (every head global, kernel auto) | SGLang's FlashInfer backend, built as the redknot backend builds it |
-| ``segpaged``                              | ``SegPagedRunner`` with every head global, and with each distinct row of this rank's head classes |
+| ``segpaged``                              | ``SegPagedRunner`` with every head global, and with each distinct row of this rank's head classes (with adaptive restore: restore columns, and a request that promotes a local head of each row) |
 
 Both run on a pool and a request table of their own (a few hundred token slots; one layer per
 checked head-class row), never on the serving pool, through the same planning and launch calls
@@ -214,6 +214,7 @@ class SegPagedPath:
             max_context_len=served.max_context_len, device=served.device,
         )  # fmt: skip
         self.runner.init_cuda_graph_state(rows, rows)
+        batch.promote_in(self.runner.pool.promoted)  # adaptive restore: request 0 promotes
 
     def plan(self, fb, graph: bool = False) -> None:
         self.runner.plan(fb, for_graph=graph, in_capture=graph)
@@ -247,6 +248,7 @@ class SegPagedPath:
         run_extend(
             plan, q, k.to(q.dtype), v.to(q.dtype), *r.stores(lid), r.req_to_token, r.heads[lid],
             layer.scaling, out=out, lse=lse, num_splits=num_splits,
+            promoted=r.pool.promoted_of(lid),
         )  # fmt: skip
         return picked, out, lse
 
@@ -302,7 +304,7 @@ def run_startup_check(
     lay = served.layout
     layout = HeadLayout(
         classes=tuple(r for r, _ in rows), num_q_heads=lay.num_q_heads, head_dim=lay.head_dim,
-        window=lay.window, sink=lay.sink,
+        window=lay.window, sink=lay.sink, restore=lay.restore,
     )  # fmt: skip
     requests = synthetic_requests(lay.sink, lay.window, served.table_width)
     batch = SyntheticBatch(layout, requests, served.dtype, served.device, served.table_width, seed)
@@ -374,11 +376,18 @@ def _result(case, batch, phase, row, layer_id, err, picked, numel) -> CaseResult
     max_err, ratio, bad, (t, hq, *_) = err
     b, pos = batch.locate(phase, t if picked is None else int(picked[t]))
     r, h = batch.requests[b], hq // batch.layout.group_size
+    promoted = batch.promoted.get((b, layer_index(batch, row))) == h
+    kind = "global" if row[h] == "G" else "local, promoted by the request" if promoted else "local"
     where = (
         f"request {b} (prefix {r.prefix}, {r.new} new) position {pos}, query head {hq} "
-        f"(KV head {h}, {'global' if row[h] == 'G' else 'local'})"
+        f"(KV head {h}, {kind})"
     )
     return CaseResult(case, row, layer_id, max_err, ratio, bad, numel, where)
+
+
+def layer_index(batch, row: str) -> int:
+    """The check's layer holding head-class row ``row``."""
+    return batch.layout.classes.index(row)
 
 
 def _failure_message(served, path, tol, failed: list[CaseResult]) -> str:

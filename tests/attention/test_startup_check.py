@@ -68,6 +68,33 @@ def test_triton_path_with_local_heads_passes(gate_log):
     assert "sink 2 + window 4" in line and "the Triton path" in line and " s" in line
 
 
+def _restoring(classes=("GL", "LG", "GL")) -> ServedAttention:
+    served = _served(classes)
+    return dataclasses.replace(served, layout=dataclasses.replace(served.layout, restore=1))
+
+
+def test_adaptive_restore_is_checked_with_a_promoting_request(gate_log):
+    """With restore columns every launch passes the promoted-head table, and request 0
+    promotes the local head of each row: the gate passes, and a kernel that ignores the table
+    fails it on that request's promoted head only."""
+    results = run_startup_check(_restoring(), "segpaged")
+    assert all(r.bad == 0 for r in results) and len(results) == 33
+    assert any("startup check passed" in m for m in gate_log)
+
+
+def test_a_kernel_that_ignores_promoted_heads_fails_the_gate(monkeypatch):
+    real_extend, real_decode = segpaged_runner.run_extend, segpaged_runner.run_decode
+    monkeypatch.setattr(segpaged_runner, "run_extend",
+                        lambda *a, promoted=None, **k: real_extend(*a, **k))  # fmt: skip
+    monkeypatch.setattr(segpaged_runner, "run_decode",
+                        lambda *a, promoted=None, **k: real_decode(*a, **k))  # fmt: skip
+    with pytest.raises(StartupCheckError) as e:
+        run_startup_check(_restoring(), "segpaged")
+    lines = _case_lines(str(e.value))
+    assert lines and all("worst at request 0 " in x for x in lines)
+    assert all("local, promoted by the request)" in x for x in lines)
+
+
 def test_a_perturbed_merge_of_split_keys_fails_the_gate(monkeypatch):
     """The extend with global rows' keys split (checked with 3 runs, as a short question over a
     long prefix is served) is compared like the others: an off merge stops startup."""

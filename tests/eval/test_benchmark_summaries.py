@@ -248,8 +248,9 @@ def test_policies_take_the_servers_ttft_at_their_default_knobs_only():
 
 def test_each_served_setting_finds_the_reference_row_of_its_knobs():
     """``server_policies.py``: a server's resolved knobs pick the reference row of the same
-    policy and knobs; the server never restores, and one that does not record ``local_kv``
-    reused cached local K/V."""
+    policy and knobs (the restore edge only while restore is on); one that does not record
+    ``local_kv`` reused cached local K/V, one that does not record ``restore_thresh`` did not
+    restore."""
     from benchmarks.server_policies import reference_row
 
     served = {"window": None, "sink": None, "dense_layers": 8, "mass_thresh": 0.5,
@@ -272,6 +273,13 @@ def test_each_served_setting_finds_the_reference_row_of_its_knobs():
         "redknot"
     )
     assert reference_row(rows, "naive", {}, "f")["setting"] == "naive"
+    restoring = {**served, "restore_thresh": 0.1, "restore_edge": 32, "restore_heads": 3}
+    assert reference_row(rows, "redknot", restoring, "f")["setting"] == "r-on"
+    with pytest.raises(SystemExit, match="0 reference rows of redknot"):
+        reference_row(rows, "redknot", {**restoring, "restore_edge": 16}, "f")
+    assert reference_row(rows, "redknot", {**served, "restore_edge": 16}, "f")["setting"] == (
+        "redknot"
+    )  # restore off: the edge is not compared
     with pytest.raises(SystemExit, match="0 reference rows of epic with knobs {'epic_k': 32}"):
         reference_row(rows, "epic", {"epic_k": 32}, "f")
     with pytest.raises(SystemExit, match="0 reference rows of redknot"):

@@ -45,7 +45,6 @@ def test_server_takes_the_recorded_knobs_and_flags_override_them(tmp_path, caplo
     assert (
         "recovery defaults recorded in head map" in caplog.text and "dense_layers=8" in caplog.text
     )
-    assert "records" not in caplog.text  # restore off and cached local K/V: what the server does
 
     flags = {"head_map": str(SHIPPED), "dense_layers": 4, "mass_thresh": 0.3}
     config = RedknotConfig.merge(None, flags, num_layers=30)
@@ -74,12 +73,38 @@ def test_recorded_knobs_apply_to_redknot_only_and_are_checked(tmp_path, caplog):
     bad = _map_with(tmp_path, recovery={"mass_thresh": "high"})
     with pytest.raises(RedknotConfigError, match=r"recovery defaults of head map .*mass_thresh"):
         RedknotConfig.merge(None, {"head_map": bad})
-    with caplog.at_level(logging.WARNING, logger="redknot.config"):
-        config = RedknotConfig.merge(
-            None, {"head_map": _map_with(tmp_path, recovery={"restore_thresh": 0.1})}
-        )
-    assert config.dense_layers == 8
-    assert "records restore_thresh=0.1 for the reference path" in caplog.text
+
+    config = RedknotConfig.merge(None, {"head_map": _map_with(tmp_path, recovery={})})
+    assert config.dense_layers == 8  # the map's own dense_layers, without a recovery block
+
+
+def test_restore_is_served_recorded_or_given_and_checked(tmp_path, caplog):
+    """Adaptive restore: a recorded threshold turns it on with one restore column per layer,
+    flags override the threshold, the edge and the column count, 0 columns turn it off, and
+    inconsistent options are refused."""
+    restoring = _map_with(tmp_path, recovery={"restore_thresh": 0.1, "restore_edge": 16})
+    with caplog.at_level(logging.INFO, logger="redknot.config"):
+        config = RedknotConfig.merge(None, {"head_map": restoring}, num_layers=30)
+    assert (config.restore_thresh, config.restore_edge, config.restore_heads) == (0.1, 16, 1)
+    assert config.restore and "restore_thresh=0.1" in caplog.text
+    given = RedknotConfig.merge(None, {"head_map": restoring, "restore_thresh": 0.3,
+                                       "restore_heads": 2, "restore_edge": 8}, 30)  # fmt: skip
+    assert (given.restore_thresh, given.restore_edge, given.restore_heads) == (0.3, 8, 2)
+    off = RedknotConfig.merge(None, {"head_map": restoring, "restore_heads": 0}, 30)
+    assert not off.restore and off.restore_heads == 0
+    shipped = RedknotConfig.merge(None, {"head_map": str(SHIPPED)}, 30)
+    assert not shipped.restore and shipped.restore_heads == 0  # the shipped map records null
+    with pytest.raises(RedknotConfigError, match="--redknot-restore-heads 2 needs"):
+        RedknotConfig(head_map=str(SHIPPED), restore_heads=2)
+    with pytest.raises(RedknotConfigError, match="restore-thresh must be a number in"):
+        RedknotConfig(head_map=str(SHIPPED), restore_thresh=1.5)
+    with pytest.raises(RedknotConfigError, match="no local head to restore"):
+        RedknotConfig(all_global=True, restore_thresh=0.1, restore_heads=1)
+    with pytest.raises(RedknotConfigError, match="cannot be combined with --redknot-restore"):
+        RedknotConfig(policy="epic", restore_thresh=0.1)
+    with pytest.raises(RedknotConfigError, match="restore-edge must be an integer >= 1"):
+        RedknotConfig(head_map=str(SHIPPED), restore_thresh=0.1, restore_edge=0)
+    assert RedknotConfig(all_global=True, restore_thresh=0.1).restore_heads == 0
 
 
 def test_local_kv_is_served_recorded_or_given_and_checked(tmp_path, caplog):
