@@ -93,11 +93,11 @@ def forward_args(args, *names: str) -> list[str]:
     return out
 
 
-def run_child(script: str, args: list[str], log_grep: str | None = None) -> dict:
+def run_child(script: str, args: list[str], log_grep: str | tuple[str, ...] | None = None) -> dict:
     """Run ``script`` in a fresh process; it prints one JSON line prefixed by ``RESULT ``.
 
     Lines of the server log (the child's and its scheduler's output) containing ``log_grep``
-    are returned under ``log_lines``.
+    (or any of several) are returned under ``log_lines``.
     """
     proc = subprocess.run(
         [sys.executable, script, *args],
@@ -111,7 +111,8 @@ def run_child(script: str, args: list[str], log_grep: str | None = None) -> dict
             result = json.loads(line[len("RESULT ") :])
             if log_grep:
                 text = proc.stdout + proc.stderr
-                result["log_lines"] = [x for x in text.splitlines() if log_grep in x]
+                greps = (log_grep,) if isinstance(log_grep, str) else log_grep
+                result["log_lines"] = [x for x in text.splitlines() if any(g in x for g in greps)]
             return result
     tail = (proc.stdout + proc.stderr)[-3000:]
     return {"error": f"exit {proc.returncode}", "log_tail": tail}

@@ -66,6 +66,7 @@ SKIPPED = re.compile(
     r"(?:.*?; (\d+) token-layers left to the cache)?"
 )
 
+RESTORE_LOG = re.compile(r"redknot restore: (\d+) local heads promoted")
 POLICY_LOG = re.compile(r"redknot policy \S+: .*?; (\d+) token-layers left to the cache")
 
 VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reuse, dense layers,
@@ -90,7 +91,7 @@ POLICY_KNOBS = {  # the server's knobs of each policy (--redknot-<knob>)
     "cacheblend": ("blend_check_layer", "blend_ratio"),
     "sparsex": ("sparseq_boundary", "sparseq_k", "sparseq_block"),
 }
-RECOVERY_KNOBS = ("local_kv",)  # the server's knobs of redknot's own recovery (-reuse variants)
+RECOVERY_KNOBS = ("local_kv", "restore_thresh", "restore_edge", "restore_heads")  # -reuse variants
 
 
 def variant_knobs(base: str) -> tuple[str, ...]:
@@ -420,7 +421,7 @@ def main() -> None:
         if name not in profiled:
             child_args[child_args.index("--profile-dir") + 1] = ""
         results[name] = common.run_child(
-            __file__, child_args, log_grep="token-layers left to the cache"
+            __file__, child_args, log_grep=("token-layers left to the cache", "redknot restore:")
         )
         lines = results[name].pop("log_lines", [])
         # per measured prompt (warm-up included), in order: token-layer FFNs skipped, and
@@ -428,6 +429,9 @@ def main() -> None:
         found = [m for m in map(SKIPPED.search, lines) if m]
         results[name]["ffn_skipped_per_prompt"] = [int(m.group(1)) for m in found]
         results[name]["left_per_prompt"] = [int(m.group(2) or 0) for m in found]
+        restored = [int(m.group(1)) for m in map(RESTORE_LOG.search, lines) if m]
+        if restored:  # adaptive restore: (layer, head) pairs promoted, per prompt
+            results[name]["restored_heads_per_prompt"] = restored
         if VARIANTS[parse_variant(name)[0]][5] is not None:  # a policy skips no FFN itself
             found = [m for m in map(POLICY_LOG.search, lines) if m]
             results[name]["left_per_prompt"] = [int(m.group(1)) for m in found]

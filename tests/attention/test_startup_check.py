@@ -238,6 +238,23 @@ def test_triton_path_passes_the_gate_at_llama_shape_on_gpu(dtype, monkeypatch):
         run_startup_check(served, "segpaged")
 
 
+@pytest.mark.gpu
+def test_triton_path_with_restore_passes_the_gate_at_llama_shape_on_gpu():
+    """With one restore column per layer (request 0 promotes a local head of every row): the
+    restore variants of the kernels compile and match the reference on the GPU."""
+    classes = ("GLLLLLLL", "LLLGLLLL", "LLLLLLLL")
+    layout = HeadLayout(classes=classes, num_q_heads=32, head_dim=128, window=256, sink=64,
+                        restore=1)  # fmt: skip
+    served = ServedAttention(
+        layout=layout, dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+        device=torch.device("cuda"), max_context_len=131072, table_width=131076,
+        model="Llama-3.1-8B shape",
+    )  # fmt: skip
+    results = run_startup_check(served, "segpaged")
+    per_row = 4 + sum(1 + with_lse for _, _, with_lse, _ in ROW_CASES)
+    assert len(results) == per_row * (len(classes) + 1) and all(r.bad == 0 for r in results)
+
+
 # ---- segment reuse's RoPE re-alignment and key mass ---------------------------------------------
 
 

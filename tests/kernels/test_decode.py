@@ -213,6 +213,28 @@ def test_decode_local_rows_split_and_merge(classes, num_splits):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
+def _promoted_case(classes, grp, dim, dtype, mode, seq_lens, promote, num_splits, device,
+                   config, sink=SINK, window=WINDOW, ring_extra=3):  # fmt: skip
+    """Kernel output and LSE of requests promoting ``promote`` into 2 restore columns, the
+    reference's, and the reference without the promotions."""
+    geo, layout = make_geometry(classes, grp, dim, sink, window, mode, ring_extra=ring_extra)
+    batch, keys, values = make_batch(geo, layout, seq_lens, dtype, device, seed=7)
+    batch, promoted = with_restore(batch, keys, values, promote, restore=2)
+    B = len(seq_lens)
+    q = torch.randn(B, geo.num_q_heads, dim, generator=torch.Generator().manual_seed(8))
+    q = q.to(dtype).to(device)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+    ws = DecodeWorkspace(geo, max_batch_size=B, max_splits=64, device=device)
+    plan = plan_decode(geo, ws, seq_lens_t.to(device), batch.req_pool_indices,
+                       seq_lens_cpu=seq_lens_t, num_splits=num_splits, config=config)  # fmt: skip
+    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
+    lse = torch.empty(B, geo.num_q_heads, device=device)
+    out = run_decode(plan, q, *stores, batch.heads, 0.125, lse=lse, promoted=promoted)
+    args = (q, *stores, batch.req_pool_indices, seq_lens_t, batch.heads, geo, 0.125)
+    ref_out, ref_lse = decode_reference(*args, promoted=promoted)
+    return out, lse, ref_out, ref_lse, decode_reference(*args)[0]
+
+
 @pytest.mark.parametrize("num_splits", [1, 5])
 @pytest.mark.parametrize(
     "classes,grp,dtype,mode,promote",
@@ -223,21 +245,22 @@ def test_decode_promoted_heads_match_reference(classes, grp, dtype, mode, promot
     """Adaptive restore in decode: a request's promoted local heads attend every key from its
     restore columns, with the splits of a global row (merged by the merge kernel); against the
     reference, and different from the unpromoted attention."""
-    geo, layout = make_geometry(classes, grp, 64, SINK, WINDOW, mode)
-    batch, keys, values = make_batch(geo, layout, SEQ_LENS, dtype, "cpu", seed=7)
-    batch, promoted = with_restore(batch, keys, values, promote, restore=2)
-    B = len(SEQ_LENS)
-    q = torch.randn(B, geo.num_q_heads, 64, generator=torch.Generator().manual_seed(8)).to(dtype)
-    seq_lens_t = torch.tensor(SEQ_LENS, dtype=torch.int64)
-    ws = DecodeWorkspace(geo, max_batch_size=B, max_splits=16, device="cpu")
-    plan = plan_decode(geo, ws, seq_lens_t, batch.req_pool_indices, num_splits=num_splits,
-                       config=SMALL)  # fmt: skip
-    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
-    lse = torch.empty(B, geo.num_q_heads)
-    out = run_decode(plan, q, *stores, batch.heads, 0.125, lse=lse, promoted=promoted)
-    args = (q, *stores, batch.req_pool_indices, seq_lens_t, batch.heads, geo, 0.125)
-    ref_out, ref_lse = decode_reference(*args, promoted=promoted)
+    out, lse, ref_out, ref_lse, plain = _promoted_case(
+        classes, grp, 64, dtype, mode, SEQ_LENS, promote, num_splits, "cpu", SMALL
+    )
     _close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
-    plain, _ = decode_reference(*args)
+    assert not torch.allclose(ref_out.float(), plain.float(), atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_decode_gpu_promoted_heads_llama_shape():
+    """Adaptive restore at the Llama shape, splits chosen from the lengths as served."""
+    out, lse, ref_out, ref_lse, plain = _promoted_case(
+        LLAMA, 4, 128, torch.bfloat16, "ring", [1, 300, 4097, 32768, 20011],
+        {2: [3], 3: [1, 6], 4: [7]}, None, "cuda", DecodeConfig(), sink=64, window=256,
+        ring_extra=64,
+    )  # fmt: skip
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
     assert not torch.allclose(ref_out.float(), plain.float(), atol=1e-2)

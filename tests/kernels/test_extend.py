@@ -380,6 +380,21 @@ def test_extend_gpu_prefill_32k():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gathered", [False, True])
+def test_extend_gpu_promoted_heads_llama_shape(gathered):
+    """Adaptive restore at the Llama shape: requests promoting one or two local heads (restore
+    columns), over a long cached prefix, every row or gathered rows, split as served."""
+    requests = [(0, 4099), (20000, 1000), (5, 700), (321, 1)]
+    _, out, lse, ref_out, ref_lse, plain = _promoted_case(
+        LLAMA, 4, 128, torch.bfloat16, "ring", requests, {0: [3], 1: [5, 2], 3: [7]}, "cuda",
+        ExtendConfig(), sink=64, window=256, ring_extra=64, gathered=gathered,
+    )  # fmt: skip
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+    assert not torch.allclose(ref_out.float(), plain.float(), atol=1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("classes", [LLAMA, "GLGLGGLL", "LLLLLLLL"])
 def test_extend_gpu_flashinfer_global_rows(classes):
     """The FlashInfer path for global heads computes what the Triton kernel computes."""
@@ -447,6 +462,36 @@ PROMOTE_CASES = [  # classes, group size, dtype, local mode, request -> promoted
 ]
 
 
+def _promoted_case(classes, grp, dim, dtype, mode, requests, promote, device, config, *,
+                   sink=SINK, window=WINDOW, ring_extra=3, gathered=False, num_splits=None,
+                   seed=11):  # fmt: skip
+    """Kernel (rows of ``gathered`` scattered rows, or every row) and reference outputs and
+    LSEs of requests promoting ``promote`` into 2 restore columns, and the reference without
+    the promotions: ``(rows, out, lse, ref_out[rows], ref_lse[rows], plain[rows])``."""
+    geo, layout = make_geometry(classes, grp, dim, sink, window, mode, ring_extra=ring_extra)
+    prefix, lens = [p for p, _ in requests], [e for _, e in requests]
+    batch, keys, values = make_batch(geo, layout, prefix, dtype, device, seed=seed)
+    batch, promoted = with_restore(batch, keys, values, promote, restore=2)
+    T, H = sum(lens), geo.num_kv_heads
+    g = torch.Generator().manual_seed(seed + 1)
+    q, k_new, v_new = (torch.randn(T, n, dim, generator=g).to(dtype).to(device)
+                       for n in (H * grp, H, H))  # fmt: skip
+    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=config)
+    rows = _scattered_rows(lens, seed=5) if gathered else torch.arange(T)
+    if gathered:
+        plan = gather_tiles(plan, rows.to(device), _counts(rows, lens))
+    rows = rows.to(device)
+    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
+    lse = torch.empty(rows.numel(), geo.num_q_heads, device=device)
+    out = run_extend(plan, q[rows], k_new, v_new, *stores, batch.heads, 0.125, lse=lse,
+                     num_splits=num_splits, promoted=promoted)  # fmt: skip
+    args = (q, k_new, v_new, *stores, batch.req_pool_indices, torch.tensor(prefix),
+            torch.tensor([0, *torch.tensor(lens).cumsum(0)]), batch.heads, geo, 0.125)  # fmt: skip
+    ref_out, ref_lse = extend_reference(*args, promoted=promoted)
+    plain, _ = extend_reference(*args)
+    return rows, out, lse, ref_out[rows], ref_lse[rows], plain[rows]
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("classes,grp,dtype,mode,promote", PROMOTE_CASES)
@@ -455,26 +500,11 @@ def test_extend_promoted_heads_match_reference(classes, grp, dtype, mode, promot
     """Adaptive restore: the local heads a request promoted attend every key (their cache from
     the request's restore columns), split and merged as global rows; other requests and heads
     keep their class. Against the reference, and different from the unpromoted run."""
-    geo, layout = make_geometry(classes, grp, 64, SINK, WINDOW, mode)
-    prefix, lens = [p for p, _ in REQUESTS], [e for _, e in REQUESTS]
-    batch, keys, values = make_batch(geo, layout, prefix, dtype, "cpu", seed=11)
-    batch, promoted = with_restore(batch, keys, values, promote, restore=2)
-    T, H = sum(lens), geo.num_kv_heads
-    g = torch.Generator().manual_seed(12)
-    q, k_new, v_new = (torch.randn(T, n, 64, generator=g).to(dtype) for n in (H * grp, H, H))
-    plan = plan_extend(geo, batch.req_pool_indices, prefix, lens, config=SMALL)
-    rows = _scattered_rows(lens, seed=5) if gathered else torch.arange(T)
-    if gathered:
-        plan = gather_tiles(plan, rows, _counts(rows, lens))
-    stores = (batch.k_global, batch.v_global, batch.k_local, batch.v_local, batch.req_to_token)
-    lse = torch.empty(rows.numel(), geo.num_q_heads)
-    out = run_extend(plan, q[rows], k_new, v_new, *stores, batch.heads, 0.125, lse=lse,
-                     num_splits=num_splits, promoted=promoted)  # fmt: skip
-    args = (q, k_new, v_new, *stores, batch.req_pool_indices, torch.tensor(prefix),
-            torch.tensor([0, *torch.tensor(lens).cumsum(0)]), batch.heads, geo, 0.125)  # fmt: skip
-    ref_out, ref_lse = extend_reference(*args, promoted=promoted)
-    _close(out, ref_out[rows])
-    torch.testing.assert_close(lse, ref_lse[rows], atol=1e-3, rtol=1e-3)
-    plain, _ = extend_reference(*args)
+    _, out, lse, ref_out, ref_lse, plain = _promoted_case(
+        classes, grp, 64, dtype, mode, REQUESTS, promote, "cpu", SMALL, gathered=gathered,
+        num_splits=num_splits,
+    )  # fmt: skip
+    _close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
     assert not torch.allclose(ref_out.float(), plain.float(), atol=1e-2)
     assert all(int(c.abs().sum()) == 0 for c in extend_mod._COUNTERS.values())

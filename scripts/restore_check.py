@@ -1,0 +1,149 @@
+"""Adaptive restore in a served SGLang engine, on the GPU machine: its exact limit and a served
+setting.
+
+Variants (8B shape, dummy weights; the redknot ones with a synthetic 1/8 map and segments on):
+
+| variant       | server                                                           |
+| ------------- | ---------------------------------------------------------------- |
+| ``dense``     | ``--attention-backend flashinfer``; the prompts without marks     |
+| ``restore-all`` | restore threshold 0 and a restore column for every KV head: every local head is promoted in every layer, so a reusing prompt is computed as without reuse |
+| ``reuse``     | the same reuse with restore off (local heads take the cached K/V) |
+| ``restore``   | the layer schedule (dense layers 8, skipped cached) with restore at threshold 0.1, one head per layer |
+
+Sent to each, in order: two 384-token segments registered, three prompts that reuse both (one at
+a time: a token, the two documents, a 64-token question), then a batch of a reusing and a plain
+prompt; 8 greedy tokens each. ``restore-all`` must give the tokens of ``dense`` (prefill and
+decode of every head global); ``reuse`` shows whether the check can tell. Writes
+``benchmarks/results/restore_check.json`` (or ``--out``) with each variant's tokens, the
+promotions its log reports per extend, and the agreement with ``dense``.
+
+    python scripts/restore_check.py --out $OUT/restore_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import serving_common as common
+
+SEGMENT, QUESTION, NEW_TOKENS = 384, 64, 8
+VARIANTS = {
+    "dense": {"attention_backend": "flashinfer"},
+    "restore-all": {"redknot_restore_thresh": 0.0, "redknot_restore_heads": 8},
+    "reuse": {},
+    "restore": {"redknot_restore_thresh": 0.1, "redknot_restore_heads": 1,
+                "redknot_dense_layers": 8, "redknot_skipped": "cached"},
+}  # fmt: skip
+RESTORE_LOG = re.compile(r"redknot restore: (\d+) local heads promoted .*in (\d+) request")
+
+
+def child(args) -> None:
+    import sglang as sgl
+
+    from redknot.api.marks import SegmentMark, encode_marks
+    from redknot.segcache.entry import segment_id
+
+    dense = args.child == "dense"
+    extra = dict(VARIANTS[args.child], mem_fraction_static=0.8, cuda_graph_max_bs_decode=8,
+                 log_level="info")  # fmt: skip
+    if not dense:
+        extra.update(
+            attention_backend="redknot", redknot_segment_fraction=0.25,
+            redknot_head_map=common.synthetic_map_file(args.model, 0.125, "/tmp"),
+        )  # fmt: skip
+    engine = sgl.Engine(**common.engine_kwargs(args.model, 4096, **extra))
+    vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+
+    def rand(n: int) -> list[int]:
+        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+    greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS}
+    docs = [rand(SEGMENT) for _ in range(2)]
+
+    def reusing() -> tuple[list[int], dict]:
+        ids, marks = rand(1), []
+        for doc in docs:
+            marks.append(SegmentMark(len(ids), len(ids) + len(doc), "check",
+                                     segment_id("check", doc)))  # fmt: skip
+            ids += doc
+        ids += rand(QUESTION)
+        return ids, greedy if dense else dict(greedy, custom_params=encode_marks(marks))
+
+    def tokens(outs) -> list[list[int]]:
+        return [o["output_ids"] for o in (outs if isinstance(outs, list) else [outs])]
+
+    out: dict[str, list[list[int]]] = {"reuse": []}
+    try:
+        for doc in docs:
+            if not dense:
+                mark = SegmentMark(0, len(doc), "check", segment_id("check", doc))
+                params = {
+                    "max_new_tokens": 0,
+                    "custom_params": encode_marks([mark], register=True, pin=False),
+                }
+                engine.generate(input_ids=doc, sampling_params=params)  # fmt: skip
+        for _ in range(3):
+            ids, params = reusing()
+            out["reuse"] += tokens(engine.generate(input_ids=ids, sampling_params=params))
+        ids, params = reusing()
+        out["mixed"] = tokens(
+            engine.generate(input_ids=[ids, rand(600)], sampling_params=[params, greedy])
+        )
+    finally:
+        engine.shutdown()
+    print("RESULT " + json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=common.DEFAULT_MODEL)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/restore_check.json"))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--child", default=None, choices=tuple(VARIANTS), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    runs = {}
+    for name in args.variants.split(","):
+        res = common.run_child(
+            __file__, ["--child", name, "--model", args.model],
+            log_grep=("redknot restore:", "startup check passed", "adaptive restore"),
+        )  # fmt: skip
+        if "error" not in res:
+            lines = res.pop("log_lines")
+            res["promoted_per_extend"] = [
+                [int(m[1]), int(m[2])] for m in map(RESTORE_LOG.search, lines) if m
+            ]
+            res["log"] = [x[-300:] for x in lines if "redknot restore:" not in x]
+        runs[name] = res
+        print(name, json.dumps(res)[:1500], flush=True)
+    ok = all("error" not in r for r in runs.values())
+    same = {}
+    if ok and "dense" in runs:
+        for name in runs:
+            if name != "dense":
+                same[name] = {part: [a == b for a, b in zip(runs[name][part], runs["dense"][part])]
+                              for part in ("reuse", "mixed")}  # fmt: skip
+    limit = same.get("restore-all")
+    figures = {
+        "model": Path(args.model).name, "load_format": "dummy",
+        "head_map": "synthetic 1/8 global", "segment_tokens": SEGMENT, "question": QUESTION,
+        "new_tokens": NEW_TOKENS, "variants": VARIANTS, "runs": runs, "same_as_dense": same,
+        "exact_limit_holds": bool(limit) and all(all(v) for v in limit.values()),
+    }  # fmt: skip
+    common.write_json(args.out, common.record(**figures))
+    print(json.dumps({"same_as_dense": same, "exact_limit_holds": figures["exact_limit_holds"]}))
+    sys.exit(0 if ok and figures["exact_limit_holds"] else 1)
+
+
+if __name__ == "__main__":
+    main()
