@@ -10,7 +10,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     | tail -20 | tee "$OUT/restore_gpu_tests.log"
   rc=${PIPESTATUS[0]}
 fi
-python3 scripts/restore_check.py --out "$OUT/restore_check.json" > "$OUT/restore_check.log" 2>&1
+python3 scripts/restore_check.py --variants "${VARIANTS:-dense,restore-all,reuse,restore}" --out "$OUT/restore_check.json" > "$OUT/restore_check.log" 2>&1
 [ $? -ne 0 ] && rc=1
 tail -c 3000 "$OUT/restore_check.log"
 exit $rc
