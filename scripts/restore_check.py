@@ -13,7 +13,8 @@ Variants (8B shape, dummy weights; the redknot ones with a synthetic 1/8 map and
 Sent to each, in order: two 384-token segments registered, three prompts that reuse both (one at
 a time: a token, the two documents, a 64-token question), then a batch of a reusing and a plain
 prompt; 8 greedy tokens each. ``restore-all`` must give the tokens of ``dense`` (prefill and
-decode of every head global); ``reuse`` shows whether the check can tell. Writes
+decode of every head global) with output-token logprobs close to them; ``reuse`` shows how far
+a variant that differs lies (greedy tokens of dummy weights may not tell). Writes
 ``benchmarks/results/restore_check.json`` (or ``--out``) with each variant's tokens, the
 promotions its log reports per extend, and the agreement with ``dense``.
 
@@ -78,7 +79,11 @@ def child(args) -> None:
         return ids, greedy if dense else dict(greedy, custom_params=encode_marks(marks))
 
     def tokens(outs) -> list[list[int]]:
-        return [o["output_ids"] for o in (outs if isinstance(outs, list) else [outs])]
+        outs = outs if isinstance(outs, list) else [outs]
+        logprobs.extend([[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs])
+        return [o["output_ids"] for o in outs]
+
+    logprobs: list[list[float]] = []  # each generation's output-token logprobs, in order
 
     out: dict[str, list[list[int]]] = {"reuse": []}
     try:
@@ -92,11 +97,15 @@ def child(args) -> None:
                 engine.generate(input_ids=doc, sampling_params=params)  # fmt: skip
         for _ in range(3):
             ids, params = reusing()
-            out["reuse"] += tokens(engine.generate(input_ids=ids, sampling_params=params))
+            out["reuse"] += tokens(
+                engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+            )
         ids, params = reusing()
         out["mixed"] = tokens(
-            engine.generate(input_ids=[ids, rand(600)], sampling_params=[params, greedy])
-        )
+            engine.generate(input_ids=[ids, rand(600)], sampling_params=[params, greedy],
+                            return_logprob=True)
+        )  # fmt: skip
+        out["logprobs"] = logprobs
     finally:
         engine.shutdown()
     print("RESULT " + json.dumps(out))
@@ -139,15 +148,25 @@ def write(args, runs: dict) -> bool:
             if name != "dense":
                 same[name] = {part: [a == b for a, b in zip(runs[name][part], runs["dense"][part])]
                               for part in ("reuse", "mixed")}  # fmt: skip
+    # greedy tokens on dummy weights may not tell the variants apart: the output tokens'
+    # logprobs, as far from dense's as the variant is (max |difference| over every token)
+    logprob_gap = {}
+    if ok and "dense" in runs:
+        for name in runs:
+            if name != "dense":
+                pairs = zip(runs[name]["logprobs"], runs["dense"]["logprobs"])
+                logprob_gap[name] = max(abs(a - b) for x, y in pairs for a, b in zip(x, y))
     limit = same.get("restore-all")
     figures = {
         "model": Path(args.model).name, "load_format": "dummy",
         "head_map": "synthetic 1/8 global", "segment_tokens": SEGMENT, "question": QUESTION,
         "new_tokens": NEW_TOKENS, "variants": VARIANTS, "runs": runs, "same_as_dense": same,
+        "max_logprob_gap_to_dense": logprob_gap,
         "exact_limit_holds": bool(limit) and all(all(v) for v in limit.values()),
     }  # fmt: skip
     common.write_json(args.out, common.record(**figures))
-    print(json.dumps({"same_as_dense": same, "exact_limit_holds": figures["exact_limit_holds"]}))
+    print(json.dumps({"same_as_dense": same, "max_logprob_gap_to_dense": logprob_gap,
+                      "exact_limit_holds": figures["exact_limit_holds"]}))  # fmt: skip
     return ok and figures["exact_limit_holds"]
 
 
