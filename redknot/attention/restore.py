@@ -127,28 +127,29 @@ def promote(promoted: torch.Tensor, mass: torch.Tensor, local_heads: torch.Tenso
     promoted[n:] = -1
 
 
-def keep_fresh(k: torch.Tensor, fresh: torch.Tensor, tokens: torch.Tensor, heads: torch.Tensor,
-               local_column: torch.Tensor, computed: torch.Tensor | None) -> None:  # fmt: skip
-    """Put this prompt's K (or V) back in ``k`` (``[T, H, D]``, in place) for the promoted heads
-    of the reused tokens the layer computes.
+def keep_fresh(kv: tuple[torch.Tensor, torch.Tensor], fresh: tuple[torch.Tensor, torch.Tensor],
+               tokens: torch.Tensor, heads: torch.Tensor, local_column: torch.Tensor,
+               computed: torch.Tensor | None) -> None:  # fmt: skip
+    """Put this prompt's K and V back in ``kv`` (``[T, H, D]`` each, in place) for the promoted
+    heads of the reused tokens the layer computes.
 
-    ``fresh``: ``[N, L_l, D]`` the local heads' projections of the reused tokens ``tokens``
-    (``[N]``) saved before the re-alignment; ``heads``: ``[N, R]`` int32 the promoted heads of
-    each token's request (-1: none, after the promoted ones); ``local_column``: ``[H]`` int32
-    a head's column among the local heads; ``computed``: ``[T]`` bool the rows the layer
-    computes (None: every row). Entries without a head point at the request's first promoted
-    head (or head 0) with the same value as that entry, so that no two writes to one place
-    differ."""
+    ``fresh``: ``[N, L_l, D]`` each, the local heads' projections of the reused tokens
+    ``tokens`` (``[N]``) saved before the re-alignment; ``heads``: ``[N, R]`` int32 the
+    promoted heads of each token's request (-1: none, after the promoted ones);
+    ``local_column``: ``[H]`` int32 a head's column among the local heads; ``computed``:
+    ``[T]`` bool the rows the layer computes (None: every row). Entries without a head point at
+    the request's first promoted head (or head 0) with the same value as that entry, so that no
+    two writes to one place differ."""
     first = heads[:, :1].long()  # [N, 1]: -1 when the request promoted nothing
     target = torch.where(heads >= 0, heads.long(), first.clamp_min(0))  # [N, R]
     use = first >= 0
     if computed is not None:
         use = use & computed[tokens][:, None]
     cols = local_column.long()[target]  # [N, R]
-    saved = fresh.gather(1, cols[:, :, None].expand(-1, -1, fresh.shape[2]))
     rows = tokens[:, None].expand_as(target)
-    now = k[rows, target]
-    k[rows, target] = torch.where(use[:, :, None], saved.to(k.dtype), now)
+    for x, saved in zip(kv, fresh):
+        back = saved.gather(1, cols[:, :, None].expand(-1, -1, saved.shape[2]))  # [N, R, D]
+        x[rows, target] = torch.where(use[:, :, None], back.to(x.dtype), x[rows, target])
 
 
 def fill_prefix(pool, lid: int, probe: RestoreProbe, local_column: torch.Tensor) -> None:

@@ -349,8 +349,8 @@ class SegPagedRunner:
         fresh = None
         if probing and self.local_kv == "cached" and state.restore.probes:
             with phase("redknot.restore_save"):  # the projections the re-alignment replaces
-                tok, li = state.segment_reads.tokens_gpu, self.pool.local_index[lid]
-                fresh = (k[tok][:, li], v[tok][:, li])
+                tok, li = state.segment_reads.tokens_gpu[:, None], self.pool.local_index[lid]
+                fresh = (k[tok, li], v[tok, li])  # [N, L_l, D] each, one gather
         if state.segment_reads is not None:
             with phase("redknot.reuse_kv"):
                 self._reuse_kv(lid, k, v, state.segment_reads, held)
@@ -421,8 +421,7 @@ class SegPagedRunner:
             reads = state.segment_reads
             heads = self.pool.promoted[state.restore.token_req, lid]
             computed = None if held is None else held.mask
-            for x, saved in zip((k, v), fresh):
-                restore.keep_fresh(x, saved, reads.tokens_gpu, heads, column, computed)
+            restore.keep_fresh((k, v), fresh, reads.tokens_gpu, heads, column, computed)
 
     def _log_restore(self, plan: restore.RestorePlan) -> None:
         """The extend's promotions (one host synchronisation, after the last layer)."""
