@@ -318,9 +318,9 @@ def _warn_restore_scope(model_runner: ModelRunner, runner) -> None:
         )
     elif chunk is not None and 0 < chunk < context:
         logger.warning(
-            "redknot: adaptive restore needs a reusing prompt's new part in one extend: prompts "
-            "longer than --chunked-prefill-size %d (or after a cached prefix longer than sink + "
-            "window) are served without restore; pass --chunked-prefill-size -1 to restore "
-            "every prompt up to the context length (%d)",
+            "redknot: adaptive restore needs a reusing prompt in one extend: prompts longer "
+            "than --chunked-prefill-size %d (and prompts that hit a cached prefix) are served "
+            "without restore; pass --chunked-prefill-size -1 to restore every prompt up to the "
+            "context length (%d)",
             chunk, context,
         )  # fmt: skip

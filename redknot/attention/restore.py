@@ -11,21 +11,22 @@ largest masses first; ``R`` = ``layout.restore``, the global store's restore col
 
 | step, per layer                 | what                                                    |
 | ------------------------------- | ------------------------------------------------------- |
-| probe (:func:`edge_mass`)       | ``[L_l]`` edge mass from the probed queries and the keys they see (this extend's K, the ring below it) |
+| probe (:func:`edge_mass`)       | ``[L_l]`` edge mass from the probed queries and the keys they see (this extend's K) |
 | promote (:func:`promote`)       | ``pool.promoted[req, layer]``: the heads, in order of mass, -1 after them |
 | fresh K/V (:func:`keep_fresh`)  | under ``local_kv="cached"``, a promoted head's reused rows that the layer computes take back this prompt's projections (saved before the re-alignment) |
-| prefix (:func:`fill_prefix`)    | positions before the extend (a cached prefix within the ring) copied from the ring to the restore column |
 | attention                       | the kernels treat a promoted head as a global row of the request, reading its restore column |
 | store                           | every row's promoted heads' K/V into the restore columns (``RedknotKVPool.write_restored``), in the prefill and every decode step |
 
 Rows that left recovery keep the cached K/V in every head, the promoted ones included, as on the
 reference path. Nothing here synchronises with the host.
 
-Scope. A promoted head needs the K/V of every earlier position, which only the ring keeps for
-the local heads: a request is restored when everything before its completing extend lies in
-its ring (no prefix, or a cached prefix of at most ``sink + window`` tokens), i.e. the prompt's
-new part is prefilled in one extend (``--chunked-prefill-size`` at least as long, or -1). Other
-reusing requests are served without restore, and each extend's log line counts them.
+Scope. A promoted head needs the K/V of every earlier position in its restore column. A local
+head keeps only its ring, and the token slots of a cached prefix are shared with the other
+requests that hit it (a restore column written there for one request's promoted head would be
+read by another's). So a request is restored when its whole prompt is computed in the extend
+that completes it: no cached prefix, and the prompt in one extend (``--chunked-prefill-size``
+at least as long, or -1). Other reusing requests are served without restore, and each extend's
+log line counts them.
 """
 
 from __future__ import annotations
@@ -40,46 +41,43 @@ from redknot.kernels.extend import to_device
 
 @dataclass(frozen=True)
 class RestoreProbe:
-    """One request that may promote local heads in this extend: its probed rows (``spec``) and
-    the ``U`` keys their local heads see, the ring's (positions below the extend) first."""
+    """One request that may promote local heads in this extend (its whole prompt): its probed
+    rows (``spec``) and the ``U`` keys their local heads see."""
 
     spec: SparseFfn
-    new_rows: torch.Tensor  # [Un] int64 batch rows of the keys at positions >= spec.prefix
-    ring_rows: torch.Tensor  # [Ur] int64 local-store rows of the keys below spec.prefix
+    key_rows: torch.Tensor  # [U] int64 batch rows of the keys, by position
     visible: torch.Tensor  # [num_probe, U] bool: the key is in the probed row's sink + window
     at_edge: torch.Tensor  # [num_probe, U] float32: 1 on the oldest edge of the row's window
-    prefix_slots: torch.Tensor | None  # [P] int64 token slots of positions < P (None: P = 0)
-    prefix_ring: torch.Tensor | None  # [P] int64 their local-store rows
 
 
 @dataclass(frozen=True)
 class RestorePlan:
     probes: tuple[RestoreProbe, ...]
     token_req: torch.Tensor  # [N] int64 request slot of each reused token of the batch
-    refused: tuple[int, ...]  # request slots served without restore (prefix beyond the ring)
+    refused: tuple[int, ...]  # request slots served without restore (a cached prefix)
 
 
-def plan_restore(pool, reads, req_pool_indices: list[int], qo_indptr_cpu: torch.Tensor,
-                 req_to_token, sink: int, window: int, edge: int,
-                 device) -> RestorePlan | None:  # fmt: skip
-    """The probes of the requests this extend completes (``reads.sparse``), ``None`` when
-    there is none. Host work only; the tables go to the device without a synchronisation."""
+def plan_restore(reads, req_pool_indices: list[int], qo_indptr_cpu: torch.Tensor, sink: int,
+                 window: int, edge: int, device) -> RestorePlan | None:  # fmt: skip
+    """The probes of the requests this extend completes (``reads.sparse``) without a cached
+    prefix, ``None`` when none completes. Host work only; the tables go to the device without
+    a synchronisation."""
     if not reads.sparse:
         return None
     probes, refused = [], []
     for spec in reads.sparse:
-        if spec.prefix > pool.ring_len:
+        if spec.prefix > 0:  # tokens computed before: no K/V of their local heads is left
             refused.append(spec.req_pool_idx)
             continue
-        probes.append(_probe(pool, spec, req_to_token, sink, window, edge, device))
+        probes.append(_probe(spec, sink, window, edge, device))
     request = torch.searchsorted(qo_indptr_cpu[1:].long(), reads.tokens_cpu, right=True)
     token_req = torch.as_tensor(req_pool_indices, dtype=torch.int64)[request]
     return RestorePlan(tuple(probes), to_device(token_req, device), tuple(refused))
 
 
-def _probe(pool, spec: SparseFfn, req_to_token, sink: int, window: int, edge: int,
-           device) -> RestoreProbe:  # fmt: skip
-    end, P, s = spec.prefix + spec.length, spec.prefix, spec.probe_start
+def _probe(spec: SparseFfn, sink: int, window: int, edge: int, device) -> RestoreProbe:
+    assert spec.prefix == 0, "restore probes requests without a cached prefix"
+    end, s = spec.length, spec.probe_start
     lo = max(sink, s - window + 1)
     key_pos = torch.cat([torch.arange(min(sink, end)), torch.arange(lo, end)])
     probe_pos = torch.arange(s, end)
@@ -87,18 +85,9 @@ def _probe(pool, spec: SparseFfn, req_to_token, sink: int, window: int, edge: in
     seen = dist >= 0
     visible = seen & ((key_pos[None, :] < sink) | (dist < window))
     at_edge = seen & (key_pos[None, :] >= sink) & (dist >= max(window - edge, 0)) & (dist < window)
-    below = key_pos < P
-    rpi = torch.tensor(spec.req_pool_idx)
-    ring_rows = pool.local_rows(rpi, key_pos[below])
-    new_rows = spec.rows_of(key_pos[~below])
-    prefix_slots = prefix_ring = None
-    if P:
-        pos = torch.arange(P)
-        prefix_slots = req_to_token[spec.req_pool_idx, :P].to(torch.int64)
-        prefix_ring = to_device(pool.local_rows(rpi, pos), device)
     return RestoreProbe(
-        spec, to_device(new_rows, device), to_device(ring_rows, device),
-        to_device(visible, device), to_device(at_edge.float(), device), prefix_slots, prefix_ring,
+        spec, to_device(spec.rows_of(key_pos), device), to_device(visible, device),
+        to_device(at_edge.float(), device),
     )  # fmt: skip
 
 
@@ -150,17 +139,3 @@ def keep_fresh(kv: tuple[torch.Tensor, torch.Tensor], fresh: tuple[torch.Tensor,
     for x, saved in zip(kv, fresh):
         back = saved.gather(1, cols[:, :, None].expand(-1, -1, saved.shape[2]))  # [N, R, D]
         x[rows, target] = torch.where(use[:, :, None], back.to(x.dtype), x[rows, target])
-
-
-def fill_prefix(pool, lid: int, probe: RestoreProbe, local_column: torch.Tensor) -> None:
-    """Restore columns of the positions before the extend (all in the request's ring) for the
-    heads the request promoted in layer ``lid``, copied from the ring."""
-    if probe.prefix_slots is None:
-        return
-    g, r = pool.layout.num_global(lid), pool.layout.restore
-    heads = pool.promoted[probe.spec.req_pool_idx, lid].clamp_min(0).long()  # [R]
-    cols = local_column.long()[heads]
-    for store, ring in ((pool.k_global, pool.k_local), (pool.v_global, pool.v_local)):
-        store[lid][probe.prefix_slots.to(store[lid].device), g : g + r] = ring[lid][
-            probe.prefix_ring
-        ][:, cols]

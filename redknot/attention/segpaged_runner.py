@@ -264,8 +264,8 @@ class SegPagedRunner:
             self.extend_state.row_req = fb.req_pool_indices[to_device(per_row, self.device)]
         if reads is not None and self.restores:
             self.extend_state.restore = restore.plan_restore(
-                self.pool, reads, rpis, plan.qo_indptr_cpu, self.req_to_token, self.layout.sink,
-                self.layout.window, self.restore_edge, self.device,
+                reads, rpis, plan.qo_indptr_cpu, self.layout.sink, self.layout.window,
+                self.restore_edge, self.device,
             )  # fmt: skip
         if reads is not None and self.policy is not None and self.policy.chooses_at_plan:
             self._keep(self.policy.planned_kept(reads.pos_off_cpu))
@@ -398,10 +398,10 @@ class SegPagedRunner:
 
     def _restore(self, lid: int, q, k, v, fresh, held: HeldRows | None, scale: float) -> None:
         """Adaptive restore in layer ``lid`` (:mod:`redknot.attention.restore`): probe each
-        completing request's newest rows, promote its local heads over the threshold, copy
-        their cached prefix to the restore columns and, under ``local_kv="cached"``, put this
-        prompt's projections (``fresh``: K, V of the reused tokens' local heads) back for the
-        promoted heads. ``q``: the rows this layer computes; ``k``/``v``: every row."""
+        completing request's newest rows, promote its local heads over the threshold and,
+        under ``local_kv="cached"``, put this prompt's projections (``fresh``: K, V of the
+        reused tokens' local heads) back for the promoted heads. ``q``: the rows this layer
+        computes; ``k``/``v``: every row."""
         state = self.extend_state
         lay = self.layout
         li = self.pool.local_index[lid]
@@ -412,11 +412,10 @@ class SegPagedRunner:
             row0 = (spec.rows_of(spec.probe_start) if held is None
                     else held.first_row(spec.index, spec.num_probe))  # fmt: skip
             q_probe = q[row0 : row0 + spec.num_probe][:, self._local_queries[lid]]
-            keys = torch.cat([self.pool.k_local[lid][probe.ring_rows], k[probe.new_rows][:, li]])
+            keys = k[probe.key_rows[:, None], li]  # [U, L_l, D]
             mass = restore.edge_mass(q_probe.view(-1, *shape), keys, probe, scale)
             restore.promote(self.pool.promoted[spec.req_pool_idx, lid], mass, li,
                             self.restore_thresh)  # fmt: skip
-            restore.fill_prefix(self.pool, lid, probe, column)
         if fresh is not None:
             reads = state.segment_reads
             heads = self.pool.promoted[state.restore.token_req, lid]
@@ -429,8 +428,8 @@ class SegPagedRunner:
         promoted = int((self.pool.promoted[slots] >= 0).sum()) if slots else 0
         logger.info(
             "redknot restore: %d local heads promoted (layer, head pairs) in %d request(s); "
-            "%d reusing request(s) served without restore (prefix beyond sink + window: "
-            "prefill their prompt in one extend, --chunked-prefill-size -1)",
+            "%d reusing request(s) served without restore (a cached prefix, or a prompt split "
+            "by chunked prefill: --chunked-prefill-size -1 keeps prompts whole)",
             promoted, len(slots), len(plan.refused),
         )  # fmt: skip
 

@@ -15,7 +15,8 @@ need nothing.
 
 The extend that completes a reusing request's prompt also carries its sparse-FFN inputs (the
 probed newest tokens and the candidate segment tokens; ``redknot.attention.ffn_schedule``).
-Not done here: adaptive restore of local heads by edge mass.
+Adaptive restore of local heads by edge mass probes the same rows
+(``redknot.attention.restore``).
 """
 
 from __future__ import annotations

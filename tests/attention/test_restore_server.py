@@ -240,3 +240,32 @@ def test_every_local_head_restored_is_the_all_global_forward():
     assert torch.equal(got, want)
     step = served_decode(w, layers, 2, tokens[N:], N)
     assert torch.equal(step, served_decode(dense, dense_layers, 2, tokens[N:], N))
+
+
+def test_only_requests_computed_whole_in_one_extend_are_probed():
+    """A completing extend after a cached prefix (or an earlier chunk) is refused: its earlier
+    tokens' local-head K/V is gone and their token slots may be shared. The probe of a whole
+    prompt sees sink + window of each probed row, and marks the window's oldest edge."""
+    from redknot.attention.ffn_schedule import SparseFfn
+    from redknot.attention.restore import plan_restore
+    from redknot.segcache.reuse import SegmentReads
+
+    whole = SparseFfn(4, 0, 0, 20, 16, torch.arange(3, 15), index=0)
+    after_prefix = SparseFfn(7, 20, 9, 11, 16, torch.arange(9, 15), index=1)
+    tokens = torch.cat([torch.arange(3, 15), torch.arange(20, 26)])
+    reads = SegmentReads(tokens, tokens, tokens, tokens, sparse=(whole, after_prefix),
+                         tokens_cpu=tokens)  # fmt: skip
+    qo = torch.tensor([0, 20, 31])
+    plan = plan_restore(reads, [4, 7], qo, SINK, WINDOW, EDGE, "cpu")
+    assert plan.refused == (7,) and [p.spec for p in plan.probes] == [whole]
+    assert plan.token_req.tolist() == [4] * 12 + [7] * 6
+    probe = plan.probes[0]
+    keys = probe.key_rows.tolist()  # the sink, then every window position of a probed row
+    assert keys == [0, 1, 2] + list(range(16 - WINDOW + 1, 20))
+    for i, pos in enumerate(range(16, 20)):
+        seen = [k for k, v in zip(keys, probe.visible[i].tolist()) if v]
+        assert seen == [j for j in range(pos + 1) if j < SINK or pos - j < WINDOW]
+        edge = [k for k, v in zip(keys, probe.at_edge[i].tolist()) if v]
+        assert edge == [j for j in seen if j >= SINK and WINDOW - EDGE <= pos - j]
+    assert plan_restore(SegmentReads(tokens, tokens, tokens, tokens, tokens_cpu=tokens), [4, 7],
+                        qo, SINK, WINDOW, EDGE, "cpu") is None  # fmt: skip
