@@ -116,3 +116,31 @@ def run_child(script: str, args: list[str], log_grep: str | tuple[str, ...] | No
             return result
     tail = (proc.stdout + proc.stderr)[-3000:]
     return {"error": f"exit {proc.returncode}", "log_tail": tail}
+
+
+def register_segments(engine, docs: list[list[int]], namespace: str) -> None:
+    """Register each token list of ``docs`` as a segment of ``namespace`` on a redknot
+    ``sgl.Engine`` (prefilled standalone, nothing generated)."""
+    from redknot.api.marks import SegmentMark, encode_marks
+    from redknot.segcache.entry import segment_id
+
+    for doc in docs:
+        mark = SegmentMark(0, len(doc), namespace, segment_id(namespace, doc))
+        params = {"max_new_tokens": 0, "custom_params": encode_marks([mark], register=True,
+                                                                     pin=False)}  # fmt: skip
+        engine.generate(input_ids=doc, sampling_params=params)
+
+
+def reusing_prompt(head: list[int], docs: list[list[int]], question: list[int],
+                   namespace: str) -> tuple[list[int], str]:  # fmt: skip
+    """``head``, every document of ``docs``, then ``question``, and the encoded marks of the
+    documents as segments of ``namespace`` (a request's ``custom_params``)."""
+    from redknot.api.marks import SegmentMark, encode_marks
+    from redknot.segcache.entry import segment_id
+
+    ids, marks = list(head), []
+    for doc in docs:
+        marks.append(SegmentMark(len(ids), len(ids) + len(doc), namespace,
+                                 segment_id(namespace, doc)))  # fmt: skip
+        ids += doc
+    return ids + list(question), encode_marks(marks)

@@ -34,9 +34,6 @@ GRAPH_LABEL = re.compile(r"Prefill batch.*#new-seq: (\d+), #new-token: (\d+).*gr
 def child(args) -> None:
     import sglang as sgl
 
-    from redknot.api.marks import SegmentMark, encode_marks
-    from redknot.segcache.entry import segment_id
-
     extra = {
         "attention_backend": "redknot",
         "redknot_head_map": common.synthetic_map_file(args.model, 0.125, "/tmp"),
@@ -67,24 +64,11 @@ def child(args) -> None:
             engine.generate(input_ids=[rand(n) for n in PLAIN], sampling_params=greedy)
         )
         docs = [rand(SEGMENT) for _ in range(2)]
-        for doc in docs:
-            mark = SegmentMark(0, len(doc), "check", segment_id("check", doc))
-            engine.generate(
-                input_ids=doc,
-                sampling_params={
-                    "max_new_tokens": 0,
-                    "custom_params": encode_marks([mark], register=True, pin=False),
-                },
-            )
+        common.register_segments(engine, docs, "check")
 
         def reusing() -> tuple[list[int], dict]:
-            ids, marks = rand(1), []
-            for doc in docs:
-                marks.append(SegmentMark(len(ids), len(ids) + len(doc), "check",
-                                         segment_id("check", doc)))  # fmt: skip
-                ids += doc
-            ids += rand(QUESTION)
-            return ids, dict(greedy, custom_params=encode_marks(marks))
+            ids, marks = common.reusing_prompt(rand(1), docs, rand(QUESTION), "check")
+            return ids, dict(greedy, custom_params=marks)
 
         out["reuse"] = []
         for _ in range(2):

@@ -48,9 +48,6 @@ RESTORE_LOG = re.compile(r"redknot restore: (\d+) local heads promoted .*in (\d+
 def child(args) -> None:
     import sglang as sgl
 
-    from redknot.api.marks import SegmentMark, encode_marks
-    from redknot.segcache.entry import segment_id
-
     dense = args.child == "dense"
     extra = dict(VARIANTS[args.child], mem_fraction_static=0.8, cuda_graph_max_bs_decode=8,
                  log_level="info")  # fmt: skip
@@ -70,13 +67,8 @@ def child(args) -> None:
     docs = [rand(SEGMENT) for _ in range(2)]
 
     def reusing() -> tuple[list[int], dict]:
-        ids, marks = rand(1), []
-        for doc in docs:
-            marks.append(SegmentMark(len(ids), len(ids) + len(doc), "check",
-                                     segment_id("check", doc)))  # fmt: skip
-            ids += doc
-        ids += rand(QUESTION)
-        return ids, greedy if dense else dict(greedy, custom_params=encode_marks(marks))
+        ids, marks = common.reusing_prompt(rand(1), docs, rand(QUESTION), "check")
+        return ids, greedy if dense else dict(greedy, custom_params=marks)
 
     def tokens(outs) -> list[list[int]]:
         outs = outs if isinstance(outs, list) else [outs]
@@ -87,14 +79,8 @@ def child(args) -> None:
 
     out: dict[str, list[list[int]]] = {"reuse": []}
     try:
-        for doc in docs:
-            if not dense:
-                mark = SegmentMark(0, len(doc), "check", segment_id("check", doc))
-                params = {
-                    "max_new_tokens": 0,
-                    "custom_params": encode_marks([mark], register=True, pin=False),
-                }
-                engine.generate(input_ids=doc, sampling_params=params)  # fmt: skip
+        if not dense:
+            common.register_segments(engine, docs, "check")
         for _ in range(3):
             ids, params = reusing()
             out["reuse"] += tokens(

@@ -26,9 +26,9 @@ from .test_skipped_cached import (
     RECENT,
     SEG,
     _norm,
-    aligned_segment_kv,
     layer_input,
     served,
+    take_cached,
     world_with_stored_segment,
 )
 
@@ -85,12 +85,7 @@ def brute_force(world, layers, embed, seg_kv, thresh, cap, dense_layers, mass_th
         residual, x = layer_input(hidden, residual)
         q, k, v = layer.qkv(x, positions)
         fresh_k, fresh_v = k.clone(), v.clone()
-        cached_k, cached_v = aligned_segment_kv(world, seg_kv, lid)
-        for h in range(layout.num_kv_heads):
-            reused = layout.classes[lid][h] == "L" and local_kv == "cached"
-            rows = seg if reused else seg[left[seg]]
-            k[rows, h] = cached_k[rows - NEW, h]
-            v[rows, h] = cached_v[rows - NEW, h]
+        take_cached(world, seg_kv, lid, k, v, left, local_kv)
         classes = layout.classes[lid]
         mass = {h: _edge_mass(classes, q, k, probe, h) for h in layout.local_heads(lid)}
         over = sorted((h for h in mass if mass[h] > thresh), key=lambda h: -mass[h])[:cap]

@@ -154,6 +154,19 @@ def aligned_segment_kv(world, seg_kv, lid):
     return k.to(torch.bfloat16), seg_kv[lid][1]
 
 
+def take_cached(world, seg_kv, lid, k, v, left, local_kv):
+    """The rule for the segment rows' K/V in layer ``lid`` (``k``, ``v``: every row, in place):
+    local heads take the cached, re-aligned K/V under ``local_kv="cached"``, and every head of
+    the rows that left recovery (``left``: ``[n]`` bool) does."""
+    layout, seg = world.layout, torch.arange(NEW, NEW + SEG)
+    cached_k, cached_v = aligned_segment_kv(world, seg_kv, lid)
+    for h in range(layout.num_kv_heads):
+        reused = layout.classes[lid][h] == "L" and local_kv == "cached"
+        rows = seg if reused else seg[left[seg]]
+        k[rows, h] = cached_k[rows - NEW, h]
+        v[rows, h] = cached_v[rows - NEW, h]
+
+
 def brute_force(world, layers, embed, seg_kv, dense_layers, thresh, local_kv="cached"):
     """Every row's forward, with the rule applied directly (no compaction, no kernels): local
     heads of segment rows take the cached K/V under ``local_kv="cached"``, and every head of the
@@ -168,12 +181,7 @@ def brute_force(world, layers, embed, seg_kv, dense_layers, thresh, local_kv="ca
     for lid, layer in enumerate(layers):
         residual, x = layer_input(hidden, residual)
         q, k, v = layer.qkv(x, positions)
-        cached_k, cached_v = aligned_segment_kv(world, seg_kv, lid)
-        for h in range(layout.num_kv_heads):
-            reused = layout.classes[lid][h] == "L" and local_kv == "cached"
-            rows = seg if reused else seg[left[seg]]
-            k[rows, h] = cached_k[rows - NEW, h]
-            v[rows, h] = cached_v[rows - NEW, h]
+        take_cached(world, seg_kv, lid, k, v, left, local_kv)
         new_residual = brute_attention(layout, lid, q, k, v) @ layer.wo + residual
         x = _norm(new_residual)
         ffn = ~left
