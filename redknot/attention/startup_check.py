@@ -376,18 +376,13 @@ def _result(case, batch, phase, row, layer_id, err, picked, numel) -> CaseResult
     max_err, ratio, bad, (t, hq, *_) = err
     b, pos = batch.locate(phase, t if picked is None else int(picked[t]))
     r, h = batch.requests[b], hq // batch.layout.group_size
-    promoted = batch.promoted.get((b, layer_index(batch, row))) == h
+    promoted = batch.promoted.get((b, batch.layout.classes.index(row))) == h  # its check layer
     kind = "global" if row[h] == "G" else "local, promoted by the request" if promoted else "local"
     where = (
         f"request {b} (prefix {r.prefix}, {r.new} new) position {pos}, query head {hq} "
         f"(KV head {h}, {kind})"
     )
     return CaseResult(case, row, layer_id, max_err, ratio, bad, numel, where)
-
-
-def layer_index(batch, row: str) -> int:
-    """The check's layer holding head-class row ``row``."""
-    return batch.layout.classes.index(row)
 
 
 def _failure_message(served, path, tol, failed: list[CaseResult]) -> str:

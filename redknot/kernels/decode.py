@@ -207,6 +207,23 @@ def check_store(name: str, store: torch.Tensor, q: torch.Tensor, min_columns: in
     assert store.shape[1] >= min_columns, f"{name}: {store.shape[1]} columns < {min_columns}"
 
 
+def check_promoted(
+    promoted: torch.Tensor | None,
+    req_to_token: torch.Tensor,
+    k_global: torch.Tensor,
+    heads: LayerHeads,
+) -> tuple[int, int]:
+    """Checks of the table of promoted heads (adaptive restore) shared by the decode and extend
+    wrappers: ``(R, R rounded up to a power of two)``, ``(0, 1)`` without a table."""
+    if promoted is None:
+        return 0, 1
+    restore = promoted.shape[1]
+    assert promoted.dtype == torch.int32 and promoted.stride(1) == 1, promoted.dtype
+    assert promoted.shape[0] == req_to_token.shape[0], (promoted.shape, req_to_token.shape)
+    assert k_global.shape[1] >= heads.num_global + restore, (k_global.shape, restore)
+    return restore, triton_next_pow2(restore)
+
+
 def check_layer_io(
     q: torch.Tensor,
     stores: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -277,11 +294,7 @@ def run_decode(
     assert q.device == plan.seq_lens_gpu.device, (q.device, plan.seq_lens_gpu.device)
     out = check_layer_io(q, (k_global, v_global, k_local, v_local), req_to_token, heads, geo,
                          out, lse)  # fmt: skip
-    restore = 0 if promoted is None else promoted.shape[1]
-    if restore:
-        assert promoted.dtype == torch.int32 and promoted.stride(1) == 1, promoted.dtype
-        assert promoted.shape[0] == req_to_token.shape[0], (promoted.shape, req_to_token.shape)
-        assert k_global.shape[1] >= heads.num_global + restore, (k_global.shape, restore)
+    restore, restore_p2 = check_promoted(promoted, req_to_token, k_global, heads)
     if B == 0:
         return out
 
@@ -295,7 +308,6 @@ def run_decode(
     programs = num_global * plan.num_splits + (geo.num_kv_heads - num_global) * local_splits
     promoted_arg = promoted if restore else heads.column_gpu
     stride_pr = promoted.stride(0) if restore else 0
-    restore_p2 = triton_next_pow2(max(restore, 1))
     segpaged_decode_kernel[(programs, B)](
         q, k_global, v_global, k_local, v_local,
         req_to_token, plan.req_pool_indices_gpu, plan.seq_lens_gpu,

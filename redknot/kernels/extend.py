@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-import triton
 
-from redknot.kernels.decode import check_layer_io
+from redknot.kernels.decode import check_layer_io, check_promoted
 from redknot.kernels.geometry import LayerHeads, SegGeometry, num_sms
 from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.extend import segpaged_extend_kernel
@@ -319,12 +318,8 @@ def run_extend(
     out = check_layer_io(q, (k_global, v_global, k_local, v_local), req_to_token, heads, geo,
                          out, lse)  # fmt: skip
 
-    restore = 0 if promoted is None else promoted.shape[1]
-    if restore:
-        assert not skip_global, "adaptive restore runs every head in this kernel"
-        assert promoted.dtype == torch.int32 and promoted.stride(1) == 1, promoted.dtype
-        assert promoted.shape[0] == req_to_token.shape[0], (promoted.shape, req_to_token.shape)
-        assert k_global.shape[1] >= heads.num_global + restore, (k_global.shape, restore)
+    restore, restore_p2 = check_promoted(promoted, req_to_token, k_global, heads)
+    assert not (restore and skip_global), "adaptive restore runs every head in this kernel"
     first_slot = heads.num_global if skip_global else 0
     num_slots = geo.num_kv_heads - first_slot
     if plan.num_tiles == 0 or num_slots == 0:
@@ -364,7 +359,7 @@ def run_extend(
         promoted.stride(0) if restore else 0,
         GRP=geo.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
         RING=geo.ring, WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
-        GATHER=plan.gathered, RESTORE=restore, RESTORE_P2=triton.next_power_of_2(max(restore, 1)),
+        GATHER=plan.gathered, RESTORE=restore, RESTORE_P2=restore_p2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

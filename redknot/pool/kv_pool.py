@@ -195,12 +195,9 @@ class RedknotKVPool(KVCache):
         if self.layout.num_local(layer_id):
             idx = self.global_index[layer_id]
             k, v = k.index_select(1, idx), v.index_select(1, idx)
-        if self.layout.restore:  # the restore columns follow: write the global ones only
-            self.k_global[layer_id][loc, :g] = k.to(self.dtype)
-            self.v_global[layer_id][loc, :g] = v.to(self.dtype)
-            return
-        self.k_global[layer_id][loc] = k.to(self.dtype)
-        self.v_global[layer_id][loc] = v.to(self.dtype)
+        # the global heads' columns (restore columns, if any, follow them)
+        self.k_global[layer_id][loc, :g] = k.to(self.dtype)
+        self.v_global[layer_id][loc, :g] = v.to(self.dtype)
 
     def write_restored(
         self, layer_id: int, loc: torch.Tensor, rpi: torch.Tensor, k: torch.Tensor, v: torch.Tensor
