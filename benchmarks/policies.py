@@ -215,6 +215,7 @@ def main(argv=None) -> int:
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
         "device": result["device"],
         "device_detail": result["device_detail"],
+        "commit": result["git_commit"],
         "git_commit": result["git_commit"],
         "git_dirty": result["git_dirty"],
         "command": command,

@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     rows = [compare(p, reference) for p in args.served]
     result = {
         "benchmark": "policies_server",
+        "device": args.gpu,
         **run_record("server_policies.py", argv),
         "gpu": args.gpu,
         "reference": args.reference,

@@ -321,6 +321,7 @@ def fidelity(args: argparse.Namespace) -> int:
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
         "device": info.pop("device"),
         "device_detail": info.pop("device_detail"),
+        "commit": commit,
         "git_commit": commit,
         "git_dirty": dirty,
         "command": "python -m redknot.eval " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
