@@ -60,3 +60,21 @@ def test_figures_name_current_result_files():
     assert cited, "the README cites no result file"
     current = {p.name for p in (ROOT / "benchmarks/results").glob("*.json")}
     assert cited <= current, cited - current
+
+
+def test_docs_links_lead_somewhere():
+    for doc in (ROOT / "docs").glob("*.md"):
+        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            target = (doc.parent / link).resolve()
+            if not target.exists():
+                assert str(target.relative_to(ROOT)) in ELSEWHERE, f"{doc.name}: {link}"
+
+
+def test_docs_cite_result_files_that_exist():
+    """docs/results.md cites current results only; docs/history.md current or archived ones."""
+    results = ROOT / "benchmarks/results"
+    current = {p.name for p in results.glob("*.json")}
+    archived = {p.name for p in (results / "archive").glob("*.json")}
+    for name, allowed in (("results.md", current), ("history.md", current | archived)):
+        cited = set(re.findall(r"`([a-z0-9_.]+\.json)`", (ROOT / "docs" / name).read_text()))
+        assert cited and cited <= allowed, (name, cited - allowed)
