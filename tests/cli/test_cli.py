@@ -83,7 +83,7 @@ def test_bench_finds_the_checkout_scripts():
     assert found["ttft"] == ROOT / "benchmarks/ttft.py"
     assert found["gpu_run"] == ROOT / "benchmarks/gpu_run.py"
     assert found["e2e_equivalence"] == ROOT / "scripts/e2e_equivalence.py"
-    assert "serving_common" not in found  # a helper module, not a script
+    assert "serving_common" not in found  # imported by scripts, not run itself
     assert all(bench.summary(p) and len(bench.summary(p)) <= 72 for p in found.values())
 
 

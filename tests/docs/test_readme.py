@@ -1,6 +1,6 @@
 """The README is a user's guide that stays true: at most 300 lines, an options table with a row
 for every ``RedknotConfig`` field (and no row for an option that does not exist), the blocks CI
-runs, links that lead somewhere, and result figures drawn from current result files."""
+runs, links that resolve, and result figures drawn from current result files."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_ci_blocks_are_there():
         assert re.search(rf"<!-- ci:{name} -->\n```bash\n.+\n```", README), name
 
 
-def test_relative_links_lead_somewhere():
+def test_relative_links_resolve():
     links = set(re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README))
     assert links, "no links found"
     missing = {link for link in links if not (ROOT / link).exists()} - ELSEWHERE
@@ -62,7 +62,7 @@ def test_figures_name_current_result_files():
     assert cited <= current, cited - current
 
 
-def test_docs_links_lead_somewhere():
+def test_docs_links_resolve():
     for doc in (ROOT / "docs").glob("*.md"):
         for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
             target = (doc.parent / link).resolve()
