@@ -42,7 +42,7 @@ class LfpsParams:
     def budget_for(self, num_keys: int) -> int:
         """Top-k size for ``num_keys`` non-sink keys (at least 1, at most ``num_keys``)."""
         if isinstance(self.budget, float) and self.budget < 1.0:
-            k = int(round(self.budget * num_keys))
+            k = round(self.budget * num_keys)
         else:
             k = int(self.budget)
         return max(1, min(k, num_keys))

@@ -67,7 +67,7 @@ def lfps_step(
     Returns:
         ``LfpsStepResult``; ``state`` is a new object, the input is not modified.
     """
-    h, n, _ = keys.shape
+    n = keys.shape[1]
     if state.length != n - 1:
         raise ValueError(f"state covers {state.length} keys; expected {n - 1} (N - 1)")
     s = params.num_sink
