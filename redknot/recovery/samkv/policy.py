@@ -25,14 +25,16 @@ keeps what its own Top-P retrieves (single-context selection); a document too sh
 middle block is kept whole. A document that is not cached is new text to this policy: kept
 whole and computed.
 
-The per-document query summaries (local queries, attention of the local rows) are computed
-per request here; a server computes them once when it caches the document, so they are not
-counted in the request's FLOPs.
+The per-document summaries (pooled local queries, attention of the local rows) belong to the
+document, not to the request: they are computed once per cached segment and local size (kept
+with the segment object) and not counted in a request's FLOPs, as a server would compute them
+when it caches the document.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +42,7 @@ from torch import Tensor
 
 from redknot.headmap import GLOBAL
 from redknot.recovery.base import ReusePolicy
-from redknot.recovery.prompt import ReusePrompt
+from redknot.recovery.prompt import ReusePrompt, Segment
 from redknot.recovery.record import LayerRecord
 from redknot.recovery.samkv.forward import LayerCounts, SparseLayout, sparse_forward
 from redknot.recovery.samkv.layout import DocumentBlocks, cut_document
@@ -55,6 +57,11 @@ from redknot.reference import (
 )
 
 logger = logging.getLogger(__name__)
+
+# segment -> local rows -> (pooled local queries [N, Hq, d], attention received [N, n])
+_SUMMARIES: weakref.WeakKeyDictionary[Segment, dict[int, tuple[Tensor, Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 SAMKV_KNOBS = (
     "samkv_block",
@@ -280,16 +287,20 @@ class SamKV(ReusePolicy):
         its tokens receives from them in its own prefill (``[N, n]``, mean over query heads)."""
         local, mass = [], []
         for d in docs:
-            cache = self.prompt.segments[d.index].cache
+            segment = self.prompt.segments[d.index]
             rows = max(d.local, 1)
-            ids = list(self.prompt.ids[d.end - rows : d.end])
-            hooks = _LocalQueries(runner.model.rope)
-            out = runner.forward(
-                ids, hooks=hooks, past=cache.rows(0, d.length - rows), logits_rows="none",
-                keep_kv=False,
-            )  # fmt: skip
-            local.append(torch.stack(hooks.queries))
-            mass.append(torch.stack([p.key_mass.mean(dim=0) for p in out.probes]).cpu())
+            known = _SUMMARIES.setdefault(segment, {})
+            if rows not in known:
+                ids = list(self.prompt.ids[d.end - rows : d.end])
+                hooks = _LocalQueries(runner.model.rope)
+                out = runner.forward(
+                    ids, hooks=hooks, past=segment.cache.rows(0, d.length - rows),
+                    logits_rows="none", keep_kv=False,
+                )  # fmt: skip
+                attention = torch.stack([p.key_mass.mean(dim=0) for p in out.probes]).cpu()
+                known[rows] = (torch.stack(hooks.queries), attention)
+            local.append(known[rows][0])
+            mass.append(known[rows][1])
         return torch.stack(local), mass
 
     def _select(self, m, docs: list[DocumentBlocks], queries: Tensor) -> BlockSelection:
