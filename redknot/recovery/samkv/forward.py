@@ -139,17 +139,22 @@ def sparse_forward(
     t = layout.num_rows
     device = m.device
     positions = torch.arange(p0, p0 + t, device=device)
-    compute = layout.compute()
+    compute = layout.compute().to(device)
+    keep_all, recompute, has_cache = (
+        layout.keep.to(device),
+        layout.recompute.to(device),
+        layout.has_cache.to(device),
+    )
     x = m.embed(layout.ids.to(device))
     keys_out, values_out, kept, counts = [], [], [], []
     for layer in range(m.num_layers):
         q, k, v = m.qkv(layer, x, positions)
         if capture is not None:
             capture(layer, q, positions)
-        rec, keep = layout.recompute[layer], layout.keep[layer]
-        keys = layout.cached_keys[layer].to(k.dtype).clone()
-        values = layout.cached_values[layer].to(v.dtype).clone()
-        fused = rec & layout.has_cache if update == "fusion" else torch.zeros_like(rec)
+        rec, keep = recompute[layer], keep_all[layer]
+        keys = layout.cached_keys[layer].to(device=device, dtype=k.dtype).clone()
+        values = layout.cached_values[layer].to(device=device, dtype=v.dtype).clone()
+        fused = rec & has_cache if update == "fusion" else torch.zeros_like(rec)
         plain = rec & ~fused
         keys[:, plain], values[:, plain] = k[:, plain], v[:, plain]
         if bool(fused.any()):
@@ -180,7 +185,7 @@ def sparse_forward(
         moved = m.rope.realign(full_k[:, p0 + idx], positions[idx], rank)
         keys_out.append(torch.cat((full_k[:, :p0], moved), dim=1))
         values_out.append(torch.cat((full_v[:, :p0], full_v[:, p0 + idx]), dim=1))
-        kept.append(idx)
+        kept.append(idx.cpu())
         own_cached = compute[layer] & ~keep & ~rec
         cached_used = int((keep & ~rec).sum() + own_cached.sum())
         cached_used += int((positions[idx] != rank).sum())  # padding removed
