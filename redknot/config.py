@@ -30,6 +30,10 @@ REFERENCE_ONLY_POLICIES = {
     "not kept in the server: it does not move the fidelity-TTFT front (README, 'Reuse policies "
     "side by side'); evaluate it on the reference path with python -m redknot.eval fidelity "
     "--policies full,redknot+sparseq",
+    "samkv": "serving only the selected blocks of the reused documents (docs/samkv.md) "
+    "needs per-request KV compaction in the pool and SGLang's token accounting, not built yet; "
+    "evaluate it on the reference path with python -m redknot.eval fidelity --policies "
+    "full,samkv",
 }
 # Recovery knobs a head map may record (HeadMap.recorded_recovery) that the server applies
 SERVED_RECOVERY_KNOBS = (

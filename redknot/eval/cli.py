@@ -49,6 +49,13 @@ def _optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return lambda text: None if text.lower() in ("none", "off", "map") else kind(text)
 
 
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false", "1", "0", "on", "off"):
+        raise ValueError(f"{text!r} is not a boolean (true/false, on/off, 1/0)")
+    return value in ("true", "1", "on")
+
+
 KNOB_TYPES: dict[str, Callable[[str], Any]] = {
     "window": _optional(int),
     "sink": _optional(int),
@@ -65,6 +72,15 @@ KNOB_TYPES: dict[str, Callable[[str], Any]] = {
     "sparseq_boundary": int,
     "sparseq_k": int,
     "sparseq_block": int,
+    "samkv_block": int,
+    "samkv_init_blocks": int,
+    "samkv_local_blocks": int,
+    "samkv_stable_layers": int,
+    "samkv_bias": _flag,
+    "samkv_budget": _optional(float),
+    "samkv_recompute": str,
+    "samkv_update": str,
+    "samkv_outlier_sigma": float,
 }
 assert set(KNOB_TYPES) == set(KNOBS), "every recovery knob needs a CLI type"
 

@@ -24,7 +24,14 @@ from redknot.eval.metrics import answer_scores, first_token_scores
 from redknot.eval.store import CaseStore
 
 SCORES = ("top1", "top10", "cosine", "contains", "exact_match", "f1")
-COSTS = ("flops_fraction", "attention_fraction", "ffn_fraction", "kv_head_fraction")
+COSTS = (
+    "flops_fraction",
+    "attention_fraction",
+    "ffn_fraction",
+    "kv_head_fraction",
+    "sequence_ratio",
+    "recompute_ratio",
+)
 
 
 def score(output: PolicyOutput, dense: PolicyOutput, case: Case) -> dict[str, Any]:
@@ -42,6 +49,8 @@ def score(output: PolicyOutput, dense: PolicyOutput, case: Case) -> dict[str, An
     row["attention_fraction"] = output.fractions.get("attention")
     row["ffn_fraction"] = output.fractions.get("ffn")
     row["kv_head_fraction"] = output.fractions.get("kv_heads")
+    row["sequence_ratio"] = output.fractions.get("sequence_ratio")  # samkv: KV rows held
+    row["recompute_ratio"] = output.fractions.get("recompute_ratio")
     row["restored_heads"] = output.restored_heads
     row["ttft_s"] = output.ttft_s
     row["wall_s"] = None if output.wall_s is None else round(output.wall_s, 2)

@@ -12,6 +12,7 @@
 | ``epic``      | EPIC: the first tokens of every segment (``epic``)                    |
 | ``sparseq``   | SparseX's sparse-Q token selection (top-k, overflow, tail)            |
 | ``sparsex``   | SparseX: full layers, then the sparse-Q set (``sparsex``)             |
+| ``samkv``     | SamKV: sparse multi-document KV, selected blocks recomputed (``samkv``; reference path only) |
 | ``hybrid``    | head classes plus sparse-Q in deep layers (``redknot+sparseq``; reference path only) |
 | ``importance``| token importance for the sparse FFN, top-k of a score                 |
 | ``restore``   | adaptive restore of local heads (edge mass)                           |
@@ -32,6 +33,7 @@ from redknot.recovery.options import KNOBS, RecoveryOptions, RecoveryOptionsErro
 from redknot.recovery.prompt import ReusePrompt, Segment, cache_kv
 from redknot.recovery.record import LayerRecord, PrefillRecord, visible_keys
 from redknot.recovery.restore import edge_mass, promote
+from redknot.recovery.samkv import SamKV
 from redknot.recovery.serve import POLICIES, Served, create_policy, serve
 from redknot.recovery.sparseq import SparseQSelection, select_tokens
 from redknot.recovery.sparsex import SparseX
@@ -55,6 +57,7 @@ __all__ = [
     "RecoveryOptionsError",
     "ReusePolicy",
     "ReusePrompt",
+    "SamKV",
     "Segment",
     "Served",
     "SparseQSelection",

@@ -23,7 +23,7 @@ from redknot.headmap import LOCAL, HeadMap, ModelShape
 from redknot.recovery.options import RecoveryOptions
 from redknot.recovery.prompt import ReusePrompt, reused_mask
 from redknot.recovery.record import LayerRecord, PrefillRecord, visible_keys
-from redknot.reference import AttentionProbe, LayerContext, LayerHooks
+from redknot.reference import AttentionProbe, LayerContext, LayerHooks, ReferenceKV, ReferenceRunner
 
 
 class ReusePolicy(LayerHooks):
@@ -56,6 +56,16 @@ class ReusePolicy(LayerHooks):
         self._layer: dict = {}
 
     # ---- what subclasses decide ------------------------------------------------------------
+
+    def prepare(self, runner: ReferenceRunner) -> tuple[list[int], ReferenceKV | None]:
+        """Work before the prefill call; returns the tokens the prefill computes (under these
+        hooks) and the KV they follow. Default: :attr:`served` after its exact-prefix hit."""
+        prompt = self.served
+        return list(prompt.ids[prompt.prefix_len :]), prompt.prefix
+
+    def fractions(self) -> dict[str, float | None]:
+        """Recomputed fractions of the request (:meth:`PrefillRecord.fractions`)."""
+        return self.record.fractions()
 
     @property
     def served(self) -> ReusePrompt:

@@ -17,6 +17,10 @@ LocalKV = Literal["cached", "fresh"]
 LOCAL_KV_SOURCES = ("cached", "fresh")
 Skipped = Literal["residual", "cached"]
 SKIPPED_MODES = ("residual", "cached")
+SamkvRecompute = Literal["selective", "all", "none"]
+SAMKV_RECOMPUTE_MODES = ("selective", "all", "none")
+SamkvUpdate = Literal["overwrite", "fusion"]
+SAMKV_UPDATE_MODES = ("overwrite", "fusion")
 
 
 class RecoveryOptionsError(ValueError):
@@ -45,6 +49,14 @@ class RecoveryOptions:
     | ``sparseq_boundary`` | ``sparsex`` and ``redknot+sparseq``: layers ``< sparseq_boundary`` recompute every token (global heads, for the hybrid); 0: sparse from the first layer |
     | ``sparseq_k``    | ``sparsex`` and ``redknot+sparseq``: the top-k budget, tokens ranked by the attention mass of the non-reused queries |
     | ``sparseq_block``| ``sparsex`` and ``redknot+sparseq``: overflow block, reused tokens recomputed on each side of a non-reused span |
+    | ``samkv_block``  | ``samkv``: tokens per KV block (the unit of selection) |
+    | ``samkv_init_blocks`` / ``samkv_local_blocks`` | ``samkv``: blocks at the start / end of every document kept in full (the anchors) |
+    | ``samkv_stable_layers`` | ``samkv``: the last layers whose Top-P ratios are averaged (``N*`` of Eq. 3) |
+    | ``samkv_bias``   | ``samkv``: add the personalized bias of Eq. 1 to the query vector of each document |
+    | ``samkv_budget`` | ``samkv``: ``None``: the paper's adaptive block count (Eq. 2-3, retained total / documents); a number in ``[0, 1]``: that fraction of the middle blocks, in every layer |
+    | ``samkv_recompute`` | ``samkv``: ``selective`` (anchors and high-attention tokens of kept blocks), ``all`` kept tokens, or ``none`` |
+    | ``samkv_update`` | ``samkv``: recomputed KV ``overwrite``s the cached KV, or ``fusion`` (Eq. 4) |
+    | ``samkv_outlier_sigma`` | ``samkv``: a kept middle token is recomputed when its attention in its own document exceeds the mean by this many standard deviations (PauTa: 3) |
 
     The ``redknot`` defaults and what the sweep in ``benchmarks/results/fidelity.json``
     (SmolLM2-135M-Instruct, the profiled 15%-global map, window 256, sink 64, 9 cases of
@@ -65,7 +77,8 @@ class RecoveryOptions:
     CacheBlend's check layer 1 and ~15% of the tokens, EPIC's 16 initial tokens, SparseX's
     block of 16 (vLLM's block size) and a boundary at ~17% of SmolLM2's 30 layers (SparseX
     §3.4: 15-20% for small dense models). SparseX gives no value for ``k``; 512 is ~15% of the
-    segment tokens of the ``rag_v1`` case set.
+    segment tokens of the ``rag_v1`` case set. SamKV's are its paper's (§4.1: blocks of 64, one
+    initial and two local blocks; A.2: the last 4-5 layers are stable, 4 for Llama-3.1-8B).
     """
 
     window: int | None = None
@@ -83,6 +96,15 @@ class RecoveryOptions:
     sparseq_boundary: int = 5
     sparseq_k: int = 512
     sparseq_block: int = 16
+    samkv_block: int = 64
+    samkv_init_blocks: int = 1
+    samkv_local_blocks: int = 2
+    samkv_stable_layers: int = 4
+    samkv_bias: bool = True
+    samkv_budget: float | None = None
+    samkv_recompute: SamkvRecompute = "selective"
+    samkv_update: SamkvUpdate = "overwrite"
+    samkv_outlier_sigma: float = 3.0
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -117,6 +139,34 @@ class RecoveryOptions:
         for name in ("epic_k", "sparseq_k", "sparseq_block"):
             if getattr(self, name) < 0:
                 raise RecoveryOptionsError(f"{name} must be >= 0 tokens, got {getattr(self, name)}")
+        self._check_samkv()
+
+    def _check_samkv(self) -> None:
+        for name in ("samkv_block", "samkv_stable_layers"):
+            if getattr(self, name) < 1:
+                raise RecoveryOptionsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("samkv_init_blocks", "samkv_local_blocks"):
+            if getattr(self, name) < 0:
+                raise RecoveryOptionsError(f"{name} must be >= 0 blocks, got {getattr(self, name)}")
+        if self.samkv_budget is not None and not 0.0 <= self.samkv_budget <= 1.0:
+            raise RecoveryOptionsError(
+                f"samkv_budget must lie in [0, 1] or be None (adaptive), got {self.samkv_budget}"
+            )
+        if self.samkv_recompute not in SAMKV_RECOMPUTE_MODES:
+            raise RecoveryOptionsError(
+                f"samkv_recompute must be one of {', '.join(SAMKV_RECOMPUTE_MODES)}, "
+                f"got {self.samkv_recompute!r}"
+            )
+        if self.samkv_update not in SAMKV_UPDATE_MODES:
+            raise RecoveryOptionsError(
+                f"samkv_update must be one of {', '.join(SAMKV_UPDATE_MODES)}, "
+                f"got {self.samkv_update!r}"
+            )
+        if not self.samkv_outlier_sigma >= 0.0:
+            raise RecoveryOptionsError(
+                f"samkv_outlier_sigma must be >= 0 standard deviations, "
+                f"got {self.samkv_outlier_sigma}"
+            )
 
     def replace(self, **changes: Any) -> RecoveryOptions:
         """A copy with some fields changed (checked like a new instance)."""

@@ -22,6 +22,7 @@ from redknot.recovery.flops import FlopCount, FlopShape, prefill_flops
 from redknot.recovery.hybrid import ElasticSparseQ
 from redknot.recovery.options import RecoveryOptions
 from redknot.recovery.prompt import ReusePrompt
+from redknot.recovery.samkv import SamKV
 from redknot.recovery.sparsex import SparseX
 from redknot.reference import Generation, ReferenceRunner
 
@@ -36,6 +37,7 @@ POLICIES: dict[str, type[ReusePolicy]] = {
         Epic,
         SparseX,
         ElasticSparseQ,
+        SamKV,
     )
 }
 
@@ -73,14 +75,14 @@ def serve(
     max_new_tokens: int = 16,
     stop_token_ids: Sequence[int] = (),
 ) -> Served:
-    """Prefill ``policy.served`` (its exact-prefix hit as past KV, the rest under the policy's
-    hooks) and decode greedily."""
-    prompt = policy.served
+    """Prefill what ``policy.prepare`` hands over (by default ``policy.served``: its
+    exact-prefix hit as past KV, the rest under the policy's hooks) and decode greedily."""
+    ids, past = policy.prepare(runner)
     generation = runner.generate(
-        list(prompt.ids[prompt.prefix_len :]),
+        ids,
         head_map=policy.head_map,
         hooks=policy,
-        past=prompt.prefix,
+        past=past,
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids,
     )
@@ -90,6 +92,6 @@ def serve(
         policy=policy.name,
         generation=generation,
         flops=prefill_flops(FlopShape.from_hf_config(runner.model.config), policy.record),
-        fractions=policy.record.fractions(),
+        fractions=policy.fractions(),
         restored_heads=restored,
     )

@@ -26,6 +26,13 @@ from redknot.recovery import KNOBS, RecoveryOptions, RecoveryOptionsError
         ({"sparseq_boundary": -1}, r"sparseq_boundary must be >= 0"),
         ({"sparseq_k": -5}, r"sparseq_k must be >= 0 tokens"),
         ({"sparseq_block": -1}, r"sparseq_block must be >= 0 tokens"),
+        ({"samkv_block": 0}, r"samkv_block must be >= 1"),
+        ({"samkv_stable_layers": 0}, r"samkv_stable_layers must be >= 1"),
+        ({"samkv_local_blocks": -1}, r"samkv_local_blocks must be >= 0 blocks"),
+        ({"samkv_budget": 1.5}, r"samkv_budget must lie in \[0, 1\] or be None"),
+        ({"samkv_recompute": "some"}, r"samkv_recompute must be one of selective, all, none"),
+        ({"samkv_update": "blend"}, r"samkv_update must be one of overwrite, fusion"),
+        ({"samkv_outlier_sigma": -1.0}, r"samkv_outlier_sigma must be >= 0"),
     ],
 )
 def test_out_of_range_options_are_refused(knobs, match):
@@ -93,3 +100,21 @@ def test_every_policy_reads_known_knobs_and_the_cli_sweeps_each_over_its_own():
     with pytest.raises(RecoveryOptionsError, match="blend_ratio must lie in"):
         args.blend_ratio = [2.0]
         settings_of(args)
+
+
+def test_samkv_knobs_parse_on_the_command_line():
+    from redknot.eval.cli import build_parser, settings_of
+
+    args = build_parser().parse_args(
+        ["fidelity", "--cases", "c.jsonl", "--head-map", "m.json", "--out", "o.json",
+         "--policies", "samkv", "--samkv-bias", "off,on", "--samkv-budget", "none",
+         "--samkv-update", "fusion"]
+    )  # fmt: skip
+    settings = settings_of(args)
+    assert [s.options.samkv_bias for s in settings[1:]] == [False, True]
+    assert all(s.options.samkv_budget is None for s in settings[1:])
+    assert all(s.options.samkv_update == "fusion" for s in settings[1:])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(
+            ["fidelity", "--cases", "c", "--out", "o", "--samkv-bias", "maybe"]
+        )
