@@ -96,8 +96,10 @@ def points_of(results: list[dict], question: int) -> list[tuple[str, str, Prompt
             for key, row in var.get("points", {}).items():
                 if row.get("every_segment_hit") is False:
                     continue
-                if name != "flashinfer" and any(s != "reuse" for s in row.get("served", [])) and (
-                    ttft.VARIANTS[ttft.parse_variant(name)[0]][2]
+                if (
+                    name != "flashinfer"
+                    and any(s != "reuse" for s in row.get("served", []))
+                    and (ttft.VARIANTS[ttft.parse_variant(name)[0]][2])
                 ):
                     continue  # a gate served some of them without reuse: not a reuse time
                 length, segments = row["length"], row["segments"]
@@ -146,7 +148,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--fit", required=True, help="comma-separated benchmarks/ttft.py results")
     ap.add_argument("--model", default=common.DEFAULT_MODEL, help="model dir with config.json")
-    ap.add_argument("--fix", default="", help="constants held, e.g. bandwidth_gbs=2800,host_plain=0.3")
+    ap.add_argument(
+        "--fix", default="", help="constants held, e.g. bandwidth_gbs=2800,host_plain=0.3"
+    )
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--check", default=None, help="a record to compare with, nothing fitted")
     ap.add_argument("--out", default=None, help="where to write the fitted record")
@@ -182,7 +186,9 @@ def main() -> None:
         for (n, k, _, m), p in zip(points, predict(values, models, points))
     ]
     for r in rows:
-        print(f"{r['variant']:45s} {r['point']:10s} {r['measured_ms']:9.2f} {r['predicted_ms']:9.2f}")
+        print(
+            f"{r['variant']:45s} {r['point']:10s} {r['measured_ms']:9.2f} {r['predicted_ms']:9.2f}"
+        )
     errors = [abs(math.log(r["predicted_ms"] / r["measured_ms"])) for r in rows]
     print(f"mean |log error| {statistics.mean(errors):.3f}, max {max(errors):.3f}")
     if args.check or not args.out:

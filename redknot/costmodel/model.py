@@ -239,7 +239,9 @@ class ReuseCostModel:
             cached += heads * c.head_dim * 2 * c.dtype_bytes * 2  # K and V, read and written
         weights = c.weight_bytes / (r.bandwidth_gbs * 1e6)
         matmul /= r.gemm_tflops * 1e9
-        return max(matmul, weights) + attn / (r.attn_tflops * 1e9) + cached / (r.bandwidth_gbs * 1e6)
+        return (
+            max(matmul, weights) + attn / (r.attn_tflops * 1e9) + cached / (r.bandwidth_gbs * 1e6)
+        )
 
     def forward_ms(self, parts: Sequence[tuple[PromptWork, list[LayerWork]]]) -> float:
         """One forward of the given requests (each with its layers' work): host and GPU as a
