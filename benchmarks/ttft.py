@@ -534,6 +534,9 @@ def summarize(cfg: dict, results: dict, reps: int) -> dict:
                 entry["warmup_ttft_s"] = row["warmup_ttft_s"]
             if "every_segment_hit" in row:
                 entry["every_segment_hit"] = row["every_segment_hit"]
+            if "served" in row:  # the reuse gate's decisions (redknot.costmodel.gate)
+                entry["served_with_reuse"] = row["served"].count("reuse")
+                entry["served_recomputed"] = row["served"].count("recomputed")
             if mine:
                 entry["ffn_token_layers_skipped"] = statistics.median(mine)
                 token_layers = n * cfg["num_hidden_layers"]
