@@ -70,19 +70,18 @@ class ReuseGate:
         """Whether the request described by ``work`` is served with its segment hits."""
         if work.reused == 0:
             return Decision(False, 0.0, 0.0, "no stored segment in the computed tokens")
-        reuse, reuse_ms, plain_ms = self.model.choose([work])
-        with_reuse = self.model.batch_ms([work], [True])
-        if reuse[0]:
-            self.served_with_reuse += 1
-            why = f"reuse predicted {reuse_ms:.1f} ms vs {plain_ms:.1f} ms recomputing"
-            return Decision(True, reuse_ms, plain_ms, why)
-        self.served_without_reuse += 1
-        why = (
-            f"reuse predicted {with_reuse:.1f} ms vs {plain_ms:.1f} ms recomputing "
-            f"({work.reused} reused of {work.computed} computed tokens, "
-            f"{len(work.segments)} segments): recomputed"
+        # one request: model.choose([work]) reduces to this comparison (two predictions)
+        reuse_ms = self.model.batch_ms([work], [True])
+        plain_ms = self.model.batch_ms([work], [False])
+        told = (
+            f"reuse predicted {reuse_ms:.1f} ms vs {plain_ms:.1f} ms recomputing "
+            f"({work.reused} reused of {work.computed} computed tokens, {len(work.segments)} segments)"
         )
-        return Decision(False, with_reuse, plain_ms, why)
+        if reuse_ms <= (1 - self.model.record.margin) * plain_ms:
+            self.served_with_reuse += 1
+            return Decision(True, reuse_ms, plain_ms, told)
+        self.served_without_reuse += 1
+        return Decision(False, reuse_ms, plain_ms, told + ": recomputed")
 
     def min_segment_tokens(self, prompt_tokens: int = 8192, question: int = 64) -> int | None:
         """The shortest segment worth storing for prompts of ``prompt_tokens`` made of such

@@ -203,13 +203,14 @@ def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
         device=kvc.device,
         segment_plan=state_of(kvc).get("segments"),
     )
-    pool.reuse_gate = _reuse_gate(kvc, pool.layout)
+    pool.reuse_gate = _reuse_gate(kvc, rank_layouts(kvc)[0])
     return pool
 
 
 def _reuse_gate(kvc: Any, layout: HeadLayout):
     """The per-request reuse decision (redknot.costmodel.gate), or None under
-    ``--redknot-reuse-gate always``."""
+    ``--redknot-reuse-gate always``. Every tensor-parallel rank decides from rank 0's layout
+    and the same record, so that all ranks serve a request the same way."""
 
     from redknot.costmodel.gate import ReuseGate
     from redknot.integration.server_args import published_config

@@ -48,6 +48,7 @@ def test_never_reuses_when_it_cannot_pay(policy):
         d = gate.decide(work)
         bound = (1 - H100.margin) * d.plain_ms
         assert (d.reuse_ms <= bound) == d.reuse, (work, d)
+        assert d.reuse == gate.model.choose([work])[0][0]  # the batch rule agrees
 
 
 def test_refuses_when_reuse_has_no_saving():
