@@ -216,6 +216,8 @@ def _reuse_gate(kvc: Any, layout: HeadLayout):
     from redknot.integration.server_args import published_config
 
     config = published_config()
+    if not config.segment_fraction:  # no segment region: nothing to reuse
+        return None
     if config.reuse_gate == "always":
         logger.info("redknot: reuse gate off (--redknot-reuse-gate always): every hit is reused")
         return None
