@@ -86,12 +86,14 @@ VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reu
 
 
 POLICY_KNOBS = {  # the server's knobs of each policy (--redknot-<knob>)
-    "naive": (),
-    "epic": ("epic_k",),
-    "cacheblend": ("blend_check_layer", "blend_ratio"),
-    "sparsex": ("sparseq_boundary", "sparseq_k", "sparseq_block"),
+    "naive": ("reuse_gate",),
+    "epic": ("epic_k", "reuse_gate"),
+    "cacheblend": ("blend_check_layer", "blend_ratio", "reuse_gate"),
+    "sparsex": ("sparseq_boundary", "sparseq_k", "sparseq_block", "reuse_gate"),
 }
-RECOVERY_KNOBS = ("local_kv", "restore_thresh", "restore_edge", "restore_heads")  # -reuse variants
+RECOVERY_KNOBS = (  # -reuse variants
+    "local_kv", "restore_thresh", "restore_edge", "restore_heads", "reuse_gate",
+)  # fmt: skip
 
 
 def variant_knobs(base: str) -> tuple[str, ...]:
@@ -167,6 +169,7 @@ def prefill_flops(cfg: dict, length: int, global_fraction: float | None) -> floa
 
 SWEEP = "8192x8,16384x8,32768x8,65536x8,32768x2,32768x4,32768x16,32768x32"
 STORE_COUNTERS = ("hits", "misses", "hit_tokens")
+GATE_COUNTERS = ("served_with_reuse", "served_without_reuse")  # redknot.costmodel.gate
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -231,7 +234,10 @@ def child(args) -> None:
 
     def store_counters() -> dict:
         info = engine.get_server_info()["internal_states"][0].get("redknot_segments", {})
-        return {k: info.get(k, 0) for k in STORE_COUNTERS}
+        gate = engine.get_server_info()["internal_states"][0].get("redknot_reuse_gate", {})
+        counts = {k: info.get(k, 0) for k in STORE_COUNTERS}
+        counts.update({k: gate.get(k, 0) for k in GATE_COUNTERS})
+        return counts
 
     server_warmup_s = common.launch_server_warmup(engine)
     compiled_at_startup = compiled = triton_kernels() if args.compile_log else {}
@@ -301,6 +307,11 @@ def child(args) -> None:
                 after = store_counters()
                 row["segment_store"] = {k: after[k] - before[k] for k in STORE_COUNTERS}
                 row["every_segment_hit"] = row["segment_store"]["misses"] == 0
+                # how the reuse gate served this point's prompts (warm-up included)
+                gate = {k: after[k] - before[k] for k in GATE_COUNTERS}
+                row["served"] = ["reuse"] * gate["served_with_reuse"] + ["recomputed"] * gate[
+                    "served_without_reuse"
+                ]
             out[point_key(length, segments)] = row
             print(args.child, length, segments, row["ttft_s"], flush=True)
     finally:
@@ -523,6 +534,9 @@ def summarize(cfg: dict, results: dict, reps: int) -> dict:
                 entry["warmup_ttft_s"] = row["warmup_ttft_s"]
             if "every_segment_hit" in row:
                 entry["every_segment_hit"] = row["every_segment_hit"]
+            if "served" in row:  # the reuse gate's decisions (redknot.costmodel.gate)
+                entry["served_with_reuse"] = row["served"].count("reuse")
+                entry["served_recomputed"] = row["served"].count("recomputed")
             if mine:
                 entry["ffn_token_layers_skipped"] = statistics.median(mine)
                 token_layers = n * cfg["num_hidden_layers"]

@@ -21,6 +21,7 @@ from redknot.headmap import HeadMap, HeadMapError, ModelShape
 KERNEL_CHOICES = ("auto", "triton")
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 LOCAL_KV_CHOICES = ("cached", "fresh")  # redknot.recovery.options.LOCAL_KV_SOURCES
+REUSE_GATE_CHOICES = ("auto", "always")  # redknot.costmodel.gate
 SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
 TOKEN_POLICIES = ("naive", "epic", "cacheblend", "sparsex")  # redknot.attention.token_policy
 POLICY_CHOICES = ("redknot", *TOKEN_POLICIES)
@@ -181,6 +182,18 @@ class RedknotConfig:
         "Without it, registering a segment (POST /redknot/segments) creates its namespace.",
         default=None,
     )
+    reuse_gate: str = _opt(
+        "Segment reuse: 'auto' serves a marked request with its stored segments only when the "
+        "cost model (redknot.costmodel, the device's measured record) predicts reuse faster "
+        "than recomputing the prompt, else recomputes it (logged with the reason); 'always' "
+        "reuses every hit (for measuring).",
+        default="auto",
+    )
+    cost_record: str | None = _opt(
+        "Segment reuse: the cost-model record (JSON from benchmarks/reuse_cost.py) the reuse "
+        "gate uses; not given: the shipped record of this GPU, else the H100's (logged).",
+        default=None,
+    )
     skip_startup_check: bool = _opt(
         "Start without the startup check of the attention kernels against the PyTorch "
         "reference (redknot.attention.startup_check); the kernels are then unverified.",
@@ -219,6 +232,18 @@ class RedknotConfig:
             raise RedknotConfigError(
                 f"--redknot-local-kv {self.local_kv!r} is not one of {', '.join(LOCAL_KV_CHOICES)}"
             )
+        if self.reuse_gate not in REUSE_GATE_CHOICES:
+            raise RedknotConfigError(
+                f"--redknot-reuse-gate {self.reuse_gate!r} is not one of "
+                f"{', '.join(REUSE_GATE_CHOICES)}"
+            )
+        if self.cost_record is not None:
+            from redknot.costmodel.record import CostRecord, CostRecordError
+
+            try:
+                CostRecord.read(self.cost_record)
+            except CostRecordError as e:
+                raise RedknotConfigError(f"--redknot-cost-record: {e}") from None
         self._resolve_restore()
         leaves = self.dense_layers is not None and self.skipped == "cached"
         if self.segment_heads is None:  # frozen dataclass: resolve the default once

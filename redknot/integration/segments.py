@@ -24,6 +24,7 @@ from redknot import envs
 STATS_KEY = "redknot_segments"
 POOL_KEY = "redknot_pool"
 CONFIG_KEY = "redknot_config"
+GATE_KEY = "redknot_reuse_gate"
 
 
 def pool_state(scheduler: Any) -> dict[str, int]:
@@ -50,6 +51,12 @@ def _after_get_internal_state(result: Any, self: Any, recv_req: Any) -> Any:
     result.internal_state[STATS_KEY] = store.stats()
     if hasattr(cache, "pool_state"):
         result.internal_state[POOL_KEY] = pool_state(self)
+    gate = getattr(getattr(cache, "pool", None), "reuse_gate", None)
+    if gate is not None:  # requests the reuse gate served with and without their hits
+        result.internal_state[GATE_KEY] = {
+            "served_with_reuse": gate.served_with_reuse,
+            "served_without_reuse": gate.served_without_reuse,
+        }
     if envs.REDKNOT_RESOLVED_CONFIG.get() is not None:  # always, in a launched server
         from redknot.integration.server_args import published_config
 

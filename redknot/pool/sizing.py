@@ -203,4 +203,28 @@ def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
         device=kvc.device,
         segment_plan=state_of(kvc).get("segments"),
     )
+    pool.reuse_gate = _reuse_gate(kvc, rank_layouts(kvc)[0])
     return pool
+
+
+def _reuse_gate(kvc: Any, layout: HeadLayout):
+    """The per-request reuse decision (redknot.costmodel.gate), or None under
+    ``--redknot-reuse-gate always``. Every tensor-parallel rank decides from rank 0's layout
+    and the same record, so that all ranks serve a request the same way."""
+
+    from redknot.costmodel.gate import ReuseGate
+    from redknot.integration.server_args import published_config
+
+    config = published_config()
+    if not config.segment_fraction:  # no segment region: nothing to reuse
+        return None
+    if config.reuse_gate == "always":
+        logger.info("redknot: reuse gate off (--redknot-reuse-gate always): every hit is reused")
+        return None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    args = kvc.server_args
+    return ReuseGate.build(
+        config, kvc.model_config.hf_config, layout, device,
+        tp_size=getattr(args, "tp_size", 1) or 1,
+        chunk=getattr(args, "chunked_prefill_size", None),
+    )  # fmt: skip

@@ -86,8 +86,31 @@ def start(cache: Any, req: Any) -> None:
         if entry is not None:
             cache.segments.acquire(entry)
             uses.append(SegmentUse(mark.start, entry, len(ids)))
+    if uses and not _pays(cache, req, uses):
+        for use in uses:
+            cache.segments.release(use.entry)
+        uses = []
     if uses:
         cache.pool.segment_reads[req.req_pool_idx] = uses
+
+
+def _pays(cache: Any, req: Any, uses: list[SegmentUse]) -> bool:
+    """The reuse gate's decision for ``req`` (``redknot.costmodel.gate``; no gate: reuse). A
+    request served without reuse is logged with the reason and marked ``redknot_reuse``."""
+    gate = getattr(cache.pool, "reuse_gate", None)
+    if gate is None:
+        return True
+    from redknot.costmodel.gate import work_of
+
+    prompt_len = len(req.origin_input_ids)
+    hits = [(u.start, u.entry.num_tokens) for u in uses]
+    decision = gate.decide(work_of(prompt_len, len(req.prefix_indices), hits))
+    req.redknot_reuse = decision
+    if not decision.reuse:
+        logger.info(
+            "redknot: request %s served without segment reuse: %s", req.rid, decision.reason
+        )
+    return decision.reuse
 
 
 def plan_reads(

@@ -300,3 +300,16 @@ def test_first_request_summary_keeps_the_first_prompt_apart_from_the_later_ones(
         "first_ttft_s": 6.7, "later_ttft_s": [0.31, 0.30],
         "triton_compiled_in_first": {"rope_align_kernel": 2},
     }  # fmt: skip
+
+
+def test_summary_counts_how_the_reuse_gate_served_a_point():
+    served = ["recomputed", "reuse", "reuse", "recomputed"]  # warm-up and three prompts
+    results = {"epic": {"points": {"1024x8": _row(1024, 8, 0.03, served=served)}}}
+    entry = summarize(CFG, results, reps=3)["epic"]["1024x8"]
+    assert (entry["served_with_reuse"], entry["served_recomputed"]) == (2, 2)
+    assert (
+        "served_with_reuse"
+        not in summarize(CFG, {"epic": {"points": {"1024x8": _row(1024, 8, 0.03)}}}, reps=1)[
+            "epic"
+        ]["1024x8"]
+    )

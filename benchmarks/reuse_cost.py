@@ -1,0 +1,215 @@
+"""Fit the reuse cost model's device record from measured TTFTs (``benchmarks/ttft.py`` results).
+
+The cost model (``redknot.costmodel.model``) predicts a forward's time from the work of each
+layer and a device record of constants (``redknot.costmodel.record``). This script takes TTFTs
+measured by ``benchmarks/ttft.py`` on one GPU (plain prompts and prompts that reuse cached
+segments under every served policy, at several sizes, with ``reuse_gate=always`` so that every
+reusing prompt really reuses), predicts each of them with the model, and fits the record's
+constants by least squares on the logarithms (every point weighs the same relative error). The
+record is written with its provenance: the inputs, the device, the fitted and the fixed
+constants, and each point's measured and predicted TTFT.
+
+    python benchmarks/ttft.py --points 512x4,1024x8,2048x8,4096x8,8192x8 \\
+        --variants flashinfer,redknot-g0.125,redknot-all-global[kernel=triton],\\
+    redknot-g0.125-reuse-sparse-cached[reuse_gate=always],epic[reuse_gate=always],\\
+    cacheblend[reuse_gate=always],sparsex[reuse_gate=always] --out /tmp/cost_ttft.json
+    python benchmarks/reuse_cost.py --fit /tmp/cost_ttft.json \\
+        --out redknot/costmodel/records/nvidia-h100-80gb-hbm3.json
+
+``--check RECORD --fit FILES`` prints measured against predicted without fitting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving_common as common
+import ttft
+
+from redknot.costmodel.model import ModelCosts, PromptWork, Recovery, ReuseCostModel
+from redknot.costmodel.record import HOST_KINDS, POLICY_CHOICES, CostRecord
+from redknot.headmap import ModelShape, synthetic_map
+from redknot.pool.layout import HeadLayout
+
+# name -> (start, low, high); bounds keep every constant physical
+PARAMS = {
+    "fixed_ms": (9.0, 0.0, 100.0),
+    "gemm_tflops": (600.0, 50.0, 990.0),
+    "attn_tflops": (300.0, 10.0, 990.0),
+    "attn_tflops_flashinfer": (600.0, 10.0, 990.0),  # the flashinfer baseline's attention
+    "bandwidth_gbs": (2800.0, 500.0, 3400.0),
+    **{f"host_{k}": (0.5, 0.02, 20.0) for k in HOST_KINDS},
+    **{f"choose_{p}": (2.0, 0.0, 200.0) for p in POLICY_CHOICES},
+    "plan_ms": (1.0, 0.0, 50.0),
+    "plan_ms_per_ktok": (0.5, 0.0, 20.0),
+}
+
+
+def to_record(values: dict, device: str, margin: float, provenance: dict) -> CostRecord:
+    return CostRecord(
+        device=device,
+        gemm_tflops=values["gemm_tflops"],
+        attn_tflops=values["attn_tflops"],
+        bandwidth_gbs=values["bandwidth_gbs"],
+        host_ms={k: values[f"host_{k}"] for k in HOST_KINDS},
+        choose_ms={p: values[f"choose_{p}"] for p in POLICY_CHOICES},
+        plan_ms=values["plan_ms"],
+        plan_ms_per_ktok=values["plan_ms_per_ktok"],
+        fixed_ms=values["fixed_ms"],
+        margin=margin,
+        provenance=provenance,
+    )
+
+
+def variant_model(name: str, cfg: dict, chunk: int | None):
+    """(costs, recovery, reuses, uses flashinfer's attention) of a ``benchmarks/ttft.py``
+    variant on the model of ``cfg``."""
+    base, knobs = ttft.parse_variant(name)
+    fraction, all_global, reuse, dense_layers, skipped, policy = ttft.VARIANTS[base]
+    shape = ModelShape.from_hf_config(cfg)
+    g = 1.0 if all_global or fraction is None else fraction
+    hmap = synthetic_map(shape, g, window=ttft.WINDOW, sink=ttft.SINK)
+    layout = HeadLayout.from_head_map(hmap)
+    costs = ModelCosts.of(cfg, layout)
+    recovery = Recovery(
+        policy or "redknot",
+        shape.num_layers,
+        dense_layers if dense_layers is not None else shape.num_layers,
+        skipped=skipped or "cached",
+        **{k: v for k, v in knobs.items() if k in Recovery.__dataclass_fields__},
+    )
+    return costs, recovery, reuse, fraction is None
+
+
+def points_of(results: list[dict], question: int) -> list[tuple[str, str, PromptWork, float]]:
+    """``(variant, point, prompt, measured ms)`` of every measured point whose reusing prompts
+    all hit (and, with a gate, were all served with reuse)."""
+    out = []
+    for res in results:
+        for name, var in res["variants"].items():
+            for key, row in var.get("points", {}).items():
+                if row.get("every_segment_hit") is False:
+                    continue
+                if (
+                    name != "flashinfer"
+                    and any(s != "reuse" for s in row.get("served", []))
+                    and (ttft.VARIANTS[ttft.parse_variant(name)[0]][2])
+                ):
+                    continue  # a gate served some of them without reuse: not a reuse time
+                length, segments = row["length"], row["segments"]
+                per = length // segments
+                segs = tuple((1 + i * per, per) for i in range(segments))
+                work = PromptWork(row["prompt_tokens"], 0, segs)
+                out.append((name, key, work, statistics.median(row["ttft_samples_s"]) * 1e3))
+    return out
+
+
+def predict(values: dict, models: dict, points) -> list[float]:
+    out = []
+    for name, _, work, _ in points:
+        costs, recovery, reuse, flashinfer = models[name]
+        v = dict(values)
+        if flashinfer:
+            v["attn_tflops"] = values["attn_tflops_flashinfer"]
+        record = to_record(v, "fit", 0.0, {})
+        model = ReuseCostModel(costs, recovery, record)
+        out.append(values["fixed_ms"] + model.batch_ms([work], [reuse]))
+    return out
+
+
+def fit(points, models: dict, fixed: dict) -> tuple[dict, list[str]]:
+    """Least squares on log TTFT over the constants not in ``fixed``; returns every value and
+    the names of the constants the data could not move (left at their start)."""
+    from scipy.optimize import least_squares
+
+    free = [k for k in PARAMS if k not in fixed]
+    measured = [p[3] for p in points]
+
+    def values_of(x) -> dict:
+        return {**fixed, **dict(zip(free, x))}
+
+    def residuals(x):
+        return [math.log(p / m) for p, m in zip(predict(values_of(x), models, points), measured)]
+
+    x0 = [PARAMS[k][0] for k in free]
+    bounds = ([PARAMS[k][1] for k in free], [PARAMS[k][2] for k in free])
+    sol = least_squares(residuals, x0, bounds=bounds, diff_step=1e-3, x_scale="jac")
+    unmoved = [k for k, col in zip(free, sol.jac.T) if not any(abs(c) > 1e-9 for c in col)]
+    return values_of(sol.x), unmoved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--fit", required=True, help="comma-separated benchmarks/ttft.py results")
+    ap.add_argument("--model", default=common.DEFAULT_MODEL, help="model dir with config.json")
+    ap.add_argument(
+        "--fix", default="", help="constants held, e.g. bandwidth_gbs=2800,host_plain=0.3"
+    )
+    ap.add_argument("--margin", type=float, default=0.05)
+    ap.add_argument("--check", default=None, help="a record to compare with, nothing fitted")
+    ap.add_argument("--out", default=None, help="where to write the fitted record")
+    args = ap.parse_args()
+    cfg = json.loads(Path(args.model, "config.json").read_text())
+    results = [json.loads(Path(p).read_text()) for p in args.fit.split(",")]
+    devices = {r["device"] for r in results}
+    if len(devices) != 1:
+        raise SystemExit(f"--fit: results of several devices {sorted(devices)}: fit one device")
+    question = results[0].get("question", 64)
+    names = {n for r in results for n in r["variants"]}
+    models = {n: variant_model(n, cfg, None) for n in names}
+    points = points_of(results, question)
+    if args.check:
+        record = CostRecord.read(args.check)
+        values = {"fixed_ms": record.fixed_ms, "gemm_tflops": record.gemm_tflops,
+                  "attn_tflops": record.attn_tflops, "bandwidth_gbs": record.bandwidth_gbs,
+                  "attn_tflops_flashinfer": record.provenance.get("fitted", {}).get(
+                      "attn_tflops_flashinfer", record.attn_tflops),
+                  "plan_ms": record.plan_ms, "plan_ms_per_ktok": record.plan_ms_per_ktok,
+                  **{f"host_{k}": v for k, v in record.host_ms.items()},
+                  **{f"choose_{k}": record.choose_ms.get(k, 0.0) for k in POLICY_CHOICES}}  # fmt: skip
+    else:
+        fixed = {}
+        for item in filter(None, args.fix.split(",")):
+            key, _, value = item.partition("=")
+            if key not in PARAMS:
+                raise SystemExit(f"--fix: {key!r} is not one of {', '.join(PARAMS)}")
+            fixed[key] = float(value)
+        values, unmoved = fit(points, models, fixed)
+    rows = [
+        {"variant": n, "point": k, "measured_ms": round(m, 2), "predicted_ms": round(p, 2)}
+        for (n, k, _, m), p in zip(points, predict(values, models, points))
+    ]
+    for r in rows:
+        print(
+            f"{r['variant']:45s} {r['point']:10s} {r['measured_ms']:9.2f} {r['predicted_ms']:9.2f}"
+        )
+    errors = [abs(math.log(r["predicted_ms"] / r["measured_ms"])) for r in rows]
+    print(f"mean |log error| {statistics.mean(errors):.3f}, max {max(errors):.3f}")
+    if args.check or not args.out:
+        return
+    provenance = common.record(
+        inputs=[{"path": p, "commit": r.get("commit"), "date": r.get("date"),
+                 "command": r.get("command")} for p, r in zip(args.fit.split(","), results)],
+        model=Path(args.model).name,
+        fitted={k: round(v, 4) for k, v in values.items() if k not in fixed},
+        held=fixed,
+        not_identified=unmoved,
+        points=rows,
+        mean_abs_log_error=round(statistics.mean(errors), 4),
+    )  # fmt: skip
+    provenance.pop("device")
+    device = devices.pop()
+    record = to_record({k: round(v, 4) for k, v in values.items()}, device, args.margin,
+                       provenance)  # fmt: skip
+    common.write_json(args.out, record.to_json())
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The per-request decision to serve a prompt with or without segment reuse.
+
+When a marked request gets its slot (``redknot.segcache.reuse.start``), the scheduler knows its
+prompt length, its exact-prefix hit and where its stored segments lie. The gate asks the cost
+model (:class:`redknot.costmodel.model.ReuseCostModel`, constants from the device's record,
+:mod:`redknot.costmodel.record`) for the predicted extend time with and without reuse; reuse is
+served only when it is predicted at most ``1 - margin`` of recomputing. Otherwise the request
+drops its segment hits and is computed as the same prompt without reuse: the exact dense
+answer, never slower than recomputing by construction. The decision and its reason are logged
+per request and counted (``served_without_reuse`` in the segment counters' log line).
+
+The break-even (:meth:`ReuseGate.min_segment_tokens`, :meth:`ReuseGate.break_even_prompt_tokens`)
+is what an automatic chunker reads as the shortest chunk worth storing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from redknot.costmodel.model import ModelCosts, PromptWork, Recovery, ReuseCostModel
+from redknot.costmodel.record import record_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    reuse: bool
+    reuse_ms: float  # predicted extend time with reuse
+    plain_ms: float  # predicted extend time without reuse
+    reason: str
+
+
+class ReuseGate:
+    """Decides, per request, whether its segment hits are served (see the module docstring)."""
+
+    def __init__(self, model: ReuseCostModel, source: str = "") -> None:
+        self.model, self.source = model, source
+        self.served_without_reuse = 0
+        self.served_with_reuse = 0
+
+    @classmethod
+    def build(
+        cls,
+        config: Any,
+        hf_config: Any,
+        layout: Any,
+        device_name: str,
+        tp_size: int = 1,
+        chunk: int | None = None,
+    ) -> ReuseGate:
+        """From the served ``RedknotConfig``, the model's HF config and the rank's layout; the
+        record is ``config.cost_record`` if given, else the device's shipped one, else the
+        fallback record (said in the startup log)."""
+        record, why = record_for(device_name, getattr(config, "cost_record", None))
+        costs = ModelCosts.of(hf_config, layout, tp_size=tp_size)
+        model = ReuseCostModel(costs, Recovery.of(config, layout.num_layers), record, chunk)
+        gate = cls(model, why)
+        logger.info(
+            "redknot: reuse gate on (%s; %s): a marked request reuses its segments only when "
+            "predicted at most %.0f%% of recomputing; segments of %s tokens pay in an 8K prompt",
+            model.recovery.describe(), why, 100 * (1 - record.margin),
+            gate.min_segment_tokens(8192),
+        )  # fmt: skip
+        return gate
+
+    def decide(self, work: PromptWork) -> Decision:
+        """Whether the request described by ``work`` is served with its segment hits."""
+        if work.reused == 0:
+            return Decision(False, 0.0, 0.0, "no stored segment in the computed tokens")
+        # one request: model.choose([work]) reduces to this comparison (two predictions)
+        reuse_ms = self.model.batch_ms([work], [True])
+        plain_ms = self.model.batch_ms([work], [False])
+        told = (
+            f"reuse predicted {reuse_ms:.1f} ms vs {plain_ms:.1f} ms recomputing "
+            f"({work.reused} reused of {work.computed} computed tokens, {len(work.segments)} segments)"
+        )
+        if reuse_ms <= (1 - self.model.record.margin) * plain_ms:
+            self.served_with_reuse += 1
+            return Decision(True, reuse_ms, plain_ms, told)
+        self.served_without_reuse += 1
+        return Decision(False, reuse_ms, plain_ms, told + ": recomputed")
+
+    def min_segment_tokens(self, prompt_tokens: int = 8192, question: int = 64) -> int | None:
+        """The shortest segment worth storing for prompts of ``prompt_tokens`` made of such
+        segments and a ``question``; None when no segment length pays at that size."""
+        return self.model.min_segment_tokens(prompt_tokens, question)
+
+    def break_even_prompt_tokens(self, segment_tokens: int, question: int = 64) -> int | None:
+        """The smallest prompt of ``segment_tokens`` segments (all hits) served with reuse."""
+        return self.model.break_even_prompt_tokens(segment_tokens, question)
+
+
+def work_of(prompt_len: int, prefix_len: int, starts_and_lengths) -> PromptWork:
+    """A request's :class:`PromptWork`: ``prompt_len`` tokens, ``prefix_len`` of them an
+    exact-prefix hit, segment hits ``(start in the prompt, tokens)``; the parts of the hits
+    that the prefix covers are not computed and do not count."""
+    segs = []
+    for start, n in starts_and_lengths:
+        lo, hi = max(start, prefix_len), min(start + n, prompt_len)
+        if lo < hi:
+            segs.append((lo - prefix_len, hi - lo))
+    return PromptWork(prompt_len - prefix_len, prefix_len, tuple(segs))
