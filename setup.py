@@ -11,6 +11,9 @@ setup(
     extras_require={"test": ["pytest", "gguf", "accelerate"]},
     entry_points={
         "sglang.srt.plugins": ["redknot = redknot.integration.plugin:register"],
-        "console_scripts": ["redknot-profile = redknot.profiler.cli:main"],
+        "console_scripts": [
+            "redknot = redknot.cli:main",
+            "redknot-profile = redknot.profiler.cli:main",
+        ],
     },
 )

@@ -1,4 +1,4 @@
-"""Joins the two runs of ``scripts/ttft_ab_gpu.sh`` (the same ``benchmarks/ttft.py`` point at two
+"""Joins the two runs of ``benchmarks/gpu_run.py ab`` (the same ``benchmarks/ttft.py`` point at two
 commits, one machine, minutes apart) into one JSON: per variant and point, the median TTFT and
 samples of each commit and the old-over-new ratio; both runs are kept whole under ``runs``.
 

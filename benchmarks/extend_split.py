@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -121,7 +122,11 @@ def held_rows_case(L: int, recent: int, scattered: int, timer: Timer) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/extend_split.json")
-    ap.add_argument("--commit", default="unknown", help="commit of the code being measured")
+    ap.add_argument(
+        "--commit",
+        default=os.environ.get("REDKNOT_COMMIT", "unknown"),
+        help="commit of the code being measured (default: REDKNOT_COMMIT, set by gpu_run.py)",
+    )
     args = ap.parse_args()
     timer = Timer()
     result = result_header(args.commit, num_sms=num_sms(DEV))

@@ -2,10 +2,9 @@
 fidelity`` JSON), e.g. a redknot server on a GPU against the reference path on the CPU run with
 the server's options: how many generations are identical, per setting pair.
 
-    python benchmarks/fidelity_agreement.py benchmarks/results/fidelity_server.json \\
-        benchmarks/results/fidelity_reference_server_settings.json \\
-        --pair full=full --pair 'redknot=redknot[dense_layers=30,restore_thresh=None]' \\
-        --out benchmarks/results/fidelity_server_vs_reference.json
+    python benchmarks/fidelity_agreement.py benchmarks/results/fidelity_server_redknot.json \\
+        benchmarks/results/fidelity_reference_bf16.json \\
+        --pair full=full --pair redknot=redknot --out /tmp/agree_redknot.json
 """
 
 from __future__ import annotations
@@ -66,7 +65,8 @@ def main(argv=None) -> int:
     a, b = (json.loads(Path(p).read_text()) for p in (args.a, args.b))
     pairs = [tuple(p.split("=", 1)) for p in args.pair]
     result = {
-        "device": {"a": a.get("device_detail"), "b": b.get("device_detail")},
+        "device": f"{a.get('device')} ({a.get('device_detail')}) / "
+        f"{b.get('device')} ({b.get('device_detail')})",
         **run_record("fidelity_agreement.py", argv),
         "a": args.a,
         "a_commit": a.get("git_commit"),

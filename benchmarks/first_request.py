@@ -1,6 +1,6 @@
 """The first reusing prompt after startup, before and after a change: joins two results of
 ``benchmarks/ttft.py --compile-log`` (one engine each, e.g. the two runs of
-``scripts/ttft_ab_gpu.sh`` with ``EXTRA=--compile-log``) into one JSON: per point, the TTFT of the
+``benchmarks/gpu_run.py ab ... bench ttft ... --compile-log``) into one JSON: per point, the TTFT of the
 engine's first prompt of its kind next to the later ones, and the Triton kernels compiled in it
 and at startup. Both runs must come from the same device.
 

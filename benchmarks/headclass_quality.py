@@ -210,6 +210,7 @@ def main(argv=None) -> int:
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
         "device": f"cpu ({torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
         f"{platform.platform()})",
+        "commit": commit,
         "git_commit": commit,
         "git_dirty": dirty,
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),

@@ -2,7 +2,7 @@
 context length at a fixed segment count, and against the segment count at a fixed length, one
 line per variant, with the speedup over flashinfer written beside every redknot point.
 
-    python benchmarks/plot_ttft.py benchmarks/results/ttft_sweep.json
+    python benchmarks/plot_ttft.py benchmarks/results/ttft_sweep_policies.json
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ reference path with SmolLM2-135M-Instruct and its profiled head map, for ``full`
 then writes one row per (policy, setting) to ``benchmarks/results/policies.json`` and a plot
 of first-token top-1 agreement against the FLOPs fraction (when matplotlib is installed).
 
-``--ttft FILE`` (a ``benchmarks/ttft.py`` result, e.g. of ``scripts/policies_gpu.sh``) adds, to
+``--ttft FILE`` (a ``benchmarks/ttft.py`` result, e.g. of ``benchmarks/gpu_run.py bench ttft``) adds, to
 each row whose setting the file holds (its label, e.g. ``epic[epic_k=64]``, or the policy's
 default knobs), the TTFT the server measured for that policy at
 ``--ttft-point`` (8B shape, dummy weights: a different model than the fidelity's, the same
@@ -215,6 +215,7 @@ def main(argv=None) -> int:
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
         "device": result["device"],
         "device_detail": result["device_detail"],
+        "commit": result["git_commit"],
         "git_commit": result["git_commit"],
         "git_dirty": result["git_dirty"],
         "command": command,

@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     counts = [p["promoted"] for p in served]
     result = {
         "benchmark": "restore_promotions",
+        "device": args.gpu,
         **run_record("restore_promotions.py", argv),
         "gpu": args.gpu,
         "reference": args.reference,

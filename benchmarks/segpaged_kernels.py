@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -463,7 +464,11 @@ def finish(row: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/segpaged_kernels.json")
-    ap.add_argument("--commit", default="unknown", help="commit of the code being measured")
+    ap.add_argument(
+        "--commit",
+        default=os.environ.get("REDKNOT_COMMIT", "unknown"),
+        help="commit of the code being measured (default: REDKNOT_COMMIT, set by gpu_run.py)",
+    )
     ap.add_argument("--no-variants", action="store_true", help="skip the tuning variants")
     ap.add_argument("--only", default="", help="run only cases whose name contains this")
     args = ap.parse_args()

@@ -1,5 +1,5 @@
 """Every served policy against the reference path: one row per server run
-(``scripts/server_fidelity.sh``, a ``python -m redknot.eval fidelity --backend server`` result)
+(``benchmarks/gpu_run.py fidelity``: a ``python -m redknot.eval fidelity --backend server`` result)
 beside the ``benchmarks/results/policies.json`` row of the same policy and knobs (CPU reference
 path, same weights, same cases), with how many generations are identical case by case.
 
@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     rows = [compare(p, reference) for p in args.served]
     result = {
         "benchmark": "policies_server",
+        "device": args.gpu,
         **run_record("server_policies.py", argv),
         "gpu": args.gpu,
         "reference": args.reference,

@@ -1,16 +1,11 @@
 #!/usr/bin/env bash
-# Source on the GPU machine from the carried working tree: unpacks the SGLang bundle and runs
-# from a pristine copy of a committed tree (.devsrc.tar, made by `git archive HEAD`), so that
-# uncommitted edits in the working tree never reach a measurement.
-#   git archive HEAD -o .devsrc.tar   # here; carry [".device", ".devsrc.tar"]
-#   source scripts/device_prelude.sh   # there; then run from $PWD (the pristine copy)
-set -e
-mkdir -p /tmp/site /tmp/src
-[ -f /tmp/site/.unpacked ] || { tar -C /tmp/site -xJf .device/sglang-site.tar.xz && touch /tmp/site/.unpacked; }
-rm -rf /tmp/src/* && tar -C /tmp/src -xf .devsrc.tar
-ln -sfn "$PWD/.device" /tmp/src/.device
-cd /tmp/src
-export PYTHONPATH=/tmp/site:/tmp/src PYTHONUNBUFFERED=1
-export REDKNOT_COMMIT="${REDKNOT_COMMIT:-unknown}"
-python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . >/dev/null
-set +e
+# Source on the GPU machine from the carried working tree (.device/, and .devsrc.tar made here by
+# `git archive HEAD -o .devsrc.tar` so that uncommitted edits never reach a measurement):
+# benchmarks/gpu_run.py makes the machine ready (SGLang bundle in /tmp/site, the committed tree
+# in /tmp/src, the project installed, the commit known) and this shell continues in /tmp/src
+# with PYTHONPATH and REDKNOT_COMMIT set.
+#   source scripts/device_prelude.sh && python3 benchmarks/ttft.py ...
+_redknot_env="$(python3 benchmarks/gpu_run.py unpack --shell)" || {
+  echo "device_prelude: benchmarks/gpu_run.py unpack failed" >&2; return 1 2>/dev/null || exit 1; }
+eval "$_redknot_env"
+unset _redknot_env

@@ -1,6 +1,6 @@
 """Test-suite wiring: GPU tests are marked ``gpu`` and skipped on machines without CUDA.
 
-Run them on the GPU machine with ``bash scripts/gpu_check.sh``.
+Run them on the GPU machine with ``python3 benchmarks/gpu_run.py tests`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ if os.environ.get("REDKNOT_RECORD_LAUNCHES") and os.environ.get("TRITON_INTERPRE
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_check.sh on the GPU machine")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU: python3 benchmarks/gpu_run.py tests on the GPU machine"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -18,8 +18,8 @@ then apply to each).
 ``--backend server`` scores a running redknot server against a dense server of the same model
 (:mod:`redknot.eval.server_backend`), with TTFT; the recovery knobs are the server's options::
 
-    python -m redknot.eval fidelity --cases benchmarks/cases/rag_v1.jsonl --backend server \
-        --server http://localhost:30000 --reference-server http://localhost:30001 \
+    python -m redknot.eval fidelity --cases benchmarks/cases/rag_v1.jsonl --backend server \\
+        --server http://localhost:30000 --reference-server http://localhost:30001 \\
         --out benchmarks/results/fidelity_server.json
 """
 
@@ -81,10 +81,26 @@ def _list(kind: Callable[[str], Any], name: str) -> Callable[[str], list]:
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m redknot.eval", description=__doc__)
+def build_parser(prog: str = "python -m redknot.eval") -> argparse.ArgumentParser:
+    doc = __doc__.replace("python -m redknot.eval", prog).replace("``", "").replace("::", ":")
+    example = (
+        f"example (CPU, SmolLM2, 4 cases):\n  {prog} fidelity --cases benchmarks/cases/rag_v1.jsonl "
+        "--policies full,cacheblend --limit 4 --out /tmp/fidelity.json"
+    )
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=doc,
+        epilog=example,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("fidelity", help="first-token and answer fidelity of reuse policies")
+    p = sub.add_parser(
+        "fidelity",
+        help="first-token and answer fidelity of reuse policies",
+        description=doc.split("\n\n", 1)[1],
+        epilog=example,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--cases", required=True, help="case file (JSON Lines, FORMAT.md)")
     p.add_argument("--model", default="smollm2", help="model spec (reference backend)")
     p.add_argument(
@@ -307,6 +323,7 @@ def fidelity(args: argparse.Namespace) -> int:
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
         "device": info.pop("device"),
         "device_detail": info.pop("device_detail"),
+        "commit": commit,
         "git_commit": commit,
         "git_dirty": dirty,
         "command": "python -m redknot.eval " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -336,9 +353,9 @@ def fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m redknot.eval") -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     if args.command == "fidelity":
         return fidelity(args)
     raise SystemExit(f"error: unknown command {args.command!r}")

