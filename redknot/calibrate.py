@@ -53,7 +53,7 @@ from redknot.headmap.served import (
     ServedSetting,
 )
 
-FLOOR = {"kept": 0.9, "top10": 0.85}
+FLOOR = {"kept": 0.99, "top10": 0.85}  # issue 25: >= 99% of dense-correct answers kept
 METRIC = (
     "kept: share of the cases dense prefill answers correctly (answer contained in the greedy "
     "output) that the setting also answers; top10: first-token top-10 overlap with dense; "
@@ -88,8 +88,8 @@ def _value(text: str) -> Any:
 
 
 def parse_label(label: str) -> ServedSetting | None:
-    """``policy[k=v,...]`` (the evaluation's labels) as a setting, ``None`` when the policy
-    cannot be served (``headclass``, ``redknot+sparseq``)."""
+    """``policy[k=v,...]`` (the evaluation's labels) as a setting, ``None`` when the policy or
+    a knob cannot be served (``headclass``, ``redknot+sparseq``, ``redknot[repair_k=16]``)."""
     policy, _, rest = label.partition("[")
     if policy not in SERVABLE:
         return None
@@ -97,6 +97,11 @@ def parse_label(label: str) -> ServedSetting | None:
     for item in filter(None, rest.rstrip("]").split(",")):
         key, _, value = item.partition("=")
         knobs[key] = _value(value)
+    from redknot.config import RedknotConfig
+
+    fields = {f.name for f in dataclasses.fields(RedknotConfig)}
+    if any(k not in fields for k in knobs):
+        return None  # a reference-path knob the server has no option for (repair_k, ...)
     return ServedSetting(policy, knobs)
 
 
@@ -193,7 +198,8 @@ def choose(
     tokens = [r for r in rows if r[0].policy in TOKEN_LEVEL]
     token_ok = [r for r in tokens if r[2]]
     head = best(heads) if heads else None
-    token = cheapest(token_ok) if token_ok else (best(tokens) if tokens else None)
+    closest = max(tokens, key=lambda r: (r[1]["kept"] or 0, -r[1]["flops_fraction"]), default=None)
+    token = cheapest(token_ok) if token_ok else closest
     table = [
         {"label": s.label, **{k: p.get(k) for k in ("kept", "top10", "flops_fraction")},
          "meets_floor": ok}  # fmt: skip
@@ -245,6 +251,13 @@ def build_record(
             f"no reuse setting among {n} candidates keeps kept >= {floor['kept']} and top-10 "
             f">= {floor['top10']} pooled over {', '.join(sets)}: prompts are computed in full"
         )
+        if token is not None:
+            m = token.measured.get("pooled", {})
+            reason += (
+                f"; the closest token-level setting, {token.setting.label}, kept "
+                f"{m.get('kept', 0):.3f} at {m.get('flops_fraction', 0):.3f} of dense FLOPs "
+                f"(serve it with --redknot-policy {token.setting.policy})"
+            )
     else:
         reason = (
             f"the cheapest (prefill FLOPs) of {n} candidates that keeps kept >= {floor['kept']} "
@@ -311,7 +324,19 @@ def run_sets(args: argparse.Namespace, hm_path: str, case_sets: Mapping[str, str
 
 
 def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  redknot calibrate --model smollm2 --head-map configs/heads/MAP.json --out PROFILE.json"
+        " --cases rag_v1=benchmarks/cases/rag_v1.jsonl --device cuda\n"
+        "  redknot calibrate --head-map configs/heads/smollm2-135m-instruct.json --out "
+        "configs/heads/smollm2-135m-instruct.json --from-result "
+        "rag_v1=benchmarks/results/policies.json\n"
+        "then serve it: --redknot-head-map PROFILE.json (or put it in $REDKNOT_PROFILES); "
+        "docs/calibration.md",
+    )
     p.add_argument("--head-map", required=True, help="the model's head map (profile)")
     p.add_argument("--out", required=True, help="where to write the profile with its record")
     p.add_argument("--model", default="smollm2", help="reference-path model (its signature)")

@@ -10,7 +10,7 @@ and flags) and the served model's signature. The rules, first match wins:
 | ``--redknot-policy redknot``            | the map given, or the calibrated profile found for the model; knobs from its record (the best head-aware setting), else its ``recovery`` block. A map whose record measured more loss than its floor is refused unless ``--redknot-accept-lossy-map`` |
 | no policy; a profile (``--redknot-head-map``, or found for the model: :mod:`redknot.headmap.shipped`) with a calibration record | the record's setting: a token-level policy is served with every head global (the map's classes unused), ``redknot`` with the map, ``full`` without reuse |
 | no policy; a map without a record       | redknot with the map and its recorded knobs (a warning: its loss is unmeasured) |
-| nothing                                 | the generic default (:func:`redknot.headmap.shipped.generic_default`): a token-level setting every model can serve, with every head global |
+| nothing                                 | the generic default (:func:`redknot.headmap.shipped.generic_default`): the best token-level setting that met its floor on a calibrated model, with every head global; none: every prompt in full |
 
 Options given explicitly always win over what a record says; options that only apply to
 redknot's recovery are refused next to a record that serves another policy, so that a user
@@ -65,13 +65,12 @@ def _load(path: str) -> HeadMap | None:
 
 
 def redknot_knobs(hm: HeadMap) -> dict[str, Any]:
-    """The knobs recorded for redknot under ``hm``: its record's best head-aware setting, else
-    its ``recovery`` block (``HeadMap.recorded_recovery``)."""
+    """The knobs recorded for redknot under ``hm``: its ``recovery`` block
+    (``HeadMap.recorded_recovery``) with its record's best head-aware setting on top."""
     record = hm.served
+    knobs = dict(hm.recorded_recovery())  # what the record's settings were measured on top of
     if record is not None and record.head_aware is not None:
-        knobs = dict(record.head_aware.setting.knobs)
-    else:
-        knobs = hm.recorded_recovery()
+        knobs.update(record.head_aware.setting.knobs)
     return {k: v for k, v in knobs.items() if k in REDKNOT_KNOBS}
 
 
@@ -201,7 +200,12 @@ def resolve(given: Mapping[str, Any], model: ModelSignature | None) -> Resolutio
     return Resolution(
         values,
         message=f"redknot: no calibrated profile for this model; serving "
-        f"{fallback.setting.label} with every head global: {fallback.why}. To serve a setting "
+        + (
+            "every prompt in full (dense attention, no segment reuse)"
+            if fallback.setting.policy == "full"
+            else f"{fallback.setting.label} with every head global"
+        )
+        + f": {fallback.why}. To serve a setting "
         f"measured on this model, calibrate it: {CALIBRATE}",
         level=logging.WARNING,
     )

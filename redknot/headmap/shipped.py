@@ -77,10 +77,23 @@ def generic_default() -> GenericDefault:
             m = choice.measured
             measured.append((-(m.get("kept") or 0.0), m.get("flops_fraction") or 1.0, path, hm))
     if not measured:
+        near = [
+            (path, hm) for path, hm in calibrated_profiles() if hm.served.token_level is not None
+        ]
+        hint = ""
+        if near:
+            path, hm = near[0]
+            m = hm.served.token_level.measured.get("pooled", {})
+            hint = (
+                f" (closest measured: {hm.served.token_level.setting.label} on "
+                f"{hm.model_name or path.name}, kept {m.get('kept', 0):.3f} of dense-correct "
+                f"answers at {m.get('flops_fraction', 0):.3f} of dense FLOPs; serve it with "
+                f"--redknot-policy {hm.served.token_level.setting.policy})"
+            )
         return GenericDefault(
             ServedSetting("full"),
-            "no calibrated profile here has a token-level setting that meets its floor, so "
-            "prompts are computed in full (no segment reuse)",
+            "no calibrated profile here has a reuse setting that meets its floor, so "
+            "prompts are computed in full (no segment reuse)" + hint,
         )
     _, _, path, hm = min(measured, key=lambda x: x[:2])
     choice = hm.served.token_level
