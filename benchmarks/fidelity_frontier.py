@@ -151,7 +151,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="benchmarks/frontier.work")
     p.add_argument("--default", default=None, help="a calibrated profile: attach its record")
     p.add_argument("--out", default="benchmarks/results/fidelity_frontier.json")
+    p.add_argument("--combine", nargs="+", default=None, metavar="FILE",
+                   help="join the case sets of finished runs (e.g. one per GPU call) into --out")  # fmt: skip
     return p.parse_args(argv)
+
+
+def combine(files: list[str], out: str, default: str | None) -> int:
+    """One result of several runs' case sets (each run's provenance kept under ``runs``)."""
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    first = runs[0]
+    joined: dict[str, Any] = {k: v for k, v in first.items() if k not in ("sets", "seconds")}
+    joined["sets"] = {name: r for run in runs for name, r in run["sets"].items()}
+    joined["command"] = " ; ".join(run["command"] for run in runs)
+    joined["commit"] = first.get("commit") or first.get("git_commit")
+    joined["runs"] = [
+        {k: run.get(k) for k in ("command", "commit", "date", "device", "seconds")} | {"file": f}
+        for f, run in zip(files, runs)
+    ]
+    joined["combine_command"] = "python benchmarks/fidelity_frontier.py " + " ".join(
+        shlex.quote(a) for a in sys.argv[1:]
+    )
+    if default:
+        joined["default"] = default_block(default, joined["sets"])
+    Path(out).write_text(json.dumps(joined, indent=1) + "\n")
+    for name, r in joined["sets"].items():
+        print(f"== {name}: {r['cases']['count']} cases")
+        print(table(r["summary"]))
+    print(f"wrote {out}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -161,6 +188,8 @@ def main(argv=None) -> int:
     from redknot.headmap.provenance import git_commit
 
     args = parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out, args.default)
     groups = [g for g in args.groups.split(",") if g]
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
@@ -193,7 +222,7 @@ def main(argv=None) -> int:
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
         "device": info.pop("device"),
         "device_detail": info.pop("device_detail"),
-        "git_commit": commit,
+        "commit": commit,
         "git_dirty": dirty,
         "command": "python benchmarks/fidelity_frontier.py "
         + " ".join(shlex.quote(a) for a in sys.argv[1:]),
