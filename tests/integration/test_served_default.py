@@ -160,3 +160,9 @@ def test_server_without_map_starts_on_the_generic_default(sglang_plugins, llama_
     prepare_server_args(argv)
     config = published_config()
     assert config.all_global and config.segment_fraction == 0.0  # no startup error
+
+
+def test_the_package_ships_the_profile():
+    """An installed package (no configs/ beside it) finds the profile in redknot/profiles/."""
+    linked = ROOT / "redknot" / "profiles" / SHIPPED.name
+    assert linked.resolve() == SHIPPED.resolve()
