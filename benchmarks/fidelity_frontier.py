@@ -209,10 +209,8 @@ def main(argv=None) -> int:
     results = {}
     for name, path in sets.items():
         cases = load_cases(path)[: args.limit] if args.limit else load_cases(path)
-        log = lambda line: print(f"{name} {line}", file=sys.stderr, flush=True)
-        result = evaluate(
-            backend, cases, settings, work_dir=Path(args.work_dir) / name, log=log
-        )
+        log = lambda line, name=name: print(f"{name} {line}", file=sys.stderr, flush=True)
+        result = evaluate(backend, cases, settings, work_dir=Path(args.work_dir) / name, log=log)
         results[name] = {"file": path, **compact(result)}
         print(f"== {name}: {result['cases']['count']} cases, {result['seconds']} s")
         print(table(result["summary"]))

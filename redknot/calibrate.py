@@ -201,8 +201,11 @@ def choose(
     closest = max(tokens, key=lambda r: (r[1]["kept"] or 0, -r[1]["flops_fraction"]), default=None)
     token = cheapest(token_ok) if token_ok else closest
     table = [
-        {"label": s.label, **{k: p.get(k) for k in ("kept", "top10", "flops_fraction")},
-         "meets_floor": ok}  # fmt: skip
+        {
+            "label": s.label,
+            **{k: p.get(k) for k in ("kept", "top10", "flops_fraction")},
+            "meets_floor": ok,
+        }
         for s, p, ok, _ in sorted(rows, key=lambda r: r[1]["flops_fraction"])
     ]
     return as_choice(served), as_choice(head), as_choice(token), table
@@ -309,7 +312,9 @@ def run_sets(args: argparse.Namespace, hm_path: str, case_sets: Mapping[str, str
     base = RecoveryOptions().replace(**{k: v for k, v in recorded.items() if k in KNOBS})
     settings = [PolicySetting(REFERENCE_LABEL)]
     for policy, knobs in candidates():
-        settings.append(PolicySetting(policy, base.replace(**knobs), ServedSetting(policy, knobs).label))
+        settings.append(
+            PolicySetting(policy, base.replace(**knobs), ServedSetting(policy, knobs).label)
+        )
     backend = ReferenceBackend.load(
         args.model, hm_path, device=args.device, dtype=getattr(torch, args.dtype),
         max_new_tokens=args.max_new_tokens,
@@ -317,8 +322,13 @@ def run_sets(args: argparse.Namespace, hm_path: str, case_sets: Mapping[str, str
     out = {}
     for name, path in case_sets.items():
         cases = load_cases(path)[: args.limit] if args.limit else load_cases(path)
-        result = evaluate(backend, cases, settings, work_dir=Path(args.work_dir) / name,
-                          log=lambda line: print(f"{name} {line}", file=sys.stderr, flush=True))
+        result = evaluate(
+            backend,
+            cases,
+            settings,
+            work_dir=Path(args.work_dir) / name,
+            log=lambda line, name=name: print(f"{name} {line}", file=sys.stderr, flush=True),
+        )
         out[name] = result["summary"]
     return out
 
@@ -399,7 +409,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         "commit": commit,
         "git_dirty": dirty,
         "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
-        "command": "python -m redknot.calibrate " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv)),
+        "command": "python -m redknot.calibrate "
+        + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv)),
         "model": args.model,
         "cases": {f: _sha(f) for f in case_files},
         "metric": METRIC,

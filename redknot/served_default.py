@@ -195,11 +195,11 @@ def resolve(given: Mapping[str, Any], model: ModelSignature | None) -> Resolutio
         raise ServedDefaultError(
             f"--redknot-{stray[0].replace('_', '-')} applies to redknot's head-aware recovery, "
             "which needs a head map: give --redknot-head-map (made by redknot-profile, "
-            f"calibrated by python -m redknot.calibrate), or drop the option"
+            "calibrated by python -m redknot.calibrate), or drop the option"
         )
     return Resolution(
         values,
-        message=f"redknot: no calibrated profile for this model; serving "
+        message="redknot: no calibrated profile for this model; serving "
         + (
             "every prompt in full (dense attention, no segment reuse)"
             if fallback.setting.policy == "full"

@@ -102,10 +102,13 @@ def _summary(kept, top10, flops, n=10, nc=8):
 def test_calibration_picks_the_cheapest_faithful_setting_or_no_reuse(tmp_path):
     hm = HeadMap.load(SHIPPED)
     sets = {
-        "a": {"full": _summary(1, 1, 1), "redknot": _summary(0.6, 0.8, 0.2),
-              "epic[epic_k=16]": _summary(0.95, 0.9, 0.05),
-              "cacheblend[blend_ratio=0.15]": _summary(1.0, 0.9, 0.2),
-              "headclass": _summary(1.0, 1.0, 0.01)},  # fmt: skip
+        "a": {
+            "full": _summary(1, 1, 1),
+            "redknot": _summary(0.6, 0.8, 0.2),
+            "epic[epic_k=16]": _summary(0.95, 0.9, 0.05),
+            "cacheblend[blend_ratio=0.15]": _summary(1.0, 0.9, 0.2),
+            "headclass": _summary(1.0, 1.0, 0.01),
+        },
     }
     floor = {"kept": 0.9, "top10": 0.85}
     record = calibrate.build_record(hm, sets, floor=floor, signature=SMOLLM2, provenance={})
