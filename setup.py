@@ -6,6 +6,8 @@ setup(
     description="Head-aware KV-cache management for SGLang: head-segmented KV pool, fused "
     "varlen attention, and position-independent segment reuse.",
     packages=find_packages(include=["redknot", "redknot.*"]),
+    # calibrated profiles served by default (redknot.headmap.shipped): links into configs/heads
+    package_data={"redknot": ["profiles/*.json"]},
     python_requires=">=3.11",
     install_requires=["sglang==0.5.17"],
     extras_require={"test": ["pytest", "gguf", "accelerate"]},

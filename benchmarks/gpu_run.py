@@ -190,8 +190,11 @@ def job_fidelity(a, tree, env) -> int:
                 rc = 1
                 continue
             recovery = ["--redknot-policy", policy, "--redknot-segment-fraction", "0.3"]
-            if policy == "redknot":
-                recovery += ["--redknot-head-map", a.head_map]
+            if policy == "redknot":  # measured knowingly: a map below its floor is served
+                recovery += ["--redknot-head-map", a.head_map, "--redknot-accept-lossy-map"]
+            if policy == "default":  # what the server serves unasked (docs/calibration.md)
+                rc |= served_default_check(a, name, flags, common, tree, env)
+                continue
             flags = common + ["--attention-backend", "redknot", *recovery, *shlex.split(flags)]
             server = gm.start_server(flags, 30000, tree, env, f"server_{name}.log")
             try:
@@ -206,6 +209,31 @@ def job_fidelity(a, tree, env) -> int:
                 gm.stop_server(server)
     finally:
         gm.stop_server(dense)
+    return rc
+
+
+def served_default_check(a, name: str, flags: str, common: list, tree, env) -> int:
+    """Spec policy ``default``: a redknot server started with no recovery flag serves its
+    calibrated default; its generations (scored as ``full``, no segments) against the dense
+    server's, case by case (``fidelity_agreement.py``), plus the server's served-default lines."""
+    flags = common + ["--attention-backend", "redknot", *shlex.split(flags)]
+    server = gm.start_server(flags, 30000, tree, env, f"server_{name}.log")
+    rc = 0
+    try:
+        if not gm.wait_healthy(server, 30000, f"server_{name}.log", a.startup_s):
+            return 1
+        runs = {}
+        for side, port in (("dense", 30001), (name, 30000)):
+            runs[side] = str(gm.OUT / f"fidelity_server_{side}_full.json")
+            cmd = py(*shlex.split(EVAL_SERVER.replace(":30001", f":{port}")), "--policies", "full")
+            cmd += ["--out", runs[side], *shlex.split(a.eval_args)]
+            rc |= gm.run(cmd, tree, env, f"fidelity_{side}_full.log")
+        out = str(gm.OUT / f"agreement_{name}.json")
+        cmd = py("benchmarks/fidelity_agreement.py", runs[name], runs["dense"], "--pair",
+                 "full=full", "--out", out)  # fmt: skip
+        rc |= gm.run(cmd, tree, env, f"agreement_{name}.log")
+    finally:
+        gm.stop_server(server)
     return rc
 
 

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from redknot import served_default
 from redknot.api.options import ChatSegments, parse_namespaces
 from redknot.headmap import HeadMap, HeadMapError, ModelShape
+from redknot.headmap.served import ModelSignature
+from redknot.served_default import ServedDefaultError
 
 KERNEL_CHOICES = ("auto", "triton")
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
@@ -36,12 +39,6 @@ REFERENCE_ONLY_POLICIES = {
     "evaluate it on the reference path with python -m redknot.eval fidelity --policies "
     "full,samkv",
 }
-# Recovery knobs a head map may record (HeadMap.recorded_recovery) that the server applies
-SERVED_RECOVERY_KNOBS = (
-    "dense_layers", "mass_thresh", "recent_n", "skipped", "local_kv", "restore_thresh",
-    "restore_edge",
-)  # fmt: skip
-
 logger = logging.getLogger(__name__)
 
 
@@ -194,6 +191,11 @@ class RedknotConfig:
         "gate uses; not given: the shipped record of this GPU, else the H100's (logged).",
         default=None,
     )
+    accept_lossy_map: bool = _opt(
+        "Serve --redknot-policy redknot with a head map whose calibration record measured more "
+        "answer loss than its floor (refused at startup without this flag).",
+        default=False,
+    )
     skip_startup_check: bool = _opt(
         "Start without the startup check of the attention kernels against the PyTorch "
         "reference (redknot.attention.startup_check); the kernels are then unverified.",
@@ -209,9 +211,10 @@ class RedknotConfig:
             )
         if self.head_map is None and not self.all_global:
             raise RedknotConfigError(
-                "--attention-backend redknot needs a head map: pass --redknot-head-map PATH "
-                "(made by redknot-profile; shipped maps are in configs/heads/) or "
-                "--redknot-all-global for the exact dense computation"
+                "--redknot-policy redknot needs a head map: pass --redknot-head-map PATH (made "
+                "by redknot-profile and calibrated by python -m redknot.calibrate; shipped maps "
+                "are in configs/heads/), leave --redknot-policy out to serve the calibrated "
+                "default, or pass --redknot-all-global for the exact dense computation"
             )
         if self.kernel not in KERNEL_CHOICES:
             raise RedknotConfigError(
@@ -416,42 +419,40 @@ class RedknotConfig:
 
     @classmethod
     def merge(
-        cls, file_path: str | None, overrides: Mapping[str, Any], num_layers: int | None = None
+        cls,
+        file_path: str | None,
+        overrides: Mapping[str, Any],
+        num_layers: int | None = None,
+        *,
+        model: ModelSignature | None = None,
     ) -> RedknotConfig:
-        """The head map's recorded recovery defaults, then file values, then explicitly given
-        overrides (``None`` means not given). With the model's ``num_layers``, a
+        """File values, then explicitly given overrides (``None`` means not given), then, for
+        what neither gives, the setting served by default for the model
+        (:func:`redknot.served_default.resolve`: the calibrated record of its profile, the map's
+        recorded knobs, or the generic default), logged with why. ``model``: the served model's
+        signature (profiles are searched for it); with ``num_layers`` (or ``model``), a
         ``dense_layers`` of that many (every FFN runs) is the same as none."""
         values: dict = cls.from_file(file_path) if file_path else {}
         values.update({k: v for k, v in overrides.items() if v is not None})
         source = f"redknot options (file {file_path!r} and flags)" if file_path else "redknot flags"
         given = cls._checked(values, source=source)
-        recorded = cls._recorded_defaults(given)
-        taken = {k: v for k, v in recorded.items() if k not in given}
-        if taken:
-            logger.info(
-                "redknot: recovery defaults recorded in head map %r: %s (flags override them)",
-                given["head_map"],
-                ", ".join(f"{k}={v}" for k, v in sorted(taken.items())),
-            )
+        try:
+            resolution = served_default.resolve(given, model)
+        except ServedDefaultError as e:
+            raise RedknotConfigError(str(e)) from None
+        for name in resolution.drop:
+            given.pop(name, None)
+        taken = cls._checked(
+            {k: v for k, v in resolution.values.items() if k not in given},
+            source=resolution.source,
+        )
+        if resolution.message:
+            logger.log(resolution.level, resolution.message)
         values = {**taken, **given}
+        num_layers = model.num_layers if num_layers is None and model else num_layers
         if num_layers is not None and values.get("dense_layers") == num_layers:
             del values["dense_layers"]  # the layer schedule off (segments keep local heads)
         return cls(**values)
-
-    @classmethod
-    def _recorded_defaults(cls, given: Mapping[str, Any]) -> dict:
-        """The served recovery knobs the head map of ``given`` records (``{}`` without a map,
-        under another policy than ``redknot``, or when the map cannot be read: startup then
-        reports the map itself)."""
-        path = given.get("head_map")
-        if path is None or given.get("policy", "redknot") != "redknot":
-            return {}
-        try:
-            recorded = HeadMap.load(path).recorded_recovery()
-        except HeadMapError:
-            return {}
-        served = {k: v for k, v in recorded.items() if k in SERVED_RECOVERY_KNOBS}
-        return cls._checked(served, source=f"the recovery defaults of head map {path!r}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

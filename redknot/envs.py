@@ -6,6 +6,8 @@
 |                            | so that every spawned scheduler process serves the same configuration. |
 | REDKNOT_CONFIG             | path of a redknot config file, used when no ``--redknot-config`` flag  |
 |                            | is given (for ``sgl.Engine`` users who cannot pass CLI flags).         |
+| REDKNOT_PROFILES           | a directory of calibrated profiles (head maps with a ``served`` record) |
+|                            | searched first for the served model (``redknot.headmap.shipped``).     |
 | REDKNOT_COMMIT             | commit of a source copy without ``.git`` (the GPU machine's), recorded |
 |                            | in results and map provenance where git cannot say it.                 |
 """
@@ -34,3 +36,4 @@ class _EnvVar:
 REDKNOT_RESOLVED_CONFIG = _EnvVar("REDKNOT_RESOLVED_CONFIG")
 REDKNOT_CONFIG = _EnvVar("REDKNOT_CONFIG")
 REDKNOT_COMMIT = _EnvVar("REDKNOT_COMMIT")
+REDKNOT_PROFILES = _EnvVar("REDKNOT_PROFILES")

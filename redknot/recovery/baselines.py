@@ -38,7 +38,7 @@ class HeadClassPrefill(FullPrefill):
     """Prefill of every token under the head map (local heads: sink + window), no reuse."""
 
     name = "headclass"
-    knobs = ("window", "sink")
+    knobs = ("global_fraction", "window", "sink")
     uses_head_map = True
 
 

@@ -9,6 +9,7 @@ For a prompt that reuses segments, in every layer of the prefill:
 | global heads      | K/V projected for every row under the new prefix, full causal attention |
 | local heads       | segment rows take the cached, aligned K/V (``local_kv="cached"``); attention over sink + window |
 | attention rows    | every row (the segment tokens' hidden states are recovered)           |
+| sink repair       | the first ``repair_k`` rows of every segment are computed as new text: every head projects their K/V, they run every FFN and never leave recovery |
 | FFN, ``layer < dense_layers`` | every row                                                 |
 | FFN, deeper       | new rows, the last ``recent_n`` rows, and the important segment rows (:mod:`~redknot.recovery.importance`); the rest keep the residual |
 
@@ -33,6 +34,7 @@ class ElasticRecovery(ReusePolicy):
 
     name = "redknot"
     knobs = (
+        "global_fraction",
         "window",
         "sink",
         "dense_layers",
@@ -42,6 +44,7 @@ class ElasticRecovery(ReusePolicy):
         "restore_edge",
         "local_kv",
         "skipped",
+        "repair_k",
     )
     uses_head_map = True
 
@@ -105,9 +108,21 @@ class ElasticRecovery(ReusePolicy):
             return []
         return [h for h, c in enumerate(ctx.classes) if c == LOCAL]
 
+    def repaired(self, ctx: LayerContext) -> Tensor:
+        """``[T]`` bool: the first ``repair_k`` rows of every served segment (sink repair)."""
+        k = self.options.repair_k
+        mask = torch.zeros(ctx.num_rows, dtype=torch.bool, device=ctx.positions.device)
+        for start, end in self.segment_spans(ctx):
+            mask[start : min(start + k, end)] = True
+        return mask
+
     def edit_kv(self, ctx: LayerContext, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        keys, values = super().edit_kv(ctx, keys, values)
-        if self.is_prefill(ctx) and self.frozen is not None:
+        if not self.is_prefill(ctx) or not self.served.segments:
+            return keys, values
+        heads = self.reused_heads(ctx)
+        rows = None if self.options.repair_k == 0 else ~self.repaired(ctx)
+        keys, values = self.cached_kv(ctx, keys, values, heads, rows)
+        if self.frozen is not None:
             rest = [h for h in range(len(ctx.classes)) if h not in self.reused_heads(ctx)]
             keys, values = self.cached_kv(ctx, keys, values, rest, self.frozen)
         return keys, values
@@ -120,8 +135,10 @@ class ElasticRecovery(ReusePolicy):
     # ---- layer schedule (sparse FFN) --------------------------------------------------------
 
     def _always_rows(self, ctx: LayerContext) -> Tensor:
-        """``[T]`` bool: new rows and the last ``recent_n`` rows."""
+        """``[T]`` bool: new rows, repaired rows and the last ``recent_n`` rows."""
         always = ~self._segment_mask(ctx)
+        if self.options.repair_k:
+            always |= self.repaired(ctx)
         always[max(ctx.num_rows - self.options.recent_n, 0) :] = True
         return always
 

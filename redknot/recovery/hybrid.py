@@ -40,6 +40,7 @@ class ElasticSparseQ(ElasticRecovery):
 
     name = "redknot+sparseq"
     knobs = (
+        "global_fraction",
         "window",
         "sink",
         "recent_n",

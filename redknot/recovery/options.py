@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from redknot.headmap import HeadMap
+from redknot.headmap import HeadMap, reclassify
 
 LocalKV = Literal["cached", "fresh"]
 LOCAL_KV_SOURCES = ("cached", "fresh")
@@ -34,6 +34,7 @@ class RecoveryOptions:
 
     | field            | meaning                                                              |
     | ---------------- | -------------------------------------------------------------------- |
+    | ``global_fraction`` | head-aware policies: re-threshold the (profiled) head map to this fraction of global heads on its stored ranking; ``None``: the map as it is |
     | ``window``       | tokens a local head attends back from a query (itself included); ``None``: the head map's |
     | ``sink``         | first tokens of the prompt every local head also attends; ``None``: the map's |
     | ``dense_layers`` | layers ``< dense_layers`` run the FFN on every token (clipped to the model's layers) |
@@ -42,6 +43,7 @@ class RecoveryOptions:
     | ``restore_thresh`` | promote a local head to global for this request when its edge mass exceeds this; ``None``: never |
     | ``restore_edge`` | width in tokens of the oldest edge of a window (see :mod:`redknot.recovery.restore`) |
     | ``local_kv``     | ``cached``: local heads take a segment's cached, re-aligned KV; ``fresh``: recompute it |
+    | ``repair_k``     | ``redknot``: the first ``repair_k`` tokens of every reused segment are computed as new text (every head's K/V projected, FFN in every layer, never left to the cache): the segment's attention-sink repair (EPIC) inside head-aware recovery; 0: off |
     | ``skipped``      | a segment token that skipped the FFN of a deep layer: ``residual`` (the paper) goes on along the residual path and its global heads' KV is recomputed from it; ``cached`` leaves recovery, from the next layer on every head takes its cached KV and nothing of it is computed |
     | ``blend_check_layer`` | ``cacheblend``: layers ``<= blend_check_layer`` recompute every token; the KV deviation is measured in this layer |
     | ``blend_ratio``  | ``cacheblend``: fraction of the segment tokens (largest KV deviation) recomputed above the check layer, in ``[0, 1]`` |
@@ -81,6 +83,7 @@ class RecoveryOptions:
     initial and two local blocks; A.2: the last 4-5 layers are stable, 4 for Llama-3.1-8B).
     """
 
+    global_fraction: float | None = None
     window: int | None = None
     sink: int | None = None
     dense_layers: int = 8
@@ -90,6 +93,7 @@ class RecoveryOptions:
     restore_edge: int = 32
     local_kv: LocalKV = "cached"
     skipped: Skipped = "cached"
+    repair_k: int = 0
     blend_check_layer: int = 1
     blend_ratio: float = 0.15
     epic_k: int = 16
@@ -107,6 +111,10 @@ class RecoveryOptions:
     samkv_outlier_sigma: float = 3.0
 
     def __post_init__(self) -> None:
+        if self.global_fraction is not None and not 0.0 <= self.global_fraction <= 1.0:
+            raise RecoveryOptionsError(
+                f"global_fraction must lie in [0, 1] or be None, got {self.global_fraction}"
+            )
         if self.window is not None and self.window < 1:
             raise RecoveryOptionsError(f"window must be >= 1 token, got {self.window}")
         if self.sink is not None and self.sink < 0:
@@ -136,7 +144,7 @@ class RecoveryOptions:
                 raise RecoveryOptionsError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.blend_ratio <= 1.0:
             raise RecoveryOptionsError(f"blend_ratio must lie in [0, 1], got {self.blend_ratio}")
-        for name in ("epic_k", "sparseq_k", "sparseq_block"):
+        for name in ("epic_k", "sparseq_k", "sparseq_block", "repair_k"):
             if getattr(self, name) < 0:
                 raise RecoveryOptionsError(f"{name} must be >= 0 tokens, got {getattr(self, name)}")
         self._check_samkv()
@@ -179,7 +187,10 @@ class RecoveryOptions:
         return dataclasses.replace(self, **changes)
 
     def head_map(self, head_map: HeadMap) -> HeadMap:
-        """``head_map`` with this request's ``window`` and ``sink`` (when set)."""
+        """``head_map`` re-thresholded to ``global_fraction`` and with this request's
+        ``window`` and ``sink`` (each when set)."""
+        if self.global_fraction is not None and self.global_fraction != head_map.global_fraction:
+            head_map = reclassify(head_map, self.global_fraction)
         window = head_map.window if self.window is None else self.window
         sink = head_map.sink if self.sink is None else self.sink
         if (window, sink) == (head_map.window, head_map.sink):

@@ -30,7 +30,7 @@ def test_first_token_scores():
     same = first_token_scores(
         dense, dense.topk(10).indices.tolist(), dense, dense.topk(10).indices.tolist()
     )
-    assert same == {"top1": 1.0, "top10": 1.0, "cosine": pytest.approx(1.0)}
+    assert same == {"top1": 1.0, "top10": 1.0, "cosine": pytest.approx(1.0), "kl": 0.0}
     other = dense.clone()
     other[3], other[11] = 9.0, 0.45
     got = first_token_scores(
@@ -38,7 +38,11 @@ def test_first_token_scores():
     )
     assert got["top1"] == 0.0 and got["top10"] == 0.9
     assert got["cosine"] == pytest.approx(float(torch.cosine_similarity(other, dense, dim=0)))
+    p, q = torch.softmax(dense.double(), 0), torch.softmax(other.double(), 0)
+    assert got["kl"] == pytest.approx(float((p * (p / q).log()).sum()))
+    assert got["kl"] > 0.0
     assert first_token_scores(None, [1], None, [1])["cosine"] is None
+    assert first_token_scores(None, [1], None, [1])["kl"] is None
 
 
 def test_pareto_front():

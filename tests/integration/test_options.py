@@ -86,7 +86,7 @@ def test_engine_keywords_reach_server_args(sglang_plugins, llama_dir):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--attention-backend", "redknot"], "needs a head map"),
+        (["--attention-backend", "redknot", "--redknot-policy", "redknot"], "needs a head map"),
         (
             ["--attention-backend", "redknot", "--redknot-head-map", "/no/such/map.json"],
             "does not exist",

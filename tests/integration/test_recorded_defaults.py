@@ -18,13 +18,20 @@ SHIPPED = ROOT / "configs" / "heads" / "smollm2-135m-instruct.json"
 SYNTHETIC = ROOT / "configs" / "heads" / "synthetic" / "llama-3.1-8b-g0.125.json"
 
 
-def _map_with(tmp_path: Path, **changes) -> str:
-    """The shipped SmolLM2 map with top-level keys changed (``recovery`` replaced)."""
+def _map_with(tmp_path: Path, name: str = "map.json", **changes) -> str:
+    """The shipped SmolLM2 map with top-level keys changed (``recovery`` replaced), without its
+    calibration record (``served``: tests/integration/test_served_default.py) unless given."""
     data = json.loads(SHIPPED.read_text())
+    data.pop("served", None)
     data.update(changes)
-    path = tmp_path / "map.json"
+    path = tmp_path / name
     path.write_text(json.dumps(data))
     return str(path)
+
+
+def _plain(tmp_path: Path) -> str:
+    """The shipped map as a map without a calibration record: served with redknot."""
+    return _map_with(tmp_path, "plain.json")
 
 
 def test_the_shipped_map_records_what_its_fidelity_sweep_chose():
@@ -39,25 +46,25 @@ def test_the_shipped_map_records_what_its_fidelity_sweep_chose():
 
 def test_server_takes_the_recorded_knobs_and_flags_override_them(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="redknot.config"):
-        config = RedknotConfig.merge(None, {"head_map": str(SHIPPED)}, num_layers=30)
+        config = RedknotConfig.merge(None, {"head_map": _plain(tmp_path)}, num_layers=30)
     assert (config.dense_layers, config.mass_thresh, config.recent_n) == (8, 0.5, 128)
     assert config.skipped == "cached" and config.segment_heads == "all"  # rows leave: every head
     assert (
         "recovery defaults recorded in head map" in caplog.text and "dense_layers=8" in caplog.text
     )
 
-    flags = {"head_map": str(SHIPPED), "dense_layers": 4, "mass_thresh": 0.3}
+    flags = {"head_map": _plain(tmp_path), "dense_layers": 4, "mass_thresh": 0.3}
     config = RedknotConfig.merge(None, flags, num_layers=30)
     assert (config.dense_layers, config.mass_thresh, config.recent_n) == (4, 0.3, 128)
 
     file = tmp_path / "redknot.json"
-    file.write_text(json.dumps({"head_map": str(SHIPPED), "skipped": "residual"}))
+    file.write_text(json.dumps({"head_map": _plain(tmp_path), "skipped": "residual"}))
     config = RedknotConfig.merge(str(file), {"recent_n": 64}, num_layers=30)
     assert (config.skipped, config.recent_n, config.dense_layers) == ("residual", 64, 8)
     assert config.segment_heads == "local"  # residual rows never read a segment's global heads
 
     # as many dense layers as the model has: the schedule is off, segments keep local heads
-    config = RedknotConfig.merge(None, {"head_map": str(SHIPPED), "dense_layers": 30}, 30)
+    config = RedknotConfig.merge(None, {"head_map": _plain(tmp_path), "dense_layers": 30}, 30)
     assert config.dense_layers is None and config.segment_heads == "local"
     config = RedknotConfig.merge(None, {"head_map": str(_map_with(tmp_path, dense_layers=30))}, 30)
     assert config.dense_layers is None and config.segment_heads == "local"
@@ -92,7 +99,7 @@ def test_restore_is_served_recorded_or_given_and_checked(tmp_path, caplog):
     assert (given.restore_thresh, given.restore_edge, given.restore_heads) == (0.3, 8, 2)
     off = RedknotConfig.merge(None, {"head_map": restoring, "restore_heads": 0}, 30)
     assert not off.restore and off.restore_heads == 0
-    shipped = RedknotConfig.merge(None, {"head_map": str(SHIPPED)}, 30)
+    shipped = RedknotConfig.merge(None, {"head_map": _plain(tmp_path)}, 30)
     assert not shipped.restore and shipped.restore_heads == 0  # the shipped map records null
     with pytest.raises(RedknotConfigError, match="--redknot-restore-heads 2 needs"):
         RedknotConfig(head_map=str(SHIPPED), restore_heads=2)

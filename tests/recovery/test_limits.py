@@ -6,7 +6,7 @@ import torch
 
 from redknot.headmap import HeadMap, synthetic_map
 from redknot.recovery import RecoveryOptions, ReusePrompt, cache_kv, create_policy, serve
-from redknot.reference import ReferenceKV
+from redknot.reference import LayerContext, ReferenceKV
 
 from .conftest import compose, random_ids
 
@@ -164,3 +164,36 @@ def test_headclass_is_the_plain_head_class_forward_and_redknot_recomputing_all_o
     torch.testing.assert_close(fresh.generation.first_logits, plain.first_logits)
     _, cached = _serve(runner, "redknot", prompt, local, local_kv="cached", **knobs)
     assert not torch.allclose(cached.generation.first_logits, plain.first_logits)
+
+
+def test_repairing_every_segment_token_is_the_head_class_forward(runner, pieces):
+    """``repair_k`` at or above every segment's length computes every segment token as new
+    text (fresh K/V in every head, every FFN, none left to the cache): the plain head-class
+    forward, even with the layer schedule and cached local K/V on. A shorter repair differs
+    and repairs only the first rows of each segment."""
+    prompt = compose(runner, pieces, synthetic_map(runner.shape, 0.5, window=8, sink=2))
+    local = synthetic_map(runner.shape, 0.5, window=8, sink=2)
+    plain = runner.generate(list(prompt.ids), head_map=local, max_new_tokens=6)
+    knobs = {"dense_layers": 1, "mass_thresh": 0.3, "recent_n": 4, "restore_thresh": None}
+    policy, whole = _serve(runner, "redknot", prompt, local, repair_k=50, **knobs)
+    torch.testing.assert_close(whole.generation.first_logits, plain.first_logits)
+    assert whole.generation.tokens == plain.tokens
+    assert whole.fractions == {"attention": 1.0, "ffn": 1.0, "kv_heads": 1.0}
+    policy, part = _serve(runner, "redknot", prompt, local, repair_k=4, **knobs)
+    assert not torch.allclose(part.generation.first_logits, plain.first_logits)
+    spans = [(s.start, s.end) for s in prompt.segments]
+    assert spans == [(10, 50), (56, 106)]
+    ctx = LayerContext(0, torch.arange(118), 0, "LL", 8, 2, runner.model)
+    assert torch.nonzero(policy.repaired(ctx)).flatten().tolist() == [
+        10,
+        11,
+        12,
+        13,
+        56,
+        57,
+        58,
+        59,
+    ]
+    _, off = _serve(runner, "redknot", prompt, local, repair_k=0, **knobs)
+    assert part.fractions["kv_heads"] > off.fractions["kv_heads"]
+    assert part.fractions["ffn"] > off.fractions["ffn"]
