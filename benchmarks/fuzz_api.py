@@ -57,9 +57,9 @@ from tests.api.fuzz_support import (
 
 GOOD_EVERY = 20
 CONTEXT_LEN, REGION_TOKENS = 2048, 1024
-NAMESPACES = ("fz0", "fz1", "fz2", "fz3")  # created by the first good requests
+NAMESPACES = ("fz0", "fz1", "fz2", "fz3")  # declared (--redknot-namespaces), filled by requests
 GOOD_NS = "good"  # only good requests touch it
-UNKNOWN_NS = ["nope", "fz9", "Default", "good2"]
+UNKNOWN_NS = ["nope", "fz9", "Default", "good2"]  # outside the declared set: a 400
 # fmt: off
 BAD_NS = ["", " ", "a b", "-lead", "x" * 65, "ü", "\u202eabc", "a\u200bb", "a\x00b", "default\n",
           "emoji\U0001f600", OPEN + "x", "../x", 7, 1.5, True, [], {}, ["fz0"]]
@@ -180,7 +180,7 @@ class Generator:
             plain = "a plain request " + doc
 
             def untouched(server, r):
-                obj = server.tm.received[-1]
+                obj = server.tm.last
                 return None if (obj.text, obj.input_ids) == (plain, None) else "rewritten"
 
             return [self.post("good", {"text": plain}, expect=200, check=untouched)]
@@ -690,7 +690,7 @@ class Generator:
         want = self.o.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
         def check(server, r):
-            text = self.o.tok.decode(server.tm.received[-1].input_ids)
+            text = self.o.tok.decode(server.tm.last.input_ids)
             return None if text == want else f"the model would see {text!r}, not {want!r}"
 
         return [self.chat_case(msgs, expect=200, check=check)]
@@ -731,6 +731,7 @@ def fuzz(app: Any, tokenizer: Any, server_args: Any, *, seed: int, cases: int) -
         region_tokens=REGION_TOKENS,
         chat="messages" if chat else "off",
         server_args=server_args,
+        namespaces=",".join((*NAMESPACES, GOOD_NS)),  # a fixed set, so unknown names stay 400s
     )
     plan = Generator(seed, tokenizer, chat=chat).cases(cases)
     return {"seed": seed, "chat": chat, **run(server, TestClient(app), plan)}

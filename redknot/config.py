@@ -22,6 +22,7 @@ from redknot.headmap.served import ModelSignature
 from redknot.served_default import ServedDefaultError
 
 KERNEL_CHOICES = ("auto", "triton")
+CAPTURE_CHOICES = ("on", "off")  # redknot.api.capture
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 LOCAL_KV_CHOICES = ("cached", "fresh")  # redknot.recovery.options.LOCAL_KV_SOURCES
 REUSE_GATE_CHOICES = ("auto", "always")  # redknot.costmodel.gate
@@ -176,7 +177,7 @@ class RedknotConfig:
     )
     namespaces: str | None = _opt(
         "Comma-separated segment namespaces requests may use ('default' is always there). "
-        "Without it, registering a segment (POST /redknot/segments) creates its namespace.",
+        "Without it, a namespace is created on first use (a request or a registration).",
         default=None,
     )
     reuse_gate: str = _opt(
@@ -195,6 +196,16 @@ class RedknotConfig:
         "Serve --redknot-policy redknot with a head map whose calibration record measured more "
         "answer loss than its floor (refused at startup without this flag).",
         default=False,
+    )
+    capture: str = _opt(
+        "Capture on miss: 'on' stores a marked segment that misses (its standalone K/V computed "
+        "after the request's first token); 'off' stores only registered segments.",
+        default="on",
+    )
+    namespace_fraction: float = _opt(
+        "Largest fraction of the segment region one namespace may hold; beyond it a new segment "
+        "evicts that namespace's own least recently used ones, never another namespace's.",
+        default=1.0,
     )
     skip_startup_check: bool = _opt(
         "Start without the startup check of the attention kernels against the PyTorch "
@@ -255,6 +266,17 @@ class RedknotConfig:
             raise RedknotConfigError(
                 f"--redknot-segment-heads {self.segment_heads!r} is not one of "
                 f"{', '.join(SEGMENT_HEAD_CHOICES)}"
+            )
+        if self.capture not in CAPTURE_CHOICES:
+            raise RedknotConfigError(
+                f"--redknot-capture {self.capture!r} is not one of {', '.join(CAPTURE_CHOICES)}"
+            )
+        if isinstance(self.namespace_fraction, bool) or not (
+            isinstance(self.namespace_fraction, (int, float)) and 0 < self.namespace_fraction <= 1
+        ):
+            raise RedknotConfigError(
+                "--redknot-namespace-fraction must be a number in (0, 1], "
+                f"got {self.namespace_fraction!r}"
             )
         for parse in (
             lambda: ChatSegments.parse(self.chat_segments),

@@ -15,7 +15,8 @@ in ``OpenAIServingChat._apply_jinja_template``. redknot wraps that method (an AR
    rendering, no segments) and a warning is logged once.
 
 The messages' namespace is ``custom_params["redknot_namespace"]`` of the request, else
-``default``. Chat requests on models with a Python chat encoder, multimodal models, or a named
+``default``; ``custom_params["redknot_capture"] = false`` keeps its messages from being captured
+on a miss (``capture.py``). Chat requests on models with a Python chat encoder, multimodal models, or a named
 ``--chat-template`` (conversation templates) are served without segments, and so are requests
 whose messages hold a sentinel character themselves.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from redknot.api.capture import CAPTURE_FIELD, check_flag, note
 from redknot.api.marks import SegmentMarkError, encode_marks, reserved_keys
 from redknot.api.options import DEFAULT_NAMESPACE
 
@@ -108,14 +110,16 @@ class SegmentingTokenizer(_Forward):
         return ids + list(after)
 
 
-def _namespace(request: Any, api: Any) -> str:
+def _namespace(request: Any, api: Any) -> tuple[str, bool]:
+    """The request's namespace and whether its messages may be captured."""
     params = dict(request.custom_params or {})
     ns = params.pop(NAMESPACE_KEY, DEFAULT_NAMESPACE)
+    capture = check_flag(params.pop(CAPTURE_FIELD, True), f"custom_params.{CAPTURE_FIELD}")
     bad = reserved_keys(params)
     if bad:
         raise SegmentMarkError(
             f"custom_params keys {bad} are reserved for redknot; a chat request may only set "
-            f"'{NAMESPACE_KEY}'"
+            f"'{NAMESPACE_KEY}' and '{CAPTURE_FIELD}'"
         )
     if NAMESPACE_KEY in (request.custom_params or {}) and not api.chat.enabled:
         raise SegmentMarkError(
@@ -124,7 +128,7 @@ def _namespace(request: Any, api: Any) -> str:
         )
     api.namespaces.require(ns, where=f"custom_params.{NAMESPACE_KEY}")
     request.custom_params = params or None
-    return ns
+    return ns, capture
 
 
 def _holds_sentinel(content: Any) -> bool:
@@ -150,7 +154,7 @@ def around_apply_jinja_template(
     if api is None:
         return original(self, request, tools, is_multimodal)
     try:
-        namespace = _namespace(request, api)
+        namespace, capture = _namespace(request, api)
     except SegmentMarkError:
         api.counters.add(rejected=1)
         raise
@@ -201,4 +205,6 @@ def around_apply_jinja_template(
     )
     request.custom_params = {**(request.custom_params or {}), **encode_marks(marks)}
     api.counters.add(requests_with_segments=1, segments_marked=len(marks))
+    if capture:
+        note([(m.namespace, result.prompt_ids[m.start : m.end]) for m in marks])
     return result

@@ -8,7 +8,9 @@ markers in ``text`` (``markers.py``, what ``@sgl.function`` programs send). The 
   (every prompt of a batch, so that the batch stays homogeneous);
 - removes ``redknot_segments`` and puts the marks into each prompt's
   ``sampling_params["custom_params"]`` (``marks.py``), where SGLang carries them to the
-  scheduler's ``Req``.
+  scheduler's ``Req``;
+- removes ``redknot_capture`` (``false``: this request's segments are not captured on a miss)
+  and hands the marked segments to capture on miss otherwise (``capture.py``).
 
 A body without markup is returned as ``None``: SGLang serves it untouched.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from redknot.api.capture import CAPTURE_FIELD, check_flag, note
 from redknot.api.markers import has_markers, parse_markers
 from redknot.api.marks import SegmentMarkError, encode_marks, reserved_keys
 from redknot.api.service import SegmentApi
@@ -70,6 +73,7 @@ def needs_rewrite(body: Any) -> bool:
     sps = sps if isinstance(sps, list) else [sps]
     return (
         FIELD in body
+        or CAPTURE_FIELD in body
         or any(isinstance(t, str) and has_markers(t) for t in texts)
         or any(isinstance(sp, dict) and reserved_keys(sp.get("custom_params")) for sp in sps)
     )
@@ -119,6 +123,11 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
     """The rewritten body, or ``None`` when there is nothing to rewrite."""
     if not needs_rewrite(body):
         return None
+    if CAPTURE_FIELD in body:
+        rest = {k: v for k, v in body.items() if k != CAPTURE_FIELD}
+        if not needs_rewrite(rest):  # nothing marked: only the flag goes
+            check_flag(body[CAPTURE_FIELD], CAPTURE_FIELD)
+            return rest
     reject_reserved(body)
     for key in _UNSUPPORTED:
         if body.get(key) is not None:
@@ -148,6 +157,7 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
     out_ids: list[list[int]] = []
     params = _sampling_params(body, len(prompts))
     marked = 0
+    capture = check_flag(body.get(CAPTURE_FIELD, True), CAPTURE_FIELD)
     for k, (prompt, spans_value) in enumerate(zip(prompts, fields, strict=True)):
         where = f"prompt {k}" if batch else "the prompt"
         field_at = f"{FIELD}[{k}]" if batch else FIELD  # names the prompt of a batch
@@ -186,8 +196,11 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
             custom.update(encode_marks(marks))
             params[k]["custom_params"] = custom
             marked += len(marks)
+            if capture:
+                note([(m.namespace, input_ids[m.start : m.end]) for m in marks])
 
-    new = {k: v for k, v in body.items() if k not in (FIELD, "text", "input_ids")}
+    drop = (FIELD, CAPTURE_FIELD, "text", "input_ids")
+    new = {k: v for k, v in body.items() if k not in drop}
     new["input_ids"] = out_ids if batch else out_ids[0]
     new["sampling_params"] = params if batch else params[0]
     if marked:

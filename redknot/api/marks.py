@@ -15,6 +15,8 @@ so the marks are parallel flat lists):
 | ``redknot_register``       | ``True`` on a registration (``POST /redknot/segments``): the   |
 |                            | prompt is exactly one segment, prefilled standalone            |
 | ``redknot_pin``            | with ``redknot_register``: keep it until deleted               |
+| ``redknot_capture``        | with ``redknot_register``: a capture on miss                   |
+|                            | (``redknot.api.capture``), never pinned                        |
 
 The HTTP side (``redknot.api.generate``, ``chat``, ``routes``) is the only writer (clients
 setting these keys themselves get a 400 on every endpoint); the scheduler reads them with
@@ -33,6 +35,7 @@ KEY_NAMESPACES = "redknot_seg_namespaces"
 KEY_IDS = "redknot_seg_ids"
 KEY_REGISTER = "redknot_register"
 KEY_PIN = "redknot_pin"
+KEY_CAPTURE = "redknot_capture"
 RESERVED_PREFIX = "redknot_"
 
 
@@ -75,6 +78,7 @@ class Registration:
 
     mark: SegmentMark
     pin: bool
+    capture: bool = False  # stored on a miss (redknot.api.capture), not registered by a client
 
 
 def segment_id(namespace: str, token_ids: Sequence[int]) -> str:
@@ -117,7 +121,11 @@ def check_marks(
 
 
 def encode_marks(
-    marks: Sequence[SegmentMark], *, register: bool = False, pin: bool = False
+    marks: Sequence[SegmentMark],
+    *,
+    register: bool = False,
+    pin: bool = False,
+    capture: bool = False,
 ) -> dict[str, Any]:
     """The ``custom_params`` entries that carry ``marks`` (empty when there are none).
 
@@ -139,7 +147,9 @@ def encode_marks(
     }
     if register:
         out[KEY_REGISTER] = True
-        out[KEY_PIN] = bool(pin)
+        out[KEY_PIN] = bool(pin) and not capture
+        if capture:
+            out[KEY_CAPTURE] = True
     return out
 
 
@@ -198,4 +208,5 @@ def registration_of(req: Any) -> Registration | None:
     marks = segments_of(req)
     if len(marks) != 1 or (marks[0].start, marks[0].end) != (0, len(req.origin_input_ids)):
         raise SegmentMarkError("a registration's prompt must be exactly one segment")
-    return Registration(marks[0], bool(params.get(KEY_PIN, False)))
+    capture = bool(params.get(KEY_CAPTURE, False))
+    return Registration(marks[0], bool(params.get(KEY_PIN, False)) and not capture, capture)

@@ -1,6 +1,11 @@
 """ASGI middleware that rewrites ``/generate`` bodies marking segments (see ``generate.py``)
 and refuses redknot's reserved ``custom_params`` keys set by clients on any JSON endpoint.
 
+It also runs capture on miss (``capture.py``): the segments a request marked (here, or in the
+chat hook) are handed to the capturer once its answer's first bytes are sent with status 200,
+and the call returns when the answer and those captures are done (the client has its answer
+before; a capture never delays it).
+
 It is the app's innermost middleware (inside SGLang's request decompression, CORS and API-key
 checks: ``server.install``), in front of SGLang's own ``/generate`` route, which then parses the
 rewritten body as usual. Bodies without segment markup pass through untouched after a byte
@@ -15,12 +20,15 @@ content type FastAPI parses as JSON (``application/json``, ``application/*+json`
 
 from __future__ import annotations
 
+import asyncio
 import email.message
 import logging
 from collections.abc import Callable
 
 import orjson
 
+from redknot.api import capture
+from redknot.api.capture import CAPTURE_FIELD
 from redknot.api.generate import reject_reserved, rewrite_generate
 from redknot.api.markers import RESERVED
 from redknot.api.marks import RESERVED_PREFIX, SegmentMarkError
@@ -29,7 +37,8 @@ from redknot.api.service import SegmentApi
 logger = logging.getLogger(__name__)
 
 PATHS = ("/generate",)  # rewritten; every other JSON POST is only checked for reserved keys
-ALLOWED = {"/v1/chat/completions": ("redknot_namespace",)}  # reserved keys a path may carry
+# reserved keys a path may carry
+ALLOWED = {"/v1/chat/completions": ("redknot_namespace", CAPTURE_FIELD)}
 # Byte patterns of which one occurs in every body that marks segments: the field or a
 # reserved custom-params key ("redknot_"), a marker character (U+F0001..U+F0003) in UTF-8, or a
 # JSON escape (which may spell either).
@@ -65,6 +74,14 @@ class SegmentMarkupMiddleware:
             more = message.get("more_body", False)
         body = b"".join(chunks)
         api = self.api()
+        pending: list = []  # segments this request marks, for capture on miss
+        token = capture.PENDING.set(pending)
+        try:
+            await self._serve(scope, receive, send, body, api, pending)
+        finally:
+            capture.PENDING.reset(token)
+
+    async def _serve(self, scope, receive, send, body: bytes, api, pending: list) -> None:
         if api is not None and any(t in body for t in _TRIGGERS):
             try:
                 if scope.get("path") in PATHS:
@@ -88,7 +105,30 @@ class SegmentMarkupMiddleware:
                 scope["headers"] = [
                     (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
                 ] + [(b"content-length", str(len(body)).encode())]
-        await self.app(scope, _replay([{"type": "http.request", "body": body}], receive), send)
+        replay = _replay([{"type": "http.request", "body": body}], receive)
+        if api is None or not api.capture.enabled:
+            await self.app(scope, replay, send)
+            return
+        await _serve_capturing(self.app, scope, replay, send, api, pending)
+
+
+async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: list) -> None:
+    """Serve the request; capture ``pending`` once the answer's first bytes are sent (200)."""
+    status, task = None, None
+
+    async def sending(message):
+        nonlocal status, task
+        await send(message)
+        if message["type"] == "http.response.start":
+            status = message.get("status")
+        elif message["type"] == "http.response.body" and task is None and status == 200 and pending:
+            task = asyncio.ensure_future(api.capture.capture(list(pending)))
+
+    try:
+        await app(scope, receive, sending)
+    finally:
+        if task is not None:
+            await task
 
 
 def _check_other(body, path) -> None:

@@ -1,11 +1,12 @@
 """Which namespaces a request may name.
 
-A namespace is *known* when it is ``default``, declared by ``--redknot-namespaces``, or (only
-when that option is not given) created by registering a segment in it (``POST
-/redknot/segments``). Naming any other namespace in a request is an unknown namespace: a 400
-that says how to declare or create it. With ``--redknot-namespaces`` the set is closed: a
-registration cannot create new namespaces, which keeps tenants from inventing their own.
-The set lives in the HTTP server process and starts afresh with the server (so does the cache).
+Without ``--redknot-namespaces`` the set is open: a namespace is created on first use, by a
+request that marks a segment in it or by a registration (``POST /redknot/segments``); any valid
+name is accepted. With ``--redknot-namespaces`` the set is closed (``default`` and the declared
+names): naming any other namespace is a 400 that says so, and neither requests nor
+registrations create new ones, which keeps tenants from inventing their own. The set lives in
+the HTTP server process and starts afresh with the server (so does the cache); an open set lists
+at most ``MAX_LISTED`` created names (later ones are served, not listed).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import threading
 
 from redknot.api.marks import SegmentMarkError
 from redknot.api.options import DEFAULT_NAMESPACE, check_namespace_name, parse_namespaces
+
+MAX_LISTED = 1024  # created namespaces remembered for listing (names come from clients)
 
 
 class NamespaceRegistry:
@@ -31,7 +34,8 @@ class NamespaceRegistry:
             return sorted(self._known)
 
     def require(self, name: object, *, where: str = "namespace") -> str:
-        """``name`` if requests may use it, else a 400 saying how to make it known."""
+        """``name`` if requests may use it (created on first use when the set is open), else a
+        400 saying what is allowed."""
         try:
             check_namespace_name(name, where=where)
         except ValueError as e:
@@ -39,14 +43,27 @@ class NamespaceRegistry:
         with self._lock:
             if name in self._known:
                 return name
-        how = (
-            "this server's namespaces are fixed by --redknot-namespaces"
-            if self.closed
-            else "register a segment in it first (POST /redknot/segments) to create it"
-        )
+        if not self.closed:
+            self.create(name)
+            return name
         raise SegmentMarkError(
-            f"{where} {name!r} is unknown: {how}; known namespaces: {self.known()}"
+            f"{where} {name!r} is unknown: this server's namespaces are fixed by "
+            f"--redknot-namespaces; known namespaces: {self.known()}"
         )
+
+    def check(self, name: object, *, where: str = "namespace") -> str:
+        """Like :meth:`require`, without creating anything (for reads: listings, statistics)."""
+        if self.closed:
+            return self.require(name, where=where)
+        try:
+            return check_namespace_name(name, where=where)
+        except ValueError as e:
+            raise SegmentMarkError(str(e)) from None
+
+    def is_known(self, name: object) -> bool:
+        """Whether ``name`` is in the set now (no namespace is created)."""
+        with self._lock:
+            return name in self._known
 
     def admit_registration(self, name: object) -> str:
         """``name`` for a registration: known, or creatable when the set is open."""
@@ -59,4 +76,5 @@ class NamespaceRegistry:
 
     def create(self, name: str) -> None:
         with self._lock:
-            self._known.add(name)
+            if len(self._known) < MAX_LISTED or self.closed:
+                self._known.add(name)

@@ -170,7 +170,7 @@ async def _control(
 ) -> Response:
     try:
         if namespace is not None:
-            api.namespaces.require(namespace)
+            api.namespaces.check(namespace)
     except SegmentMarkError as e:
         api.counters.add(rejected=1)
         return _error(400, str(e))

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redknot.api.capture import Capturer
 from redknot.api.marks import SegmentMark, SegmentMarkError, check_marks, segment_id
 from redknot.api.namespaces import NamespaceRegistry
 from redknot.api.options import ChatSegments
@@ -26,6 +27,13 @@ class ApiCounters:
     segments_marked: int = 0
     rejected: int = 0
     registrations: int = 0
+    # capture on miss (redknot.api.capture): segments handed to it and what became of them
+    captures_sent: int = 0  # registrations sent for missing segments
+    captures_stored: int = 0  # ... that the store then held
+    captures_failed: int = 0  # ... that stored nothing (reason in the log)
+    captures_skipped: int = 0  # already stored or being written: nothing sent
+    captures_deduplicated: int = 0  # the same segment was being captured already
+    captures_dropped: int = 0  # too many captures pending
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas: int) -> None:
@@ -34,10 +42,7 @@ class ApiCounters:
                 setattr(self, k, getattr(self, k) + v)
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            k: getattr(self, k)
-            for k in ("requests_with_segments", "segments_marked", "rejected", "registrations")
-        }
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
 class SegmentApi:
@@ -48,6 +53,7 @@ class SegmentApi:
         chat: ChatSegments | None = None,
         namespaces: NamespaceRegistry | None = None,
         rows_leave: str | None = None,
+        capture: bool = False,
     ):
         self.tokenizer_manager = tokenizer_manager
         self.chat = chat or ChatSegments(enabled=False)
@@ -55,17 +61,19 @@ class SegmentApi:
         # the server option under which reused tokens leave recovery (RedknotConfig.rows_leave)
         self.rows_leave = rows_leave
         self.counters = ApiCounters()
+        self.capture = Capturer(self, enabled=capture)
         self._piecewise: PiecewiseTokenizer | None = None
 
     @classmethod
     def from_config(cls, tokenizer_manager: Any, config: Any) -> SegmentApi:
-        """From a ``RedknotConfig`` (its ``chat_segments`` and ``namespaces`` options, and whether
-        reused tokens leave recovery)."""
+        """From a ``RedknotConfig`` (its ``chat_segments``, ``namespaces`` and ``capture``
+        options, and whether reused tokens leave recovery)."""
         return cls(
             tokenizer_manager,
             chat=ChatSegments.parse(config.chat_segments),
             namespaces=NamespaceRegistry.from_option(config.namespaces),
             rows_leave=config.rows_leave,
+            capture=config.capture == "on",
         )
 
     @property

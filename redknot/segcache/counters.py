@@ -22,6 +22,7 @@ class Counts:
     hit_tokens: int = 0
     bytes_saved: int = 0
     evictions: int = 0
+    captures: int = 0  # segments stored by a capture on miss
     deletes: int = 0
 
     def as_dict(self) -> dict[str, int]:

@@ -42,7 +42,18 @@ def create_segment_store(params: Any, pool: Any):
     from redknot.segcache.metrics import scheduler_metrics
     from redknot.segcache.store import SegmentStore
 
-    store = SegmentStore.for_pool(pool)
+    store = SegmentStore.for_pool(pool, namespace_fraction=_namespace_fraction())
     if getattr(params, "enable_metrics", False):
         store.observer = scheduler_metrics(store.capacity_bytes)
     return store
+
+
+def _namespace_fraction() -> float:
+    """``--redknot-namespace-fraction`` of this server (1.0 where no configuration was resolved:
+    a store built outside a server, as unit tests do)."""
+    from redknot import envs
+    from redknot.integration.server_args import published_config
+
+    if envs.REDKNOT_RESOLVED_CONFIG.get() is None:
+        return 1.0
+    return published_config().namespace_fraction

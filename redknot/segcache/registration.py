@@ -63,7 +63,9 @@ def start(cache: Any, req: Any) -> None:
     reg = registration_of(req)
     store = cache.segments
     try:
-        entry = store.register(reg.mark.namespace, list(req.origin_input_ids), pin=reg.pin)
+        entry = store.register(
+            reg.mark.namespace, list(req.origin_input_ids), pin=reg.pin, capture=reg.capture
+        )
     except SegmentError as e:
         store.note_failure(reg.mark.segment_id, e)
         logger.warning("redknot: segment registration not stored: %s", e)

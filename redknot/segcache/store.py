@@ -25,6 +25,13 @@ Life of a segment::
 | eviction | only in register, only when free pages are short: unpinned, unreferenced segments, |
 |          | least recently used first (exact rule: ``redknot.segcache.eviction``). When they |
 |          | cannot make room, nothing is evicted and ``SegmentStoreFull`` is raised. |
+| namespace cap | a namespace holds at most ``namespace_pages`` pages (``--redknot-namespace-fraction`` |
+|          | of the region): a new segment beyond it first evicts that namespace's own unpinned, |
+|          | unreferenced segments (same rule), never another namespace's; if they cannot make |
+|          | room, ``SegmentStoreFull`` is raised. One client cannot flood others out. |
+| capture | ``register(..., capture=True)`` is a capture on miss (``redknot.api.capture``); it is |
+|          | counted as ``captures`` in its namespace and otherwise stored like a registration |
+|          | (unpinned, so pinned segments are never evicted for it). |
 | delete | explicit, pinned or not. Unreferenced: pages freed now, returns True. Referenced: the |
 |        | segment disappears at once from lookup/list/register (a re-register makes a new one) and |
 |        | its pages are freed when the last reader releases it (deferred), returns False. |
@@ -105,13 +112,18 @@ class SegmentStore:
         *,
         observer: SegmentObserver | None = None,
         clock: Callable[[], float] = time.time,
+        namespace_fraction: float = 1.0,
     ) -> None:
         assert page_tokens > 0 and bytes_per_token >= 0, (page_tokens, bytes_per_token)
+        assert 0 < namespace_fraction <= 1, namespace_fraction
         self.page_tokens = page_tokens
         self.bytes_per_token = bytes_per_token
         self.observer = observer
         self._clock = clock
         self._pages = PageAllocator(num_pages)
+        # the most pages one namespace may hold (at least one page when the region has any)
+        self.namespace_pages = max(int(num_pages * namespace_fraction), min(num_pages, 1))
+        self._namespace_held: dict[str, int] = {}  # pages of visible segments per namespace
         self._serial = 0
         self._records: dict[int, _Record] = {}  # serial -> every record holding pages
         self._by_id: dict[str, _Record] = {}  # id -> visible record
@@ -121,12 +133,20 @@ class SegmentStore:
         self._failed: OrderedDict[str, tuple[int, str]] = OrderedDict()  # id -> (status, why)
 
     @classmethod
-    def for_pool(cls, pool: Any, observer: SegmentObserver | None = None) -> SegmentStore:
+    def for_pool(
+        cls, pool: Any, observer: SegmentObserver | None = None, namespace_fraction: float = 1.0
+    ) -> SegmentStore:
         """The store of ``pool.segments`` (a disabled store when the pool has no region)."""
         region = getattr(pool, "segments", None)
         if region is None:
             return cls(0, 1, 0, observer=observer)
-        return cls(region.num_pages, region.page_tokens, region.bytes_per_token, observer=observer)
+        return cls(
+            region.num_pages,
+            region.page_tokens,
+            region.bytes_per_token,
+            observer=observer,
+            namespace_fraction=namespace_fraction,
+        )
 
     # ---- capacity ----------------------------------------------------------------------------
 
@@ -169,8 +189,12 @@ class SegmentStore:
         self._touch(rec)
         return self._entry(rec)
 
-    def register(self, namespace: str, token_ids: Sequence[int], *, pin: bool) -> SegmentEntry:
-        """The segment of these tokens, allocated if new; the caller holds one reference."""
+    def register(
+        self, namespace: str, token_ids: Sequence[int], *, pin: bool, capture: bool = False
+    ) -> SegmentEntry:
+        """The segment of these tokens, allocated if new; the caller holds one reference.
+        ``capture``: stored on a miss rather than registered (counted as a capture; an existing
+        segment keeps its pin)."""
         namespace = check_namespace(namespace)
         packed = pack_tokens(token_ids)
         num_tokens = len(packed) // 8
@@ -193,10 +217,12 @@ class SegmentStore:
         if rec is not None:
             if rec.packed != packed:
                 raise SegmentError(f"segment id {sid} collides with another segment's tokens")
-            self._set_pin(rec, bool(pin))
+            if not capture:
+                self._set_pin(rec, bool(pin))
             rec.refs += 1
             self._touch(rec)
             return self._entry(rec)
+        self._make_namespace_room(namespace, need, num_tokens)
         self._make_room(need)
         self._serial += 1
         now = self._clock()
@@ -216,7 +242,11 @@ class SegmentStore:
         self._by_id[sid] = rec
         self._by_namespace.setdefault(namespace, {})[rec.serial] = rec
         self._lru[rec.serial] = rec
-        self._counters.track(namespace)
+        self._namespace_held[namespace] = self._namespace_held.get(namespace, 0) + need
+        if capture:
+            self._counters.add(namespace, captures=1)
+        else:
+            self._counters.track(namespace)
         self._report_usage(rec, +1)
         return self._entry(rec)
 
@@ -313,6 +343,7 @@ class SegmentStore:
             pinned=sum(r.pinned for r in visible),
             referenced=sum(r.refs > 0 for r in held),
             pending_deletes=len(held) - len(visible),
+            namespace_cap_tokens=self.namespace_pages * self.page_tokens,
             tokens=sum(r.num_tokens for r in visible),
             bytes_used=sum(len(r.pages) for r in held) * self.page_tokens * self.bytes_per_token,
             capacity_bytes=self.capacity_bytes,
@@ -342,6 +373,10 @@ class SegmentStore:
         assert visible == {s for recs in self._by_namespace.values() for s in recs}
         assert all(r.refs > 0 for r in self._records.values() if not r.visible)
         assert all(r.refs >= 0 for r in self._records.values())
+        held: dict[str, int] = {}
+        for r in self._lru.values():
+            held[r.namespace] = held.get(r.namespace, 0) + len(r.pages)
+        assert held == self._namespace_held, (held, self._namespace_held)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -386,6 +421,29 @@ class SegmentStore:
             self.observer.usage(rec.namespace, 0, 1 if pin else -1, 0)
         rec.pinned = pin
 
+    def _make_namespace_room(self, namespace: str, need: int, num_tokens: int) -> None:
+        """Evict ``namespace``'s own segments until ``need`` more pages fit under its cap."""
+        if self.namespace_pages >= self._pages.num_pages:
+            return  # no cap below the region: the region's own rule applies
+        if need > self.namespace_pages:
+            raise SegmentTooLong(
+                f"segment of {num_tokens} tokens is longer than what one namespace may hold "
+                f"({self.namespace_pages * self.page_tokens} tokens: raise "
+                "--redknot-namespace-fraction or --redknot-segment-fraction)"
+            )
+        short = self._namespace_held.get(namespace, 0) + need - self.namespace_pages
+        if short <= 0:
+            return
+        own = [r for r in self._lru.values() if r.namespace == namespace]
+        victims = choose_victims(own, short)
+        if victims is None:
+            raise SegmentStoreFull(
+                f"namespace {namespace!r} holds its cap of {self.namespace_pages} pages, pinned "
+                "or read by live requests (delete or unpin its segments, or raise "
+                "--redknot-namespace-fraction)"
+            )
+        self._evict(victims)
+
     def _make_room(self, need: int) -> None:
         short = need - self._pages.free_pages
         if short <= 0:
@@ -397,6 +455,9 @@ class SegmentStore:
                 "free, the rest pinned or read by live requests (delete or unpin segments, or "
                 "raise --redknot-segment-fraction)"
             )
+        self._evict(victims)
+
+    def _evict(self, victims: list[_Record]) -> None:
         for rec in victims:
             self._hide(rec)
             self._free(rec)
@@ -407,6 +468,11 @@ class SegmentStore:
     def _hide(self, rec: _Record) -> None:
         """Make ``rec`` invisible to lookups and listings (its pages are not freed here)."""
         rec.visible = False
+        held = self._namespace_held[rec.namespace] - len(rec.pages)
+        if held:
+            self._namespace_held[rec.namespace] = held
+        else:
+            del self._namespace_held[rec.namespace]
         del self._by_id[rec.id]
         del self._lru[rec.serial]
         ns = self._by_namespace[rec.namespace]

@@ -101,7 +101,9 @@ class CpuScheduler:
 
     PAGE_TOKENS = 4
 
-    def __init__(self, region_tokens: int = 2048, slots: int = 256):
+    def __init__(
+        self, region_tokens: int = 2048, slots: int = 256, namespace_fraction: float = 1.0
+    ):
         from redknot.headmap import ModelShape, synthetic_map
         from redknot.pool.kv_pool import RedknotKVPool
         from redknot.pool.layout import HeadLayout
@@ -125,7 +127,7 @@ class CpuScheduler:
             device="cpu",
             segment_plan=plan,
         )
-        self.store = SegmentStore.for_pool(self.pool)
+        self.store = SegmentStore.for_pool(self.pool, namespace_fraction=namespace_fraction)
         self.tree_cache = types.SimpleNamespace(segments=self.store, pool=self.pool)
         self.pool.cache = self.tree_cache
         self._free_slots = list(range(slots - 1, 0, -1))
@@ -193,7 +195,8 @@ class CpuScheduler:
 
 class CpuTokenizerManager(FakeTokenizerManager):
     """A tokenizer manager in front of a :class:`CpuScheduler`; ``received`` holds a copy of
-    every request object as it reached the tokenizer manager (before SGLang normalises it)."""
+    every request object as it reached the tokenizer manager (before SGLang normalises it),
+    captures on miss included; ``last`` is the last one that is not a capture."""
 
     def __init__(self, tokenizer: Any, scheduler: CpuScheduler, **kwargs: Any):
         from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
@@ -210,6 +213,17 @@ class CpuTokenizerManager(FakeTokenizerManager):
             return [msgpack_decode(msgpack_encode(out))]
 
         self.redknot_segments_communicator = communicator
+
+    @property
+    def last(self):
+        from redknot.api.marks import KEY_CAPTURE
+
+        def is_capture(obj):
+            sp = obj.sampling_params
+            custom = sp.get("custom_params") if isinstance(sp, dict) else None
+            return isinstance(custom, dict) and custom.get(KEY_CAPTURE, False)
+
+        return [obj for obj in self.received if not is_capture(obj)][-1]
 
     async def generate_request(self, obj: Any, request: Any = None):
         self.received.append(copy.deepcopy(obj))
@@ -276,6 +290,8 @@ class CpuServer:
         chat: str = "off",
         server_args: Any = None,
         vocab_size: int | None = None,
+        capture: str = "on",
+        namespace_fraction: float = 1.0,
     ):
         from sglang.srt.entrypoints import http_server
 
@@ -286,7 +302,7 @@ class CpuServer:
 
         vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 512)
         self.app = app
-        self.scheduler = CpuScheduler(region_tokens)
+        self.scheduler = CpuScheduler(region_tokens, namespace_fraction=namespace_fraction)
         self.store = self.scheduler.store
         self.tm = CpuTokenizerManager(
             tokenizer, self.scheduler, context_len=context_len, vocab_size=vocab
@@ -295,6 +311,7 @@ class CpuServer:
             self.tm,
             chat=ChatSegments.parse(chat),
             namespaces=NamespaceRegistry.from_option(namespaces),
+            capture=capture == "on",
         )
         install(app, self.api)
         http_server._global_state.tokenizer_manager = self.tm

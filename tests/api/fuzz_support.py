@@ -70,7 +70,7 @@ class Oracle:
 def received_marks(server: Any) -> tuple[list[int], list]:
     """``(input_ids, [(start, end, namespace, id)])`` of the last request that reached the
     tokenizer manager (its marks validated against its tokens)."""
-    obj = server.tm.received[-1]
+    obj = server.tm.last
     sp = obj.sampling_params if isinstance(obj.sampling_params, dict) else {}
     custom = sp.get("custom_params") or {}
     marks = decode_marks(custom, obj.input_ids)
@@ -109,7 +109,7 @@ def check_registered(ns: str, ids: list[int], pin: bool) -> Callable:
         }
         if r.json() != want:
             return f"answer {r.json()}, want {want}"
-        obj = server.tm.received[-1]
+        obj = server.tm.last
         if obj.input_ids != ids or obj.sampling_params.get("max_new_tokens") != 0:
             return f"carrier {obj.input_ids} {obj.sampling_params}"
         entry = server.store.get(ns, sid)
@@ -178,7 +178,7 @@ def check_batch(prompts: list[tuple[list[int], list]]) -> Callable:
     """Every prompt of a batch reached the tokenizer manager as ``(input_ids, marks)``."""
 
     def check(server, r):
-        obj = server.tm.received[-1]
+        obj = server.tm.last
         got = []
         for i, ids in enumerate(obj.input_ids):
             custom = obj.sampling_params[i].get("custom_params") or {}

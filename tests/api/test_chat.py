@@ -83,8 +83,9 @@ def test_namespace_from_custom_params(chat):
 @pytest.mark.parametrize(
     "mode, custom, message",
     [
-        ("messages", {"redknot_namespace": "nope"}, "'nope' is unknown"),
+        ("messages", {"redknot_namespace": "a b"}, "not a valid namespace name"),
         ("messages", {"redknot_seg_bounds": [0, 1]}, "reserved for redknot"),
+        ("messages", {"redknot_capture": "no"}, "redknot_capture must be true or false"),
         ("off", {"redknot_namespace": "default"}, "--redknot-chat-segments"),
     ],
 )
@@ -110,7 +111,7 @@ def test_template_that_rewrites_content_falls_back(chat, smollm_tokenizer):
 
 
 def test_chat_route_answers_400(chat, client):
-    serving, _ = chat("messages")
+    serving, _ = chat("messages", namespaces="kb")  # a fixed set: "x" stays unknown
     client.app.state.openai_serving_chat = serving
     body = {"model": "m", "messages": MESSAGES, "custom_params": {"redknot_namespace": "x"}}
     r = client.post("/v1/chat/completions", json=body)

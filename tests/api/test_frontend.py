@@ -63,7 +63,7 @@ def test_segment_expression_in_a_program(make_api, endpoint, bpe_tokenizer):
 def test_program_with_an_unknown_namespace_gets_the_400_message(make_api, endpoint, bpe_tokenizer):
     import sglang as sgl
 
-    make_api(bpe_tokenizer)  # namespaces open: "kb" unknown until registered
+    make_api(bpe_tokenizer, namespaces="tenant1")  # a fixed set without "kb"
 
     @sgl.function
     def rag(s):
@@ -72,7 +72,7 @@ def test_program_with_an_unknown_namespace_gets_the_400_message(make_api, endpoi
     backend = sgl.RuntimeEndpoint(endpoint)
     state = rag.run(backend=backend)
     state.sync()
-    assert "'kb' is unknown: register a segment in it first" in str(state.error())
+    assert "'kb' is unknown: this server's namespaces are fixed" in str(state.error())
     # the server keeps serving
     make_api(bpe_tokenizer, namespaces="kb")
     assert rag.run(backend=backend)["answer"] == " ok"

@@ -127,7 +127,6 @@ TEXT = DOC + Q  # 72 characters
         ([[0, 5]], "must be an object"),
         ([{"start": 0}], "needs 'start' and 'end'"),
         ([{"start": 0, "end": 5, "ns": "kb"}], "needs 'start' and 'end'"),
-        ([{"start": 0, "end": 5, "namespace": "nope"}], "'nope' is unknown: register a segment"),
         ([{"start": 0, "end": 5, "namespace": 7}], "not a valid namespace name"),
         ([{"start": 0, "end": 5, "namespace": "a b"}], "not a valid namespace name"),
     ],

@@ -133,6 +133,20 @@ def test_engine_keywords_reach_server_args(sglang_plugins, llama_dir):
             ],
             "radix-cache-backend",
         ),
+        (
+            ["--attention-backend", "redknot", "--redknot-all-global", "--redknot-capture", "yes"],
+            "--redknot-capture 'yes' is not one of on, off",
+        ),
+        (
+            [
+                "--attention-backend",
+                "redknot",
+                "--redknot-all-global",
+                "--redknot-namespace-fraction",
+                "0",
+            ],
+            r"--redknot-namespace-fraction must be a number in \(0, 1\]",
+        ),
     ],
 )
 def test_bad_options_fail_at_startup_with_a_fix(sglang_plugins, llama_dir, extra, message):

@@ -1,0 +1,176 @@
+"""Capture on miss against the CPU server stand-in (``cpu_server.py``: SGLang's real app and
+redknot's real request API, segment store and registration path, no model): a fresh server
+serves marked requests with no registration, stores what missed, and the next request hits;
+capture off per request and per server; bad flags are 400s; a capture that cannot be stored
+loses nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from redknot.api.marks import KEY_CAPTURE, decode_marks, segment_id
+
+DOC = "Paris is the capital of France. Berlin is the capital of Germany."
+
+
+@pytest.fixture
+def make_server(http_app, smollm_tokenizer, server_args):
+    from tests.api.cpu_server import CpuServer
+
+    def make(**options):
+        options.setdefault("chat", "messages")
+        return CpuServer(http_app, smollm_tokenizer, server_args=server_args, **options)
+
+    return make
+
+
+def _generate(client, question="Capital of France?", namespace="kb", **extra):
+    text = f"Context: {DOC}\nQuestion: {question}\nAnswer:"
+    start = text.index(DOC)
+    body = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "redknot_segments": [{"start": start, "end": start + len(DOC), "namespace": namespace}],
+        **extra,
+    }
+    return client.post("/generate", json=body)
+
+
+def _doc_tokens(tok) -> int:
+    return len(tok.encode(DOC, add_special_tokens=False))
+
+
+def _captures(server) -> list:
+    out = []
+    for obj in server.tm.received:
+        custom = (obj.sampling_params or {}).get("custom_params") or {}
+        if custom.get(KEY_CAPTURE):
+            out.append(obj)
+    return out
+
+
+def test_fresh_server_new_namespace_miss_then_capture_then_hit(
+    make_server, client, smollm_tokenizer
+):
+    server = make_server()
+    n = _doc_tokens(smollm_tokenizer)
+    r = _generate(client)  # "kb" was never registered: created on first use
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["cached_tokens"] == 0
+    assert server.store.stats("kb")["misses"] == 1
+    (cap,) = _captures(server)  # the standalone segment: its tokens only, positions from 0
+    (mark,) = decode_marks(cap.sampling_params["custom_params"], cap.input_ids)
+    assert (mark.start, mark.end) == (0, n) and cap.sampling_params["max_new_tokens"] == 0
+    assert mark.segment_id == segment_id(
+        "kb", smollm_tokenizer.encode(DOC, add_special_tokens=False)
+    )
+    (seg,) = server.store.list("kb")
+    assert seg.ready and not seg.pinned and seg.num_tokens == n
+    r = _generate(client, "Capital of Germany?")  # another question, same document
+    assert r.json()["meta_info"]["cached_tokens"] == n
+    stats = client.get("/redknot/stats", params={"namespace": "kb"}).json()
+    assert stats["store"]["hits"] == 1 and stats["store"]["captures"] == 1
+    assert stats["api"]["captures_stored"] == 1 and stats["api"]["captures_skipped"] == 1
+    assert len(_captures(server)) == 1  # the hit sent nothing
+    assert "kb" in stats["namespaces"]
+
+
+def test_same_document_twice_in_one_request_is_captured_once(make_server, client):
+    server = make_server()
+    text = f"{DOC} and again: {DOC}"
+    spans = [{"start": 0, "end": len(DOC)}, {"start": text.rindex(DOC), "end": len(text)}]
+    r = client.post("/generate", json={"text": text, "redknot_segments": spans})
+    assert r.status_code == 200, r.text
+    assert len(_captures(server)) == 1
+    assert server.api.counters.captures_deduplicated == 1
+    assert server.store.stats()["segments"] == 1
+
+
+def test_chat_document_in_two_requests_hits_the_second_time(make_server, client):
+    server = make_server()
+    for question in ("Capital of France?", "Capital of Germany?"):
+        body = {
+            "model": "m",
+            "max_completion_tokens": 4,
+            "messages": [
+                {"role": "user", "content": DOC},
+                {"role": "user", "content": question},
+            ],
+        }
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+    stats = server.store.stats()
+    assert stats["hits"] == 1  # the document; the two questions differ
+    assert stats["misses"] == 3 and stats["captures"] == 3
+
+
+def test_capture_off_per_request_and_per_server(make_server, client):
+    server = make_server()
+    for _ in range(2):
+        assert _generate(client, redknot_capture=False).status_code == 200
+    assert server.store.stats()["misses"] == 2 and not _captures(server)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": DOC}],
+        "custom_params": {"redknot_capture": False},
+    }
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert not _captures(server)
+
+    server = make_server(capture="off")
+    for _ in range(2):
+        assert _generate(client).status_code == 200
+    assert server.store.stats()["misses"] == 2 and server.store.stats()["segments"] == 0
+    assert not _captures(server)
+
+
+@pytest.mark.parametrize("value", ["no", 0, None, [False]])
+def test_bad_capture_flag_is_a_400(make_server, client, value):
+    server = make_server()
+    r = _generate(client, redknot_capture=value)
+    assert r.status_code == 400 and "redknot_capture must be true or false" in r.text
+    r = client.post("/generate", json={"text": "plain", "redknot_capture": value})
+    assert r.status_code == 400
+    assert not server.tm.received
+
+
+def test_capture_flag_without_segments_is_removed(make_server, client):
+    server = make_server()
+    r = client.post("/generate", json={"text": "plain prompt", "redknot_capture": False})
+    assert r.status_code == 200, r.text
+    assert server.tm.last.text == "plain prompt" and not _captures(server)
+
+
+def test_fixed_namespaces_keep_unknown_ones_a_400(make_server, client):
+    server = make_server(namespaces="kb")
+    assert _generate(client).status_code == 200
+    r = _generate(client, namespace="other")
+    assert r.status_code == 400 and "fixed by --redknot-namespaces" in r.text
+    assert server.store.namespaces() == ["kb"]
+
+
+def test_capture_longer_than_the_region_stores_nothing_and_loses_nothing(make_server, client):
+    server = make_server(region_tokens=8)  # the document has more tokens than the region
+    pinned = client.post("/redknot/segments", json={"input_ids": [5, 6, 7], "pin": True})
+    assert pinned.status_code == 200, pinned.text
+    for _ in range(2):
+        r = _generate(client)
+        assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == 0
+    api = server.api.counters
+    assert api.captures_failed == 1 and api.captures_skipped == 1  # 413 is not retried
+    assert [e.num_tokens for e in server.store.list("default")] == [3]  # the pin stays
+
+
+def test_a_flooding_namespace_does_not_evict_another(make_server, client, smollm_tokenizer):
+    server = make_server(region_tokens=256, namespace_fraction=0.5)
+    keep = client.post("/redknot/segments", json={"namespace": "b", "text": DOC})
+    assert keep.status_code == 200, keep.text
+    for i in range(40):
+        text = f"Flood document number {i} " * 6
+        spans = [{"start": 0, "end": len(text), "namespace": "a"}]
+        r = client.post("/generate", json={"text": text, "redknot_segments": spans})
+        assert r.status_code == 200, r.text
+    assert server.store.stats("a")["evictions"] > 0
+    assert [e.id for e in server.store.list("b")] == [keep.json()["segment_id"]]
+    assert server.store.stats("b")["evictions"] == 0
+    server.store.check()
