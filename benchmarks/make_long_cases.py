@@ -130,7 +130,12 @@ def twofacts(w: Writer, n_docs: int, total: int) -> tuple[list[str], str, str, s
     ]
     a, b = people[:2]
     question = f"What are the secret numbers of {a} and {b}?"
-    return docs, question, f"The secret numbers of {a} and {b} are", f"{numbers[0]} and {numbers[1]}"
+    return (
+        docs,
+        question,
+        f"The secret numbers of {a} and {b} are",
+        f"{numbers[0]} and {numbers[1]}",
+    )
 
 
 def rag(w: Writer, n_docs: int, total: int) -> tuple[list[str], str, str, str]:
