@@ -165,3 +165,10 @@ def test_a_prefix_hit_and_an_uncached_document_are_kept_whole(runner, prompt, fu
     assert out.fractions["sequence_ratio"] == pytest.approx(
         int(policy.report.docs[0].anchor_mask().sum()) / 50
     )
+
+
+def test_the_server_refuses_samkv_at_startup_and_says_why():
+    from redknot.config import RedknotConfig, RedknotConfigError
+
+    with pytest.raises(RedknotConfigError, match=r"samkv is not served: .*fidelity --policies"):
+        RedknotConfig(policy="samkv")
