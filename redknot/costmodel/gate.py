@@ -58,11 +58,17 @@ class ReuseGate:
         costs = ModelCosts.of(hf_config, layout, tp_size=tp_size)
         model = ReuseCostModel(costs, Recovery.of(config, layout.num_layers), record, chunk)
         gate = cls(model, why)
+        shortest = gate.min_segment_tokens(8192)
+        pays = (
+            f"segments of {shortest}+ tokens pay in an 8K prompt"
+            if shortest is not None
+            else "no segment length pays in an 8K prompt on this model and device, so marked "
+            "prompts up to 8K are recomputed"
+        )
         logger.info(
             "redknot: reuse gate on (%s; %s): a marked request reuses its segments only when "
-            "predicted at most %.0f%% of recomputing; segments of %s tokens pay in an 8K prompt",
-            model.recovery.describe(), why, 100 * (1 - record.margin),
-            gate.min_segment_tokens(8192),
+            "predicted at most %.0f%% of recomputing; %s",
+            model.recovery.describe(), why, 100 * (1 - record.margin), pays,
         )  # fmt: skip
         return gate
 
