@@ -7,7 +7,7 @@ setup(
     "varlen attention, and position-independent segment reuse.",
     packages=find_packages(include=["redknot", "redknot.*"]),
     # calibrated profiles served by default (redknot.headmap.shipped): links into configs/heads
-    package_data={"redknot": ["profiles/*.json"]},
+    package_data={"redknot": ["profiles/*.json", "costmodel/records/*.json"]},
     python_requires=">=3.11",
     install_requires=["sglang==0.5.17"],
     extras_require={"test": ["pytest", "gguf", "accelerate"]},
