@@ -11,6 +11,7 @@ overlap, KL to dense, top-1). The settings come in groups (``--groups``):
 | ``baselines`` | ``headclass`` (the map's own error, windows 256 / 1024), ``naive``        |
 | ``ablation``  | redknot at the knobs the map records, then one component changed at a time: the layer schedule (``dense_layers``, ``mass_thresh``, ``recent_n``), ``skipped``, ``local_kv``, restore, sink repair (``repair_k``), the window (1024; 8192 = every token in sight) |
 | ``token``     | the token-level policies' fronts: EPIC, CacheBlend, SparseX at a few knobs |
+| ``wide``      | the same policies at costlier knobs (EPIC 128 / 256, CacheBlend 0.5, SparseX 8): where each front reaches dense |
 | ``variant``   | the head-aware variant kept after the diagnosis (``docs/fidelity.md``)    |
 | ``calibration`` | the candidates of ``python -m redknot.calibrate`` (``redknot.calibrate.candidates``) |
 
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from redknot.calibrate import candidates
 from redknot.eval.base import REFERENCE_LABEL, PolicySetting
 from redknot.eval.cases import load_cases
 from redknot.eval.fidelity import evaluate, pareto
@@ -68,7 +70,14 @@ GROUPS: dict[str, list[tuple[str, Knobs]]] = {
         ("cacheblend", {"blend_ratio": 0.3}),
         ("sparsex", {"sparseq_boundary": 5}),
     ],
+    "wide": [
+        ("epic", {"epic_k": 128}),
+        ("epic", {"epic_k": 256}),
+        ("cacheblend", {"blend_ratio": 0.5}),
+        ("sparsex", {"sparseq_boundary": 8}),
+    ],
     "variant": [],
+    "calibration": candidates(),
 }
 COLUMNS = ("kept", "contains", "exact_match", "f1", "top10", "kl", "top1", "flops_fraction")
 
