@@ -402,7 +402,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    cfg = json.loads(Path(args.model, "config.json").read_text())
+    cfg = model_config(args.model)
     if args.merge:
         runs = {p: json.loads(Path(p).read_text()) for p in args.merge.split(",")}
         merged = merge(cfg, runs)
@@ -476,6 +476,20 @@ MERGE_KEYS = ("device", "commit", "model", "load_format", "question", "reps",
               "dense_layers_of_sparse_variant")  # fmt: skip
 
 
+def model_config(model: str) -> dict:
+    """The model's ``config.json``; for ``--merge`` here also a name the reference path loads
+    (``smollm2``: the shape a GPU run read from its converted checkpoint)."""
+    path = Path(model, "config.json")
+    if path.is_file():
+        return json.loads(path.read_text())
+    from transformers import AutoConfig
+
+    from redknot.reference.loading import resolve_source
+
+    source = resolve_source(model)
+    return AutoConfig.from_pretrained(source.directory, **source.kwargs()).to_dict()
+
+
 def merge(cfg: dict, runs: dict[str, dict]) -> dict:
     """One result of several runs (``path -> result``) of the same commit on the same device
     and settings, e.g. the variants of one comparison split over device calls of 10 minutes:
@@ -515,10 +529,15 @@ def summarize(cfg: dict, results: dict, reps: int) -> dict:
         fraction = VARIANTS[parse_variant(name)[0]][0]
         skipped = res.get("ffn_skipped_per_prompt", [])
         left_all = res.get("left_per_prompt", [])
-        for i, (key, row) in enumerate(res.get("points", {}).items()):
+        at = 0  # the server logs these per prompt served with reuse only
+        for key, row in res.get("points", {}).items():
             n = row["prompt_tokens"]
             flops = prefill_flops(cfg, n, fraction)
-            measured = slice(i * (reps + 1) + 1, (i + 1) * (reps + 1))  # after the warm-up
+            # no decision counted (no gate: --redknot-reuse-gate always): every prompt reused
+            logged = row["served"].count("reuse") if row.get("served") else reps + 1
+            # the measured prompts' entries: after the warm-up's when every prompt reused
+            measured = slice(at + max(logged - reps, 0), at + logged)
+            at += logged
             mine, left = skipped[measured], left_all[measured]
             if mine:
                 flops -= statistics.median(mine) * ffn

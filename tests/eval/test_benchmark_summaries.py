@@ -313,3 +313,26 @@ def test_summary_counts_how_the_reuse_gate_served_a_point():
             "epic"
         ]["1024x8"]
     )
+
+
+def test_logged_counts_of_a_point_after_a_recomputed_one_stay_with_their_point():
+    # the server logs "token-layers left to the cache" only for prompts served with reuse: the
+    # 1K point was recomputed (no entries), so the first four entries belong to the 2K point
+    recomputed, reused = ["recomputed"] * 4, ["reuse"] * 4
+    results = {
+        "flashinfer": {"points": {"1024x8": _row(1024, 8, 0.035), "2048x8": _row(2048, 8, 0.06)}},
+        "epic": {
+            "points": {
+                "1024x8": _row(1024, 8, 0.036, served=recomputed),
+                "2048x8": _row(2048, 8, 0.036, served=reused),
+            },
+            "left_per_prompt": [1800 * 32] * 4,
+        },
+    }
+    summary = summarize(CFG, results, reps=3)["epic"]
+    full_1k = prefill_flops(CFG, 1024 + 65, None)
+    assert summary["1024x8"]["flops"] == pytest.approx(full_1k)  # recomputed: every FLOP
+    assert "token_layers_left_to_cache" not in summary["1024x8"]
+    assert summary["2048x8"]["token_layers_left_to_cache"] == 1800 * 32
+    assert 0 < summary["2048x8"]["flops"] < prefill_flops(CFG, 2048 + 65, None)
+    assert summary["2048x8"]["flop_ratio_vs_flashinfer"] > 1
