@@ -162,6 +162,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results/fidelity_frontier.json")
     p.add_argument("--combine", nargs="+", default=None, metavar="FILE",
                    help="join the case sets of finished runs (e.g. one per GPU call) into --out")  # fmt: skip
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="with --combine: also plot kept against FLOPs per case set (matplotlib)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -198,7 +200,10 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     if args.combine:
-        return combine(args.combine, args.out, args.default)
+        code = combine(args.combine, args.out, args.default)
+        if args.plot:
+            print(plot(json.loads(Path(args.out).read_text()), args.plot))
+        return code
     groups = [g for g in args.groups.split(",") if g]
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
@@ -246,6 +251,54 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+FAMILY_COLOR = {"full": "black", "headclass": "grey", "naive": "tab:brown", "redknot": "tab:red",
+                "epic": "tab:blue", "cacheblend": "tab:green", "sparsex": "tab:purple"}  # fmt: skip
+
+
+def plot(result: dict, path: str) -> str:
+    """One panel per case set: each setting's kept share of dense-correct answers against its
+    prefill FLOPs (fraction of dense), coloured by policy, the default ringed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"matplotlib is not installed: no plot written ({path} skipped)"
+    sets = result["sets"]
+    default = (result.get("default") or {}).get("record", {}).get("setting", {}).get("policy")
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
+    for ax, (name, r) in zip(axes[0], sets.items()):
+        dense_correct = r["cases"]["dense_correct"]
+        for label, s in r["summary"].items():
+            family = label.partition("[")[0]
+            x, y = s["flops_fraction"], s["kept"]
+            ax.scatter(x, y, color=FAMILY_COLOR.get(family, "orange"), s=30, zorder=3)
+            if label == default:
+                ax.scatter(x, y, s=160, facecolors="none", edgecolors="black", zorder=4)
+            if family == "redknot" and label != "redknot":
+                continue  # the ablation's points: coloured, unnamed (the table names them)
+            ax.annotate(label.replace("blend_ratio=", "").replace("epic_k=", "k=")
+                        .replace("sparseq_boundary=", "b="), (x, y), fontsize=6,
+                        xytext=(3, 2), textcoords="offset points")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("prefill FLOPs, fraction of dense (log)")
+        ax.set_ylabel(f"kept of the {dense_correct} dense-correct answers")
+        ax.set_title(f"{name}: {r['cases']['count']} cases")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+    handles = [
+        plt.Line2D([], [], marker="o", ls="", color=c, label=f) for f, c in FAMILY_COLOR.items()
+    ]
+    axes[0][0].legend(handles=handles, fontsize=7, loc="lower right")
+    fig.suptitle(
+        f"answers against prefill FLOPs, reference path ({result['commit']}); ring: the default"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return f"wrote {path}"
 
 
 def default_block(profile: str, results: dict[str, dict]) -> dict:

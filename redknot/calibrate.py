@@ -68,8 +68,10 @@ CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("naive", {}),
     ("epic", {"epic_k": 16}),
     ("epic", {"epic_k": 64}),
+    ("epic", {"epic_k": 256}),
     ("cacheblend", {"blend_ratio": 0.15}),
     ("cacheblend", {"blend_ratio": 0.3}),
+    ("cacheblend", {"blend_ratio": 0.5}),
     ("sparsex", {"sparseq_boundary": 5}),
 )
 
@@ -85,6 +87,12 @@ def _value(text: str) -> Any:
         except ValueError:
             pass
     return {"None": None, "True": True, "False": False}.get(text, text)
+
+
+def flags_of(setting: ServedSetting) -> str:
+    """The server options that serve ``setting``: ``--redknot-policy P --redknot-KNOB V ...``."""
+    knobs = " ".join(f"--redknot-{k.replace('_', '-')} {v}" for k, v in setting.knobs.items())
+    return f"--redknot-policy {setting.policy}" + (f" {knobs}" if knobs else "")
 
 
 def parse_label(label: str) -> ServedSetting | None:
@@ -259,7 +267,7 @@ def build_record(
             reason += (
                 f"; the closest token-level setting, {token.setting.label}, kept "
                 f"{m.get('kept', 0):.3f} at {m.get('flops_fraction', 0):.3f} of dense FLOPs "
-                f"(serve it with --redknot-policy {token.setting.policy})"
+                f"(serve it with {flags_of(token.setting)})"
             )
     else:
         reason = (

@@ -184,3 +184,19 @@ def test_unknown_engine_keyword_is_rejected(sglang_plugins, llama_dir):
             attention_backend="redknot",
             redknot_windw=3,
         )
+
+
+def test_the_flags_a_calibration_record_names_serve_its_setting(sglang_plugins, llama_dir):
+    # the served-default log tells a user how to serve the closest setting: those flags parse
+    # and publish exactly that setting's policy and knobs
+    from redknot.calibrate import candidates, flags_of
+    from redknot.headmap.served import TOKEN_LEVEL, ServedSetting
+
+    for policy, knobs in candidates():
+        if policy not in TOKEN_LEVEL:
+            continue
+        flags = flags_of(ServedSetting(policy, knobs)).split()
+        _parse(llama_dir, "--attention-backend", "redknot", *flags)
+        published = _published()
+        assert published.policy == policy
+        assert all(getattr(published, k) == v for k, v in knobs.items()), (flags, published)

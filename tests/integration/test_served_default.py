@@ -28,12 +28,13 @@ def test_the_shipped_profile_records_no_reuse_with_provenance():
     record = HeadMap.load(SHIPPED).served
     assert record is not None and record.label == "full" and record.meets_floor
     assert record.floor == {"kept": 0.99, "top10": 0.85}
-    assert record.token_level.setting.label == "cacheblend[blend_ratio=0.15]"
+    assert record.token_level.setting.label == "cacheblend[blend_ratio=0.5]"
     assert not record.token_level.meets_floor and "--redknot-policy cacheblend" in record.reason
     assert record.head_aware.setting.policy == "redknot" and not record.head_aware.meets_floor
     prov = record.provenance
     assert prov["tool"] == "redknot.calibrate" and prov["commit"] and prov["floor"]
     assert "benchmarks/cases/rag_v1.jsonl" in prov["cases"] and prov["metric"]
+    assert "benchmarks/cases/long_v1.jsonl" in prov["cases"]  # both case sets pooled
     assert record.model_signature.matches(SMOLLM2)
 
 
