@@ -239,3 +239,58 @@ def test_a_repeated_document_is_captured_once_and_batches_are_chunked(make_serve
     assert r.status_code == 200, r.text
     assert len(r.json()) == 2 and isinstance(server.tm.last.input_ids[0], list)
     assert server.store.stats("auto")["hits"] > 0
+
+
+def _adversarial_body(rng: random.Random, vocab: int) -> dict:
+    """One unmarked /generate body of a seeded adversarial kind."""
+    doc = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 400))]
+    kind = rng.choice(["repeat", "edit", "token", "short", "batch", "vocab", "limit", "text"])
+    if kind == "repeat":  # a prompt of repeated chunks
+        ids = doc[:60] * rng.randrange(2, 8)
+    elif kind == "edit":  # a document that differs in one token
+        at = rng.randrange(len(doc))
+        ids = [5] * 20 + doc[:at] + [(doc[at] + 1) % vocab] + doc[at + 1 :]
+    elif kind == "token":  # one token repeated
+        ids = [rng.randrange(vocab)] * rng.randrange(1, 1500)
+    elif kind == "short":
+        ids = doc[: rng.randrange(0, 3)]
+    elif kind == "batch":
+        ids = [doc, doc[::-1], doc[: len(doc) // 2]]
+    elif kind == "vocab":  # ids SGLang refuses
+        ids = doc + [vocab + rng.randrange(5)]
+    elif kind == "limit":  # at and past the context length (2048)
+        ids = (doc * 2048)[: rng.choice([2046, 2047, 2048, 2049])]
+    else:
+        return {
+            "text": rng.choice(DOCS) * rng.randrange(1, 4),
+            "redknot_capture": rng.random() < 0.5,
+        }
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+    if rng.random() < 0.2:
+        body["redknot_auto_segments"] = rng.random() < 0.5
+    return body
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_adversarial_unmarked_prompts_get_no_5xx_and_lose_nothing(make_server, client, seed):
+    server = make_server(region_tokens=512, namespace_fraction=0.5)
+    keep = client.post("/redknot/segments", json={"namespace": "kb", "input_ids": [9] * 40})
+    assert keep.status_code == 200, keep.text
+    rng = random.Random(seed)
+    vocab = server.tm.model_config.vocab_size
+    statuses = []
+    for _ in range(60):
+        body = _adversarial_body(rng, vocab)
+        r = client.post("/generate", json=body)
+        assert r.status_code < 500, (body, r.text)
+        statuses.append(r.status_code)
+        if r.status_code == 200 and "input_ids" in body:
+            assert server.tm.last.input_ids == body["input_ids"]  # the prompt as sent
+        server.store.check()
+    assert 200 in statuses and 400 in statuses
+    assert server.store.stats("auto")["evictions"] > 0  # the flood stayed within its cap
+    assert [e.id for e in server.store.list("kb")] == [keep.json()["segment_id"]]
+    text = rag_prompt("After.", [0], "Still?")  # and the store still serves
+    for _ in range(2):
+        generate(client, text)
+    assert server.store.stats("auto")["hits"] > 0
