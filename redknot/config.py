@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from redknot import served_default
-from redknot.api.options import ChatSegments, parse_namespaces
+from redknot.api.options import AutoSegmentsOption, ChatSegments, parse_namespaces
 from redknot.headmap import HeadMap, HeadMapError, ModelShape
 from redknot.headmap.served import ModelSignature
 from redknot.served_default import ServedDefaultError
@@ -202,6 +202,19 @@ class RedknotConfig:
         "after the request's first token); 'off' stores only registered segments.",
         default="on",
     )
+    auto_segments: str = _opt(
+        "Segments in unmarked /generate prompts: 'off', or 'cdc' (the prompt's tokens are cut "
+        "into content-defined chunks, looked up and captured in namespace 'auto'; "
+        "docs/auto_segments.md). Off by default: on the shipped model the measured reuse gate "
+        "serves no reuse, so automatic chunks would only cost captures.",
+        default="off",
+    )
+    auto_chunk_tokens: int = _opt(
+        "--redknot-auto-segments cdc: average chunk length in tokens (chunks are a quarter to "
+        "four times this; shorter ones, and those below the reuse gate's break-even, are not "
+        "segments).",
+        default=256,
+    )
     namespace_fraction: float = _opt(
         "Largest fraction of the segment region one namespace may hold; beyond it a new segment "
         "evicts that namespace's own least recently used ones, never another namespace's.",
@@ -281,6 +294,7 @@ class RedknotConfig:
         for parse in (
             lambda: ChatSegments.parse(self.chat_segments),
             lambda: parse_namespaces(self.namespaces),
+            lambda: AutoSegmentsOption.parse(self.auto_segments, self.auto_chunk_tokens),
         ):
             try:
                 parse()

@@ -30,7 +30,7 @@ from sglang.srt.managers.io_struct import BaseReq
 
 logger = logging.getLogger(__name__)
 
-OPS = ("list", "delete", "stats", "registration")
+OPS = ("list", "delete", "stats", "registration", "gate")
 TIMEOUT_S = 60.0
 
 
@@ -94,6 +94,10 @@ def handle(scheduler: Any, req: RedknotSegmentsReq) -> RedknotSegmentsReqOutput:
             payload = store.stats(req.namespace)
         elif req.op == "registration":
             payload = store.registration_state(req.namespace, req.segment_id)
+        elif req.op == "gate":  # the reuse gate's break-even, for automatic chunks
+            from redknot.api.auto import gate_state
+
+            payload = gate_state(scheduler)
         else:
             return RedknotSegmentsReqOutput(status=400, message=f"unknown op {req.op!r}")
     except LookupError as e:

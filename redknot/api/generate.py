@@ -12,16 +12,21 @@ markers in ``text`` (``markers.py``, what ``@sgl.function`` programs send). The 
 - removes ``redknot_capture`` (``false``: this request's segments are not captured on a miss)
   and hands the marked segments to capture on miss otherwise (``capture.py``).
 
-A body without markup is returned as ``None``: SGLang serves it untouched.
+A body without markup is returned as ``None``: SGLang serves it untouched. Under
+``--redknot-auto-segments cdc`` such a body is rewritten by :func:`rewrite_unmarked` instead
+(its content-defined chunks marked in namespace ``auto``: ``auto.py``) unless it says
+``"redknot_auto_segments": false``; that field is removed from every body.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from redknot.api.auto import AUTO_FIELD
 from redknot.api.capture import CAPTURE_FIELD, check_flag, note
 from redknot.api.markers import has_markers, parse_markers
 from redknot.api.marks import SegmentMarkError, encode_marks, reserved_keys
+from redknot.api.options import AUTO_NAMESPACE
 from redknot.api.service import SegmentApi
 from redknot.api.spans import FIELD, parse_spans
 
@@ -121,13 +126,16 @@ def _check_input_logprobs(
 
 def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
     """The rewritten body, or ``None`` when there is nothing to rewrite."""
-    if not needs_rewrite(body):
-        return None
+    auto, body, stripped = _auto_flag(body)
+    if not needs_rewrite(body):  # nothing marked
+        new = rewrite_unmarked(body, api, capture=True) if auto else None
+        return new if new is not None else (body if stripped else None)
     if CAPTURE_FIELD in body:
         rest = {k: v for k, v in body.items() if k != CAPTURE_FIELD}
-        if not needs_rewrite(rest):  # nothing marked: only the flag goes
-            check_flag(body[CAPTURE_FIELD], CAPTURE_FIELD)
-            return rest
+        if not needs_rewrite(rest):  # nothing marked: the flag goes
+            capture = check_flag(body[CAPTURE_FIELD], CAPTURE_FIELD)
+            new = rewrite_unmarked(rest, api, capture=capture) if auto else None
+            return rest if new is None else new
     reject_reserved(body)
     for key in _UNSUPPORTED:
         if body.get(key) is not None:
@@ -205,4 +213,79 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
     new["sampling_params"] = params if batch else params[0]
     if marked:
         api.counters.add(requests_with_segments=1, segments_marked=marked)
+    return new
+
+
+def _auto_flag(body: Any) -> tuple[bool, Any, bool]:
+    """``(automatic segments wanted, body without the flag, whether the flag was there)``."""
+    if not isinstance(body, dict) or AUTO_FIELD not in body:
+        return True, body, False
+    wanted = check_flag(body[AUTO_FIELD], AUTO_FIELD)
+    return wanted, {k: v for k, v in body.items() if k != AUTO_FIELD}, True
+
+
+def _tokens(prompt: Any, is_text: bool, api: SegmentApi, where: str) -> list[int]:
+    """A prompt's token ids as SGLang's tokenizer manager makes them (``SegmentMarkError`` for
+    what SGLang would refuse or tokenise otherwise)."""
+    if not is_text:
+        return _check_ids(prompt, where)
+    if not isinstance(prompt, str):
+        raise SegmentMarkError(f"{where} text must be a string")
+    return list(api.tokenizer.tokenizer.encode(prompt))
+
+
+def rewrite_unmarked(body: Any, api: SegmentApi, *, capture: bool) -> dict | None:
+    """``body``, which marks nothing, with its automatic segments (``auto.py``), or ``None``
+    when it is served as it is: automatic segments off, no chunk to mark, or a request that this
+    path leaves to SGLang (media, embeddings, what SGLang answers with an error)."""
+    auto = api.auto
+    if not auto.enabled or not isinstance(body, dict):
+        return None
+    if any(body.get(key) is not None for key in _UNSUPPORTED):
+        return None
+    if api.namespaces.closed and not api.namespaces.is_known(AUTO_NAMESPACE):
+        auto.warn_once(
+            "namespace",
+            f"--redknot-namespaces does not declare '{AUTO_NAMESPACE}': unmarked prompts are "
+            "served without automatic segments",
+        )
+        return None
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        return None
+    batch = isinstance(text, list) if text is not None else _is_batch_ids(ids)
+    prompts = (text if batch else [text]) if text is not None else (ids if batch else [ids])
+    limit = api.context_len
+    try:
+        params = _sampling_params(body, len(prompts))
+        out_ids = [_tokens(p, text is not None, api, "a prompt") for p in prompts]
+    except SegmentMarkError:
+        return None  # SGLang answers for what it refuses
+    if not prompts or any(limit is not None and len(p) >= limit for p in out_ids):
+        return None
+    marked = 0
+    for k, input_ids in enumerate(out_ids):
+        where = f"prompt {k}" if batch else "the prompt"
+        spans = auto.spans(input_ids)
+        marks = api.marks(input_ids, spans, [AUTO_NAMESPACE] * len(spans), where=where)
+        if marks and api.rows_leave:
+            try:
+                _check_input_logprobs(
+                    body, k if batch else None, marks, len(input_ids), api.rows_leave, where
+                )
+            except SegmentMarkError:
+                marks = []  # it asks logprobs of tokens reuse would not compute
+        if marks:
+            custom = dict(params[k].get("custom_params") or {})
+            custom.update(encode_marks(marks))
+            params[k]["custom_params"] = custom
+            marked += len(marks)
+            if capture:
+                note([(m.namespace, input_ids[m.start : m.end]) for m in marks])
+    if not marked:
+        return None
+    new = {k: v for k, v in body.items() if k not in ("text", "input_ids")}
+    new["input_ids"] = out_ids if batch else out_ids[0]
+    new["sampling_params"] = params if batch else params[0]
+    api.counters.add(auto_requests=1, auto_chunks_marked=marked)
     return new

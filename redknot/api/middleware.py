@@ -9,7 +9,8 @@ before; a capture never delays it).
 It is the app's innermost middleware (inside SGLang's request decompression, CORS and API-key
 checks: ``server.install``), in front of SGLang's own ``/generate`` route, which then parses the
 rewritten body as usual. Bodies without segment markup pass through untouched after a byte
-scan; bodies that are not JSON are left for SGLang to reject. Invalid markup is answered here
+scan (under ``--redknot-auto-segments cdc`` every ``/generate`` body is parsed, for its
+automatic segments); bodies that are not JSON are left for SGLang to reject. Invalid markup is answered here
 with a 400 and never reaches the engine.
 
 The byte scan must see every spelling of markup that SGLang's JSON parser would read: a body is
@@ -82,12 +83,16 @@ class SegmentMarkupMiddleware:
             capture.PENDING.reset(token)
 
     async def _serve(self, scope, receive, send, body: bytes, api, pending: list) -> None:
-        if api is not None and any(t in body for t in _TRIGGERS):
+        path = scope.get("path")
+        auto = api is not None and api.auto.enabled and path in PATHS
+        if api is not None and (auto or any(t in body for t in _TRIGGERS)):
             try:
-                if scope.get("path") in PATHS:
+                if path in PATHS:
+                    if auto:
+                        await api.auto.ask_gate(api.tokenizer_manager)
                     new = rewrite_generate(orjson.loads(body), api)
                 else:  # other endpoints: refuse reserved custom_params keys and markers
-                    _check_other(orjson.loads(body), scope.get("path"))
+                    _check_other(orjson.loads(body), path)
                     new = None
             except orjson.JSONDecodeError:
                 new = None  # SGLang answers malformed JSON itself

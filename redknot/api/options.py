@@ -1,7 +1,9 @@
 """Server options of the request API, parsed and validated (pure Python, no SGLang imports).
 
 ``--redknot-chat-segments`` says which messages of an OpenAI chat request become segments;
-``--redknot-namespaces`` declares the namespaces requests may use (see ``namespaces.py``).
+``--redknot-namespaces`` declares the namespaces requests may use (see ``namespaces.py``);
+``--redknot-auto-segments`` / ``--redknot-auto-chunk-tokens`` cut unmarked ``/generate`` prompts
+into content-defined chunks (see ``auto.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import re
 from dataclasses import dataclass
 
 CHAT_MODES = ("off", "messages", "min-tokens:N")
+AUTO_MODES = ("off", "cdc")
+AUTO_NAMESPACE = "auto"  # the namespace of automatic chunks
+MIN_AUTO_CHUNK_TOKENS = 16  # smallest --redknot-auto-chunk-tokens (chunks of 4+ tokens)
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}")  # the whole name
 DEFAULT_NAMESPACE = "default"
 
@@ -40,6 +45,32 @@ class ChatSegments:
 
     def selects(self, num_tokens: int) -> bool:
         return self.enabled and num_tokens >= self.min_tokens
+
+
+@dataclass(frozen=True)
+class AutoSegmentsOption:
+    """Whether unmarked ``/generate`` prompts are cut into chunks, and their average length."""
+
+    enabled: bool
+    chunk_tokens: int = 256
+
+    @classmethod
+    def parse(cls, mode: str, chunk_tokens: int) -> AutoSegmentsOption:
+        """``mode``: ``off`` | ``cdc``; ``chunk_tokens``: an integer >= 16. ValueError else."""
+        if mode not in AUTO_MODES:
+            raise ValueError(
+                f"--redknot-auto-segments {mode!r} is not one of {', '.join(AUTO_MODES)}"
+            )
+        if (
+            isinstance(chunk_tokens, bool)
+            or not isinstance(chunk_tokens, int)
+            or chunk_tokens < MIN_AUTO_CHUNK_TOKENS
+        ):
+            raise ValueError(
+                f"--redknot-auto-chunk-tokens must be an integer >= {MIN_AUTO_CHUNK_TOKENS}, "
+                f"got {chunk_tokens!r}"
+            )
+        return cls(enabled=mode == "cdc", chunk_tokens=chunk_tokens)
 
 
 def check_namespace_name(name: object, *, where: str = "namespace") -> str:

@@ -13,7 +13,8 @@
 | ``GET /redknot/segments?namespace=``         | the namespace's segments                     |
 | ``DELETE /redknot/segments/{id}?namespace=`` | delete one (404 when unknown)                |
 | ``GET /redknot/stats[?namespace=]``          | store counters and usage, API counters,      |
-|                                              | known namespaces                             |
+|                                              | known namespaces; ``auto``: automatic chunks |
+|                                              | (with ``--redknot-auto-segments cdc``)       |
 
 Errors are ``{"error": {"message", "type", "code"}}`` with a 4xx/5xx status, like SGLang's.
 """
@@ -29,7 +30,7 @@ from fastapi.responses import Response
 
 from redknot.api import control
 from redknot.api.marks import SegmentMark, SegmentMarkError, encode_marks, segment_id
-from redknot.api.options import DEFAULT_NAMESPACE
+from redknot.api.options import AUTO_NAMESPACE, DEFAULT_NAMESPACE
 from redknot.api.service import SegmentApi
 
 PREFIX = "/redknot"
@@ -152,10 +153,37 @@ def build_router(get_api: Callable[[], SegmentApi]) -> APIRouter:
         if out.status_code == 200:
             body = orjson.loads(out.body)
             body.update(api=api.counters.as_dict(), namespaces=api.namespaces.known())
+            if api.auto.enabled:
+                body["auto"] = await _auto_stats(api)
             return _json(body)
         return out
 
     return router
+
+
+async def _auto_stats(api: SegmentApi) -> dict[str, Any]:
+    """Automatic segments (``--redknot-auto-segments``): the chunking, what the HTTP side
+    marked, and the store's counters of namespace ``auto``."""
+    try:
+        store = await control.call(api.tokenizer_manager, "stats", AUTO_NAMESPACE)
+    except control.ControlError as e:
+        return {"namespace": AUTO_NAMESPACE, "error": str(e)}
+    auto = api.auto
+    return {
+        "namespace": AUTO_NAMESPACE,
+        "chunk_tokens": auto.chunker.avg_tokens,
+        "min_store_tokens": auto.min_store_tokens,
+        "gate_min_tokens": auto.gate_min_tokens,
+        "idle": auto.idle,  # why no chunk is marked, or None
+        "requests": api.counters.auto_requests,
+        "chunks_marked": api.counters.auto_chunks_marked,
+        "chunk_hits": store["hits"],
+        "chunk_misses": store["misses"],
+        "chunk_hit_tokens": store["hit_tokens"],
+        "chunk_captures": store["captures"],
+        "chunk_evictions": store["evictions"],
+        "chunks_stored": store["segments"],
+    }
 
 
 async def _body(request: Request) -> Any:

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redknot.api.auto import AutoSegments
 from redknot.api.capture import Capturer
 from redknot.api.marks import SegmentMark, SegmentMarkError, check_marks, segment_id
 from redknot.api.namespaces import NamespaceRegistry
-from redknot.api.options import ChatSegments
+from redknot.api.options import AutoSegmentsOption, ChatSegments
 from redknot.api.tokenize import PiecewiseTokenizer
 
 
@@ -34,6 +35,9 @@ class ApiCounters:
     captures_skipped: int = 0  # already stored or being written: nothing sent
     captures_deduplicated: int = 0  # the same segment was being captured already
     captures_dropped: int = 0  # too many captures pending
+    # automatic segments (redknot.api.auto): unmarked requests given chunks, and the chunks
+    auto_requests: int = 0
+    auto_chunks_marked: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas: int) -> None:
@@ -54,6 +58,7 @@ class SegmentApi:
         namespaces: NamespaceRegistry | None = None,
         rows_leave: str | None = None,
         capture: bool = False,
+        auto: AutoSegmentsOption | None = None,
     ):
         self.tokenizer_manager = tokenizer_manager
         self.chat = chat or ChatSegments(enabled=False)
@@ -62,18 +67,20 @@ class SegmentApi:
         self.rows_leave = rows_leave
         self.counters = ApiCounters()
         self.capture = Capturer(self, enabled=capture)
+        self.auto = AutoSegments(auto)
         self._piecewise: PiecewiseTokenizer | None = None
 
     @classmethod
     def from_config(cls, tokenizer_manager: Any, config: Any) -> SegmentApi:
-        """From a ``RedknotConfig`` (its ``chat_segments``, ``namespaces`` and ``capture``
-        options, and whether reused tokens leave recovery)."""
+        """From a ``RedknotConfig`` (its ``chat_segments``, ``namespaces``, ``capture`` and
+        ``auto_*`` options, and whether reused tokens leave recovery)."""
         return cls(
             tokenizer_manager,
             chat=ChatSegments.parse(config.chat_segments),
             namespaces=NamespaceRegistry.from_option(config.namespaces),
             rows_leave=config.rows_leave,
             capture=config.capture == "on",
+            auto=AutoSegmentsOption.parse(config.auto_segments, config.auto_chunk_tokens),
         )
 
     @property

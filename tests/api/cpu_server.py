@@ -144,7 +144,11 @@ class CpuScheduler:
 
         rpi = self._free_slots.pop()
         req = types.SimpleNamespace(
-            rid=rid, origin_input_ids=ids, sampling_params=sampling_params, req_pool_idx=rpi
+            rid=rid,
+            origin_input_ids=ids,
+            sampling_params=sampling_params,
+            req_pool_idx=rpi,
+            prefix_indices=[],  # no radix cache: no exact-prefix hit
         )
         registration.start(self.tree_cache, req)
         reuse.start(self.tree_cache, req)
@@ -292,11 +296,13 @@ class CpuServer:
         vocab_size: int | None = None,
         capture: str = "on",
         namespace_fraction: float = 1.0,
+        auto_segments: str = "off",
+        auto_chunk_tokens: int = 256,
     ):
         from sglang.srt.entrypoints import http_server
 
         from redknot.api.namespaces import NamespaceRegistry
-        from redknot.api.options import ChatSegments
+        from redknot.api.options import AutoSegmentsOption, ChatSegments
         from redknot.api.server import install
         from redknot.api.service import SegmentApi
 
@@ -312,6 +318,7 @@ class CpuServer:
             chat=ChatSegments.parse(chat),
             namespaces=NamespaceRegistry.from_option(namespaces),
             capture=capture == "on",
+            auto=AutoSegmentsOption.parse(auto_segments, auto_chunk_tokens),
         )
         install(app, self.api)
         http_server._global_state.tokenizer_manager = self.tm

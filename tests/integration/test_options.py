@@ -147,6 +147,16 @@ def test_engine_keywords_reach_server_args(sglang_plugins, llama_dir):
             ],
             r"--redknot-namespace-fraction must be a number in \(0, 1\]",
         ),
+        (
+            ["--attention-backend", "redknot", "--redknot-all-global"]
+            + ["--redknot-auto-segments", "on"],
+            "--redknot-auto-segments 'on' is not one of off, cdc",
+        ),
+        (
+            ["--attention-backend", "redknot", "--redknot-all-global"]
+            + ["--redknot-auto-segments", "cdc", "--redknot-auto-chunk-tokens", "8"],
+            "--redknot-auto-chunk-tokens must be an integer >= 16, got 8",
+        ),
     ],
 )
 def test_bad_options_fail_at_startup_with_a_fix(sglang_plugins, llama_dir, extra, message):
@@ -200,3 +210,16 @@ def test_the_flags_a_calibration_record_names_serve_its_setting(sglang_plugins, 
         published = _published()
         assert published.policy == policy
         assert all(getattr(published, k) == v for k, v in knobs.items()), (flags, published)
+
+
+def test_auto_segment_flags_reach_the_request_api(sglang_plugins, llama_dir):
+    from redknot.api.service import SegmentApi
+
+    _parse(llama_dir, "--attention-backend", "redknot", "--redknot-all-global")
+    assert not SegmentApi.from_config(None, _published()).auto.enabled  # off by default
+    extra = ["--redknot-auto-segments", "cdc", "--redknot-auto-chunk-tokens", "64"]
+    _parse(llama_dir, "--attention-backend", "redknot", "--redknot-all-global", *extra)
+    config = _published()
+    assert (config.auto_segments, config.auto_chunk_tokens) == ("cdc", 64)
+    auto = SegmentApi.from_config(None, config).auto
+    assert auto.enabled and (auto.chunker.min_tokens, auto.chunker.max_tokens) == (16, 256)

@@ -1,0 +1,147 @@
+"""Automatic segments of unmarked prompts: ``--redknot-auto-segments cdc``.
+
+A ``/generate`` request that marks nothing is tokenised here as SGLang would tokenise it (the
+tokenizer manager's tokenizer over the whole text, or the client's ``input_ids``), cut into
+content-defined chunks (``chunking.py``), and its chunks are marked as segments of namespace
+``auto`` (``AUTO_NAMESPACE``; created on first use). From there they are ordinary marked
+segments: the scheduler looks each one up by content (namespace and token ids), a hit reuses the
+stored K/V at the chunk's position, and a miss is captured after the request's first token
+(``capture.py``) unless capture is off.
+
+Which chunks become segments:
+
+| chunk                                   | segment? | why                                       |
+| --------------------------------------- | -------- | ----------------------------------------- |
+| the first (from token 0)                | no       | exact-prefix reuse (SGLang's radix cache) |
+|                                         |          | serves a shared prompt head; and its start |
+|                                         |          | is the prompt's, not a content-defined cut |
+| the last (to the prompt's end)          | no       | its end is the prompt's (the question's)   |
+| shorter than ``min_store_tokens``       | no       | too short to pay for itself                |
+| every other one                         | yes      |                                           |
+
+``min_store_tokens`` is the larger of the chunker's minimum and the reuse gate's break-even:
+the shortest segment with which an 8K-token prompt made of such segments is served with reuse
+(``ReuseGate.min_segment_tokens``), asked once from the scheduler (control op ``gate``). When
+the gate says that no segment length pays, or the segment store is off (segment fraction 0),
+no chunk is marked (logged once): the gate would recompute every such request anyway, and
+capturing its chunks would only cost prefills.
+
+A request opts out with ``"redknot_auto_segments": false``; requests that mark segments
+themselves, carry ``input_embeds`` or media, or that SGLang would refuse (too long, invalid
+ids) are left as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from redknot.api import control
+from redknot.api.chunking import Chunker
+from redknot.api.options import AUTO_NAMESPACE, AutoSegmentsOption
+
+logger = logging.getLogger(__name__)
+
+AUTO_FIELD = "redknot_auto_segments"  # per request: false leaves the prompt unsegmented
+GATE_PROMPT_TOKENS = 8192  # the prompt length at which the gate's break-even is asked
+
+
+class AutoSegments:
+    """The automatic chunking of this HTTP server (see the module docstring)."""
+
+    def __init__(self, option: AutoSegmentsOption | None = None):
+        self.option = option or AutoSegmentsOption(enabled=False)
+        self.chunker = Chunker.of_average(self.option.chunk_tokens)
+        self.gate_min_tokens: int | None = None  # the reuse gate's break-even, once asked
+        self.idle: str | None = None  # why no chunk is marked (the store off, nothing pays)
+        self._asked = False
+        self._warned: set[str] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.option.enabled
+
+    @property
+    def min_store_tokens(self) -> int:
+        """The shortest chunk made a segment."""
+        return max(self.chunker.min_tokens, self.gate_min_tokens or 0)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("redknot auto segments: %s", message)
+
+    async def ask_gate(self, tokenizer_manager: Any) -> None:
+        """Learn the reuse gate's break-even from the scheduler (once; never raises). Requests
+        that arrive while the first one waits for the answer use the chunker's minimum."""
+        if self._asked or not self.enabled:
+            return
+        self._asked = True
+        try:
+            gate = await control.call(tokenizer_manager, "gate")
+        except control.ControlError as e:
+            logger.warning(
+                "redknot auto segments: the reuse gate's break-even is unknown (%s); chunks of "
+                "%d+ tokens are segments",
+                e,
+                self.chunker.min_tokens,
+            )
+            return
+        self.gate_min_tokens = gate.get("min_segment_tokens")
+        if not gate.get("store_enabled", True):
+            self.idle = (
+                "the segment store is off (--redknot-segment-fraction 0, as under a calibrated "
+                "default that computes every prompt in full)"
+            )
+        elif gate.get("gate") and self.gate_min_tokens is None:
+            self.idle = (
+                "the reuse gate says that no segment length pays in a "
+                f"{gate.get('prompt_tokens', GATE_PROMPT_TOKENS)}-token prompt on this model "
+                "and device"
+            )
+        if self.idle is not None:
+            logger.warning(
+                "redknot auto segments: %s: unmarked prompts are served without automatic "
+                "segments",
+                self.idle,
+            )
+            return
+        logger.info(
+            "redknot auto segments: chunks of about %d tokens; those of %d+ tokens are segments "
+            "(%s)",
+            self.chunker.avg_tokens,
+            self.min_store_tokens,
+            (
+                f"the reuse gate's break-even: {self.gate_min_tokens}"
+                if gate.get("gate")
+                else "the scheduler has no reuse gate: --redknot-reuse-gate always"
+            ),
+        )
+
+    def spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """The token ranges of ``token_ids`` to mark as segments of ``AUTO_NAMESPACE``."""
+        if self.idle is not None:
+            return []
+        chunks = self.chunker.spans(token_ids)[1:-1]  # not the first, not the last
+        return [(a, b) for a, b in chunks if b - a >= self.min_store_tokens]
+
+
+def gate_state(scheduler: Any) -> dict[str, Any]:
+    """Scheduler side of control op ``gate``: whether the segment store holds anything, whether
+    a reuse gate decides, and its break-even (``None``: no segment length pays at
+    ``prompt_tokens``, or no gate)."""
+    cache = getattr(scheduler, "tree_cache", None)
+    store = getattr(cache, "segments", None)
+    gate = getattr(getattr(cache, "pool", None), "reuse_gate", None)
+    return {
+        "store_enabled": bool(getattr(store, "enabled", False)),
+        "gate": gate is not None,
+        "min_segment_tokens": (
+            None if gate is None else gate.min_segment_tokens(GATE_PROMPT_TOKENS)
+        ),
+        "prompt_tokens": GATE_PROMPT_TOKENS,
+    }
+
+
+__all__ = ["AUTO_FIELD", "AUTO_NAMESPACE", "AutoSegments", "gate_state"]

@@ -1,0 +1,296 @@
+"""Automatic segments of unmarked ``/generate`` prompts (``--redknot-auto-segments cdc``) against
+the CPU server stand-in (``cpu_server.py``: SGLang's real app, redknot's real request API,
+segment store, capture and reuse path; no model)."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+
+from redknot.api.marks import KEY_CAPTURE, decode_marks
+
+_WORDS = (
+    "river stone market winter lantern copper harbor orchard signal thunder velvet garden "
+    "mirror engine canyon meadow silver paper island candle forest bridge yellow marble "
+    "falcon quiet summer violet anchor cotton desert planet ribbon shadow spirit window"
+)
+WORDS = _WORDS.split(" ")
+
+
+def document(i: int, words: int = 300) -> str:
+    rng = random.Random(i)
+    sentences = []
+    while sum(len(s.split()) for s in sentences) < words:
+        n = rng.randint(6, 14)
+        sentences.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
+    return f"Document {i}: " + " ".join(sentences)
+
+
+DOCS = [document(i) for i in range(4)]
+
+
+def rag_prompt(system: str, order: list[int], question: str) -> str:
+    body = "\n\n".join(DOCS[i] for i in order)
+    return f"{system}\n\n{body}\n\nQuestion: {question}\nAnswer:"
+
+
+@pytest.fixture
+def make_server(http_app, smollm_tokenizer):
+    from tests.api.cpu_server import CpuServer
+
+    def make(**options):
+        options.setdefault("region_tokens", 4096)
+        options.setdefault("auto_segments", "cdc")
+        options.setdefault("auto_chunk_tokens", 32)
+        return CpuServer(http_app, smollm_tokenizer, **options)
+
+    return make
+
+
+def generate(client, text=None, **extra):
+    body = {"sampling_params": {"max_new_tokens": 4, "temperature": 0}, **extra}
+    if text is not None:
+        body["text"] = text
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def marks_of(obj) -> list:
+    custom = (obj.sampling_params or {}).get("custom_params") or {}
+    return decode_marks(custom, obj.input_ids)
+
+
+def captures(server) -> list:
+    return [
+        obj
+        for obj in server.tm.received
+        if ((obj.sampling_params or {}).get("custom_params") or {}).get(KEY_CAPTURE)
+    ]
+
+
+def test_rag_documents_in_another_order_under_another_prefix_hit(
+    make_server, client, smollm_tokenizer
+):
+    server = make_server()
+    first = rag_prompt("You are a helpful assistant.", [0, 1, 2, 3], "Which river?")
+    out = generate(client, first)
+    assert out["meta_info"]["cached_tokens"] == 0
+    sent = server.tm.last
+    assert sent.input_ids == smollm_tokenizer.encode(first)  # SGLang's own tokens, unchanged
+    marks = marks_of(sent)
+    assert len(marks) > 5 and {m.namespace for m in marks} == {"auto"}
+    assert marks[0].start > 0 and marks[-1].end < len(sent.input_ids)  # not first, not last
+    assert len(captures(server)) == len({m.segment_id for m in marks})
+    assert server.store.stats("auto")["captures"] == len({m.segment_id for m in marks})
+
+    second = rag_prompt("Answer from these documents only.", [2, 0, 3, 1], "Which harbor?")
+    out = generate(client, second)
+    doc_tokens = sum(len(smollm_tokenizer.encode(d, add_special_tokens=False)) for d in DOCS)
+    assert out["meta_info"]["cached_tokens"] >= 0.7 * doc_tokens
+    stats = client.get("/redknot/stats").json()
+    auto = stats["auto"]
+    assert auto["chunk_hits"] >= 0.6 * len(marks_of(server.tm.last))
+    assert auto["requests"] == 2 and auto["chunk_captures"] == len(captures(server))
+    assert auto["chunk_hit_tokens"] == out["meta_info"]["cached_tokens"]
+    assert "auto" in stats["namespaces"]
+
+
+def test_input_ids_prompts_are_chunked_as_given(make_server, client):
+    server = make_server()
+    ids = random.Random(5).choices(range(3, 500), k=600)
+    generate(client, input_ids=ids)
+    assert server.tm.last.input_ids == ids and marks_of(server.tm.last)
+    generate(client, input_ids=[1, 2] + ids[100:])  # the same tokens after another head
+    assert server.store.stats("auto")["hits"] > 0
+
+
+def test_option_off_leaves_prompts_alone(make_server, client):
+    server = make_server(auto_segments="off")
+    text = rag_prompt("Hi.", [0, 1], "Why?")
+    for _ in range(2):
+        generate(client, text)
+    assert server.tm.last.text == text and server.tm.last.input_ids is None
+    assert not marks_of(server.tm.last) and not captures(server)
+    assert server.store.stats()["misses"] == 0 and server.api.counters.auto_requests == 0
+    assert "auto" not in client.get("/redknot/stats").json()
+
+
+def test_request_opt_out_is_served_unsegmented_and_the_flag_removed(make_server, client):
+    for mode in ("cdc", "off"):
+        server = make_server(auto_segments=mode)
+        text = rag_prompt("Hi.", [0, 1], "Why?")
+        generate(client, text, redknot_auto_segments=False)
+        assert server.tm.last.text == text and not marks_of(server.tm.last)
+        assert not captures(server) and server.store.stats()["misses"] == 0
+    generate(client, text, redknot_auto_segments=True)  # on a server with it off: no effect
+    assert server.tm.last.text == text
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_bad_opt_out_flag_is_a_400(make_server, client, value):
+    server = make_server()
+    r = client.post("/generate", json={"text": "plain", "redknot_auto_segments": value})
+    assert r.status_code == 400 and "redknot_auto_segments must be true or false" in r.text
+    assert not server.tm.received
+
+
+def test_capture_opt_out_keeps_lookups_and_stores_nothing(make_server, client):
+    server = make_server()
+    generate(client, rag_prompt("Hi.", [0, 1], "Why?"), redknot_capture=False)
+    assert marks_of(server.tm.last) and not captures(server)
+    assert server.store.stats("auto")["misses"] > 0 and server.store.stats()["segments"] == 0
+
+
+def test_marked_requests_are_left_as_they_are(make_server, client, smollm_tokenizer):
+    server = make_server()
+    text = rag_prompt("Hi.", [0, 1, 2], "Why?")
+    start = text.index(DOCS[1])
+    spans = [{"start": start, "end": start + len(DOCS[1]), "namespace": "kb"}]
+    generate(client, text, redknot_segments=spans)
+    (mark,) = marks_of(server.tm.last)
+    assert mark.namespace == "kb"
+    assert server.store.stats("auto")["misses"] == 0 and server.api.counters.auto_requests == 0
+
+
+def test_closed_namespaces_without_auto_serve_unsegmented(make_server, client):
+    server = make_server(namespaces="kb")
+    text = rag_prompt("Hi.", [0, 1], "Why?")
+    generate(client, text)
+    assert server.tm.last.text == text and not marks_of(server.tm.last)
+    server = make_server(namespaces="kb,auto")
+    generate(client, text)
+    assert marks_of(server.tm.last)
+
+
+@pytest.mark.parametrize(
+    "gate_min, marked",
+    [(None, False), (10**6, False), (20, True)],
+    ids=["nothing-pays", "above-max", "pays"],
+)
+def test_chunks_below_the_reuse_gate_break_even_are_not_segments(
+    make_server, client, gate_min, marked
+):
+    server = make_server()
+    asked = []
+
+    def min_segment_tokens(prompt_tokens=8192, question=64):
+        asked.append(prompt_tokens)
+        return gate_min
+
+    from redknot.costmodel.gate import Decision
+
+    server.scheduler.pool.reuse_gate = types.SimpleNamespace(
+        min_segment_tokens=min_segment_tokens,
+        decide=lambda work: Decision(True, 1.0, 2.0, "a stand-in gate: always reuse"),
+    )
+    for order in ([0, 1, 2], [2, 1, 0]):
+        generate(client, rag_prompt("Hi.", order, "Why?"))
+        marks = marks_of(server.tm.last)
+        assert bool(marks) == marked
+        assert all(m.num_tokens >= max(gate_min or 0, 8) for m in marks)
+    assert asked == [8192]  # asked once per server
+    auto = client.get("/redknot/stats").json()["auto"]
+    assert auto["gate_min_tokens"] == gate_min
+    assert (auto["idle"] is not None) == (gate_min is None)
+    assert auto["min_store_tokens"] == max(gate_min or 0, 8)
+    if not marked:
+        assert not captures(server) and server.store.stats("auto")["misses"] == 0
+
+
+def test_prompts_sglang_refuses_are_left_to_it(make_server, client):
+    server = make_server(context_len=256)
+    r = client.post("/generate", json={"text": " ".join(DOCS)})  # longer than the context
+    assert r.status_code == 400 and "longer than the model's context length" in r.text
+    assert server.tm.last.text == " ".join(DOCS)
+    for body in ([1, 2], "text", 3, None, {"text": None}, {"text": 5}, {"text": ["a", 5]}):
+        r = client.post("/generate", json=body)  # SGLang's to refuse, never a 5xx here
+        assert r.status_code < 500, r.text
+    client.post("/generate", json={"input_ids": [1, -2, 3] * 100})  # not token ids
+    assert server.tm.last.input_ids == [1, -2, 3] * 100
+    assert server.api.counters.auto_requests == 0
+
+
+def test_a_server_without_a_segment_store_marks_no_chunks(make_server, client):
+    from redknot.segcache.store import SegmentStore
+
+    server = make_server()
+    server.scheduler.tree_cache.segments = SegmentStore(0, 1, 0)  # segment fraction 0
+    text = rag_prompt("Hi.", [0, 1], "Why?")
+    generate(client, text)
+    assert server.tm.last.text == text and not captures(server)
+    auto = client.get("/redknot/stats").json()["auto"]
+    assert "segment store is off" in auto["idle"] and auto["requests"] == 0
+
+
+def test_a_repeated_document_is_captured_once_and_batches_are_chunked(make_server, client):
+    server = make_server()
+    text = "Notes.\n\n" + "\n\n".join([DOCS[0]] * 3) + "\n\nQuestion: why?"
+    generate(client, text)
+    marks = marks_of(server.tm.last)
+    ids = {m.segment_id for m in marks}
+    assert len(ids) < len(marks)  # the same chunks recur
+    assert len(captures(server)) == len(ids) == server.store.stats("auto")["segments"]
+    assert server.api.counters.captures_deduplicated == len(marks) - len(ids)
+    prompts = [rag_prompt("A.", [1, 0], "x?"), rag_prompt("B.", [0, 1], "y?")]
+    r = client.post("/generate", json={"text": prompts, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
+    assert len(r.json()) == 2 and isinstance(server.tm.last.input_ids[0], list)
+    assert server.store.stats("auto")["hits"] > 0
+
+
+def _adversarial_body(rng: random.Random, vocab: int) -> dict:
+    """One unmarked /generate body of a seeded adversarial kind."""
+    doc = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 400))]
+    kind = rng.choice(["repeat", "edit", "token", "short", "batch", "vocab", "limit", "text"])
+    if kind == "repeat":  # a prompt of repeated chunks
+        ids = doc[:60] * rng.randrange(2, 8)
+    elif kind == "edit":  # a document that differs in one token
+        at = rng.randrange(len(doc))
+        ids = [5] * 20 + doc[:at] + [(doc[at] + 1) % vocab] + doc[at + 1 :]
+    elif kind == "token":  # one token repeated
+        ids = [rng.randrange(vocab)] * rng.randrange(1, 1500)
+    elif kind == "short":
+        ids = doc[: rng.randrange(0, 3)]
+    elif kind == "batch":
+        ids = [doc, doc[::-1], doc[: len(doc) // 2]]
+    elif kind == "vocab":  # ids SGLang refuses
+        ids = doc + [vocab + rng.randrange(5)]
+    elif kind == "limit":  # at and past the context length (2048)
+        ids = (doc * 2048)[: rng.choice([2046, 2047, 2048, 2049])]
+    else:
+        return {
+            "text": rng.choice(DOCS) * rng.randrange(1, 4),
+            "redknot_capture": rng.random() < 0.5,
+        }
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+    if rng.random() < 0.2:
+        body["redknot_auto_segments"] = rng.random() < 0.5
+    return body
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_adversarial_unmarked_prompts_get_no_5xx_and_lose_nothing(make_server, client, seed):
+    server = make_server(region_tokens=512, namespace_fraction=0.5)
+    keep = client.post("/redknot/segments", json={"namespace": "kb", "input_ids": [9] * 40})
+    assert keep.status_code == 200, keep.text
+    rng = random.Random(seed)
+    vocab = server.tm.model_config.vocab_size
+    statuses = []
+    for _ in range(60):
+        body = _adversarial_body(rng, vocab)
+        r = client.post("/generate", json=body)
+        assert r.status_code < 500, (body, r.text)
+        statuses.append(r.status_code)
+        if r.status_code == 200 and "input_ids" in body:
+            assert server.tm.last.input_ids == body["input_ids"]  # the prompt as sent
+        server.store.check()
+    assert 200 in statuses and 400 in statuses
+    assert server.store.stats("auto")["evictions"] > 0  # the flood stayed within its cap
+    assert [e.id for e in server.store.list("kb")] == [keep.json()["segment_id"]]
+    text = rag_prompt("After.", [0], "Still?")  # and the store still serves
+    for _ in range(2):
+        generate(client, text)
+    assert server.store.stats("auto")["hits"] > 0
