@@ -199,13 +199,7 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
                 body, k if batch else None, marks, len(input_ids), api.rows_leave, where
             )
         out_ids.append(input_ids)
-        if marks:
-            custom = dict(params[k].get("custom_params") or {})
-            custom.update(encode_marks(marks))
-            params[k]["custom_params"] = custom
-            marked += len(marks)
-            if capture:
-                note([(m.namespace, input_ids[m.start : m.end]) for m in marks])
+        marked += _attach(params[k], marks, input_ids, capture)
 
     drop = (FIELD, CAPTURE_FIELD, "text", "input_ids")
     new = {k: v for k, v in body.items() if k not in drop}
@@ -214,6 +208,19 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
     if marked:
         api.counters.add(requests_with_segments=1, segments_marked=marked)
     return new
+
+
+def _attach(params: dict, marks: list, input_ids: list[int], capture: bool) -> int:
+    """Put ``marks`` into one prompt's sampling ``params`` (its ``custom_params``), hand them
+    to capture on miss when ``capture``; the number of marks."""
+    if not marks:
+        return 0
+    custom = dict(params.get("custom_params") or {})
+    custom.update(encode_marks(marks))
+    params["custom_params"] = custom
+    if capture:
+        note([(m.namespace, input_ids[m.start : m.end]) for m in marks])
+    return len(marks)
 
 
 def _auto_flag(body: Any) -> tuple[bool, Any, bool]:
@@ -275,13 +282,7 @@ def rewrite_unmarked(body: Any, api: SegmentApi, *, capture: bool) -> dict | Non
                 )
             except SegmentMarkError:
                 marks = []  # it asks logprobs of tokens reuse would not compute
-        if marks:
-            custom = dict(params[k].get("custom_params") or {})
-            custom.update(encode_marks(marks))
-            params[k]["custom_params"] = custom
-            marked += len(marks)
-            if capture:
-                note([(m.namespace, input_ids[m.start : m.end]) for m in marks])
+        marked += _attach(params[k], marks, input_ids, capture)
     if not marked:
         return None
     new = {k: v for k, v in body.items() if k not in ("text", "input_ids")}

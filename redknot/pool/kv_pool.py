@@ -106,6 +106,8 @@ class RedknotKVPool(KVCache):
         self.segment_jobs: dict[int, Any] = {}
         # req_pool_idx -> [redknot.segcache.reuse.SegmentUse] (stored segments a request reuses)
         self.segment_reads: dict[int, list[Any]] = {}
+        # the recovery policy a reusing request is served with (--redknot-policy; meta_info)
+        self.reuse_policy = "redknot"
         self.is_local = tables["is_local"].to(device)
         self.column = tables["column"].to(device)
         d = layout.head_dim

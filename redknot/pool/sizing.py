@@ -189,6 +189,7 @@ def cap_requests(kvc: Any, max_num_reqs: int) -> int:
 
 
 def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
+    from redknot.integration.server_args import published_config
     from redknot.pool.kv_pool import RedknotKVPool
 
     plan: SlotPlan | None = state_of(kvc).get("slots")
@@ -204,6 +205,7 @@ def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
         segment_plan=state_of(kvc).get("segments"),
     )
     pool.reuse_gate = _reuse_gate(kvc, rank_layouts(kvc)[0])
+    pool.reuse_policy = published_config().policy
     return pool
 
 

@@ -13,6 +13,20 @@ need nothing.
 | each extend (``plan_reads``)         | the segment tokens it computes: batch token, region row, offline and online position |
 | it finishes or is aborted (``finish``) | drop the references                                     |
 
+What ``start`` decided is reported to the client: ``meta_info["redknot_reuse"]`` of the answer
+(SGLang's per-request ``customized_info``, carried from the scheduler to the HTTP response and
+attached to the first output token, so the list holds one report) for every request that marks
+segments (automatic chunks included):
+
+| key               | meaning                                                               |
+| ----------------- | --------------------------------------------------------------------- |
+| ``segments_marked`` | segments the request marked                                        |
+| ``segments_hit``  | of those, found stored and ready                                      |
+| ``reused_tokens`` | prompt tokens computed with cached segment K/V (beyond an exact-prefix hit); 0 when not reused |
+| ``segments``      | the reused ones: ``namespace``, ``start`` (prompt offset), ``tokens`` |
+| ``policy``        | the recovery policy that served them, or ``null`` when nothing was reused |
+| ``gate``          | the reuse gate's decision (``reuse`` / ``recompute``, predicted ms, reason); absent without a gate or without hits |
+
 The extend that completes a reusing request's prompt also carries its sparse-FFN inputs (the
 probed newest tokens and the candidate segment tokens; ``redknot.attention.ffn_schedule``).
 Adaptive restore of local heads by edge mass probes the same rows
@@ -80,18 +94,56 @@ def start(cache: Any, req: Any) -> None:
     if not marks:
         return
     ids = list(req.origin_input_ids)
-    uses = []
+    uses, namespaces = [], {}
     for mark in marks:
         entry = cache.segments.lookup(mark.namespace, ids[mark.start : mark.end])
         if entry is not None:
             cache.segments.acquire(entry)
             uses.append(SegmentUse(mark.start, entry, len(ids)))
+            namespaces[mark.start] = mark.namespace
+    hits = len(uses)
     if uses and not _pays(cache, req, uses):
         for use in uses:
             cache.segments.release(use.entry)
         uses = []
     if uses:
         cache.pool.segment_reads[req.req_pool_idx] = uses
+    _report(req, cache.pool, len(marks), hits, uses, namespaces)
+
+
+REPORT_KEY = "redknot_reuse"  # meta_info key of the report (module docstring)
+
+
+def _report(
+    req: Any, pool: Any, marked: int, hits: int, uses: list[SegmentUse], namespaces: dict
+) -> None:
+    """Attach what ``start`` decided to ``req`` for its answer's ``meta_info``."""
+    indices = getattr(req, "prefix_indices", None)  # a tensor in the scheduler
+    prefix = 0 if indices is None else len(indices)
+    report: dict[str, Any] = {
+        "segments_marked": marked,
+        "segments_hit": hits,
+        "reused_tokens": sum(
+            max(0, u.start + u.entry.num_tokens - max(u.start, prefix)) for u in uses
+        ),
+        "segments": [
+            {"namespace": namespaces[u.start], "start": u.start, "tokens": u.entry.num_tokens}
+            for u in uses
+        ],
+        "policy": getattr(pool, "reuse_policy", None) if uses else None,
+    }
+    decision = getattr(req, "redknot_reuse", None)
+    if decision is not None:
+        report["gate"] = {
+            "decision": "reuse" if decision.reuse else "recompute",
+            "reuse_ms": round(decision.reuse_ms, 3),
+            "recompute_ms": round(decision.plain_ms, 3),
+            "reason": decision.reason,
+        }
+    info = getattr(req, "customized_info", None)
+    info = dict(info) if isinstance(info, dict) else {}
+    info[REPORT_KEY] = [report]  # one value per output token: the first one's
+    req.customized_info = info
 
 
 def _pays(cache: Any, req: Any, uses: list[SegmentUse]) -> bool:

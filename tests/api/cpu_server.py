@@ -134,6 +134,8 @@ class CpuScheduler:
         self._hold = 0
         self.running: dict[int, tuple[int, int]] = {}  # slot -> (tokens computed, prompt tokens)
         self._gen = torch.Generator().manual_seed(0)
+        # rid -> the request's customized_info (SGLang puts each key into meta_info)
+        self.customized_info: dict[str, dict] = {}
 
     def hold(self, n: int = 1) -> None:
         self._hold += n
@@ -152,6 +154,7 @@ class CpuScheduler:
         )
         registration.start(self.tree_cache, req)
         reuse.start(self.tree_cache, req)
+        self.customized_info[rid] = getattr(req, "customized_info", None) or {}
         n = len(ids)
         held = self._hold > 0
         first = n // 2 if held and rpi in self.pool.segment_jobs and n > 1 else n
@@ -265,6 +268,7 @@ class CpuTokenizerManager(FakeTokenizerManager):
         params = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
         rid = obj.rid or f"r{next(self._rids)}"
         cached = self.scheduler.serve(rid, ids, params)
+        meta = {k: list(v) for k, v in self.scheduler.customized_info.pop(rid, {}).items()}
         return {
             "text": " ok",
             "output_ids": [0],
@@ -275,6 +279,7 @@ class CpuTokenizerManager(FakeTokenizerManager):
                 "completion_tokens": 1,
                 "cached_tokens": cached,
                 "weight_version": "default",
+                **meta,  # as SGLang's tokenizer manager: one value per output token
             },
         }
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from tests.api.gpu_smoke import OUT, PORT, call
+from tests.api.gpu_smoke import OUT, PORT, call, wait_healthy
 
 
 def prompt(head: int, order: list[int], docs: list[list[int]]) -> list[int]:
@@ -59,16 +59,8 @@ def main() -> int:
     docs = [[rng.randrange(1000, 100_000) for _ in range(1000)] for _ in range(6)]
     results: dict[str, object] = {}
     try:
-        for _ in range(500):
-            if server.poll() is not None:
-                print("server exited during startup")
-                return 1
-            try:
-                if call("GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
+        if not wait_healthy(server, 500):
+            return 1
         sp = {"max_new_tokens": 1, "temperature": 0}
         requests = [
             ("first", prompt(1, [0, 1, 2, 3, 4, 5], docs), {}),

@@ -35,6 +35,22 @@ def call(method: str, path: str, body: object | None = None) -> tuple[int, objec
         return e.code, json.loads(e.read() or b"null")
 
 
+def wait_healthy(server: subprocess.Popen, seconds: int) -> bool:
+    """Wait until the server answers /health (``False``: it exited; after ``seconds`` the
+    requests go ahead and fail on their own)."""
+    for _ in range(seconds):
+        if server.poll() is not None:
+            print("server exited during startup")
+            return False
+        try:
+            if call("GET", "/health")[0] == 200:
+                return True
+        except OSError:
+            pass
+        time.sleep(1)
+    return True
+
+
 def main() -> int:
     model = os.environ.get("MODEL", ".device/models/llama-3.1-8b")
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
@@ -51,16 +67,8 @@ def main() -> int:
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     results: dict[str, object] = {}
     try:
-        for _ in range(400):
-            if server.poll() is not None:
-                print("server exited during startup")
-                return 1
-            try:
-                if call("GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
+        if not wait_healthy(server, 400):
+            return 1
         ids = list(range(1000, 1400))
         gen = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
         results["generate_marked"] = call(

@@ -1,0 +1,139 @@
+"""What a request's answer says about its reuse: ``meta_info["redknot_reuse"]``
+(``redknot.segcache.reuse``), through the CPU server stand-in, and through SGLang's own output
+path from the scheduler's request to the payload the tokenizer manager reads."""
+
+from __future__ import annotations
+
+import types
+from array import array
+
+import pytest
+
+from redknot.segcache.reuse import REPORT_KEY
+
+DOC = "Paris is the capital of France. Berlin is the capital of Germany."
+
+
+@pytest.fixture
+def server(http_app, smollm_tokenizer, server_args):
+    from tests.api.cpu_server import CpuServer
+
+    return CpuServer(http_app, smollm_tokenizer, server_args=server_args)
+
+
+def _generate(client, question, namespace="kb"):
+    text = f"Context: {DOC}\nQuestion: {question}\nAnswer:"
+    start = text.index(DOC)
+    body = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "redknot_segments": [{"start": start, "end": start + len(DOC), "namespace": namespace}],
+    }
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"], text
+
+
+def test_a_miss_then_a_hit_are_reported_with_their_segment(server, client, smollm_tokenizer):
+    n = len(smollm_tokenizer.encode(DOC, add_special_tokens=False))
+    meta, _ = _generate(client, "Capital of France?")
+    (report,) = meta[REPORT_KEY]
+    assert report == {
+        "segments_marked": 1, "segments_hit": 0, "reused_tokens": 0, "segments": [],
+        "policy": None,
+    }  # fmt: skip
+    meta, text = _generate(client, "Capital of Germany?")  # captured after the miss: a hit
+    (report,) = meta[REPORT_KEY]
+    start = len(smollm_tokenizer.encode(text[: text.index(DOC)]))
+    assert report["segments_hit"] == 1 and report["reused_tokens"] == n == meta["cached_tokens"]
+    assert report["segments"] == [{"namespace": "kb", "start": start, "tokens": n}]
+    assert report["policy"] == "redknot"  # the stand-in pool's
+    assert "gate" not in report  # the stand-in has no reuse gate
+
+
+def test_an_unmarked_request_has_no_report(server, client):
+    body = {"text": f"Context: {DOC}", "sampling_params": {"max_new_tokens": 1}}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200 and REPORT_KEY not in r.json()["meta_info"]
+
+
+class _Gate:
+    def __init__(self, reuse: bool):
+        self.reuse = reuse
+
+    def decide(self, work):
+        from redknot.costmodel.gate import Decision
+
+        return Decision(self.reuse, 5.0, 4.0, "predicted 5.0 ms with reuse against 4.0 ms")
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_the_gate_decision_is_reported_and_a_recompute_reuses_nothing(
+    server, client, smollm_tokenizer, pays
+):
+    _generate(client, "Capital of France?")  # stores the document
+    server.scheduler.pool.reuse_gate = _Gate(pays)
+    meta, _ = _generate(client, "Capital of Germany?")
+    (report,) = meta[REPORT_KEY]
+    assert report["segments_hit"] == 1
+    assert report["gate"] == {
+        "decision": "reuse" if pays else "recompute", "reuse_ms": 5.0, "recompute_ms": 4.0,
+        "reason": "predicted 5.0 ms with reuse against 4.0 ms",
+    }  # fmt: skip
+    n = len(smollm_tokenizer.encode(DOC, add_special_tokens=False))
+    assert report["reused_tokens"] == (n if pays else 0) == meta["cached_tokens"]
+    assert (report["policy"] is None) == (not pays) and len(report["segments"]) == int(pays)
+
+
+def test_tokens_an_exact_prefix_hit_covers_are_not_counted_as_segment_reuse():
+    from redknot.segcache import reuse
+
+    entry = types.SimpleNamespace(num_tokens=10)
+    uses = [reuse.SegmentUse(4, entry, 40), reuse.SegmentUse(20, entry, 40)]
+    req = types.SimpleNamespace(prefix_indices=list(range(8)), customized_info={"other": [1]})
+    pool = types.SimpleNamespace(reuse_policy="cacheblend")
+    reuse._report(req, pool, 3, 2, uses, {4: "a", 20: "b"})
+    (report,) = req.customized_info[REPORT_KEY]
+    assert report["reused_tokens"] == (14 - 8) + 10  # the first segment's tokens 8..13, all of
+    assert report["policy"] == "cacheblend" and report["segments_marked"] == 3
+    assert req.customized_info["other"] == [1]  # what else the request carries is kept
+
+
+def test_sglang_carries_the_report_from_the_scheduler_to_the_tokenizer_manager():
+    # SGLang 0.5.17's own output path: a request's customized_info reaches the payload the
+    # tokenizer manager turns into meta_info, the report with the first output token only
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.io_struct import unwrap_from_pickle
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components.output_streamer import (
+        _GenerationStreamAccumulator,
+    )
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from redknot.segcache import reuse
+
+    def accumulator():
+        return _GenerationStreamAccumulator(
+            return_logprob=False, return_hidden_states=False, return_routed_experts=False,
+            return_indexer_topk=False, spec_algorithm=SpeculativeAlgorithm.NONE,
+            disaggregation_mode=DisaggregationMode.NULL, default_stream_interval=1,
+            default_force_stream_interval=1, get_cached_tokens_details=lambda r: None,
+        )  # fmt: skip
+
+    req = Req("r1", "", array("q", [1, 2, 3, 4, 5, 6]), SamplingParams(max_new_tokens=3))
+    req.stream = True
+    entry = types.SimpleNamespace(num_tokens=3)
+    reuse._report(req, types.SimpleNamespace(reuse_policy="epic"), 1, 1,
+                  [reuse.SegmentUse(2, entry, 6)], {2: "kb"})  # fmt: skip
+    sent = []
+    for token in (7, 8):  # two decode steps, each streamed
+        req.output_ids.append(token)
+        acc = accumulator()
+        acc.accept(req=req)
+        sent.append(
+            unwrap_from_pickle(acc.to_payload(dp_rank=0, is_idle_batch=False).customized_info)
+        )
+    first, second = (s[REPORT_KEY][0] for s in sent)
+    assert first == [req.customized_info[REPORT_KEY][0]] and second == []
+    assert first[0]["reused_tokens"] == 3 and first[0]["policy"] == "epic"
