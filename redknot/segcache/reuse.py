@@ -91,7 +91,8 @@ def start(cache: Any, req: Any) -> None:
     except SegmentMarkError as e:  # validated by the API; never fail the scheduler on it
         logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
         return
-    if not marks:
+    if not marks:  # reported too: SGLang would give it a null report beside one that has one
+        _report(req, cache.pool, 0, 0, [], {})
         return
     ids = list(req.origin_input_ids)
     uses, namespaces = [], {}

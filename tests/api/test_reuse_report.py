@@ -51,10 +51,12 @@ def test_a_miss_then_a_hit_are_reported_with_their_segment(server, client, smoll
     assert "gate" not in report  # the stand-in has no reuse gate
 
 
-def test_an_unmarked_request_has_no_report(server, client):
+def test_an_unmarked_request_reports_no_segment(server, client):
     body = {"text": f"Context: {DOC}", "sampling_params": {"max_new_tokens": 1}}
     r = client.post("/generate", json=body)
-    assert r.status_code == 200 and REPORT_KEY not in r.json()["meta_info"]
+    assert r.status_code == 200
+    (report,) = r.json()["meta_info"][REPORT_KEY]
+    assert report["segments_marked"] == 0 and report["reused_tokens"] == 0
 
 
 class _Gate:
