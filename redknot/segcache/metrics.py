@@ -13,6 +13,7 @@ that the HTTP server's ``/metrics`` collects. Only the attention-TP rank 0 sched
 | ``redknot_segment_hit_tokens_total``  | counter | tokens served by hits                     |
 | ``redknot_segment_bytes_saved_total`` | counter | K/V bytes served by hits (store docstring) |
 | ``redknot_segment_evictions_total``   | counter | segments evicted to make room             |
+| ``redknot_segment_captures_total``    | counter | segments stored by a capture on miss      |
 | ``redknot_segment_count``             | gauge   | cached segments                           |
 | ``redknot_segment_pinned``            | gauge   | cached pinned segments                    |
 | ``redknot_segment_bytes_used``        | gauge   | region bytes held (whole pages)           |
@@ -23,7 +24,8 @@ Labels: SGLang's ``model_name`` and ``tp_rank`` (plus ``--extra-metric-labels``)
 the first ``MAX_NAMESPACE_LABELS`` namespaces that register a segment get their own value, every
 other namespace (and lookups in a namespace that never registered) reports as ``_other``.
 Per-namespace values of every namespace remain available through ``SegmentStore.stats``.
-Segment ids are never labels.
+Segment ids are never labels. Automatic chunks (``--redknot-auto-segments cdc``) are the
+``namespace="auto"`` series: their hits, misses and captures.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class SegmentMetrics:
             "redknot_segment_bytes_saved_total", "K/V bytes served by segment hits."
         )
         self.evictions = counter("redknot_segment_evictions_total", "Segments evicted.")
+        self.captures = counter(
+            "redknot_segment_captures_total", "Segments stored by a capture on miss."
+        )
         self.segments = gauge("redknot_segment_count", "Cached segments.")
         self.pinned = gauge("redknot_segment_pinned", "Cached pinned segments.")
         self.bytes_used = gauge("redknot_segment_bytes_used", "Segment region bytes held.")
@@ -93,6 +98,9 @@ class SegmentMetrics:
 
     def evicted(self, namespace: str) -> None:
         self.evictions.labels(**self._labels(namespace)).inc()
+
+    def captured(self, namespace: str) -> None:
+        self.captures.labels(**self._labels(namespace, claim=True)).inc()
 
     def usage(self, namespace: str, segments: int, pinned: int, bytes_used: int) -> None:
         labels = self._labels(namespace, claim=segments > 0)

@@ -77,6 +77,9 @@ class SegmentObserver(Protocol):
 
     def evicted(self, namespace: str) -> None: ...
 
+    def captured(self, namespace: str) -> None:
+        """A capture on miss stored a segment of ``namespace``."""
+
     def usage(self, namespace: str, segments: int, pinned: int, bytes_used: int) -> None:
         """Changes (deltas) of the namespace's segments, pinned segments and bytes held."""
 
@@ -245,6 +248,8 @@ class SegmentStore:
         self._namespace_held[namespace] = self._namespace_held.get(namespace, 0) + need
         if capture:
             self._counters.add(namespace, captures=1)
+            if self.observer is not None:
+                self.observer.captured(namespace)
         else:
             self._counters.track(namespace)
         self._report_usage(rec, +1)

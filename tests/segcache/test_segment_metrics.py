@@ -58,6 +58,9 @@ CHILD = textwrap.dedent("""
 
     a = cached("n1", [1] * 8, pin=True)
     cached("n2", [2] * 4)
+    captured = store.register("n2", [7] * 4, pin=False, capture=True)  # a capture on miss
+    store.mark_ready(captured)
+    store.release(captured)
     c = cached("n3", [3] * 4)
     store.lookup("n1", [1] * 8)
     store.lookup("n1", [1] * 8)
@@ -92,6 +95,7 @@ def test_metrics_reach_the_multiprocess_directory(tmp_path):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     stats, total = report["stats"], report["total"]
     assert total["evictions"] > 0 and total["hits"] == 3 and total["misses"] == 2
+    assert stats["n2"]["captures"] == 1 and total["captures"] == 1
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(tmp_path))
@@ -115,6 +119,7 @@ def test_metrics_reach_the_multiprocess_directory(tmp_path):
         assert value("redknot_segment_hit_tokens_total", label) == want["hit_tokens"], label
         assert value("redknot_segment_bytes_saved_total", label) == want["bytes_saved"], label
         assert value("redknot_segment_evictions_total", label) == want["evictions"], label
+        assert value("redknot_segment_captures_total", label) == want["captures"], label
         assert value("redknot_segment_count", label) == want["segments"], label
         assert value("redknot_segment_pinned", label) == want["pinned"], label
         assert value("redknot_segment_bytes_used", label) == want["bytes_used"], label
