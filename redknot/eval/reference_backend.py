@@ -81,9 +81,12 @@ class ReferenceBackend(FidelityBackend):
     def describe(self) -> dict[str, Any]:
         hm = self.head_map
         detail = platform.processor() or platform.machine()
+        device = str(self.device)
+        if device.startswith("cuda") and torch.cuda.is_available():
+            device = torch.cuda.get_device_name(torch.device(device))  # the GPU, not "cuda"
         return {
             "backend": self.name,
-            "device": self.device,
+            "device": device,
             "device_detail": f"{self.device} ({torch.get_num_threads()} threads, {detail}, "
             f"{platform.platform()})",
             "dtype": str(self.dtype).removeprefix("torch."),
