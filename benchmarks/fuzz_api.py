@@ -299,6 +299,10 @@ class Generator:
             ({**marked, self.pick(["image_data", "video_data", "audio_data", "input_embeds"]): "x"},
              ("image_data", "video_data", "audio_data", "input_embeds")),
             ({**marked, "stream": self.pick([2, {}, "sometimes"])}, ("stream",)),
+            ({**self.pick([marked, {"text": text}]),  # per-request flags, marked or not
+              self.pick(["redknot_capture", "redknot_auto_segments"]):
+                  self.pick(["yes", "false", 1, 0, None, [], {}])},
+             ("redknot_capture", "redknot_auto_segments")),
             ({**marked, "sampling_params": {"max_new_tokens": self.pick([-1, -(2**40)])}},
              ("max_new_tokens",)),
             ({**marked, "sampling_params": {"temperature": self.pick([-1.0, -1e9])}},
@@ -392,7 +396,9 @@ class Generator:
             ids = [list(range(1, 20)) for _ in range(n)]
             ids[bad] = self.pick([[1, -1], [], "x", [1, 2.5], [[1]]])
             body = {"input_ids": ids, SPANS: [[{"start": 0, "end": 5}]] * n}
-            return [self.post("batches", body, names)]
+            # a bad first prompt that is not a list makes the body one prompt (SGLang's rule:
+            # a batch of ids is a list of lists), refused as "the prompt input_ids"
+            return [self.post("batches", body, (*names, "input_ids"))]
         elif kind == 5:
             body = {"text": prompts, SPANS: field, "sampling_params": [{}] * (n + 1)}
             return [self.post("batches", body, ("sampling_params",))]
