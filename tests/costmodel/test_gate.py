@@ -123,7 +123,9 @@ class _Gate:
 
     def decide(self, work):
         self.seen.append(work)
-        return SimpleNamespace(reuse=self.reuse, reason="test")
+        from redknot.costmodel.gate import Decision
+
+        return Decision(self.reuse, 1.0, 2.0, "test")
 
 
 @pytest.mark.parametrize("pays", [True, False])
@@ -150,3 +152,6 @@ def test_start_applies_the_gate(monkeypatch, pays):
     assert gate.seen[0].segments == ((10, 100),) and gate.seen[0].computed == 300
     assert (3 in cache.pool.segment_reads) == pays
     assert released == ([] if pays else [entry])
+    (report,) = req.customized_info[reuse.REPORT_KEY]  # what the answer's meta_info says
+    assert report["gate"]["decision"] == ("reuse" if pays else "recompute")
+    assert report["reused_tokens"] == (100 if pays else 0)
