@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from tests.api.gpu_smoke import OUT, PORT, call, wait_healthy
+from tests.api.gpu_smoke import OUT, PORT, call, stop, wait_healthy, write
 
 
 def prompt(head: int, order: list[int], docs: list[list[int]]) -> list[int]:
@@ -77,13 +77,8 @@ def main() -> int:
             results[name] = {"status": status, "seconds": elapsed, "meta_info": meta}
             wait_captures(results, f"stats_after_{name}")
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    with open(os.path.join(OUT, "auto_smoke.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+        stop(server)
+    write(results, "auto_smoke.json")
     for k, v in results.items():
         print(k, json.dumps(v.get("auto", v) if isinstance(v, dict) else v, default=str)[:600])
     return 0

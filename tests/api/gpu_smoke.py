@@ -51,6 +51,19 @@ def wait_healthy(server: subprocess.Popen, seconds: int) -> bool:
     return True
 
 
+def stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def write(results: dict, name: str) -> None:
+    with open(os.path.join(OUT, name), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
 def main() -> int:
     model = os.environ.get("MODEL", ".device/models/llama-3.1-8b")
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
@@ -110,13 +123,8 @@ def main() -> int:
         states = info.get("internal_states", []) if isinstance(info, dict) else []
         results["server_info_redknot_segments"] = [s.get("redknot_segments") for s in states]
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    with open(os.path.join(OUT, "api_smoke.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+        stop(server)
+    write(results, "api_smoke.json")
     for k, v in results.items():
         print(k, json.dumps(v, default=str)[:400])
     return 0
