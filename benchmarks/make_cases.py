@@ -149,21 +149,39 @@ def make_case(tokenizer, rng: random.Random, kind: str, index: int, length: int)
     docs, question, start, answer = MAKERS[kind](
         Writer(tokenizer, rng), n_docs, (length - overhead) // n_docs
     )
+    return build_case(tokenizer, kind, index, length, docs, question, start, answer)
+
+
+def build_case(
+    tokenizer, kind: str, index: int, length: int, docs: list[str], question: str, start: str,
+    answer: str, **extra,
+) -> Case:  # fmt: skip
+    """The case of a maker's documents, question and answer (the answer's start ends the
+    prompt), refused if its composed prompt exceeds ``length`` tokens."""
     q = f"\n\nQuestion: {question}\nAnswer: {_answer_start(tokenizer, start, answer)}"
-    between = [""] + ["\n\n"] * (len(docs) - 1)
     case = Case(
         f"{kind}-{index:03d}",
         tuple(docs),
         q,
         (answer,),
         system=SYSTEM,
-        between=tuple(between),
-        extra={"kind": kind, "target_tokens": length},
+        between=("",) + ("\n\n",) * (len(docs) - 1),
+        extra={"kind": kind, "target_tokens": length, **extra},
     )
     tokens = len(compose(tokenizer, case).ids)
     if tokens > length:
         raise AssertionError(f"{case.id}: {tokens} tokens > {length}")
     return case
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of ``model`` (a spec of ``redknot.reference.resolve_source``)."""
+    from transformers import AutoTokenizer
+
+    from redknot.reference import resolve_source
+
+    source = resolve_source(model)
+    return AutoTokenizer.from_pretrained(source.directory, **source.kwargs())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -177,13 +195,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from transformers import AutoTokenizer
-
-    from redknot.reference import resolve_source
-
     args = parse_args(argv)
-    source = resolve_source(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, **source.kwargs())
+    tokenizer = load_tokenizer(args.model)
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(args.seed)
     cases = [

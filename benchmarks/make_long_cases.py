@@ -28,7 +28,7 @@ import random
 import sys
 from collections.abc import Callable
 
-from make_cases import SYSTEM, Writer, _answer_start, _name
+from make_cases import Writer, _name, build_case, load_tokenizer
 
 from redknot.eval.cases import Case, write_cases
 from redknot.eval.compose import compose
@@ -163,20 +163,9 @@ MAKERS: dict[str, Callable] = {
 def make_case(tokenizer, rng: random.Random, kind: str, index: int, length: int) -> Case:
     n_docs = rng.randint(8, min(16, length // 400))
     docs, question, start, answer = MAKERS[kind](Writer(tokenizer, rng), n_docs, length - OVERHEAD)
-    q = f"\n\nQuestion: {question}\nAnswer: {_answer_start(tokenizer, start, answer)}"
-    case = Case(
-        f"{kind}-{index:03d}",
-        tuple(docs),
-        q,
-        (answer,),
-        system=SYSTEM,
-        between=("",) + ("\n\n",) * (len(docs) - 1),
-        extra={"kind": kind, "target_tokens": length, "set": f"long_v{VERSION}"},
+    return build_case(
+        tokenizer, kind, index, length, docs, question, start, answer, set=f"long_v{VERSION}"
     )
-    tokens = len(compose(tokenizer, case).ids)
-    if tokens > length:
-        raise AssertionError(f"{case.id}: {tokens} tokens > {length}")
-    return case
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -190,13 +179,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from transformers import AutoTokenizer
-
-    from redknot.reference import resolve_source
-
     args = parse_args(argv)
-    source = resolve_source(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, **source.kwargs())
+    tokenizer = load_tokenizer(args.model)
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(args.seed)
     cases = [
