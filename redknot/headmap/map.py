@@ -57,6 +57,16 @@ class HeadMapError(ValueError):
     """A head map that cannot be used: unreadable, malformed, or made for another model."""
 
 
+def config_getter(config: Any) -> Any:
+    """``get(key, default)`` over a Hugging Face config object or a ``config.json`` dict; a
+    multimodal config without its own layer count is read through its ``text_config``."""
+    get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+    text_config = get("text_config", None)
+    if text_config is not None and get("num_hidden_layers", None) is None:
+        return config_getter(text_config)
+    return get
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The attention shape of a model, as far as a head map depends on it."""
@@ -70,10 +80,7 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
         """Read the shape from a Hugging Face config object or a ``config.json`` dict."""
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-        text_config = get("text_config", None)
-        if text_config is not None and get("num_hidden_layers", None) is None:
-            return cls.from_hf_config(text_config)
+        get = config_getter(config)
         num_heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
         head_dim = get("head_dim", None) or hidden // num_heads

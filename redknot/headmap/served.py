@@ -66,12 +66,9 @@ class ModelSignature:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSignature:
-        from redknot.headmap.map import ModelShape
+        from redknot.headmap.map import ModelShape, config_getter
 
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-        text_config = get("text_config", None)
-        if text_config is not None and get("num_hidden_layers", None) is None:
-            return cls.from_hf_config(text_config)
+        get = config_getter(config)
         shape = ModelShape.from_hf_config(config)
         return cls(
             **shape.to_json(),
