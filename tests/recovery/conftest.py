@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from redknot.recovery import ReusePrompt, Segment, cache_kv
+from redknot.recovery import RecoveryOptions, ReusePrompt, Segment, cache_kv, create_policy, serve
 from redknot.reference import ReferenceRunner
 
 
@@ -68,3 +68,21 @@ def pieces():
         ("seg", random_ids(50, 4)),
         ("new", random_ids(12, 5)),
     ]
+
+
+def serve_policy(runner: ReferenceRunner, name: str, prompt: ReusePrompt, head_map=None, **knobs):
+    """``(policy, its served output)`` of policy ``name`` with ``knobs``, 6 new tokens."""
+    policy = create_policy(
+        name, prompt, shape=runner.shape, head_map=head_map, options=RecoveryOptions(**knobs)
+    )
+    return policy, serve(runner, policy, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def prompt(runner, pieces):
+    return compose(runner, pieces)
+
+
+@pytest.fixture(scope="module")
+def full(runner, prompt):
+    return serve_policy(runner, "full", prompt)[1]

@@ -5,21 +5,10 @@ from __future__ import annotations
 import torch
 
 from redknot.headmap import HeadMap, synthetic_map
-from redknot.recovery import RecoveryOptions, ReusePrompt, cache_kv, create_policy, serve
+from redknot.recovery import ReusePrompt, cache_kv, serve
 from redknot.reference import LayerContext, ReferenceKV
 
-from .conftest import compose, random_ids
-
-
-def _serve(runner, name, prompt, head_map=None, **knobs):
-    policy = create_policy(
-        name,
-        prompt,
-        shape=runner.shape,
-        head_map=head_map,
-        options=RecoveryOptions(**knobs),
-    )
-    return policy, serve(runner, policy, max_new_tokens=6)
+from .conftest import compose, random_ids, serve_policy
 
 
 def test_all_global_dense_ffn_fresh_kv_is_full_prefill(runner, pieces):
@@ -27,10 +16,12 @@ def test_all_global_dense_ffn_fresh_kv_is_full_prefill(runner, pieces):
     dense = runner.generate(list(prompt.ids), max_new_tokens=6)
     every_global = HeadMap.every_head_global(runner.shape, window=8, sink=2)
     for local_kv in ("fresh", "cached"):  # no local head: the source does not matter
-        _, out = _serve(runner, "redknot", prompt, every_global, dense_layers=3, local_kv=local_kv)
+        _, out = serve_policy(
+            runner, "redknot", prompt, every_global, dense_layers=3, local_kv=local_kv
+        )
         assert torch.equal(out.generation.first_logits, dense.first_logits)
         assert out.generation.tokens == dense.tokens
-    _, full = _serve(runner, "full", prompt)
+    _, full = serve_policy(runner, "full", prompt)
     assert torch.equal(full.generation.first_logits, dense.first_logits)
     assert full.generation.tokens == dense.tokens
     assert full.fractions == {"attention": 1.0, "ffn": 1.0, "kv_heads": 1.0}
@@ -42,7 +33,7 @@ def test_restoring_every_local_head_is_full_prefill(runner, pieces):
     prompt = compose(runner, pieces)
     dense = runner.generate(list(prompt.ids), max_new_tokens=6)
     local = synthetic_map(runner.shape, 0.0, window=8, sink=2)
-    policy, out = _serve(
+    policy, out = serve_policy(
         runner, "redknot", prompt, local, dense_layers=3, restore_thresh=0.0, restore_edge=4
     )
     assert set(policy.restored.values()) == {"GG"}
@@ -52,7 +43,7 @@ def test_restoring_every_local_head_is_full_prefill(runner, pieces):
     assert out.fractions["kv_heads"] == 1.0
     # decode steps keep the promoted classes
     assert policy.head_classes(1, "LL") == "GG"
-    _, none = _serve(runner, "redknot", prompt, local, dense_layers=3, restore_thresh=1.0)
+    _, none = serve_policy(runner, "redknot", prompt, local, dense_layers=3, restore_thresh=1.0)
     assert none.restored_heads == 0
 
 
@@ -62,7 +53,9 @@ def test_with_a_prefix_hit_full_and_all_global_agree(runner, pieces):
     prefix = cache_kv(runner, prompt.ids[:10])
     with_hit = ReusePrompt(prompt.ids, prompt.segments, prefix)
     every_global = HeadMap.every_head_global(runner.shape)
-    _, out = _serve(runner, "redknot", with_hit, every_global, dense_layers=3, local_kv="fresh")
+    _, out = serve_policy(
+        runner, "redknot", with_hit, every_global, dense_layers=3, local_kv="fresh"
+    )
     dense = runner.generate(list(prompt.ids), max_new_tokens=6)
     torch.testing.assert_close(out.generation.first_logits, dense.first_logits)
     assert out.generation.tokens == dense.tokens
@@ -84,7 +77,7 @@ def _naive_by_hand(runner, pieces):
 
 def test_naive_is_chunked_prefill_around_cached_segments(runner, pieces):
     prompt = compose(runner, pieces)
-    _policy, out = _serve(runner, "naive", prompt)
+    _policy, out = serve_policy(runner, "naive", prompt)
     torch.testing.assert_close(
         out.generation.first_logits, _naive_by_hand(runner, pieces), atol=2e-5, rtol=1e-4
     )
@@ -111,7 +104,7 @@ def test_recompute_nothing_is_naive(runner, pieces):
     every_global = HeadMap.every_head_global(runner.shape)
     nothing = Nothing(prompt, shape=runner.shape, head_map=every_global)
     got = serve(runner, nothing, max_new_tokens=6)
-    _, naive = _serve(runner, "naive", prompt)
+    _, naive = serve_policy(runner, "naive", prompt)
     assert torch.equal(got.generation.first_logits, naive.generation.first_logits)
     assert got.flops == naive.flops
 
@@ -120,7 +113,7 @@ def test_segment_at_its_original_position_is_a_prefix_hit(runner):
     segment, question = random_ids(60, 7), random_ids(9, 8)
     hm = synthetic_map(runner.shape, 0.5, window=8, sink=2, seed=1)
     prompt = compose(runner, [("seg", segment), ("new", question)], hm)
-    policy, out = _serve(runner, "redknot", prompt, hm, dense_layers=1, restore_thresh=0.05)
+    policy, out = serve_policy(runner, "redknot", prompt, hm, dense_layers=1, restore_thresh=0.05)
     assert policy.served.prefix_len == 60 and not policy.served.segments
     hit = runner.generate(
         question, head_map=hm, past=cache_kv(runner, segment, hm), max_new_tokens=6
@@ -135,7 +128,7 @@ def test_requests_without_segments_are_unchanged(runner):
     hm = synthetic_map(runner.shape, 0.5, window=8, sink=2, seed=2)
     plain = runner.generate(ids, head_map=hm, max_new_tokens=6)
     for name in ("redknot", "naive", "full"):
-        _, out = _serve(
+        _, out = serve_policy(
             runner, name, ReusePrompt(tuple(ids)), hm, dense_layers=0, restore_thresh=0.0
         )
         want = plain if name == "redknot" else runner.generate(ids, max_new_tokens=6)
@@ -153,16 +146,16 @@ def test_headclass_is_the_plain_head_class_forward_and_redknot_recomputing_all_o
     prompt = compose(runner, pieces)
     local = synthetic_map(runner.shape, 0.5, window=8, sink=2)
     plain = runner.generate(list(prompt.ids), head_map=local, max_new_tokens=6)
-    _, head = _serve(runner, "headclass", prompt, local)
+    _, head = serve_policy(runner, "headclass", prompt, local)
     assert torch.equal(head.generation.first_logits, plain.first_logits)
     assert head.generation.tokens == plain.tokens
     assert head.fractions == {"attention": 1.0, "ffn": 1.0, "kv_heads": 1.0}
     dense = runner.generate(list(prompt.ids), max_new_tokens=6)
     assert not torch.equal(head.generation.first_logits, dense.first_logits)
     knobs = {"dense_layers": 99, "restore_thresh": None}
-    _, fresh = _serve(runner, "redknot", prompt, local, local_kv="fresh", **knobs)
+    _, fresh = serve_policy(runner, "redknot", prompt, local, local_kv="fresh", **knobs)
     torch.testing.assert_close(fresh.generation.first_logits, plain.first_logits)
-    _, cached = _serve(runner, "redknot", prompt, local, local_kv="cached", **knobs)
+    _, cached = serve_policy(runner, "redknot", prompt, local, local_kv="cached", **knobs)
     assert not torch.allclose(cached.generation.first_logits, plain.first_logits)
 
 
@@ -175,11 +168,11 @@ def test_repairing_every_segment_token_is_the_head_class_forward(runner, pieces)
     local = synthetic_map(runner.shape, 0.5, window=8, sink=2)
     plain = runner.generate(list(prompt.ids), head_map=local, max_new_tokens=6)
     knobs = {"dense_layers": 1, "mass_thresh": 0.3, "recent_n": 4, "restore_thresh": None}
-    policy, whole = _serve(runner, "redknot", prompt, local, repair_k=50, **knobs)
+    policy, whole = serve_policy(runner, "redknot", prompt, local, repair_k=50, **knobs)
     torch.testing.assert_close(whole.generation.first_logits, plain.first_logits)
     assert whole.generation.tokens == plain.tokens
     assert whole.fractions == {"attention": 1.0, "ffn": 1.0, "kv_heads": 1.0}
-    policy, part = _serve(runner, "redknot", prompt, local, repair_k=4, **knobs)
+    policy, part = serve_policy(runner, "redknot", prompt, local, repair_k=4, **knobs)
     assert not torch.allclose(part.generation.first_logits, plain.first_logits)
     spans = [(s.start, s.end) for s in prompt.segments]
     assert spans == [(10, 50), (56, 106)]
@@ -194,6 +187,6 @@ def test_repairing_every_segment_token_is_the_head_class_forward(runner, pieces)
         58,
         59,
     ]
-    _, off = _serve(runner, "redknot", prompt, local, repair_k=0, **knobs)
+    _, off = serve_policy(runner, "redknot", prompt, local, repair_k=0, **knobs)
     assert part.fractions["kv_heads"] > off.fractions["kv_heads"]
     assert part.fractions["ffn"] > off.fractions["ffn"]

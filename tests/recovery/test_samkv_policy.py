@@ -9,26 +9,11 @@ import logging
 import pytest
 import torch
 
-from redknot.recovery import RecoveryOptions, ReusePrompt, create_policy, serve
+from redknot.recovery import ReusePrompt
 
-from .conftest import compose, random_ids
+from .conftest import compose, random_ids, serve_policy
 
 BLOCK = {"samkv_block": 4, "samkv_stable_layers": 2}  # segments of 40 and 50: 7 and 9 blocks
-
-
-def _serve(runner, name, prompt, **knobs):
-    policy = create_policy(name, prompt, shape=runner.shape, options=RecoveryOptions(**knobs))
-    return policy, serve(runner, policy, max_new_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def prompt(runner, pieces):
-    return compose(runner, pieces)
-
-
-@pytest.fixture(scope="module")
-def full(runner, prompt):
-    return _serve(runner, "full", prompt)[1]
 
 
 def _close(out, want, atol=1e-4):
@@ -40,7 +25,7 @@ def _close(out, want, atol=1e-4):
 
 def test_every_block_kept_and_recomputed_is_full_prefill(runner, prompt, full):
     knobs = {**BLOCK, "samkv_budget": 1.0, "samkv_recompute": "all"}
-    policy, out = _serve(runner, "samkv", prompt, **knobs)
+    policy, out = serve_policy(runner, "samkv", prompt, **knobs)
     _close(out, full)
     assert out.fractions["sequence_ratio"] == 1.0 and out.fractions["recompute_ratio"] == 1.0
     dense = runner.forward(list(prompt.ids[: prompt.question_start]), logits_rows="none").kv
@@ -50,23 +35,23 @@ def test_every_block_kept_and_recomputed_is_full_prefill(runner, prompt, full):
         torch.testing.assert_close(kv.keys[n], dense.keys[n], rtol=0, atol=1e-5)
         torch.testing.assert_close(kv.values[n], dense.values[n], rtol=0, atol=1e-5)
     # fusion (Eq. 4) mixes in the stale cache: the same work, not the dense result
-    _, fused = _serve(runner, "samkv", prompt, **knobs, samkv_update="fusion")
+    _, fused = serve_policy(runner, "samkv", prompt, **knobs, samkv_update="fusion")
     assert fused.fractions == out.fractions
     assert fused.flops.deviation > 0 and out.flops.deviation == 0  # the cosines are paid for
     assert not torch.equal(fused.generation.first_logits, full.generation.first_logits)
 
 
 def test_documents_all_anchor_and_selective_recompute_is_full_prefill(runner, prompt, full):
-    policy, out = _serve(runner, "samkv", prompt, samkv_block=64)  # no middle block anywhere
+    policy, out = serve_policy(runner, "samkv", prompt, samkv_block=64)  # no middle block anywhere
     _close(out, full)
     assert len(policy.notes) == 2 and "too short" in policy.notes[0]
     assert out.fractions["sequence_ratio"] == 1.0
 
 
 def test_nothing_recomputed_with_every_block_is_naive_reuse(runner, prompt):
-    _, naive = _serve(runner, "naive", prompt)
+    _, naive = serve_policy(runner, "naive", prompt)
     for update in ("overwrite", "fusion"):
-        _, out = _serve(
+        _, out = serve_policy(
             runner, "samkv", prompt, **BLOCK, samkv_budget=1.0, samkv_recompute="none",
             samkv_update=update,
         )  # fmt: skip
@@ -75,7 +60,7 @@ def test_nothing_recomputed_with_every_block_is_naive_reuse(runner, prompt):
 
 
 def test_kv_holds_anchors_and_kept_blocks_at_dense_positions(runner, prompt):
-    policy, out = _serve(
+    policy, out = serve_policy(
         runner, "samkv", prompt, **BLOCK, samkv_recompute="none", samkv_budget=0.25
     )
     _, kv = policy.prepare(runner)
@@ -111,7 +96,7 @@ def test_kv_holds_anchors_and_kept_blocks_at_dense_positions(runner, prompt):
 
 
 def test_adaptive_selection_costs_less_and_reports_its_ratios(runner, prompt, full):
-    policy, out = _serve(runner, "samkv", prompt, **BLOCK)
+    policy, out = serve_policy(runner, "samkv", prompt, **BLOCK)
     sel = policy.report.selection
     assert 0.0 <= float(sel.ratios.min()) and float(sel.ratios.max()) <= 1.0
     f = out.fractions
@@ -120,7 +105,7 @@ def test_adaptive_selection_costs_less_and_reports_its_ratios(runner, prompt, fu
     assert out.flops.probe > 0  # block scores are paid for
     assert len(out.generation.tokens) == 6
     # the personalized bias changes the queries, hence (here) the choice or the ratios
-    p2, _ = _serve(runner, "samkv", prompt, **BLOCK, samkv_bias=False)
+    p2, _ = serve_policy(runner, "samkv", prompt, **BLOCK, samkv_bias=False)
     changed = not torch.equal(p2.report.selection.layer_ratios, sel.layer_ratios)
     assert changed or any(not torch.equal(a, b) for a, b in zip(p2.report.selection.kept, sel.kept))
 
@@ -130,7 +115,7 @@ def test_one_document_degrades_to_single_context_selection(runner, caplog):
         runner, [("new", random_ids(5, 7)), ("seg", random_ids(60, 8)), ("new", random_ids(9, 9))]
     )
     with caplog.at_level(logging.INFO, logger="redknot.recovery.samkv.policy"):
-        policy, out = _serve(runner, "samkv", prompt, **BLOCK)
+        policy, out = serve_policy(runner, "samkv", prompt, **BLOCK)
     assert any("one document" in r.getMessage() for r in caplog.records)
     sel = policy.report.selection
     assert sel.per_layer == sel.retrieved[0]  # keeps all it retrieves
@@ -147,9 +132,9 @@ def test_one_document_degrades_to_single_context_selection(runner, caplog):
 def test_prompts_it_cannot_sparsify_get_a_dense_prefill(runner, pieces, reason, caplog):
     prompt = compose(runner, pieces)
     with caplog.at_level(logging.INFO, logger="redknot.recovery.samkv.policy"):
-        policy, out = _serve(runner, "samkv", prompt, **BLOCK)
+        policy, out = serve_policy(runner, "samkv", prompt, **BLOCK)
     assert reason in policy.notes[0] and any(reason in r.getMessage() for r in caplog.records)
-    _, full = _serve(runner, "full", prompt)
+    _, full = serve_policy(runner, "full", prompt)
     assert torch.equal(out.generation.first_logits, full.generation.first_logits)
 
 
@@ -159,9 +144,9 @@ def test_a_prefix_hit_and_an_uncached_document_are_kept_whole(runner, prompt, fu
     prefix = runner.forward(list(prompt.ids[:4]), logits_rows="none").kv
     mixed = ReusePrompt(prompt.ids, prompt.segments[1:], prefix)  # document 1 uncached
     knobs = {**BLOCK, "samkv_budget": 1.0, "samkv_recompute": "all"}
-    _, out = _serve(runner, "samkv", mixed, **knobs)
+    _, out = serve_policy(runner, "samkv", mixed, **knobs)
     _close(out, full)
-    policy, out = _serve(runner, "samkv", mixed, **BLOCK, samkv_budget=0.0)
+    policy, out = serve_policy(runner, "samkv", mixed, **BLOCK, samkv_budget=0.0)
     assert out.fractions["sequence_ratio"] == pytest.approx(
         int(policy.report.docs[0].anchor_mask().sum()) / 50
     )

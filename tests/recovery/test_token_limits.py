@@ -7,33 +7,15 @@ import pytest
 import torch
 
 from redknot.headmap import HeadMap, synthetic_map
-from redknot.recovery import RecoveryOptions, create_policy, serve
 
-from .conftest import compose, random_ids
+from .conftest import compose, random_ids, serve_policy
 
 ROWS = 118  # the `pieces` prompt: new 10, segment 40, new 6, segment 50, question 12
 
 
-def _serve(runner, name, prompt, head_map=None, **knobs):
-    policy = create_policy(
-        name, prompt, shape=runner.shape, head_map=head_map, options=RecoveryOptions(**knobs)
-    )
-    return policy, serve(runner, policy, max_new_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def prompt(runner, pieces):
-    return compose(runner, pieces)
-
-
-@pytest.fixture(scope="module")
-def full(runner, prompt):
-    return _serve(runner, "full", prompt)[1]
-
-
 @pytest.fixture(scope="module")
 def naive(runner, prompt):
-    return _serve(runner, "naive", prompt)[1]
+    return serve_policy(runner, "naive", prompt)[1]
 
 
 def _same(out, want):
@@ -53,7 +35,7 @@ EVERYTHING = [
 
 @pytest.mark.parametrize("name,knobs", EVERYTHING)
 def test_recomputing_everything_is_full_prefill(runner, prompt, full, name, knobs):
-    _, out = _serve(runner, name, prompt, **knobs)
+    _, out = serve_policy(runner, name, prompt, **knobs)
     _same(out, full)
     assert out.fractions == {"attention": 1.0, "ffn": 1.0, "kv_heads": 1.0}
     got, want = out.flops.to_json(), full.flops.to_json()
@@ -62,10 +44,10 @@ def test_recomputing_everything_is_full_prefill(runner, prompt, full, name, knob
 
 
 def test_recomputing_nothing_is_naive_reuse(runner, prompt, naive):
-    _, epic = _serve(runner, "epic", prompt, epic_k=0)
+    _, epic = serve_policy(runner, "epic", prompt, epic_k=0)
     _same(epic, naive)
     assert epic.flops == naive.flops
-    policy, sparsex = _serve(
+    policy, sparsex = serve_policy(
         runner, "sparsex", prompt, sparseq_boundary=0, sparseq_k=0, sparseq_block=0
     )
     _same(sparsex, naive)
@@ -79,7 +61,7 @@ def test_recomputing_nothing_is_naive_reuse(runner, prompt, naive):
 def test_cacheblend_checking_layer_0_for_nothing_is_naive_up_to_rounding(runner, prompt, naive):
     """Layer-0 KV depends on token and position only: recomputing it changes nothing but
     rounding, and no token is recomputed above it."""
-    policy, out = _serve(runner, "cacheblend", prompt, blend_check_layer=0, blend_ratio=0.0)
+    policy, out = serve_policy(runner, "cacheblend", prompt, blend_check_layer=0, blend_ratio=0.0)
     assert policy.selected.numel() == 0
     torch.testing.assert_close(
         out.generation.first_logits, naive.generation.first_logits, atol=2e-5, rtol=1e-4
@@ -91,7 +73,7 @@ def test_cacheblend_checking_layer_0_for_nothing_is_naive_up_to_rounding(runner,
 @pytest.mark.parametrize("name", ["cacheblend", "epic", "sparsex"])
 def test_in_between_recomputes_a_part(runner, prompt, full, naive, name):
     knobs = {"blend_ratio": 0.3, "epic_k": 8, "sparseq_boundary": 1, "sparseq_k": 20}
-    policy, out = _serve(runner, name, prompt, **knobs)
+    policy, out = serve_policy(runner, name, prompt, **knobs)
     assert 0.0 < out.fractions["ffn"] < 1.0
     assert out.fractions["ffn"] == out.fractions["attention"] == out.fractions["kv_heads"]
     assert naive.flops.total < out.flops.total < full.flops.total
@@ -99,7 +81,7 @@ def test_in_between_recomputes_a_part(runner, prompt, full, naive, name):
 
 
 def test_epic_recomputes_the_first_tokens_of_each_segment(runner, prompt):
-    policy, out = _serve(runner, "epic", prompt, epic_k=3)
+    policy, out = serve_policy(runner, "epic", prompt, epic_k=3)
     assert policy.selected.tolist() == [10, 11, 12, 56, 57, 58]
     assert out.fractions["ffn"] == pytest.approx(6 / 90)
 
@@ -109,9 +91,9 @@ def test_prompt_ending_inside_a_segment_recomputes_its_last_row(runner):
     pieces = [("new", random_ids(7, 21)), ("seg", random_ids(30, 22))]
     prompt = compose(runner, pieces)
     for name, knobs in [("epic", {"epic_k": 2}), ("cacheblend", {"blend_ratio": 0.0})]:
-        policy, _ = _serve(runner, name, prompt, **knobs)
+        policy, _ = serve_policy(runner, name, prompt, **knobs)
         assert bool(policy.keep[-1]), name
-    policy, _ = _serve(runner, "sparsex", prompt, sparseq_boundary=1, sparseq_k=0)
+    policy, _ = serve_policy(runner, "sparsex", prompt, sparseq_boundary=1, sparseq_k=0)
     assert policy.selection.tail.tolist() == [False] * 7 + [True] * 30  # segment < 64 rows
     assert policy.selection.probed.tolist() == list(range(37))
 
@@ -125,9 +107,9 @@ def test_hybrid_limits_with_every_head_global(runner, prompt, full, naive):
         {"sparseq_boundary": 0, "sparseq_k": ROWS},
         {"sparseq_boundary": 3, "sparseq_k": 0},
     ):
-        _, out = _serve(runner, "redknot+sparseq", prompt, every_global, **knobs)
+        _, out = serve_policy(runner, "redknot+sparseq", prompt, every_global, **knobs)
         _same(out, full)
-    _, out = _serve(
+    _, out = serve_policy(
         runner,
         "redknot+sparseq",
         prompt,
@@ -143,8 +125,8 @@ def test_hybrid_with_every_head_global_is_sparsex(runner, prompt):
     """The same selection code, the same heads: the same prefill."""
     every_global = HeadMap.every_head_global(runner.shape)
     knobs = {"sparseq_boundary": 1, "sparseq_k": 10, "sparseq_block": 2}
-    hybrid, h = _serve(runner, "redknot+sparseq", prompt, every_global, **knobs)
-    sparsex, s = _serve(runner, "sparsex", prompt, **knobs)
+    hybrid, h = serve_policy(runner, "redknot+sparseq", prompt, every_global, **knobs)
+    sparsex, s = serve_policy(runner, "sparsex", prompt, **knobs)
     assert torch.equal(hybrid.selection.recompute, sparsex.selection.recompute)
     _same(h, s)
     assert h.flops == s.flops and h.fractions == s.fractions
@@ -155,7 +137,7 @@ def test_hybrid_selecting_every_token_is_redknot_without_sparse_ffn(runner, piec
     heads recomputed, dense FFN, as redknot with every layer dense."""
     hm = synthetic_map(runner.shape, 0.5, window=16, sink=2, seed=3)
     prompt = compose(runner, pieces, hm)
-    _, hybrid = _serve(
+    _, hybrid = serve_policy(
         runner,
         "redknot+sparseq",
         prompt,
@@ -164,7 +146,7 @@ def test_hybrid_selecting_every_token_is_redknot_without_sparse_ffn(runner, piec
         sparseq_k=ROWS,
         restore_thresh=None,
     )
-    _, redknot = _serve(runner, "redknot", prompt, hm, dense_layers=3, restore_thresh=None)
+    _, redknot = serve_policy(runner, "redknot", prompt, hm, dense_layers=3, restore_thresh=None)
     _same(hybrid, redknot)
     assert hybrid.fractions == redknot.fractions
     assert hybrid.fractions["kv_heads"] == pytest.approx(0.5)
@@ -173,7 +155,7 @@ def test_hybrid_selecting_every_token_is_redknot_without_sparse_ffn(runner, piec
 def test_hybrid_freezes_the_unselected_rows_above_the_boundary(runner, pieces):
     hm = synthetic_map(runner.shape, 0.5, window=16, sink=2, seed=3)
     prompt = compose(runner, pieces, hm)
-    policy, out = _serve(
+    policy, out = serve_policy(
         runner,
         "redknot+sparseq",
         prompt,
