@@ -10,8 +10,8 @@ from array import array
 import pytest
 
 from redknot.segcache.reuse import REPORT_KEY
-
-DOC = "Paris is the capital of France. Berlin is the capital of Germany."
+from tests.api.test_capture import DOC
+from tests.api.test_capture import _generate as marked_request
 
 
 @pytest.fixture
@@ -21,30 +21,24 @@ def server(http_app, smollm_tokenizer, server_args):
     return CpuServer(http_app, smollm_tokenizer, server_args=server_args)
 
 
-def _generate(client, question, namespace="kb"):
-    text = f"Context: {DOC}\nQuestion: {question}\nAnswer:"
-    start = text.index(DOC)
-    body = {
-        "text": text,
-        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-        "redknot_segments": [{"start": start, "end": start + len(DOC), "namespace": namespace}],
-    }
-    r = client.post("/generate", json=body)
+def _generate(client, question):
+    """The marked request of ``test_capture`` (``DOC`` in namespace kb): its meta_info."""
+    r = marked_request(client, question)
     assert r.status_code == 200, r.text
-    return r.json()["meta_info"], text
+    return r.json()["meta_info"]
 
 
 def test_a_miss_then_a_hit_are_reported_with_their_segment(server, client, smollm_tokenizer):
     n = len(smollm_tokenizer.encode(DOC, add_special_tokens=False))
-    meta, _ = _generate(client, "Capital of France?")
+    meta = _generate(client, "Capital of France?")
     (report,) = meta[REPORT_KEY]
     assert report == {
         "segments_marked": 1, "segments_hit": 0, "reused_tokens": 0, "segments": [],
         "policy": None,
     }  # fmt: skip
-    meta, text = _generate(client, "Capital of Germany?")  # captured after the miss: a hit
+    meta = _generate(client, "Capital of Germany?")  # captured after the miss: a hit
     (report,) = meta[REPORT_KEY]
-    start = len(smollm_tokenizer.encode(text[: text.index(DOC)]))
+    start = len(smollm_tokenizer.encode("Context: "))  # the prompt's text before DOC
     assert report["segments_hit"] == 1 and report["reused_tokens"] == n == meta["cached_tokens"]
     assert report["segments"] == [{"namespace": "kb", "start": start, "tokens": n}]
     assert report["policy"] == "redknot"  # the stand-in pool's
@@ -75,7 +69,7 @@ def test_the_gate_decision_is_reported_and_a_recompute_reuses_nothing(
 ):
     _generate(client, "Capital of France?")  # stores the document
     server.scheduler.pool.reuse_gate = _Gate(pays)
-    meta, _ = _generate(client, "Capital of Germany?")
+    meta = _generate(client, "Capital of Germany?")
     (report,) = meta[REPORT_KEY]
     assert report["segments_hit"] == 1
     assert report["gate"] == {
