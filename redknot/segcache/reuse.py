@@ -92,16 +92,15 @@ def start(cache: Any, req: Any) -> None:
         logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
         return
     if not marks:  # reported too: SGLang would give it a null report beside one that has one
-        _report(req, cache.pool, 0, 0, [], {})
+        _report(req, cache.pool, 0, 0, [])
         return
     ids = list(req.origin_input_ids)
-    uses, namespaces = [], {}
+    uses = []
     for mark in marks:
         entry = cache.segments.lookup(mark.namespace, ids[mark.start : mark.end])
         if entry is not None:
             cache.segments.acquire(entry)
             uses.append(SegmentUse(mark.start, entry, len(ids)))
-            namespaces[mark.start] = mark.namespace
     hits = len(uses)
     if uses and not _pays(cache, req, uses):
         for use in uses:
@@ -109,15 +108,13 @@ def start(cache: Any, req: Any) -> None:
         uses = []
     if uses:
         cache.pool.segment_reads[req.req_pool_idx] = uses
-    _report(req, cache.pool, len(marks), hits, uses, namespaces)
+    _report(req, cache.pool, len(marks), hits, uses)
 
 
 REPORT_KEY = "redknot_reuse"  # meta_info key of the report (module docstring)
 
 
-def _report(
-    req: Any, pool: Any, marked: int, hits: int, uses: list[SegmentUse], namespaces: dict
-) -> None:
+def _report(req: Any, pool: Any, marked: int, hits: int, uses: list[SegmentUse]) -> None:
     """Attach what ``start`` decided to ``req`` for its answer's ``meta_info``."""
     indices = getattr(req, "prefix_indices", None)  # a tensor in the scheduler
     prefix = 0 if indices is None else len(indices)
@@ -128,7 +125,7 @@ def _report(
             max(0, u.start + u.entry.num_tokens - max(u.start, prefix)) for u in uses
         ),
         "segments": [
-            {"namespace": namespaces[u.start], "start": u.start, "tokens": u.entry.num_tokens}
+            {"namespace": u.entry.namespace, "start": u.start, "tokens": u.entry.num_tokens}
             for u in uses
         ],
         "policy": getattr(pool, "reuse_policy", None) if uses else None,

@@ -84,11 +84,11 @@ def test_the_gate_decision_is_reported_and_a_recompute_reuses_nothing(
 def test_tokens_an_exact_prefix_hit_covers_are_not_counted_as_segment_reuse():
     from redknot.segcache import reuse
 
-    entry = types.SimpleNamespace(num_tokens=10)
-    uses = [reuse.SegmentUse(4, entry, 40), reuse.SegmentUse(20, entry, 40)]
+    a, b = (types.SimpleNamespace(num_tokens=10, namespace=ns) for ns in "ab")
+    uses = [reuse.SegmentUse(4, a, 40), reuse.SegmentUse(20, b, 40)]
     req = types.SimpleNamespace(prefix_indices=list(range(8)), customized_info={"other": [1]})
     pool = types.SimpleNamespace(reuse_policy="cacheblend")
-    reuse._report(req, pool, 3, 2, uses, {4: "a", 20: "b"})
+    reuse._report(req, pool, 3, 2, uses)
     (report,) = req.customized_info[REPORT_KEY]
     assert report["reused_tokens"] == (14 - 8) + 10  # the first segment's tokens 8..13, all of
     assert report["policy"] == "cacheblend" and report["segments_marked"] == 3
@@ -119,9 +119,9 @@ def test_sglang_carries_the_report_from_the_scheduler_to_the_tokenizer_manager()
 
     req = Req("r1", "", array("q", [1, 2, 3, 4, 5, 6]), SamplingParams(max_new_tokens=3))
     req.stream = True
-    entry = types.SimpleNamespace(num_tokens=3)
+    entry = types.SimpleNamespace(num_tokens=3, namespace="kb")
     reuse._report(req, types.SimpleNamespace(reuse_policy="epic"), 1, 1,
-                  [reuse.SegmentUse(2, entry, 6)], {2: "kb"})  # fmt: skip
+                  [reuse.SegmentUse(2, entry, 6)])  # fmt: skip
     sent = []
     for token in (7, 8):  # two decode steps, each streamed
         req.output_ids.append(token)

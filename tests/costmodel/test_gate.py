@@ -134,7 +134,7 @@ def test_start_applies_the_gate(monkeypatch, pays):
     from redknot.api import marks
     from redknot.segcache import reuse
 
-    entry = SimpleNamespace(num_tokens=100)
+    entry = SimpleNamespace(num_tokens=100, namespace="n")
     released = []
     segments = SimpleNamespace(
         lookup=lambda ns, ids: entry, acquire=lambda e: None, release=released.append
