@@ -114,11 +114,11 @@ def chat_workload(
 WORKLOADS: dict[str, Callable[..., list[Request]]] = {"rag": rag_workload, "chat": chat_workload}
 
 
-def body(req: Request, mode: str, *, stream: bool) -> dict:
+def body(req: Request, mode: str) -> dict:
+    """The ``/generate`` body of ``req`` (each target says whether it streams)."""
     out: dict[str, Any] = {
         "input_ids": req.ids,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-        "stream": stream,
     }
     if mode == "marked":
         out["redknot_segments"] = [
@@ -220,7 +220,7 @@ def replay(target: Any, requests: list[Request], mode: str, warmup: int) -> dict
     target.start(mode)
     sent, started = [], time.perf_counter()
     for req in requests:
-        sent.append(target.send(body(req, mode, stream=False)))
+        sent.append(target.send(body(req, mode)))
     seconds = time.perf_counter() - started
     after = sent[warmup:]
     prompt = sum(s.prompt_tokens for s in after)
