@@ -11,6 +11,7 @@ has the whole procedure and the command of every result::
     python3 benchmarks/gpu_run.py ab --old .devsrc_old.tar bench ttft --points 32768x8 --reps 4
     python3 benchmarks/gpu_run.py serve --model /tmp/smol-hf  # the README's first example
     python3 benchmarks/gpu_run.py fidelity --specs "cacheblend:cacheblend;epic64:epic:--redknot-epic-k 64"
+    python3 benchmarks/gpu_run.py replay --policies cacheblend,epic --rates 1,2
 
 Every job first makes sure of the machine (``benchmarks/gpu_machine.py``: the SGLang bundle, the
 committed tree, the project installed, the commit known), then runs its commands there with
@@ -237,6 +238,46 @@ def served_default_check(a, name: str, flags: str, common: list, tree, env) -> i
     return rc
 
 
+# the servers of a replay: the 8B shape with dummy weights, token ids only, one server at a time
+# (each sizes its KV cache and segment region from the memory free when it starts)
+REPLAY_SERVER = (
+    "--load-format dummy --skip-tokenizer-init --grammar-backend none --sampling-backend pytorch "
+    "--context-length 40960 --mem-fraction-static 0.85 --disable-prefill-cuda-graph "
+    "--cuda-graph-max-bs-decode 8 --random-seed 0"
+)
+
+
+def job_replay(a, tree, env) -> int:
+    """``benchmarks/trace_replay.py`` against a flashinfer server (the baseline, no markup),
+    then against a redknot server per policy (automatic chunks on; marked and unmarked
+    passes), one server after the other on this GPU, into one ``$OUT/trace_replay.json``."""
+    out = str(gm.OUT / "trace_replay.json")
+    replay = ["--workloads", a.workloads, "--requests", str(a.requests), "--rates", a.rates]
+    replay += ["--open-workloads", "rag"]
+    replay += ["--out", out, "--merge", *shlex.split(a.replay_args)]
+    common = ["--model-path", a.model, *shlex.split(REPLAY_SERVER)]
+    systems = [("flashinfer", ["--attention-backend", "flashinfer"], ["--modes", "plain"])]
+    for policy in a.policies.split(","):
+        flags = ["--attention-backend", "redknot", "--redknot-policy", policy]
+        flags += ["--redknot-auto-segments", "cdc", *shlex.split(a.redknot_flags)]
+        modes = ["--modes", a.modes, "--capture-requests", str(a.capture_requests)]
+        systems.append((f"redknot-{policy}", flags, modes))
+    rc = 0
+    for name, flags, modes in systems:
+        if a.systems != "all" and name not in a.systems.split(","):
+            continue
+        server = gm.start_server(common + flags, 30000, tree, env, f"server_{name}.log")
+        try:
+            if not gm.wait_healthy(server, 30000, f"server_{name}.log", a.startup_s):
+                rc = 1
+                continue
+            cmd = py("benchmarks/trace_replay.py", "--url", "http://127.0.0.1:30000")
+            rc |= gm.run(cmd + ["--system", name, *modes, *replay], tree, env, f"replay_{name}.log")
+        finally:
+            gm.stop_server(server)
+    return rc
+
+
 def job_unpack(a, tree, env) -> int:
     if a.shell:  # for scripts/device_prelude.sh: the environment, then the tree
         keys = ("PYTHONPATH", "PYTHONUNBUFFERED", "REDKNOT_COMMIT")
@@ -295,6 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=float, default=None, help="no spec starts after this")
     p.add_argument("--startup-s", type=float, default=600)
     p.set_defaults(run=job_fidelity)
+    p = sub.add_parser("replay", help="trace_replay.py: flashinfer, then redknot servers")
+    p.add_argument("--model", default=".device/models/llama-3.1-8b", help="dummy weights")
+    p.add_argument("--systems", default="all", help="all, or names: flashinfer,redknot-POLICY")
+    p.add_argument("--policies", default="cacheblend", help="one redknot server per policy")
+    p.add_argument("--redknot-flags", default="--redknot-segment-fraction 0.5")
+    p.add_argument("--workloads", default="rag,chat")
+    p.add_argument("--modes", default="auto,marked", help="the redknot servers' passes")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--rates", default="2,4", help="open-loop arrival rates (req/s), RAG only")
+    p.add_argument("--capture-requests", type=int, default=16)
+    p.add_argument("--replay-args", default="", help="more trace_replay.py flags")
+    p.add_argument("--startup-s", type=float, default=420)
+    p.set_defaults(run=job_replay)
     return ap
 
 

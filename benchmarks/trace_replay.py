@@ -1,31 +1,51 @@
-"""Replayed workloads: how much of ordinary traffic a redknot server reuses, marked and unmarked.
+"""Replayed workloads: how much of ordinary traffic a redknot server reuses, marked and unmarked,
+and how fast it answers next to SGLang's flashinfer backend.
 
-Two generated workloads (token ids, seeded), each sent twice: with markup (every document or
-earlier turn marked as a segment, ``redknot_segments`` over ``input_ids``) and without (the
-server's automatic chunks, ``--redknot-auto-segments cdc``):
+Two generated workloads (token ids, seeded), each sent with markup (every document or earlier
+turn marked as a segment, ``redknot_segments`` over ``input_ids``) and without (the server's
+automatic chunks, ``--redknot-auto-segments cdc``):
 
 | workload | requests                                                                          |
 | -------- | --------------------------------------------------------------------------------- |
-| ``rag``  | a pool of ``--docs`` documents of 1-4K tokens; each request: a fixed system head, 4-8 of them in random order, a fresh question |
+| ``rag``  | a pool of ``--docs`` documents of 1-4K tokens; each request: a system head, 4-8 of them in random order, a fresh question |
 | ``chat`` | ``--sessions`` agent sessions; turn k re-sends the history (user turns, assistant outputs, tool outputs) under one of two system prompts, then a new user turn |
 
-Per (workload, mode): ``reused_token_fraction`` (prompt tokens the server read from stored
-segments, its ``meta_info["redknot_reuse"]["reused_tokens"]``, over prompt tokens, after the
-first ``--warmup`` requests), and on a real server ``ttft_p50_s`` / ``ttft_p99_s`` (streamed,
-first chunk) and ``throughput_req_s`` (closed loop: one request at a time).
+Every pass over a server gets its own *salt*: the system heads and questions change with it, the
+documents and turns do not, so that one pass never finds a previous pass's prompts in SGLang's
+radix cache (a flashinfer pass and the redknot ``auto`` pass of the same arrival pattern share
+their salt: they send identical requests). Rows, one per (workload, mode, system, arrival):
+
+* ``reused_token_fraction``: prompt tokens the server read from stored segments (its
+  ``meta_info["redknot_reuse"]["reused_tokens"]``) over prompt tokens, after the first
+  ``--warmup`` requests (closed loop) or over all (open loop, which runs after the closed pass
+  of the same workload, on a warm store);
+* ``ttft_p50_s`` / ``ttft_p99_s`` (time to the first streamed chunk) and ``throughput_req_s``;
+  arrival ``closed`` sends one request at a time, ``poisson R`` sends ``--open-requests`` at
+  Poisson arrivals of rate R per second (``--rates``);
+* ``capture_overhead`` (closed RAG rows of a redknot server, ``--capture-requests N``): N requests
+  whose documents the store has never seen (every document a miss), sent one at a time with
+  ``"redknot_capture": false`` and again (another salt, still all misses) with capture on; the
+  ratio of the two passes' TTFT p50 (the captures of one request run while the next arrives, so
+  the ratio includes their cost to later requests);
+* ``speedup_p50_vs_flashinfer``: the flashinfer row of the same workload and arrival over this
+  row's TTFT p50 (filled whenever the output holds both, e.g. after ``--merge``).
 
 Targets:
 
 * ``--standin``: the CPU server stand-in of the tests (SGLang's HTTP app, redknot's request API
   and segment store over a real segment region; no model, so no time is measured);
-* ``--url URL``: a running server (``python -m sglang.launch_server ... --attention-backend
-  redknot --redknot-policy cacheblend --redknot-auto-segments cdc``), optionally
-  ``--baseline-url`` of a flashinfer server for ``speedup_p50_vs_flashinfer``.
+* ``--url URL``: a running server, ``--system`` its label (``flashinfer`` for the baseline,
+  which is sent the requests without markup, ``--modes plain``).
+
+::
 
     python benchmarks/trace_replay.py --standin --out benchmarks/results/trace_replay_standin.json
+    python benchmarks/trace_replay.py --url http://127.0.0.1:30001 --system flashinfer \\
+        --modes plain --rates 2,4 --out trace_replay.json
+    python benchmarks/trace_replay.py --url http://127.0.0.1:30000 --system redknot-cacheblend \\
+        --modes auto,marked --rates 2,4 --capture-requests 16 --merge --out trace_replay.json
 
-Not measured yet: open-loop arrivals at two rates, ``capture_overhead``, answers against a dense
-server (fields left ``null``).
+``benchmarks/gpu_run.py replay`` starts the servers and runs both on the GPU machine.
 """
 
 from __future__ import annotations
@@ -35,6 +55,7 @@ import json
 import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +67,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 TOKENS = (1000, 40000)  # token ids drawn from here (inside every tokenizer the project serves)
-MODES = ("marked", "auto")
+MODES = ("marked", "auto", "plain")  # plain: no markup, and no automatic chunks asked for
+BASELINE = "flashinfer"  # the system label of the baseline rows
+CLOSED = "closed"
 
 
 @dataclass
@@ -61,6 +84,11 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*TOKENS) for _ in range(n)]
 
 
+def _fresh(seed: int, salt: int) -> random.Random:
+    """The generator of a pass's heads and questions (documents and turns do not use it)."""
+    return random.Random(seed * 1_000_003 + salt)
+
+
 def _compose(parts: Sequence[tuple[list[int], bool]]) -> Request:
     """Concatenate ``(tokens, reusable)`` parts into one request."""
     req = Request([])
@@ -72,34 +100,45 @@ def _compose(parts: Sequence[tuple[list[int], bool]]) -> Request:
 
 
 def rag_workload(
-    seed: int, *, docs: int = 64, requests: int = 256, per_request: tuple[int, int] = (4, 8),
-    doc_tokens: tuple[int, int] = (1024, 4096), question: int = 32,
+    seed: int, *, salt: int = 0, docs: int = 64, requests: int = 256,
+    per_request: tuple[int, int] = (4, 8), doc_tokens: tuple[int, int] = (1024, 4096),
+    question: int = 32, distinct: bool = False,
 ) -> list[Request]:  # fmt: skip
-    rng = random.Random(seed)
-    head = _tokens(rng, 24)
-    pool = [_tokens(rng, rng.randint(*doc_tokens)) for _ in range(docs)]
-    out = []
-    for _ in range(requests):
-        chosen = rng.sample(range(docs), rng.randint(*per_request))
-        parts = [(head, False), *[(pool[d], True) for d in chosen], (_tokens(rng, question), False)]
+    """``requests`` RAG prompts over a pool of ``docs`` documents; ``distinct``: no document is
+    drawn twice (the pool grows to what the requests need), every document a first sight."""
+    rng, fresh = random.Random(seed), _fresh(seed, salt)
+    head = _tokens(fresh, 24)
+    counts = [rng.randint(*per_request) for _ in range(requests)] if distinct else []
+    pool = [_tokens(rng, rng.randint(*doc_tokens)) for _ in range(sum(counts) or docs)]
+    out, taken = [], 0
+    for k in range(requests):
+        if distinct:
+            chosen, taken = list(range(taken, taken + counts[k])), taken + counts[k]
+        else:
+            chosen = rng.sample(range(docs), rng.randint(*per_request))
+        parts = [
+            (head, False),
+            *[(pool[d], True) for d in chosen],
+            (_tokens(fresh, question), False),
+        ]
         out.append(_compose(parts))
     return out
 
 
 def chat_workload(
-    seed: int, *, sessions: int = 16, turns: int = 8, tool_every: int = 2
+    seed: int, *, salt: int = 0, sessions: int = 16, turns: int = 8, tool_every: int = 2
 ) -> list[Request]:
     """Sessions interleaved turn by turn; every turn re-sends the whole history (each earlier
     message reusable) under system prompt A or B, then the new user message."""
-    rng = random.Random(seed)
-    systems = [_tokens(rng, 64), _tokens(rng, 96)]
+    rng, fresh = random.Random(seed), _fresh(seed, salt)
+    systems = [_tokens(fresh, 64), _tokens(fresh, 96)]
     histories: list[list[list[int]]] = [[] for _ in range(sessions)]
     out = []
     for turn in range(turns):
         for s in range(sessions):
             user = _tokens(rng, rng.randint(32, 160))
             parts = [
-                (rng.choice(systems), False),
+                (systems[rng.randrange(2)], False),
                 *[(m, True) for m in histories[s]],
                 (user, False),
             ]
@@ -114,7 +153,13 @@ def chat_workload(
 WORKLOADS: dict[str, Callable[..., list[Request]]] = {"rag": rag_workload, "chat": chat_workload}
 
 
-def body(req: Request, mode: str) -> dict:
+def salt_of(mode: str, arrival: str) -> int:
+    """One salt per (mode, arrival) pass; ``plain`` (the baseline) shares ``auto``'s."""
+    kind = {"marked": 1, "auto": 2, "plain": 2}[mode]
+    return kind if arrival == CLOSED else 10 * kind + int(float(arrival.split()[-1]) * 100)
+
+
+def body(req: Request, mode: str, extra: dict | None = None) -> dict:
     """The ``/generate`` body of ``req`` (each target says whether it streams)."""
     out: dict[str, Any] = {
         "input_ids": req.ids,
@@ -124,7 +169,7 @@ def body(req: Request, mode: str) -> dict:
         out["redknot_segments"] = [
             {"start": a, "end": b, "namespace": "replay"} for a, b in req.spans
         ]
-    return out
+    return out | (extra or {})
 
 
 @dataclass
@@ -132,6 +177,7 @@ class Sent:
     prompt_tokens: int
     reused_tokens: int
     ttft_s: float | None
+    policy: str | None = None
 
 
 class StandIn:
@@ -180,14 +226,14 @@ class StandIn:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
         meta = r.json()["meta_info"]
-        return Sent(meta["prompt_tokens"], _reused(meta), None)
+        return Sent(meta["prompt_tokens"], _reused(meta), None, _policy(meta))
 
 
 class Http:
     """A running server at ``url``; TTFT is the time to the first streamed chunk."""
 
-    def __init__(self, url: str):
-        self.url, self.name = url.rstrip("/"), url
+    def __init__(self, url: str, name: str | None = None):
+        self.url, self.name = url.rstrip("/"), name or url
 
     def start(self, mode: str) -> None:
         pass
@@ -207,36 +253,99 @@ class Http:
                 first = first or time.perf_counter() - started
                 chunk = json.loads(line[5:])
                 meta = {**meta, **chunk.get("meta_info", {})}
-        return Sent(meta.get("prompt_tokens", len(payload["input_ids"])), _reused(meta), first)
+        prompt = meta.get("prompt_tokens", len(payload["input_ids"]))
+        return Sent(prompt, _reused(meta), first, _policy(meta))
+
+
+def _report(meta: dict) -> dict:
+    reports = meta.get("redknot_reuse") or [{}]
+    return reports[0] or {}
 
 
 def _reused(meta: dict) -> int:
-    reports = meta.get("redknot_reuse") or [{}]
-    return int((reports[0] or {}).get("reused_tokens", 0))
+    return int(_report(meta).get("reused_tokens", 0))
 
 
-def replay(target: Any, requests: list[Request], mode: str, warmup: int) -> dict:
-    """Send ``requests`` one at a time; the figures after the first ``warmup``."""
-    target.start(mode)
-    sent, started = [], time.perf_counter()
-    for req in requests:
-        sent.append(target.send(body(req, mode)))
-    seconds = time.perf_counter() - started
+def _policy(meta: dict) -> str | None:
+    return _report(meta).get("policy")
+
+
+def _p(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+def summarize(sent: list[Sent], seconds: float, warmup: int) -> dict:
     after = sent[warmup:]
     prompt = sum(s.prompt_tokens for s in after)
-    ttfts = sorted(s.ttft_s for s in after if s.ttft_s is not None)
+    reused = sum(s.reused_tokens for s in after)
+    ttfts = [s.ttft_s for s in after if s.ttft_s is not None]
     return {
         "requests": len(sent),
         "warmup": warmup,
         "prompt_tokens_after_warmup": prompt,
-        "reused_tokens_after_warmup": sum(s.reused_tokens for s in after),
-        "reused_token_fraction": round(sum(s.reused_tokens for s in after) / max(prompt, 1), 4),
-        "markable_fraction": None,  # filled by the caller: what markup could reuse at most
+        "reused_tokens_after_warmup": reused,
+        "reused_token_fraction": round(reused / max(prompt, 1), 4),
+        "policies": sorted({s.policy for s in after if s.policy}),
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
-        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+        "ttft_p99_s": _p(ttfts, 0.99),
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
         "throughput_req_s": round(len(sent) / seconds, 3) if ttfts else None,
-        "capture_overhead": None,
-        "speedup_p50_vs_flashinfer": None,
+    }
+
+
+def replay(
+    target: Any, requests: list[Request], mode: str, warmup: int, extra: dict | None = None
+) -> dict:
+    """Send ``requests`` one at a time; the figures after the first ``warmup``."""
+    target.start(mode)
+    started = time.perf_counter()
+    sent = [target.send(body(req, mode, extra)) for req in requests]
+    return summarize(sent, time.perf_counter() - started, warmup)
+
+
+def replay_open(target: Any, requests: list[Request], mode: str, rate: float, seed: int) -> dict:
+    """Send ``requests`` at Poisson arrivals of ``rate`` per second (one thread each, whatever
+    is still running); TTFT from each request's own send."""
+    rng = random.Random(seed)
+    at, times = 0.0, []
+    for _ in requests:
+        at += rng.expovariate(rate)
+        times.append(at)
+    sent: list[Sent | None] = [None] * len(requests)
+    errors: list[str] = []
+
+    def one(k: int) -> None:
+        try:
+            sent[k] = target.send(body(requests[k], mode))
+        except Exception as e:  # noqa: BLE001 - kept in the row, the others go on
+            errors.append(f"{k}: {e}")
+
+    threads, started = [], time.perf_counter()
+    for k, t in enumerate(times):
+        time.sleep(max(0.0, t - (time.perf_counter() - started)))
+        threads.append(threading.Thread(target=one, args=(k,), daemon=True))
+        threads[-1].start()
+    for th in threads:
+        th.join()
+    row = summarize([s for s in sent if s], time.perf_counter() - started, 0)
+    return row | {"offered_rate_req_s": rate, "errors": errors[:5], "failed": len(errors)}
+
+
+def capture_overhead(target: Any, mode: str, seed: int, n: int) -> dict:
+    """TTFT p50 of ``n`` all-miss RAG requests with capture on over the same without capture."""
+    off = rag_workload(seed + 7919, salt=100, requests=n, distinct=True)
+    on = rag_workload(seed + 7919, salt=101, requests=n, distinct=True)
+    r_off = replay(target, off, mode, 0, {"redknot_capture": False})
+    r_on = replay(target, on, mode, 0)
+    ratio = None
+    if r_on["ttft_p50_s"] and r_off["ttft_p50_s"]:
+        ratio = round(r_on["ttft_p50_s"] / r_off["ttft_p50_s"], 4)
+    return {
+        "capture_overhead": ratio,
+        "capture_requests": n,
+        "capture_ttft_p50_s": {"off": r_off["ttft_p50_s"], "on": r_on["ttft_p50_s"]},
+        "capture_ttft_mean_s": {"off": r_off["ttft_mean_s"], "on": r_on["ttft_mean_s"]},
     }
 
 
@@ -256,6 +365,18 @@ def markable_fraction(requests: list[Request], warmup: int) -> float:
     return round(markable / max(total, 1), 4)
 
 
+KEY = ("workload", "mode", "system", "arrival")
+
+
+def fill_speedups(rows: list[dict]) -> None:
+    """``speedup_p50_vs_flashinfer`` of every non-baseline row whose baseline row is there."""
+    base = {(r["workload"], r["arrival"]): r for r in rows if r["system"] == BASELINE}
+    for r in rows:
+        b = base.get((r["workload"], r["arrival"]))
+        if r["system"] != BASELINE and b and b["ttft_p50_s"] and r["ttft_p50_s"]:
+            r["speedup_p50_vs_flashinfer"] = round(b["ttft_p50_s"] / r["ttft_p50_s"], 3)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import serving_common as common
@@ -263,43 +384,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--standin", action="store_true", help="the CPU server stand-in")
-    where.add_argument("--url", help="a running redknot server")
-    p.add_argument("--baseline-url", help="a running flashinfer server (speedup of TTFT p50)")
+    where.add_argument("--url", help="a running server")
+    p.add_argument("--system", default=None, help=f"the server's label ({BASELINE}: baseline)")
     p.add_argument("--workloads", default="rag,chat")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default="marked,auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--docs", type=int, default=64)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--warmup", type=int, default=None, help="default: a quarter of the requests")
+    p.add_argument("--rates", default="", help="open-loop Poisson rates (req/s), e.g. 2,4")
+    p.add_argument("--open-requests", type=int, default=64)
+    p.add_argument("--open-workloads", default=None, help="workloads of --rates (default: all)")
+    p.add_argument("--capture-requests", type=int, default=0, help="0: no capture_overhead")
     p.add_argument("--region-tokens", type=int, default=1 << 19, help="--standin's region")
+    p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
     args = p.parse_args(argv)
     sizes = {"rag": {"docs": args.docs, "requests": args.requests},
              "chat": {"sessions": args.sessions, "turns": args.turns}}  # fmt: skip
-    target = StandIn(args.region_tokens, 1 << 16) if args.standin else Http(args.url)
-    rows = []
+    if args.standin:
+        target: Any = StandIn(args.region_tokens, 1 << 16)
+        system = args.system or "redknot-standin"
+    else:
+        system = args.system or "redknot"
+        target = Http(args.url, system)
+    old = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).is_file() else {}
+    rows: list[dict] = old.get("rows", [])
+    commands = old.get("commands", []) + [common.record()["command"]]
+
+    def add(row: dict) -> None:  # written after every row: a stopped run keeps what it measured
+        rows[:] = [r for r in rows if tuple(r[k] for k in KEY) != tuple(row[k] for k in KEY)]
+        rows.append(row)
+        fill_speedups(rows)
+        print(json.dumps({k: row.get(k) for k in (*KEY, "reused_token_fraction",
+                          "ttft_p50_s", "capture_overhead")}), flush=True)  # fmt: skip
+        common.write_json(args.out, common.record(
+            seed=args.seed, sizes=sizes, rows=rows, commands=commands,
+            note="closed: one request at a time; poisson R: --open-requests at Poisson arrivals "
+            "of rate R, after the closed pass of the same server (warm store)",
+        ))  # fmt: skip
+
+    rates = [float(r) for r in args.rates.split(",") if r]
     for name in args.workloads.split(","):
-        requests = WORKLOADS[name](args.seed, **sizes[name])
-        warmup = args.warmup if args.warmup is not None else len(requests) // 4
-        baseline = None
-        if args.baseline_url:
-            baseline = replay(Http(args.baseline_url), requests, "plain", warmup)
         for mode in args.modes.split(","):
-            row = {"workload": name, "mode": mode, "system": target.name}
+            requests = WORKLOADS[name](args.seed, salt=salt_of(mode, CLOSED), **sizes[name])
+            warmup = args.warmup if args.warmup is not None else len(requests) // 4
+            row = {"workload": name, "mode": mode, "system": system, "arrival": CLOSED}
             row |= replay(target, requests, mode, warmup)
             row["markable_fraction"] = markable_fraction(requests, warmup)
-            if baseline and row["ttft_p50_s"] and baseline["ttft_p50_s"]:
-                row["speedup_p50_vs_flashinfer"] = baseline["ttft_p50_s"] / row["ttft_p50_s"]
-            print(json.dumps({k: row[k] for k in ("workload", "mode", "reused_token_fraction",
-                                                  "markable_fraction", "ttft_p50_s")}))  # fmt: skip
-            rows.append(row)
-    common.write_json(args.out, common.record(
-        target=target.name, seed=args.seed, sizes=sizes, rows=rows,
-        note="closed loop (one request at a time); capture_overhead and open-loop arrival rates "
-        "not measured by this version",
-    ))  # fmt: skip
+            row |= {"capture_overhead": None, "speedup_p50_vs_flashinfer": None}
+            if args.capture_requests and mode != "plain" and name == "rag":
+                row |= capture_overhead(target, mode, args.seed, args.capture_requests)
+            add(row)
+        for rate in rates if name in (args.open_workloads or name).split(",") else []:
+            for mode in args.modes.split(","):
+                arrival = f"poisson {rate:g}"
+                requests = WORKLOADS[name](args.seed, salt=salt_of(mode, arrival), **sizes[name])
+                requests = requests[len(requests) // 4 :][: args.open_requests]
+                row = {"workload": name, "mode": mode, "system": system, "arrival": arrival}
+                row |= replay_open(target, requests, mode, rate, args.seed)
+                row |= {"capture_overhead": None, "speedup_p50_vs_flashinfer": None}
+                add(row)
     return 0
 
 

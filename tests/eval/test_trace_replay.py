@@ -4,11 +4,17 @@ server stand-in: what markup could reuse, what the server reused with markup and
 from __future__ import annotations
 
 from benchmarks.trace_replay import (
+    CLOSED,
+    Sent,
     StandIn,
+    capture_overhead,
     chat_workload,
+    fill_speedups,
     markable_fraction,
     rag_workload,
     replay,
+    replay_open,
+    salt_of,
 )
 
 
@@ -54,3 +60,73 @@ def test_replay_on_the_standin_reuses_what_markup_marks_and_chunks_find_without_
     assert 0.5 < auto["reused_token_fraction"] < best  # chunks straddling documents miss
     assert plain["reused_token_fraction"] == 0.0
     assert marked["ttft_p50_s"] is None  # the stand-in measures no time
+
+
+def test_salts_change_heads_and_questions_never_documents():
+    a = rag_workload(2, salt=1, docs=9, requests=6, doc_tokens=(20, 30))
+    b = rag_workload(2, salt=2, docs=9, requests=6, doc_tokens=(20, 30))
+    for x, y in zip(a, b):
+        assert x.spans == y.spans and x.ids[:24] != y.ids[:24]  # another head: no radix hit
+        assert [x.ids[i:j] for i, j in x.spans] == [y.ids[i:j] for i, j in y.spans]
+        assert x.ids[-32:] != y.ids[-32:]
+    c, d = chat_workload(1, salt=1, sessions=2, turns=3), chat_workload(
+        1, salt=3, sessions=2, turns=3
+    )
+    assert [r.spans for r in c] == [r.spans for r in d] and c[0].ids[:64] != d[0].ids[:64]
+    assert salt_of("plain", CLOSED) == salt_of("auto", CLOSED) != salt_of("marked", CLOSED)
+    passes = [salt_of(m, a) for m in ("marked", "auto") for a in (CLOSED, "poisson 2", "poisson 4")]
+    assert len(set(passes)) == len(passes)
+
+
+def test_distinct_rag_requests_never_repeat_a_document():
+    reqs = rag_workload(4, requests=5, distinct=True, doc_tokens=(20, 40))
+    docs = [tuple(r.ids[a:b]) for r in reqs for a, b in r.spans]
+    assert len(docs) == len(set(docs)) and markable_fraction(reqs, 0) == 0.0
+
+
+class Clock:
+    """A target whose TTFT is 1 s, or 1.2 s when the request may be captured."""
+
+    name = "fake"
+
+    def __init__(self):
+        self.bodies = []
+
+    def start(self, mode):
+        pass
+
+    def send(self, payload):
+        self.bodies.append(payload)
+        ttft = 1.0 if payload.get("redknot_capture") is False else 1.2
+        return Sent(len(payload["input_ids"]), 10, ttft, "cacheblend")
+
+
+def test_capture_overhead_compares_all_miss_passes_with_capture_off_and_on():
+    target = Clock()
+    row = capture_overhead(target, "auto", 0, 3)
+    assert row["capture_overhead"] == 1.2 and row["capture_requests"] == 3
+    off, on = target.bodies[:3], target.bodies[3:]
+    assert all(b["redknot_capture"] is False for b in off) and all(
+        "redknot_capture" not in b for b in on
+    )
+    assert all("redknot_segments" not in b for b in target.bodies)  # auto: no markup
+
+
+def test_open_loop_sends_every_request_and_counts_what_failed():
+    target = Clock()
+    reqs = rag_workload(0, docs=9, requests=5, doc_tokens=(5, 8))
+    row = replay_open(target, reqs, "marked", rate=500.0, seed=0)
+    assert row["requests"] == 5 and row["failed"] == 0 and row["ttft_p50_s"] == 1.2
+    assert row["reused_token_fraction"] == round(50 / sum(len(r.ids) for r in reqs), 4)
+    assert row["policies"] == ["cacheblend"] and len(target.bodies) == 5
+
+
+def test_speedups_pair_rows_of_the_same_workload_and_arrival_with_the_baseline():
+    rows = [
+        {"workload": "rag", "arrival": CLOSED, "system": "flashinfer", "ttft_p50_s": 0.9},
+        {"workload": "rag", "arrival": CLOSED, "system": "redknot", "ttft_p50_s": 0.3},
+        {"workload": "rag", "arrival": "poisson 2", "system": "redknot", "ttft_p50_s": 0.3},
+    ]
+    fill_speedups(rows)
+    assert rows[1]["speedup_p50_vs_flashinfer"] == 3.0
+    assert "speedup_p50_vs_flashinfer" not in rows[0] and "speedup_p50_vs_flashinfer" not in rows[2]
