@@ -203,8 +203,9 @@ class RedknotConfig:
         default="on",
     )
     auto_segments: str = _opt(
-        "Segments in unmarked /generate prompts: 'off', or 'cdc' (the prompt's tokens are cut "
-        "into content-defined chunks, looked up and captured in namespace 'auto'; "
+        "Segments in unmarked prompts: 'off', or 'cdc' (a /generate prompt's tokens are cut "
+        "into content-defined chunks, a chat request's message contents are segments, long "
+        "ones cut into chunks too; looked up and captured in namespace 'auto'; "
         "docs/auto_segments.md). Off by default: on the shipped model the measured reuse gate "
         "serves no reuse, so automatic chunks would only cost captures.",
         default="off",

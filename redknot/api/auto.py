@@ -1,14 +1,16 @@
 """Automatic segments of unmarked prompts: ``--redknot-auto-segments cdc``.
 
-A ``/generate`` request that marks nothing is tokenised here as SGLang would tokenise it (the
+A ``/generate`` request that marks nothing is tokenised as SGLang would tokenise it (the
 tokenizer manager's tokenizer over the whole text, or the client's ``input_ids``), cut into
 content-defined chunks (``chunking.py``), and its chunks are marked as segments of namespace
-``auto`` (``AUTO_NAMESPACE``; created on first use). From there they are ordinary marked
-segments: the scheduler looks each one up by content (namespace and token ids), a hit reuses the
-stored K/V at the chunk's position, and a miss is captured after the request's first token
-(``capture.py``) unless capture is off.
+``auto`` (``AUTO_NAMESPACE``; created on first use) by ``generate.py``. An OpenAI chat request
+(``chat.py``, with ``--redknot-chat-segments off``) gets a segment per message content instead,
+cut into chunks only when longer than the chunker's maximum (:meth:`AutoSegments.message_spans`).
+From there they are ordinary marked segments: the scheduler looks each one up by content
+(namespace and token ids), a hit reuses the stored K/V at the chunk's position, and a miss is
+captured after the request's first token (``capture.py``) unless capture is off.
 
-Which chunks become segments:
+Which chunks of a ``/generate`` prompt become segments:
 
 | chunk                                   | segment? | why                                       |
 | --------------------------------------- | -------- | ----------------------------------------- |
@@ -26,20 +28,23 @@ the gate says that no segment length pays, or the segment store is off (segment 
 no chunk is marked (logged once): the gate would recompute every such request anyway, and
 capturing its chunks would only cost prefills.
 
-A request opts out with ``"redknot_auto_segments": false``; requests that mark segments
-themselves, carry ``input_embeds`` or media, or that SGLang would refuse (too long, invalid
-ids) are left as they are.
+A request opts out with ``"redknot_auto_segments": false`` (in ``custom_params`` for a chat
+request); requests that mark segments themselves, carry ``input_embeds`` or media, or that
+SGLang would refuse (too long, invalid ids) are left as they are.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redknot.api import control
 from redknot.api.chunking import Chunker
 from redknot.api.options import AUTO_NAMESPACE, AutoSegmentsOption
+
+if TYPE_CHECKING:
+    from redknot.api.namespaces import NamespaceRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,22 @@ class AutoSegments:
     def min_store_tokens(self) -> int:
         """The shortest chunk made a segment."""
         return max(self.chunker.min_tokens, self.gate_min_tokens or 0)
+
+    def usable(self, namespaces: NamespaceRegistry) -> bool:
+        """Whether unmarked requests get automatic segments now: the option is on, the segment
+        store is on and some segment length pays (``idle`` is ``None``), and requests may use
+        namespace ``auto`` (a closed ``--redknot-namespaces`` list without it is warned about
+        once)."""
+        if not self.enabled or self.idle is not None:
+            return False
+        if namespaces.closed and not namespaces.is_known(AUTO_NAMESPACE):
+            self.warn_once(
+                "namespace",
+                f"--redknot-namespaces does not declare '{AUTO_NAMESPACE}': unmarked prompts are "
+                "served without automatic segments",
+            )
+            return False
+        return True
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -124,6 +145,18 @@ class AutoSegments:
         if self.idle is not None:
             return []
         chunks = self.chunker.spans(token_ids)[1:-1]  # not the first, not the last
+        return [(a, b) for a, b in chunks if b - a >= self.min_store_tokens]
+
+    def message_spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """The token ranges of one chat message's content (its standalone tokens) to mark as
+        segments of ``AUTO_NAMESPACE``: the whole content when it is at most the chunker's
+        maximum, else its content-defined chunks (the first and the last included: a message's
+        edges are the template's, not the prompt's); only those of ``min_store_tokens`` or
+        more."""
+        if self.idle is not None:
+            return []
+        n = len(token_ids)
+        chunks = [(0, n)] if n <= self.chunker.max_tokens else self.chunker.spans(token_ids)
         return [(a, b) for a, b in chunks if b - a >= self.min_store_tokens]
 
 

@@ -246,16 +246,9 @@ def rewrite_unmarked(body: Any, api: SegmentApi, *, capture: bool) -> dict | Non
     when it is served as it is: automatic segments off, no chunk to mark, or a request that this
     path leaves to SGLang (media, embeddings, what SGLang answers with an error)."""
     auto = api.auto
-    if not auto.enabled or not isinstance(body, dict):
+    if not isinstance(body, dict) or not auto.usable(api.namespaces):
         return None
     if any(body.get(key) is not None for key in _UNSUPPORTED):
-        return None
-    if api.namespaces.closed and not api.namespaces.is_known(AUTO_NAMESPACE):
-        auto.warn_once(
-            "namespace",
-            f"--redknot-namespaces does not declare '{AUTO_NAMESPACE}': unmarked prompts are "
-            "served without automatic segments",
-        )
         return None
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):

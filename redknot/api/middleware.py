@@ -10,8 +10,11 @@ It is the app's innermost middleware (inside SGLang's request decompression, COR
 checks: ``server.install``), in front of SGLang's own ``/generate`` route, which then parses the
 rewritten body as usual. Bodies without segment markup pass through untouched after a byte
 scan (under ``--redknot-auto-segments cdc`` every ``/generate`` body is parsed, for its
-automatic segments); bodies that are not JSON are left for SGLang to reject. Invalid markup is answered here
-with a 400 and never reaches the engine.
+automatic segments, and the first request of any kind waits for the reuse gate's break-even,
+which chat requests' automatic segments need too); bodies that are not JSON are left for SGLang
+to reject. Invalid markup is answered here with a 400 and never reaches the engine. A chat
+request's redknot flags belong in its ``custom_params``: given at the top level of the body,
+where SGLang would ignore them, they are a 400 that says so.
 
 The byte scan must see every spelling of markup that SGLang's JSON parser would read: a body is
 parsed when it holds ``redknot_``, a marker character in UTF-8, or any JSON ``\\u`` escape
@@ -29,7 +32,9 @@ from collections.abc import Callable
 import orjson
 
 from redknot.api import capture
+from redknot.api.auto import AUTO_FIELD
 from redknot.api.capture import CAPTURE_FIELD
+from redknot.api.chat import NAMESPACE_KEY
 from redknot.api.generate import reject_reserved, rewrite_generate
 from redknot.api.markers import RESERVED
 from redknot.api.marks import RESERVED_PREFIX, SegmentMarkError
@@ -39,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 PATHS = ("/generate",)  # rewritten; every other JSON POST is only checked for reserved keys
 # reserved keys a path may carry
-ALLOWED = {"/v1/chat/completions": ("redknot_namespace", CAPTURE_FIELD)}
+ALLOWED = {"/v1/chat/completions": (NAMESPACE_KEY, CAPTURE_FIELD, AUTO_FIELD)}
 # Byte patterns of which one occurs in every body that marks segments: the field or a
 # reserved custom-params key ("redknot_"), a marker character (U+F0001..U+F0003) in UTF-8, or a
 # JSON escape (which may spell either).
@@ -84,12 +89,15 @@ class SegmentMarkupMiddleware:
 
     async def _serve(self, scope, receive, send, body: bytes, api, pending: list) -> None:
         path = scope.get("path")
-        auto = api is not None and api.auto.enabled and path in PATHS
-        if api is not None and (auto or any(t in body for t in _TRIGGERS)):
+        auto = api is not None and api.auto.enabled
+        if auto:
+            try:
+                await api.auto.ask_gate(api.tokenizer_manager)  # once per server
+            except Exception:  # a bug there must not fail the request
+                logger.exception("redknot: asking the reuse gate's break-even failed")
+        if api is not None and ((auto and path in PATHS) or any(t in body for t in _TRIGGERS)):
             try:
                 if path in PATHS:
-                    if auto:
-                        await api.auto.ask_gate(api.tokenizer_manager)
                     new = rewrite_generate(orjson.loads(body), api)
                 else:  # other endpoints: refuse reserved custom_params keys and markers
                     _check_other(orjson.loads(body), path)
@@ -137,7 +145,14 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
 
 
 def _check_other(body, path) -> None:
-    reject_reserved(body, ALLOWED.get(path, ()))
+    allowed = ALLOWED.get(path, ())
+    misplaced = [k for k in allowed if isinstance(body, dict) and k in body]
+    if misplaced:
+        raise SegmentMarkError(
+            f"{misplaced} must be given inside custom_params in a {path} request "
+            f'(e.g. "custom_params": {{"{misplaced[0]}": ...}}), not at the top level'
+        )
+    reject_reserved(body, allowed)
     if any(c.encode() in orjson.dumps(body) for c in RESERVED):
         raise SegmentMarkError(
             f"segment markers (redknot.api.segment) are understood only by /generate, not {path}"

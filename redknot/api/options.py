@@ -3,7 +3,7 @@
 ``--redknot-chat-segments`` says which messages of an OpenAI chat request become segments;
 ``--redknot-namespaces`` declares the namespaces requests may use (see ``namespaces.py``);
 ``--redknot-auto-segments`` / ``--redknot-auto-chunk-tokens`` cut unmarked ``/generate`` prompts
-into content-defined chunks (see ``auto.py``).
+into content-defined chunks and make unmarked chat messages segments (see ``auto.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class ChatSegments:
 
 @dataclass(frozen=True)
 class AutoSegmentsOption:
-    """Whether unmarked ``/generate`` prompts are cut into chunks, and their average length."""
+    """Whether unmarked prompts get automatic segments, and the chunks' average length."""
 
     enabled: bool
     chunk_tokens: int = 256
