@@ -186,8 +186,9 @@ class StandIn:
 
     name = "redknot CPU stand-in (no model)"
 
-    def __init__(self, region_tokens: int, context_len: int):
+    def __init__(self, region_tokens: int, context_len: int, capture_after: int = 2):
         self.region_tokens, self.context_len = region_tokens, context_len
+        self.capture_after = capture_after
         self.client: Any = None
 
     def start(self, mode: str) -> None:
@@ -217,9 +218,13 @@ class StandIn:
         CpuServer(
             app, tokenizer, server_args=server_args, context_len=self.context_len,
             region_tokens=self.region_tokens, auto_segments="cdc" if mode == "auto" else "off",
+            auto_capture_after=self.capture_after,
         )  # fmt: skip
         self.client = TestClient(app)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+
+    def stats(self) -> dict | None:
+        return self.client.get("/redknot/stats").json()
 
     def send(self, payload: dict) -> Sent:
         r = self.client.post("/generate", json=payload | {"stream": False})
@@ -237,6 +242,16 @@ class Http:
 
     def start(self, mode: str) -> None:
         pass
+
+    def stats(self) -> dict | None:
+        """The server's ``/redknot/stats`` (``None`` where it has none: a flashinfer server)."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/redknot/stats", timeout=30) as resp:
+                return json.loads(resp.read())
+        except OSError:
+            return None
 
     def send(self, payload: dict) -> Sent:
         import urllib.request
@@ -291,6 +306,7 @@ def summarize(sent: list[Sent], seconds: float, warmup: int) -> dict:
         "ttft_p99_s": _p(ttfts, 0.99),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
         "throughput_req_s": round(len(sent) / seconds, 3) if ttfts else None,
+        "per_request": [[s.prompt_tokens, s.reused_tokens, s.ttft_s] for s in sent],
     }
 
 
@@ -377,6 +393,24 @@ def fill_speedups(rows: list[dict]) -> None:
             r["speedup_p50_vs_flashinfer"] = round(b["ttft_p50_s"] / r["ttft_p50_s"], 3)
 
 
+def join(paths: Sequence[str], out: str) -> int:
+    """One output of the rows of ``paths`` (later files replace rows of the same key), with
+    the speedups filled and each file's provenance under ``runs``."""
+    import serving_common as common
+
+    rows: list[dict] = []
+    runs = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        keys = {tuple(r[k] for k in KEY) for r in data["rows"]}
+        rows = [r for r in rows if tuple(r[k] for k in KEY) not in keys] + data["rows"]
+        runs.append({k: data.get(k) for k in ("device", "date", "commit", "commands", "sizes")})
+    fill_speedups(rows)
+    common.write_json(out, common.record(runs=runs, rows=rows, note=json.loads(
+        Path(paths[-1]).read_text()).get("note")))  # fmt: skip
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import serving_common as common
@@ -385,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--standin", action="store_true", help="the CPU server stand-in")
     where.add_argument("--url", help="a running server")
+    where.add_argument("--join", nargs="+", help="only join the rows of these outputs into --out")
     p.add_argument("--system", default=None, help=f"the server's label ({BASELINE}: baseline)")
     p.add_argument("--workloads", default="rag,chat")
     p.add_argument("--modes", default="marked,auto")
@@ -399,13 +434,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--open-workloads", default=None, help="workloads of --rates (default: all)")
     p.add_argument("--capture-requests", type=int, default=0, help="0: no capture_overhead")
     p.add_argument("--region-tokens", type=int, default=1 << 19, help="--standin's region")
+    p.add_argument("--auto-capture-after", type=int, default=2, help="--standin's option")
     p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
     args = p.parse_args(argv)
+    if args.join:
+        return join(args.join, args.out)
     sizes = {"rag": {"docs": args.docs, "requests": args.requests},
              "chat": {"sessions": args.sessions, "turns": args.turns}}  # fmt: skip
     if args.standin:
-        target: Any = StandIn(args.region_tokens, 1 << 16)
+        target: Any = StandIn(args.region_tokens, 1 << 16, args.auto_capture_after)
         system = args.system or "redknot-standin"
     else:
         system = args.system or "redknot"
@@ -415,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = old.get("commands", []) + [common.record()["command"]]
 
     def add(row: dict) -> None:  # written after every row: a stopped run keeps what it measured
+        stats = target.stats()
+        if stats:  # the store's and the capture path's counters after this row
+            row["stats_after"] = {k: stats.get(k) for k in ("api", "auto", "store", "gate")}
         rows[:] = [r for r in rows if tuple(r[k] for k in KEY) != tuple(row[k] for k in KEY)]
         rows.append(row)
         fill_speedups(rows)

@@ -216,6 +216,13 @@ class RedknotConfig:
         "segments).",
         default=256,
     )
+    auto_capture_after: int = _opt(
+        "--redknot-auto-segments cdc: an automatic segment is captured the N-th time a request "
+        "misses it (default 2: chunks seen once, such as those that straddle two documents of an "
+        "unmarked prompt, cost no capture prefill and no region pages; 1 captures at first "
+        "sight).",
+        default=2,
+    )
     namespace_fraction: float = _opt(
         "Largest fraction of the segment region one namespace may hold; beyond it a new segment "
         "evicts that namespace's own least recently used ones, never another namespace's.",
@@ -295,7 +302,9 @@ class RedknotConfig:
         for parse in (
             lambda: ChatSegments.parse(self.chat_segments),
             lambda: parse_namespaces(self.namespaces),
-            lambda: AutoSegmentsOption.parse(self.auto_segments, self.auto_chunk_tokens),
+            lambda: AutoSegmentsOption.parse(
+                self.auto_segments, self.auto_chunk_tokens, self.auto_capture_after
+            ),
         ):
             try:
                 parse()

@@ -210,16 +210,19 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
     return new
 
 
-def _attach(params: dict, marks: list, input_ids: list[int], capture: bool) -> int:
+def _attach(
+    params: dict, marks: list, input_ids: list[int], capture: bool, *, chunks: bool = False
+) -> int:
     """Put ``marks`` into one prompt's sampling ``params`` (its ``custom_params``), hand them
-    to capture on miss when ``capture``; the number of marks."""
+    to capture on miss when ``capture`` (``chunks``: they are content-defined chunks of an
+    unmarked prompt); the number of marks."""
     if not marks:
         return 0
     custom = dict(params.get("custom_params") or {})
     custom.update(encode_marks(marks))
     params["custom_params"] = custom
     if capture:
-        note([(m.namespace, input_ids[m.start : m.end]) for m in marks])
+        note([(m.namespace, input_ids[m.start : m.end]) for m in marks], chunks=chunks)
     return len(marks)
 
 
@@ -275,7 +278,7 @@ def rewrite_unmarked(body: Any, api: SegmentApi, *, capture: bool) -> dict | Non
                 )
             except SegmentMarkError:
                 marks = []  # it asks logprobs of tokens reuse would not compute
-        marked += _attach(params[k], marks, input_ids, capture)
+        marked += _attach(params[k], marks, input_ids, capture, chunks=True)
     if not marked:
         return None
     new = {k: v for k, v in body.items() if k not in ("text", "input_ids")}

@@ -53,10 +53,12 @@ class AutoSegmentsOption:
 
     enabled: bool
     chunk_tokens: int = 256
+    capture_after: int = 2  # an automatic segment is captured at its N-th miss
 
     @classmethod
-    def parse(cls, mode: str, chunk_tokens: int) -> AutoSegmentsOption:
-        """``mode``: ``off`` | ``cdc``; ``chunk_tokens``: an integer >= 16. ValueError else."""
+    def parse(cls, mode: str, chunk_tokens: int, capture_after: int = 2) -> AutoSegmentsOption:
+        """``mode``: ``off`` | ``cdc``; ``chunk_tokens``: an integer >= 16; ``capture_after``:
+        an integer >= 1. ValueError else."""
         if mode not in AUTO_MODES:
             raise ValueError(
                 f"--redknot-auto-segments {mode!r} is not one of {', '.join(AUTO_MODES)}"
@@ -70,7 +72,15 @@ class AutoSegmentsOption:
                 f"--redknot-auto-chunk-tokens must be an integer >= {MIN_AUTO_CHUNK_TOKENS}, "
                 f"got {chunk_tokens!r}"
             )
-        return cls(enabled=mode == "cdc", chunk_tokens=chunk_tokens)
+        if (
+            isinstance(capture_after, bool)
+            or not isinstance(capture_after, int)
+            or capture_after < 1
+        ):
+            raise ValueError(
+                f"--redknot-auto-capture-after must be an integer >= 1, got {capture_after!r}"
+            )
+        return cls(enabled=mode == "cdc", chunk_tokens=chunk_tokens, capture_after=capture_after)
 
 
 def check_namespace_name(name: object, *, where: str = "namespace") -> str:

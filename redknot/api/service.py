@@ -35,6 +35,7 @@ class ApiCounters:
     captures_skipped: int = 0  # already stored or being written: nothing sent
     captures_deduplicated: int = 0  # the same segment was being captured already
     captures_dropped: int = 0  # too many captures pending
+    captures_deferred: int = 0  # automatic chunks missed for the first time: not captured yet
     # automatic segments (redknot.api.auto): unmarked requests given chunks, and the chunks
     auto_requests: int = 0
     auto_chunks_marked: int = 0
@@ -66,7 +67,9 @@ class SegmentApi:
         # the server option under which reused tokens leave recovery (RedknotConfig.rows_leave)
         self.rows_leave = rows_leave
         self.counters = ApiCounters()
-        self.capture = Capturer(self, enabled=capture)
+        self.capture = Capturer(
+            self, enabled=capture, auto_capture_after=auto.capture_after if auto else 2
+        )
         self.auto = AutoSegments(auto)
         self._piecewise: PiecewiseTokenizer | None = None
 
@@ -80,7 +83,9 @@ class SegmentApi:
             namespaces=NamespaceRegistry.from_option(config.namespaces),
             rows_leave=config.rows_leave,
             capture=config.capture == "on",
-            auto=AutoSegmentsOption.parse(config.auto_segments, config.auto_chunk_tokens),
+            auto=AutoSegmentsOption.parse(
+                config.auto_segments, config.auto_chunk_tokens, config.auto_capture_after
+            ),
         )
 
     @property

@@ -200,6 +200,15 @@ class CpuScheduler:
         self._free_slots.append(rpi)
 
 
+def _is_capture(obj: Any) -> bool:
+    from redknot.api.marks import KEY_CAPTURE
+
+    sp = obj.sampling_params
+    sp = sp[0] if isinstance(sp, list) and sp else sp
+    custom = sp.get("custom_params") if isinstance(sp, dict) else None
+    return isinstance(custom, dict) and bool(custom.get(KEY_CAPTURE, False))
+
+
 class CpuTokenizerManager(FakeTokenizerManager):
     """A tokenizer manager in front of a :class:`CpuScheduler`; ``received`` holds a copy of
     every request object as it reached the tokenizer manager (before SGLang normalises it),
@@ -223,14 +232,22 @@ class CpuTokenizerManager(FakeTokenizerManager):
 
     @property
     def last(self):
-        from redknot.api.marks import KEY_CAPTURE
+        return [obj for obj in self.received if not _is_capture(obj)][-1]
 
-        def is_capture(obj):
-            sp = obj.sampling_params
-            custom = sp.get("custom_params") if isinstance(sp, dict) else None
-            return isinstance(custom, dict) and custom.get(KEY_CAPTURE, False)
-
-        return [obj for obj in self.received if not is_capture(obj)][-1]
+    @property
+    def captures(self) -> list:
+        """Every captured segment's registration (``input_ids``, ``sampling_params``), one
+        per segment: a capture batch (one request of several prompts) is split."""
+        out = []
+        for obj in filter(_is_capture, self.received):
+            if isinstance(obj.sampling_params, list):
+                out += [
+                    types.SimpleNamespace(input_ids=ids, sampling_params=sp)
+                    for ids, sp in zip(obj.input_ids, obj.sampling_params, strict=True)
+                ]
+            else:
+                out.append(obj)
+        return out
 
     async def generate_request(self, obj: Any, request: Any = None):
         self.received.append(copy.deepcopy(obj))
@@ -303,6 +320,7 @@ class CpuServer:
         namespace_fraction: float = 1.0,
         auto_segments: str = "off",
         auto_chunk_tokens: int = 256,
+        auto_capture_after: int = 2,
     ):
         from sglang.srt.entrypoints import http_server
 
@@ -323,7 +341,7 @@ class CpuServer:
             chat=ChatSegments.parse(chat),
             namespaces=NamespaceRegistry.from_option(namespaces),
             capture=capture == "on",
-            auto=AutoSegmentsOption.parse(auto_segments, auto_chunk_tokens),
+            auto=AutoSegmentsOption.parse(auto_segments, auto_chunk_tokens, auto_capture_after),
         )
         install(app, self.api)
         http_server._global_state.tokenizer_manager = self.tm

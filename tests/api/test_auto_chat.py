@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from redknot.api.chunking import Chunker
-from redknot.api.marks import KEY_CAPTURE, decode_marks
+from redknot.api.marks import decode_marks
 from tests.api.test_auto_segments import document
 
 CHUNKER = Chunker.of_average(32)  # min 8, max 128
@@ -87,11 +87,7 @@ def marked(server) -> list[list[int]]:
 
 
 def captures(server) -> list:
-    return [
-        obj
-        for obj in server.tm.received
-        if ((obj.sampling_params or {}).get("custom_params") or {}).get(KEY_CAPTURE)
-    ]
+    return server.tm.captures
 
 
 def plain_ids(tok, messages) -> list[int]:

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from redknot.api.marks import KEY_CAPTURE, decode_marks
+from redknot.api.marks import decode_marks
 
 _WORDS = (
     "river stone market winter lantern copper harbor orchard signal thunder velvet garden "
@@ -64,17 +64,13 @@ def marks_of(obj) -> list:
 
 
 def captures(server) -> list:
-    return [
-        obj
-        for obj in server.tm.received
-        if ((obj.sampling_params or {}).get("custom_params") or {}).get(KEY_CAPTURE)
-    ]
+    return server.tm.captures
 
 
 def test_rag_documents_in_another_order_under_another_prefix_hit(
     make_server, client, smollm_tokenizer
 ):
-    server = make_server()
+    server = make_server(auto_capture_after=1)  # every chunk captured at its first miss
     first = rag_prompt("You are a helpful assistant.", [0, 1, 2, 3], "Which river?")
     out = generate(client, first)
     assert out["meta_info"]["cached_tokens"] == 0
@@ -98,8 +94,28 @@ def test_rag_documents_in_another_order_under_another_prefix_hit(
     assert "auto" in stats["namespaces"]
 
 
-def test_input_ids_prompts_are_chunked_as_given(make_server, client):
+def test_chunks_are_captured_at_their_second_miss_by_default(make_server, client):
     server = make_server()
+    docs = [rag_prompt("You are a helpful assistant.", [0, 1, 2, 3], "Which river?"),
+            rag_prompt("Answer from these documents only.", [2, 0, 3, 1], "Which harbor?"),
+            rag_prompt("Be brief.", [1, 3, 0, 2], "Which bridge?")]  # fmt: skip
+    generate(client, docs[0])
+    first = {m.segment_id for m in marks_of(server.tm.last)}
+    api = client.get("/redknot/stats").json()["api"]
+    assert captures(server) == [] and api["captures_deferred"] == len(first)
+    generate(client, docs[1])  # the chunks inside documents miss again: captured now
+    second = {m.segment_id for m in marks_of(server.tm.last)}
+    again = first & second
+    assert len(again) >= 0.6 * len(second)  # most chunks lie inside a document
+    captured = {m.segment_id for c in captures(server) for m in marks_of(c)}
+    assert captured == again  # only what missed twice
+    out = generate(client, docs[2])
+    assert out["meta_info"]["cached_tokens"] > 0
+    assert client.get("/redknot/stats").json()["auto"]["chunk_hits"] > 0
+
+
+def test_input_ids_prompts_are_chunked_as_given(make_server, client):
+    server = make_server(auto_capture_after=1)
     ids = random.Random(5).choices(range(3, 500), k=600)
     generate(client, input_ids=ids)
     assert server.tm.last.input_ids == ids and marks_of(server.tm.last)
@@ -226,7 +242,7 @@ def test_a_server_without_a_segment_store_marks_no_chunks(make_server, client):
 
 
 def test_a_repeated_document_is_captured_once_and_batches_are_chunked(make_server, client):
-    server = make_server()
+    server = make_server(auto_capture_after=1)
     text = "Notes.\n\n" + "\n\n".join([DOCS[0]] * 3) + "\n\nQuestion: why?"
     generate(client, text)
     marks = marks_of(server.tm.last)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from redknot.api.marks import KEY_CAPTURE, decode_marks, segment_id
+from redknot.api.marks import decode_marks, segment_id
 
 DOC = "Paris is the capital of France. Berlin is the capital of Germany."
 
@@ -41,12 +41,7 @@ def _doc_tokens(tok) -> int:
 
 
 def _captures(server) -> list:
-    out = []
-    for obj in server.tm.received:
-        custom = (obj.sampling_params or {}).get("custom_params") or {}
-        if custom.get(KEY_CAPTURE):
-            out.append(obj)
-    return out
+    return server.tm.captures
 
 
 def test_fresh_server_new_namespace_miss_then_capture_then_hit(
@@ -174,3 +169,30 @@ def test_a_flooding_namespace_does_not_evict_another(make_server, client, smollm
     assert [e.id for e in server.store.list("b")] == [keep.json()["segment_id"]]
     assert server.store.stats("b")["evictions"] == 0
     server.store.check()
+
+
+def test_the_misses_of_one_request_are_captured_in_one_batch(make_server, client):
+    server = make_server(region_tokens=4096)
+    docs = [f"Document {k}: " + " ".join(f"fact{k}-{j}" for j in range(30)) for k in range(3)]
+    text = "Context:\n" + "\n".join(docs) + "\nQuestion: which facts?"
+    spans = [
+        {"start": text.index(d), "end": text.index(d) + len(d), "namespace": "kb"} for d in docs
+    ]
+    body = {"text": text, "sampling_params": {"max_new_tokens": 2}, "redknot_segments": spans}
+    assert client.post("/generate", json=body).status_code == 200
+    batches = [obj for obj in server.tm.received if isinstance(obj.sampling_params, list)]
+    assert len(batches) == 1 and len(batches[0].input_ids) == 3  # one request, three prompts
+    assert len(_captures(server)) == 3 and server.store.stats("kb")["segments"] == 3
+    r = client.post("/generate", json=body)
+    assert r.json()["meta_info"]["cached_tokens"] == sum(
+        len(c.input_ids) for c in _captures(server)
+    )
+
+
+def test_capture_batches_hold_at_most_their_token_limit():
+    from redknot.api.capture import _batches
+
+    segs = [("ns", [0] * n, str(k)) for k, n in enumerate([5, 4, 2, 9, 1, 12])]
+    cut = _batches(segs, 10)
+    assert [[s[2] for s in b] for b in cut] == [["0", "1"], ["2"], ["3", "4"], ["5"]]
+    assert _batches([], 10) == []
