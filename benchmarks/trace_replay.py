@@ -18,7 +18,11 @@ their salt: they send identical requests). Rows, one per (workload, mode, system
 * ``reused_token_fraction``: prompt tokens the server read from stored segments (its
   ``meta_info["redknot_reuse"]["reused_tokens"]``) over prompt tokens, after the first
   ``--warmup`` requests (closed loop) or over all (open loop, which runs after the closed pass
-  of the same workload, on a warm store);
+  of the same workload, on a warm store); ``prefix_cached_fraction``: SGLang's own
+  ``cached_tokens`` (exact-prefix hits of its radix cache, which the segment report does not
+  count; not recorded by the runs in trace_replay.json) over the same prompt tokens;
+* ``per_request``: ``[prompt tokens, reused tokens, TTFT, cached tokens]`` of every request;
+  ``stats_after``: the server's ``/redknot/stats`` after the row (capture and store counters);
 * ``ttft_p50_s`` / ``ttft_p99_s`` (time to the first streamed chunk) and ``throughput_req_s``;
   arrival ``closed`` sends one request at a time, ``poisson R`` sends ``--open-requests`` at
   Poisson arrivals of rate R per second (``--rates``);
@@ -178,6 +182,7 @@ class Sent:
     reused_tokens: int
     ttft_s: float | None
     policy: str | None = None
+    cached_tokens: int = 0  # SGLang's meta_info cached_tokens (exact-prefix hits, radix cache)
 
 
 class StandIn:
@@ -231,7 +236,7 @@ class StandIn:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
         meta = r.json()["meta_info"]
-        return Sent(meta["prompt_tokens"], _reused(meta), None, _policy(meta))
+        return Sent(meta["prompt_tokens"], _reused(meta), None, _policy(meta))  # no radix cache
 
 
 class Http:
@@ -269,7 +274,8 @@ class Http:
                 chunk = json.loads(line[5:])
                 meta = {**meta, **chunk.get("meta_info", {})}
         prompt = meta.get("prompt_tokens", len(payload["input_ids"]))
-        return Sent(prompt, _reused(meta), first, _policy(meta))
+        cached = int(meta.get("cached_tokens") or 0)
+        return Sent(prompt, _reused(meta), first, _policy(meta), cached)
 
 
 def _report(meta: dict) -> dict:
@@ -301,12 +307,15 @@ def summarize(sent: list[Sent], seconds: float, warmup: int) -> dict:
         "prompt_tokens_after_warmup": prompt,
         "reused_tokens_after_warmup": reused,
         "reused_token_fraction": round(reused / max(prompt, 1), 4),
+        "prefix_cached_fraction": round(sum(s.cached_tokens for s in after) / max(prompt, 1), 4),
         "policies": sorted({s.policy for s in after if s.policy}),
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "ttft_p99_s": _p(ttfts, 0.99),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
         "throughput_req_s": round(len(sent) / seconds, 3) if ttfts else None,
-        "per_request": [[s.prompt_tokens, s.reused_tokens, s.ttft_s] for s in sent],
+        "per_request": [
+            [s.prompt_tokens, s.reused_tokens, s.ttft_s, s.cached_tokens] for s in sent
+        ],
     }
 
 

@@ -11,14 +11,15 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
 1. skips a segment when a capture of the same content address (namespace and tokens) is
    already under way in this server (concurrent requests that miss the same document capture
    it once);
-2. defers a content-defined chunk of an unmarked ``/generate`` prompt until its
+2. asks the scheduler's store (control op ``registration``, one per segment, concurrently)
+   and skips those stored, being written by another registration or capture, or refused as
+   too long for the region (413; retrying cannot help);
+3. of the segments the store lacks, defers a content-defined chunk of an unmarked
+   ``/generate`` prompt until its
    ``--redknot-auto-capture-after``-th miss (default 2; counted in ``captures_deferred``): the
    chunks that straddle two documents are seen once, and capturing them would spend a prefill
    and region pages on nothing. Marked segments and chat messages are captured at their first
    miss;
-3. asks the scheduler's store (control op ``registration``, one per segment, concurrently)
-   and skips those stored, being written by another registration or capture, or refused as
-   too long for the region (413; retrying cannot help);
 4. sends the rest as **one batched registration** (``max_new_tokens=0``, each prompt marked
    ``redknot_capture``; at most ``MAX_BATCH_TOKENS`` tokens per batch): the scheduler computes
    their standalone K/V (positions from 0, no prefix) as ``POST /redknot/segments`` does, in as
@@ -115,7 +116,7 @@ class Capturer:
         if not (self.enabled and segments):
             return
         count = self.api.counters.add
-        mine: list[tuple[str, list[int], str]] = []
+        mine: list[tuple[str, list[int], str, bool]] = []
         try:
             for ns, ids, *chunks in segments:
                 sid = segment_id(ns, list(ids))
@@ -123,8 +124,8 @@ class Capturer:
                     count(captures_deduplicated=1)
                 elif self._pending + len(mine) >= MAX_PENDING:
                     count(captures_dropped=1)
-                elif not (chunks and chunks[0]) or self._admit(sid):
-                    mine.append((ns, list(ids), sid))
+                else:
+                    mine.append((ns, list(ids), sid, bool(chunks and chunks[0])))
             self._inflight.update(m[2] for m in mine)
             self._pending += len(mine)
             for batch in _batches(mine, MAX_BATCH_TOKENS):
@@ -154,19 +155,20 @@ class Capturer:
         self.api.counters.add(captures_deferred=1)
         return False
 
-    async def _capture_batch(self, batch: list[tuple[str, list[int], str]]) -> None:
-        """One registration request for every segment of ``batch`` the store lacks."""
+    async def _capture_batch(self, batch: list[tuple[str, list[int], str, bool]]) -> None:
+        """One registration request for every segment of ``batch`` the store lacks (a chunk
+        of an unmarked prompt only once :meth:`_admit` lets it)."""
         count = self.api.counters.add
         tm = self.api.tokenizer_manager
         states = await asyncio.gather(
-            *(control.call(tm, "registration", ns, sid) for ns, _, sid in batch)
+            *(control.call(tm, "registration", ns, sid) for ns, _, sid, _ in batch)
         )
         send = []
-        for seg, state in zip(batch, states, strict=True):
+        for (ns, ids, sid, chunk), state in zip(batch, states, strict=True):
             if state["state"] in SKIP_STATES or state["status"] == 413:
                 count(captures_skipped=1)
-            else:
-                send.append(seg)
+            elif not chunk or self._admit(sid):
+                send.append((ns, ids, sid))
         if not send:
             return
         count(captures_sent=len(send))
@@ -216,12 +218,10 @@ class Capturer:
         return sys.maxsize if low_first else -sys.maxsize - 1
 
 
-def _batches(
-    segments: list[tuple[str, list[int], str]], max_tokens: int
-) -> list[list[tuple[str, list[int], str]]]:
+def _batches(segments: list[tuple], max_tokens: int) -> list[list[tuple]]:
     """``segments`` in order, cut into batches of at most ``max_tokens`` tokens (a longer
     segment alone)."""
-    out: list[list[tuple[str, list[int], str]]] = []
+    out: list[list[tuple]] = []
     size = max_tokens
     for seg in segments:
         if size + len(seg[1]) > max_tokens:

@@ -114,6 +114,20 @@ def test_chunks_are_captured_at_their_second_miss_by_default(make_server, client
     assert client.get("/redknot/stats").json()["auto"]["chunk_hits"] > 0
 
 
+def test_a_stored_chunk_is_never_counted_as_a_miss_to_defer(make_server, client):
+    server = make_server()
+    text = rag_prompt("Hi.", [0, 1, 2], "Why?")
+    counters = server.api.counters
+    generate(client, text)
+    n = counters.captures_deferred
+    assert n > 0 and counters.captures_sent == 0
+    generate(client, text)  # every chunk misses a second time: all captured
+    assert counters.captures_deferred == n and counters.captures_stored == n
+    generate(client, text)  # every chunk hits: nothing deferred, nothing sent
+    assert counters.captures_deferred == n and counters.captures_sent == n
+    assert server.store.stats("auto")["hits"] == n
+
+
 def test_input_ids_prompts_are_chunked_as_given(make_server, client):
     server = make_server(auto_capture_after=1)
     ids = random.Random(5).choices(range(3, 500), k=600)
@@ -289,7 +303,7 @@ def _adversarial_body(rng: random.Random, vocab: int) -> dict:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_adversarial_unmarked_prompts_get_no_5xx_and_lose_nothing(make_server, client, seed):
-    server = make_server(region_tokens=512, namespace_fraction=0.5)
+    server = make_server(region_tokens=512, namespace_fraction=0.5, auto_capture_after=1)
     keep = client.post("/redknot/segments", json={"namespace": "kb", "input_ids": [9] * 40})
     assert keep.status_code == 200, keep.text
     rng = random.Random(seed)
