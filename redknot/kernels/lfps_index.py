@@ -216,6 +216,7 @@ def lfps_candidates(
     chunk_count = torch.empty(B, Hs, chunks, dtype=torch.int32, device=dev)
     chunk_hist = torch.empty(B, Hs, chunks, NUM_BINS, dtype=torch.int32, device=dev)
     grid = (chunks, Hs, B)
+    chunks_p2 = max(2, 1 << (chunks - 1).bit_length())
     tables = (vertical.stride(0), vertical.stride(1), slash.stride(0), slash.stride(1),
               scale.stride(0))  # fmt: skip
     m_strides = (moments.stride(0), moments.stride(1), moments.stride(2))
@@ -228,12 +229,12 @@ def lfps_candidates(
     lfps_mark_kernel[grid](
         vertical, slash, scale, seq_lens, offsets_tensor(params.offsets, dev), moments, codes,
         chunk_count, chunk_hist, params.lam, params.num_sink, *tables, *m_strides, *c_strides,
-        NUM_OFFSETS=len(params.offsets), CHUNK=chunk, BLOCK=block,
+        NUM_OFFSETS=len(params.offsets), CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block,
         NBINS=NUM_BINS, BINS_PER_OCTAVE=BINS_PER_OCTAVE, num_warps=4,
     )  # fmt: skip
     lfps_write_kernel[grid](
         seq_lens, codes, chunk_count, chunk_hist, out, count, params.num_sink, capacity,
         *c_strides, out.stride(0), out.stride(1), count.stride(0),
-        CHUNK=chunk, BLOCK=block, NBINS=NUM_BINS, num_warps=4,
+        CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block, NBINS=NUM_BINS, num_warps=4,
     )  # fmt: skip
     return out, count

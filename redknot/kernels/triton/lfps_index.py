@@ -138,47 +138,31 @@ def kurtosis_threshold(mean, var, m4, lam):
 
 
 @triton.jit
-def merge_moments(n_a, mean_a, m2_a, m3_a, m4_a, n_b, mean_b, m2_b, m3_b, m4_b):
-    """Count, mean and central sums of powers 2-4 of two disjoint sets, from each set's (Pebay's
-    pairwise update; exact in real arithmetic, stable in float)."""
-    n = n_a + n_b
-    delta = mean_b - mean_a
-    d_n = delta / tl.maximum(n, 1.0)
-    ab = n_a * n_b
-    mean = mean_a + d_n * n_b
-    m2 = m2_a + m2_b + delta * d_n * ab
-    m3 = m3_a + m3_b + delta * d_n * d_n * ab * (n_a - n_b) + 3.0 * d_n * (n_a * m2_b - n_b * m2_a)
-    m4 = (m4_a + m4_b + delta * d_n * d_n * d_n * ab * (n_a * n_a - ab + n_b * n_b)
-          + 6.0 * d_n * d_n * (n_a * n_a * m2_b + n_b * n_b * m2_a)
-          + 4.0 * d_n * (n_a * m3_b - n_b * m3_a))  # fmt: skip
-    return n, mean, m2, m3, m4
+def merged_threshold(Moments_row, field, stride_mc, chunk, cnt, act, total, lam):
+    """Mean and Eq. 8 threshold of one table of a row from its chunks' means and central sums
+    (``field`` 0: vertical, 4: slash): ``M_k = sum_c M_k,c + (terms of d_c = mean_c - mean)``."""
+    mean_c = tl.load(Moments_row + chunk * stride_mc + field, mask=act, other=0.0)
+    m2_c = tl.load(Moments_row + chunk * stride_mc + field + 1, mask=act, other=0.0)
+    m3_c = tl.load(Moments_row + chunk * stride_mc + field + 2, mask=act, other=0.0)
+    m4_c = tl.load(Moments_row + chunk * stride_mc + field + 3, mask=act, other=0.0)
+    mean = tl.sum(cnt * mean_c, 0) / total
+    d = tl.where(act, mean_c - mean, 0.0)
+    m2 = tl.sum(m2_c + cnt * d * d, 0)
+    m4 = tl.sum(m4_c + 4.0 * d * m3_c + 6.0 * d * d * m2_c + cnt * d * d * d * d, 0)
+    return mean, kurtosis_threshold(mean, m2 / total, m4 / total, lam)
 
 
 @triton.jit
-def row_thresholds(Moments_row, stride_mc, m, lam, CHUNK: tl.constexpr):
-    """``(mean_v, theta_v, mean_s, theta_s)`` of a row from its chunks' moments."""
-    n_v = 0.0
-    mean_v = 0.0
-    m2_v = 0.0
-    m3_v = 0.0
-    m4_v = 0.0
-    n_s = 0.0
-    mean_s = 0.0
-    m2_s = 0.0
-    m3_s = 0.0
-    m4_s = 0.0
-    for c in range(tl.cdiv(m, CHUNK)):
-        cnt = tl.minimum(m - c * CHUNK, CHUNK).to(tl.float32)
-        part = Moments_row + c * stride_mc
-        n_v, mean_v, m2_v, m3_v, m4_v = merge_moments(
-            n_v, mean_v, m2_v, m3_v, m4_v, cnt, tl.load(part), tl.load(part + 1),
-            tl.load(part + 2), tl.load(part + 3))  # fmt: skip
-        n_s, mean_s, m2_s, m3_s, m4_s = merge_moments(
-            n_s, mean_s, m2_s, m3_s, m4_s, cnt, tl.load(part + 4), tl.load(part + 5),
-            tl.load(part + 6), tl.load(part + 7))  # fmt: skip
-    n = tl.maximum(n_v, 1.0)
-    theta_v = kurtosis_threshold(mean_v, m2_v / n, m4_v / n, lam)
-    theta_s = kurtosis_threshold(mean_s, m2_s / n, m4_s / n, lam)
+def row_thresholds(Moments_row, stride_mc, m, lam, CHUNK: tl.constexpr,
+                   CHUNKS_P2: tl.constexpr):  # fmt: skip
+    """``(mean_v, theta_v, mean_s, theta_s)`` of a row of ``m`` entries from its chunks'
+    moments, all chunks at once."""
+    chunk = tl.arange(0, CHUNKS_P2)
+    act = chunk < tl.cdiv(m, CHUNK)
+    cnt = tl.where(act, tl.minimum(m - chunk * CHUNK, CHUNK), 0).to(tl.float32)
+    total = tl.maximum(tl.sum(cnt, 0), 1.0)
+    mean_v, theta_v = merged_threshold(Moments_row, 0, stride_mc, chunk, cnt, act, total, lam)
+    mean_s, theta_s = merged_threshold(Moments_row, 4, stride_mc, chunk, cnt, act, total, lam)
     return mean_v, theta_v, mean_s, theta_s
 
 
@@ -248,6 +232,7 @@ def lfps_mark_kernel(
     stride_db, stride_dh, stride_nb, stride_nh, stride_hb, stride_hh, stride_hc,
     NUM_OFFSETS: tl.constexpr,
     CHUNK: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
     BLOCK: tl.constexpr,
     NBINS: tl.constexpr,
     BINS_PER_OCTAVE: tl.constexpr,
@@ -262,7 +247,8 @@ def lfps_mark_kernel(
     vert_row = Vert + b.to(tl.int64) * stride_vb + hs * stride_vh + num_sink
     slash_row = Slash + b.to(tl.int64) * stride_sb + hs * stride_sh
     moments_row = Moments + b.to(tl.int64) * stride_mb + hs * stride_mh
-    mean_v, theta_v, mean_s, theta_s = row_thresholds(moments_row, stride_mc, m, lam, CHUNK)
+    mean_v, theta_v, mean_s, theta_s = row_thresholds(moments_row, stride_mc, m, lam, CHUNK,
+                                                      CHUNKS_P2)  # fmt: skip
     codes_row = Codes + b.to(tl.int64) * stride_db + hs * stride_dh
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, m)
@@ -289,6 +275,7 @@ def lfps_write_kernel(
     stride_db, stride_dh, stride_nb, stride_nh, stride_hb, stride_hh, stride_hc,
     stride_ob, stride_oh, stride_tb,
     CHUNK: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
     BLOCK: tl.constexpr,
     NBINS: tl.constexpr,
 ):  # fmt: skip
@@ -307,30 +294,28 @@ def lfps_write_kernel(
     out_row = Out + b.to(tl.int64) * stride_ob + hs * stride_oh
     lanes = tl.arange(0, BLOCK)
     bins = tl.arange(0, NBINS)
-    total = tl.sum(lanes * 0, 0)
-    newer = tl.sum(lanes * 0, 0)
-    for cc in range(active):
-        n_cc = tl.load(count_row + cc)
-        total += n_cc
-        newer += tl.where(cc > c, n_cc, 0)
+    chunk = tl.arange(0, CHUNKS_P2)
+    act = chunk < active
+    counts = tl.load(count_row + chunk, mask=act, other=0)
+    total = tl.sum(counts, 0)
+    newer = tl.sum(tl.where(chunk > c, counts, 0), 0)  # candidates listed before this chunk's
     over = total > capacity
-    cut = tl.sum(lanes * 0, 0)
-    quota = tl.sum(lanes * 0, 0)
-    cut_newer = tl.sum(lanes * 0, 0)  # cut-bin candidates in newer chunks
+    cut = tl.sum(counts * 0, 0)
+    quota = tl.sum(counts * 0, 0)
+    cut_newer = tl.sum(counts * 0, 0)  # cut-bin candidates in newer chunks
     if over:
-        hist = tl.zeros([NBINS], dtype=tl.int32)
-        for cc in range(active):
-            hist += tl.load(hist_row + cc * stride_hc + bins)
+        hists = tl.load(hist_row + chunk[:, None] * stride_hc + bins[None, :], mask=act[:, None],
+                        other=0)  # fmt: skip
+        hist = tl.sum(hists, 0)
         at_or_above = total - tl.cumsum(hist, 0) + hist
         cut = tl.max(tl.where(at_or_above >= capacity, bins, 0), 0)
         quota = capacity - tl.sum(tl.where(bins > cut, hist, 0), 0)
-        newer = tl.sum(lanes * 0, 0)  # now: kept candidates in newer chunks
-        for k in range(active - 1 - c):
-            h = tl.load(hist_row + (active - 1 - k) * stride_hc + bins)
-            at_cut = tl.sum(tl.where(bins == cut, h, 0), 0)
-            room = tl.minimum(tl.maximum(quota - cut_newer, 0), at_cut)
-            newer += tl.sum(tl.where(bins > cut, h, 0), 0) + room
-            cut_newer += at_cut
+        above_c = tl.sum(tl.where(bins[None, :] > cut, hists, 0), 1)  # [CHUNKS_P2]
+        cut_c = tl.sum(tl.where(bins[None, :] == cut, hists, 0), 1)
+        cut_after = tl.sum(cut_c, 0) - tl.cumsum(cut_c, 0)  # in chunks newer than each
+        room = tl.minimum(tl.maximum(quota - cut_after, 0), cut_c)
+        newer = tl.sum(tl.where(chunk > c, above_c + room, 0), 0)  # kept before this chunk's
+        cut_newer = tl.sum(tl.where(chunk > c, cut_c, 0), 0)
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, m)
     written = newer
