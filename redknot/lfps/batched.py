@@ -60,6 +60,8 @@ class LfpsBudgets:
 
 @dataclass
 class LfpsBatchResult:
+    """What one batched step produced (``Hs`` selection heads; the state is updated in place)."""
+
     output: torch.Tensor  # [B, Hq, D] like q
     selected: torch.Tensor  # [B, Hs, K] int32 attended non-sink positions, -1 padded
     candidates: torch.Tensor  # [B, Hs, C] int32 listed positions, -1 padded
