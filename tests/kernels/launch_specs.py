@@ -19,6 +19,7 @@ from pathlib import Path
 POINTER = {
     "torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.float32": "*fp32",
     "torch.int32": "*i32", "torch.int64": "*i64", "torch.uint8": "*u8", "torch.bool": "*i1",
+    "torch.int8": "*i8", "torch.float64": "*fp64",
 }  # fmt: skip
 
 

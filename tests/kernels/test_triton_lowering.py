@@ -24,10 +24,17 @@ RECORDED = [  # tests whose launches cover every kernel and its constexpr varian
     "tests/kernels/test_rope_align.py::test_align_matches_reference_and_sglang",
     "tests/kernels/test_extend.py::test_extend_promoted_heads_match_reference",
     "tests/kernels/test_decode.py::test_decode_promoted_heads_match_reference",
+    "tests/kernels/test_sparse_decode.py::test_sparse_decode_matches_reference",
+    "tests/kernels/test_lfps_index.py::test_score_listed_keys",
+    "tests/kernels/test_lfps_index.py::test_exact_topk_matches_reference",
+    "tests/kernels/test_lfps_index.py::test_candidates_kernel_matches_rule",
+    "tests/kernels/test_lfps_step.py",
 ]
 KERNELS = {
     "segpaged_decode_kernel", "segpaged_decode_merge_kernel", "segpaged_extend_kernel",
-    "rope_align_kernel",
+    "rope_align_kernel", "sparse_decode_kernel", "sparse_decode_merge_kernel",
+    "lfps_score_kernel", "lfps_moments_kernel", "lfps_mark_kernel", "lfps_write_kernel",
+    "lfps_sparsity_kernel", "lfps_update_kernel",
 }  # fmt: skip
 
 

@@ -1,0 +1,376 @@
+"""Decode attention latency of one layer: full attention, exact Top-k and LFPS, side by side on
+one GPU (8B shape: 32 query / 8 KV heads, head_dim 128, bf16; one token per request over a
+paged store of ``L`` keys per request; Top-k budget 2% of the keys).
+
+    python3 benchmarks/gpu_run.py bench lfps_decode --lengths 32768,131072 --batches 1,8,32
+    python benchmarks/lfps_decode.py --small --device cpu --out /tmp/lfps_decode.json  # smoke
+
+Methods (``ms_*`` per call of one layer):
+
+| name                 | what runs                                                               |
+| -------------------- | ----------------------------------------------------------------------- |
+| ``full``             | FlashInfer's paged decode (page size 1; the faster of its CUDA-core and |
+|                      | tensor-core kernels), else redknot's dense decode kernel: ``full_impl`` |
+| ``topk_<sel>``       | ``exact_topk`` (score every key, ``torch.topk``) + ``run_sparse_decode``|
+| ``lfps_<sel>``       | ``lfps_decode_step``: Eq. 5-6 gathers, candidate kernel, scoring of the |
+|                      | candidates, Top-k, Eq. 10 update, ``run_sparse_decode``                  |
+| ``attend_<sel>``     | ``run_sparse_decode`` alone over a fixed list of the same width         |
+
+``index_ms_<method>_<sel>`` is the method's time less ``attend``'s: what choosing the keys costs.
+
+``<sel>`` is ``kv_head`` (one selection per KV head shared by its 4 query heads) or
+``query_head`` (one per query head, the reference's per-head LFPS). LFPS's score tables are
+synthetic (log-normal noise, a few strong positions and distances, a local slash band), not from
+a model: with the default ``--table-sigma 4`` about 5% of the keys are candidates, between the
+paper's Table 4 at 128K (1.7-2%) and SmolLM2's 15% at 8K (``lfps_recall.json``); the measured
+share (``lfps_candidate_share_*``) and the rows over capacity (``lfps_overflow_share_*``) are
+reported with the times. Candidate capacity ``C = --candidate-factor * K``.
+
+GPU times: median of ``--repeats`` replays of a CUDA graph of ``--calls`` calls with an L2 flush
+before each call (the flush alone is timed and subtracted); a method that cannot be captured is
+timed eagerly (``triton.testing.do_bench``) and says so in ``timing``. ``--device cpu`` runs
+the Triton kernels under the interpreter and times with ``time.perf_counter`` (a smoke test,
+not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_common import record, write_json
+
+FULL_SHAPE = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+SMALL_SHAPE = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 64}
+TARGET = "decode attention >= 5x faster than full attention at 128K (B = 8)"
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+
+class Timer:
+    """Milliseconds per call: CUDA graphs with an L2 flush per call on a GPU, wall time on CPU."""
+
+    def __init__(self, device: str, calls: int, repeats: int) -> None:
+        self.device, self.calls, self.repeats = device, calls, repeats
+        if device == "cuda":
+            self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+            self.flush_ms = self._graph_ms(lambda: None)
+
+    def _graph_ms(self, fn) -> float:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.calls):
+                self.flush_buf.zero_()
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(self.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / self.calls)
+        del graph
+        return sorted(times)[len(times) // 2]
+
+    def __call__(self, fn) -> tuple[float, str]:
+        fn()  # compile outside any capture
+        if self.device != "cuda":
+            times = []
+            for _ in range(self.repeats):
+                t0 = time.perf_counter()
+                for _ in range(self.calls):
+                    fn()
+                times.append((time.perf_counter() - t0) * 1e3 / self.calls)
+            return sorted(times)[len(times) // 2], "cpu_wall"
+        torch.cuda.synchronize()
+        try:
+            return max(self._graph_ms(fn) - self.flush_ms, 1e-4), "cuda_graph"
+        except Exception:  # noqa: BLE001 - a method that cannot be captured is timed eagerly
+            traceback.print_exc()
+            torch.cuda.synchronize()
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median"), "eager"
+
+
+def attempt(row: dict, name: str, timer: Timer, make) -> None:
+    """Time ``make()`` (which returns the call) into ``row['ms_' + name]``; errors become notes."""
+    try:
+        row[f"ms_{name}"], row.setdefault("timing", {})[name] = timer(make())
+    except Exception as e:  # noqa: BLE001 - a failing method must not end the run
+        row[f"ms_{name}"] = None
+        row.setdefault("notes", []).append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+        traceback.print_exc()
+    if timer.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- the layer --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Layer:
+    q: torch.Tensor  # [B, Hq, D]
+    k_buffer: torch.Tensor  # [B * L, Hkv, D]
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor  # [B, L] int32
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64, all L
+
+    @property
+    def paged(self):
+        return self.req_to_token, self.req_pool_indices, self.seq_lens
+
+
+def make_layer(B: int, L: int, shape: dict, dtype, device: str) -> Layer:
+    Hq, Hkv, D = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
+    return Layer(
+        q=torch.randn(B, Hq, D, device=device, dtype=dtype),
+        k_buffer=torch.randn(B * L, Hkv, D, device=device, dtype=dtype),
+        v_buffer=torch.randn(B * L, Hkv, D, device=device, dtype=dtype),
+        req_to_token=torch.arange(B * L, device=device, dtype=torch.int32).view(B, L),
+        req_pool_indices=torch.arange(B, device=device),
+        seq_lens=torch.full((B,), L, device=device, dtype=torch.int64),
+    )
+
+
+def synthetic_state(B: int, L: int, rows: int, shape: dict, sink: int, sigma: float,
+                    device: str, seed: int = 0):  # fmt: skip
+    """An ``LfpsBatchState`` covering ``L - 1`` keys: log-normal tables (``sigma``) with 0.2% of
+    positions and distances 30x stronger and the first 64 distances 10x (a local band), each
+    table summing to 1/2 over the non-sink keys."""
+    from redknot.lfps.batch_state import LfpsBatchState
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    Hq, Hkv, D = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
+    Hs = Hq // rows
+
+    def table(by_distance: bool) -> torch.Tensor:
+        x = torch.exp(sigma * torch.randn(B, Hs, L, generator=g, device=device))
+        strong = torch.rand(B, Hs, L, generator=g, device=device) < 0.002
+        x = torch.where(strong, 30.0 * x.mean(), x)
+        if by_distance:
+            x[..., :64] *= 10.0
+            x[..., L - 1 - sink :] = 0.0  # distances no earlier step could have seen
+        else:
+            x[..., :sink] = 0.0
+            x[..., L - 1 :] = 0.0
+        return (0.5 * x / x.sum(-1, keepdim=True)).contiguous()
+
+    return LfpsBatchState(
+        vertical=table(False),
+        slash=table(True),
+        scale=torch.ones(B, Hs, device=device),
+        mean_key=0.1 * torch.randn(B, Hkv, D, generator=g, device=device),
+        mean_value=torch.randn(B, Hkv, D, generator=g, device=device),
+        query_stat=torch.full((B, Hq), 1.0 / D, device=device),
+        rows=rows,
+    )
+
+
+# ---- methods ----------------------------------------------------------------------------------
+
+
+def full_attention(layer: Layer, shape: dict, scale: float, device: str):
+    """``(calls, impl)``: FlashInfer's decode wrappers if usable (``{tensor_cores: (wrapper,
+    kv)}``), else redknot's dense decode call; ``impl`` says which (and why not FlashInfer)."""
+    B, Hq, D = layer.q.shape
+    Hkv = shape["num_kv_heads"]
+    L = layer.req_to_token.shape[1]
+    out = torch.empty_like(layer.q)
+    why = "flashinfer not usable on the cpu"
+    if device == "cuda":
+        try:
+            import flashinfer
+
+            calls = {}
+            for tc in (False, True):
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    torch.empty(256 << 20, dtype=torch.uint8, device=device), "NHD",
+                    use_tensor_cores=tc,
+                )  # fmt: skip
+                indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * L
+                last = torch.ones(B, dtype=torch.int32, device=device)
+                w.plan(indptr, layer.req_to_token.view(-1), last, Hq, Hkv, D, 1,
+                       q_data_type=layer.q.dtype, kv_data_type=layer.q.dtype,
+                       sm_scale=scale)  # fmt: skip
+                kv = (layer.k_buffer.unsqueeze(1), layer.v_buffer.unsqueeze(1))
+                calls[tc] = (w, kv)
+            return calls, f"flashinfer {flashinfer.__version__} BatchDecodeWithPagedKVCacheWrapper"
+        except Exception as e:  # noqa: BLE001 - no FlashInfer: the project's dense kernel
+            why = f"flashinfer not usable: {type(e).__name__}: {str(e)[:200]}"
+    from redknot.kernels.decode import DecodeWorkspace, plan_decode, run_decode
+    from redknot.kernels.geometry import LayerHeads, SegGeometry
+
+    geo = SegGeometry(Hq, Hkv, D, sink=4, window=1)
+    ids = torch.arange(Hkv, dtype=torch.int32, device=device)
+    heads = LayerHeads(torch.zeros_like(ids), ids, ids.clone(), tuple(range(Hkv)))
+    ws = DecodeWorkspace(geo, B, 256, device)
+    plan = plan_decode(geo, ws, layer.seq_lens, layer.req_pool_indices,
+                       seq_lens_cpu=layer.seq_lens.cpu())  # fmt: skip
+    small = layer.k_buffer[:1]
+
+    def call():
+        run_decode(plan, layer.q, layer.k_buffer, layer.v_buffer, small, small,
+                   layer.req_to_token, heads, scale, out=out)  # fmt: skip
+
+    return call, f"redknot dense decode (run_decode, every head global); {why}"
+
+
+def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
+    from redknot.kernels.lfps_index import exact_topk
+    from redknot.kernels.sparse_decode import plan_sparse_decode, run_sparse_decode
+    from redknot.lfps.batched import LfpsBudgets, lfps_decode_step
+
+    dev, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float16
+    Hq, Hkv, D = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
+    grp, sink = Hq // Hkv, params.num_sink
+    scale = 1.0 / math.sqrt(D)
+    k = params.budget_for(L - sink)
+    budgets = LfpsBudgets(candidates=min(L, args.candidate_factor * k), topk=k)
+    row = {"L": L, "B": B, "topk": k, "candidates": budgets.candidates}
+    layer = make_layer(B, L, shape, dtype, dev)
+    out = torch.empty_like(layer.q)
+
+    full, impl = full_attention(layer, shape, scale, dev)
+    row["full_impl"] = impl
+    if isinstance(full, dict):  # FlashInfer: both kernels, the faster is "full"
+        for tc, (w, kv) in full.items():
+            name = f"full_flashinfer_{'tensor' if tc else 'cuda'}_cores"
+            attempt(row, name, timer, lambda w=w, kv=kv: lambda: w.run(layer.q, kv))
+        times = [row[f"ms_full_flashinfer_{c}_cores"] for c in ("cuda", "tensor")]
+        row["ms_full"] = min([t for t in times if t], default=None)
+    else:
+        attempt(row, "full", timer, lambda: full)
+
+    for sel, rows in (("kv_head", grp), ("query_head", 1)):
+        if sel not in args.selections:
+            continue
+        plan = plan_sparse_decode(batch_size=B, num_q_heads=Hq, head_dim=D, rows=rows, width=k,
+                                  num_sink=sink, device=dev)  # fmt: skip
+        row.setdefault("num_splits", {})[sel] = plan.num_splits
+
+        def topk_call(plan=plan, rows=rows):
+            idx = exact_topk(layer.q, layer.k_buffer, *layer.paged, k=k, num_sink=sink,
+                             sm_scale=scale, width=L, rows=rows)  # fmt: skip
+            run_sparse_decode(plan, layer.q, layer.k_buffer, layer.v_buffer, *layer.paged, idx,
+                              scale, out=out)  # fmt: skip
+
+        attempt(row, f"topk_{sel}", timer, lambda f=topk_call: f)
+        fixed = torch.randint(sink, L, (B, Hq // rows, k), device=dev, dtype=torch.int32)
+        attempt(row, f"attend_{sel}", timer, lambda plan=plan, fixed=fixed: lambda: (
+            run_sparse_decode(plan, layer.q, layer.k_buffer, layer.v_buffer, *layer.paged,
+                              fixed, scale, out=out)))  # fmt: skip
+        del fixed
+
+        state = synthetic_state(B, L, rows, shape, sink, args.table_sigma, dev)
+        probe = state.clone()
+        res = lfps_decode_step(layer.q, layer.k_buffer, layer.v_buffer, *layer.paged, probe,
+                               params, budgets, plan=plan)  # fmt: skip
+        count = res.candidate_count.float()
+        row[f"lfps_candidate_share_{sel}"] = float(count.mean()) / (L - sink)
+        row[f"lfps_overflow_share_{sel}"] = float((count > budgets.candidates).float().mean())
+        row[f"lfps_bypass_share_{sel}"] = float(res.bypass.float().mean())
+        del probe, res
+
+        def lfps_call(state=state, plan=plan):
+            lfps_decode_step(layer.q, layer.k_buffer, layer.v_buffer, *layer.paged, state,
+                             params, budgets, plan=plan)  # fmt: skip
+
+        attempt(row, f"lfps_{sel}", timer, lambda f=lfps_call: f)
+        del state
+
+    full_ms = row.get("ms_full")
+    for name in [n[3:] for n in list(row) if n.startswith(("ms_topk_", "ms_lfps_"))]:
+        if full_ms and row.get(f"ms_{name}"):
+            row[f"speedup_{name}"] = full_ms / row[f"ms_{name}"]
+        attend = row.get(f"ms_attend_{name.split('_', 1)[1]}")
+        if attend and row.get(f"ms_{name}"):  # the selection's share of the method's time
+            row[f"index_ms_{name}"] = row[f"ms_{name}"] - attend
+    return row
+
+
+def summary(rows: list[dict], long: int, batch: int) -> dict:
+    """The issue's target at (``long``, ``batch``) where that case ran."""
+    out = {"target": TARGET}
+    for row in rows:
+        if row["L"] == long and row["B"] == batch:
+            for sel in ("kv_head", "query_head"):
+                if row.get(f"speedup_lfps_{sel}"):
+                    out[f"speedup_lfps_{sel}"] = round(row[f"speedup_lfps_{sel}"], 2)
+                    out[f"met_lfps_{sel}"] = row[f"speedup_lfps_{sel}"] >= 5.0
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="32768,131072", help="keys per request, comma-separated")
+    ap.add_argument("--batches", default="1,8,32", help="batch sizes, comma-separated")
+    ap.add_argument("--budget", type=float, default=0.02, help="Top-k share of the keys")
+    ap.add_argument("--candidate-factor", type=int, default=4,
+                    help="LFPS candidate capacity C in multiples of the Top-k width")  # fmt: skip
+    ap.add_argument("--table-sigma", type=float, default=4.0,
+                    help="log-normal spread of the synthetic LFPS tables (4: about 5%% of the "
+                         "keys are candidates; 3: about 13%%)")  # fmt: skip
+    ap.add_argument("--selections", default="kv_head,query_head")
+    ap.add_argument("--calls", type=int, default=None, help="calls per CUDA graph (20; 1 small)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed replays (5; 1 small)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--small", action="store_true",
+                    help="tiny shape (4 query / 2 KV heads, D = 64) for a smoke run")  # fmt: skip
+    ap.add_argument("--out", default="benchmarks/results/lfps_decode.json")
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    from redknot.kernels.sparse_decode import SparseDecodeConfig
+    from redknot.lfps import LfpsParams
+
+    shape = dict(SMALL_SHAPE if args.small else FULL_SHAPE)
+    lengths, batches = parse_ints(args.lengths), parse_ints(args.batches)
+    if args.small and args.lengths == ap.get_default("lengths"):
+        lengths, batches = [300, 600], [1, 2]
+    args.calls = args.calls or (1 if args.small else 20)
+    args.repeats = args.repeats or (1 if args.small else 5)
+    params = LfpsParams(budget=args.budget)
+    timer = Timer(args.device, args.calls, args.repeats)
+    shape["dtype"] = "bfloat16" if args.device == "cuda" else "float16"
+    result = record(
+        shape=shape, lfps_params=dataclasses.asdict(params),
+        candidate_factor=args.candidate_factor, table_sigma=args.table_sigma,
+        sparse_decode_config=dataclasses.asdict(SparseDecodeConfig()),
+        timing=(f"median of {args.repeats} replays of a CUDA graph of {args.calls} calls, L2 "
+                "flushed before each call (flush subtracted)" if args.device == "cuda"
+                else "CPU wall time under the Triton interpreter (smoke test only)"),
+        rows=[],
+    )  # fmt: skip
+    for L in lengths:
+        for B in batches:
+            t0 = time.time()
+            row = run_case(B, L, args, shape, timer, params)
+            row["wall_s"] = round(time.time() - t0, 1)
+            result["rows"].append(row)
+            result["summary"] = summary(result["rows"], max(lengths), 8)
+            brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                     if k.startswith(("ms_", "speedup_"))}  # fmt: skip
+            print(f"L={L} B={B}", brief, flush=True)
+            write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Launches of the per-head pieces of LFPS's batched decode step (``redknot.lfps.batched``):
+Eq. 5-6 with the bypass output, and the Top-k selection with Eq. 10. One launch each, fixed
+shapes, capturable in a CUDA graph.
+
+>>> sparsity, bypass, bypass_out = lfps_sparsity(q, k_buffer, v_buffer, req_to_token,
+...                                              req_pool_indices, seq_lens, state, params, scale)
+>>> val, at = torch.topk(rank, k, dim=-1)                 # rank from score_and_rank
+>>> selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state, params)
+
+References: ``redknot.lfps.batched.head_sparsity``, ``select_topk`` and ``update_tables_``.
+Kernels: ``redknot.kernels.triton.lfps_step``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from redknot.kernels.triton.common import upcast_dots
+from redknot.kernels.triton.lfps_step import lfps_sparsity_kernel, lfps_update_kernel
+from redknot.lfps.batch_state import LfpsBatchState
+from redknot.lfps.params import LfpsParams
+
+UPDATE_BLOCK_K = 512  # selected keys per inner step of the update kernel
+
+
+@functools.cache
+def budget_tensor(budget: float, device: torch.device) -> torch.Tensor:
+    """``[1]`` float64 budget on ``device``, made once (a copy from the host cannot be
+    captured)."""
+    return torch.tensor([float(budget)], dtype=torch.float64, device=device)
+
+
+def lfps_sparsity(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state: LfpsBatchState,
+    params: LfpsParams,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eq. 5-6 for every query head.
+
+    Returns
+    -------
+    sparsity : [B, Hq] float32 (0 for rows without a non-sink key; all 0 without sinks).
+    bypass : [B, Hq] bool, ``sparsity > params.sparsity_threshold``.
+    bypass_out : [B, Hq, D] float32, the sink-plus-mean output.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_buffer.shape[1]
+    assert q.dtype in (torch.float16, torch.bfloat16) and q.stride(2) == 1, q.dtype
+    for store in (k_buffer, v_buffer):
+        assert store.shape[1:] == (Hkv, D) and store.dtype == q.dtype and store.stride(2) == 1
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+    assert state.mean_key.shape == (B, Hkv, D) and state.query_stat.shape == (B, Hq)
+    sparsity = torch.zeros(B, Hq, dtype=torch.float32, device=q.device)
+    flags = torch.zeros(B, Hq, dtype=torch.int8, device=q.device)
+    bypass_out = torch.zeros(B, Hq, D, dtype=torch.float32, device=q.device)
+    if B == 0 or params.num_sink == 0:  # no sink: no bypass (the reference's convention)
+        return sparsity, flags.view(torch.bool) & (params.sparsity_threshold < 0), bypass_out
+    grp = Hq // Hkv
+    span = params.num_sink + params.local_window
+    lfps_sparsity_kernel[(Hkv, B)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, state.mean_key,
+        state.mean_value, state.query_stat, sparsity, flags, bypass_out,
+        sm_scale, params.sparsity_threshold, params.num_sink, params.local_window,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), req_to_token.stride(0), state.mean_key.stride(0),
+        state.mean_key.stride(1), state.mean_value.stride(0), state.mean_value.stride(1),
+        state.query_stat.stride(0), sparsity.stride(0), flags.stride(0), bypass_out.stride(0),
+        bypass_out.stride(1),
+        GRP=grp, BLOCK_H=max(16, grp), BLOCK_P=max(16, 1 << (span - 1).bit_length()),
+        HEAD_DIM=D, UPCAST=upcast_dots(q.dtype),
+    )  # fmt: skip
+    return sparsity, flags.view(torch.bool), bypass_out
+
+
+def lfps_select_update(
+    top_val: torch.Tensor,
+    top_at: torch.Tensor,
+    candidates: torch.Tensor,
+    count: torch.Tensor,
+    logits: torch.Tensor,
+    bypass: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state: LfpsBatchState,
+    params: LfpsParams,
+) -> torch.Tensor:
+    """The selection from ``torch.topk`` of the rank, and Eq. 10 on ``state`` (in place).
+
+    Parameters
+    ----------
+    top_val, top_at : [B, Hs, K] ``torch.topk(rank, K)``'s values (float32) and indices (int64).
+    candidates : [B, Hs, C] int32; count : [B, Hs] int32 (both emptied for a selection head
+        whose query heads all bypass).
+    logits : [B, Hq, C] float32 every query head's logits of the candidates.
+    bypass : [B, Hq] bool.
+
+    Returns
+    -------
+    selected : [B, Hs, K] int32 positions, -1 past each row's budget or the valid candidates.
+    """
+    B, Hs, K = top_val.shape
+    Hq, C = logits.shape[1:]
+    assert top_at.shape == (B, Hs, K) and top_at.dtype == torch.int64, top_at.dtype
+    assert top_at.stride() == top_val.stride(), (top_at.stride(), top_val.stride())
+    assert candidates.shape == (B, Hs, C) and candidates.dtype == torch.int32
+    assert count.shape == (B, Hs) and logits.shape == (B, Hq, C) and bypass.shape == (B, Hq)
+    assert state.vertical.shape[:2] == (B, Hs) and Hq == Hs * state.rows
+    for t in (top_val, top_at, candidates, logits):
+        assert t.stride(-1) == 1, t.stride()
+    selected = torch.empty(B, Hs, K, dtype=torch.int32, device=top_val.device)
+    if B == 0:
+        return selected
+    budget = params.budget
+    fraction = isinstance(budget, float) and budget < 1.0
+    flags = bypass.view(torch.int8)
+    lfps_update_kernel[(Hs, B)](
+        top_val, top_at, candidates, count, logits, flags, seq_lens,
+        budget_tensor(budget if fraction else int(budget), top_val.device),
+        state.vertical, state.slash, state.scale, selected,
+        params.decay, params.num_sink, K, C,
+        top_val.stride(0), top_val.stride(1), candidates.stride(0), candidates.stride(1),
+        count.stride(0), logits.stride(0), logits.stride(1), flags.stride(0),
+        state.vertical.stride(0), state.vertical.stride(1), state.slash.stride(0),
+        state.slash.stride(1), state.scale.stride(0), selected.stride(0), selected.stride(1),
+        ROWS=state.rows, BLOCK_R=max(2, 1 << (state.rows - 1).bit_length()),
+        BLOCK_K=UPDATE_BLOCK_K, FRACTION=fraction,
+    )  # fmt: skip
+    return selected

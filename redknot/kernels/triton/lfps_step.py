@@ -1,0 +1,178 @@
+"""The per-head pieces of an LFPS decode step around the candidate kernels.
+
+``lfps_sparsity_kernel``, grid ``(Hkv, B)``: Eq. 5-6 and the sink-plus-mean bypass output for the
+``GRP`` query heads of a KV head (``redknot.lfps.batched.head_sparsity``). It reads the ``S``
+sinks and the last ``W`` keys: key ``p`` of a block of ``BLOCK_P >= S + W`` is sink ``p`` for
+``p < S``, else position ``n - W + p - S`` (kept if non-sink).
+
+``lfps_update_kernel``, grid ``(Hs, B)``: from ``torch.topk`` of a selection head's rank, the
+selected positions (each row's own budget of them) and Eq. 10 with the lazy decay
+(``redknot.lfps.batched.select_topk`` then ``update_tables_``). Two passes over the ``K``
+selected: the online max and sum of every query head's logits, then the mean attention of the
+non-bypassed heads added to the tables. A selection head whose heads all bypass is left as is
+and its candidate list emptied.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton.common import NO_KEY_MAX, mma
+
+
+@triton.jit
+def log_sum_exp(x):
+    """``(max, log-sum-exp)`` of each row of ``x`` [M, N] (``-inf`` for a row of ``-inf``)."""
+    top = tl.max(x, 1)
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(x - safe[:, None]), 1)
+    return top, tl.where(total > 0.0, safe + tl.log(tl.where(total > 0.0, total, 1.0)), top)
+
+
+@triton.jit
+def lfps_sparsity_kernel(
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mean_key, Mean_value, Query_stat,
+    Sparsity, Bypass, Bypass_out,
+    sm_scale, tau, num_sink, local_window,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
+    stride_mkb, stride_mkh, stride_mvb, stride_mvh, stride_rb, stride_sb, stride_yb,
+    stride_ob, stride_oh,
+    GRP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    n = tl.load(Seq_lens + b).to(tl.int32)
+    req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+    p = tl.arange(0, BLOCK_P)
+    is_sink = p < num_sink
+    pos = tl.where(is_sink, p, n - local_window + (p - num_sink))
+    is_local = ~is_sink & (p < num_sink + local_window) & (pos >= num_sink)
+    valid = (is_sink | is_local) & (pos < n)
+    slot = tl.load(Req_to_token + req_row * stride_r2t + pos, mask=valid, other=0).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    kv = kvh.to(tl.int64)
+    k = tl.load(K_buf + kv * stride_kh + slot[:, None] * stride_ks + d[None, :],
+                mask=valid[:, None], other=0.0)  # fmt: skip
+    rows = tl.arange(0, BLOCK_H)
+    row_ok = rows < GRP
+    head = kvh * GRP + rows
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)  # fmt: skip
+    logits = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_P], tl.float32), UPCAST) * sm_scale
+    sink_l = tl.where((is_sink & valid)[None, :], logits, float("-inf"))
+    local_l = tl.where((is_local & valid)[None, :], logits, float("-inf"))
+    sink_max, sink = log_sum_exp(sink_l)
+    _, local = log_sum_exp(local_l)
+    mk = tl.load(Mean_key + b * stride_mkb + kvh * stride_mkh + d)
+    mv = tl.load(Mean_value + b * stride_mvb + kvh * stride_mvh + d)
+    qf = q.to(tl.float32)
+    mu = tl.sum(qf * mk[None, :], 1) * sm_scale
+    spread = sm_scale * tl.sqrt(tl.sum(qf * qf, 1)) * tl.sqrt(tl.sum(mk * mk, 0))
+    rho = tl.load(Query_stat + b * stride_rb + head, mask=row_ok, other=0.0)
+    log_rest = tl.log(tl.maximum(n - num_sink, 1).to(tl.float32))
+    rest = tl.maximum(log_rest + mu + 0.5 * rho * spread * spread, local)
+    sparsity = tl.where(n > num_sink, 1.0 / (1.0 + tl.exp(rest - sink)), 0.0)
+    tl.store(Sparsity + b * stride_sb + head, sparsity, mask=row_ok)
+    tl.store(Bypass + b * stride_yb + head, (sparsity > tau).to(tl.int8), mask=row_ok)
+
+    mean_logit = mu + log_rest
+    top = tl.maximum(sink_max, mean_logit)
+    e_s = tl.exp(sink_l - top[:, None])
+    e_m = tl.exp(mean_logit - top)
+    v = tl.load(V_buf + kv * stride_vh + slot[:, None] * stride_vs + d[None, :],
+                mask=(is_sink & valid)[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    num = tl.dot(e_s, v, input_precision="ieee") + e_m[:, None] * mv[None, :]
+    out = num / (tl.sum(e_s, 1) + e_m)[:, None]
+    tl.store(Bypass_out + b * stride_ob + head[:, None] * stride_oh + d[None, :], out,
+             mask=row_ok[:, None])  # fmt: skip
+
+
+@triton.jit
+def row_budget(Budget, n, num_sink, FRACTION: tl.constexpr):
+    """``LfpsParams.budget_for(n - num_sink)`` (Python's ``round``: half to even, in float64)."""
+    keys = tl.maximum(n - num_sink, 0)
+    if FRACTION:
+        x = tl.load(Budget) * keys.to(tl.float64)
+        f = tl.floor(x)
+        frac = x - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        k = (f + ((frac > 0.5) | ((frac == 0.5) & odd)).to(tl.float64)).to(tl.int32)
+    else:
+        k = tl.load(Budget).to(tl.int32) + keys * 0
+    return tl.maximum(tl.minimum(k, keys), 1)
+
+
+@triton.jit
+def lfps_update_kernel(
+    Top_val, Top_at, Cand, Count, Logits, Bypass, Seq_lens, Budget, Vert, Slash, Scale, Selected,
+    decay, num_sink, width, capacity,
+    stride_tb, stride_th, stride_cb, stride_ch, stride_nb, stride_lb, stride_lh, stride_yb,
+    stride_vb, stride_vh, stride_sb, stride_sh, stride_scb, stride_eb, stride_eh,
+    ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FRACTION: tl.constexpr,
+):  # fmt: skip
+    hs = tl.program_id(0)
+    b = tl.program_id(1)
+    n = tl.load(Seq_lens + b).to(tl.int32)
+    budget = row_budget(Budget, n, num_sink, FRACTION)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < ROWS
+    head = hs * ROWS + r
+    off = tl.load(Bypass + b * stride_yb + head, mask=r_ok, other=1)
+    act = r_ok & (off == 0)
+    n_act = tl.sum(act.to(tl.int32), 0)
+    top_row = b.to(tl.int64) * stride_tb + hs * stride_th
+    cand_row = Cand + b.to(tl.int64) * stride_cb + hs * stride_ch
+    logit_rows = Logits + b.to(tl.int64) * stride_lb + head[:, None] * stride_lh
+    sel_row = Selected + b.to(tl.int64) * stride_eb + hs * stride_eh
+
+    m_r = tl.zeros([BLOCK_R], dtype=tl.float32) + NO_KEY_MAX
+    l_r = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for e0 in range(0, width, BLOCK_K):
+        e = e0 + tl.arange(0, BLOCK_K)
+        in_k = e < width
+        val = tl.load(Top_val + top_row + e, mask=in_k, other=float("-inf"))
+        at = tl.load(Top_at + top_row + e, mask=in_k, other=0)
+        keep = in_k & (val > float("-inf")) & (e < budget)
+        pos = tl.load(cand_row + at, mask=keep, other=-1)
+        tl.store(sel_row + e, tl.where(keep, pos, -1), mask=in_k)
+        x = tl.load(logit_rows + at[None, :], mask=act[:, None] & keep[None, :],
+                    other=float("-inf"))  # fmt: skip
+        m_new = tl.maximum(m_r, tl.max(x, 1))
+        l_r = l_r * tl.exp(m_r - m_new) + tl.sum(tl.exp(x - m_new[:, None]), 1)
+        m_r = m_new
+
+    if n_act > 0:
+        scale = tl.load(Scale + b * stride_scb + hs) * decay
+        tl.store(Scale + b * stride_scb + hs, scale)
+        coef = (1.0 - decay) * 0.5 / scale / n_act.to(tl.float32)
+        l_safe = tl.where(l_r > 0.0, l_r, 1.0)
+        vert_row = Vert + b.to(tl.int64) * stride_vb + hs * stride_vh
+        slash_row = Slash + b.to(tl.int64) * stride_sb + hs * stride_sh
+        for e0 in range(0, width, BLOCK_K):
+            e = e0 + tl.arange(0, BLOCK_K)
+            in_k = e < width
+            val = tl.load(Top_val + top_row + e, mask=in_k, other=float("-inf"))
+            at = tl.load(Top_at + top_row + e, mask=in_k, other=0)
+            keep = in_k & (val > float("-inf")) & (e < budget)
+            pos = tl.load(cand_row + at, mask=keep, other=0)
+            x = tl.load(logit_rows + at[None, :], mask=act[:, None] & keep[None, :],
+                        other=float("-inf"))  # fmt: skip
+            attn = tl.exp(x - m_r[:, None]) / l_safe[:, None]
+            add = tl.sum(tl.where(act[:, None] & keep[None, :], attn, 0.0), 0) * coef
+            old_v = tl.load(vert_row + pos, mask=keep, other=0.0)
+            tl.store(vert_row + pos, old_v + add, mask=keep)
+            old_s = tl.load(slash_row + (n - 1 - pos), mask=keep, other=0.0)
+            tl.store(slash_row + (n - 1 - pos), old_s + add, mask=keep)
+    else:
+        for c0 in range(0, capacity, BLOCK_K):
+            c = c0 + tl.arange(0, BLOCK_K)
+            tl.store(cand_row + c, -1, mask=c < capacity)
+        tl.store(Count + b * stride_nb + hs, 0)

@@ -1,0 +1,265 @@
+"""One LFPS decode step for a batch of requests over SGLang's paged KV store, in fixed shapes
+(no ``.item()``, no data-dependent shape, no host sync: capturable in a CUDA graph).
+
+>>> budgets = LfpsBudgets(candidates=4 * k, topk=k)     # k >= params.budget_for(n - sink)
+>>> plan = plan_sparse_decode(batch_size=B, num_q_heads=Hq, head_dim=D, rows=state.rows,
+...                           width=k, num_sink=params.num_sink, device="cuda")
+>>> res = lfps_decode_step(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+...                        state, params, budgets, kernels=True, plan=plan)   # state updated
+>>> res.output                                           # [B, Hq, D]
+
+The step, per selection head (``redknot.lfps.batch_state``), with its launches (``kernels=True``;
+the PyTorch functions of this module are their references):
+
+| stage          | reference ``lfps_step``      | here                                          |
+| -------------- | ---------------------------- | --------------------------------------------- |
+| Eq. 5-6        | per query head               | ``lfps_sparsity`` (sink and last keys)        |
+| Eq. 7-9        | variable-size candidate mask | ``lfps_candidates``: list of ``C``            |
+|                |                              | (``fixed_budget``), 3 launches                |
+| scores, Top-k  | every key scored, masked     | ``score_and_rank`` on the list, ``torch.topk``|
+|                |                              | of ``K``, then each row's own budget          |
+| Eq. 10         | whole tables decayed         | ``lfps_select_update``: lazy decay, only the  |
+|                |                              | selected entries written                      |
+| attention      | sinks + Top-k                | ``run_sparse_decode``, then the bypass output |
+
+With ``rows = 1`` and ``C`` at least every row's candidate count this is the reference exactly
+(``tests/lfps/test_batched.py``). With ``rows = Hq / Hkv`` (one selection per KV head, read once
+by the kernel for all its query heads) the tables are per KV head: a key's rank is the maximum
+logit over the group's non-bypassed query heads, each query head attends the shared selection,
+Eq. 10 adds the mean over the non-bypassed heads of their attention renormalised over the
+selection, and a group whose heads all bypass is left untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from redknot.kernels.lfps_index import lfps_candidates, score_and_rank
+from redknot.kernels.lfps_step import lfps_select_update, lfps_sparsity
+from redknot.kernels.sparse_decode import SparseDecodePlan, plan_sparse_decode, run_sparse_decode
+from redknot.kernels.sparse_reference import score_keys_reference, sparse_decode_reference
+from redknot.lfps.batch_state import LfpsBatchState
+from redknot.lfps.fixed_budget import candidates_reference
+from redknot.lfps.params import LfpsParams
+
+
+@dataclass(frozen=True)
+class LfpsBudgets:
+    """Fixed widths of a step: ``candidates`` (C) listed and scored, ``topk`` (K) attended per
+    selection head. A row whose ``params.budget_for(n - sink)`` exceeds K keeps K."""
+
+    candidates: int
+    topk: int
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.topk <= self.candidates, (self.topk, self.candidates)
+
+
+@dataclass
+class LfpsBatchResult:
+    """What one batched step produced (``Hs`` selection heads; the state is updated in place)."""
+
+    output: torch.Tensor  # [B, Hq, D] like q
+    selected: torch.Tensor  # [B, Hs, K] int32 attended non-sink positions, -1 padded
+    candidates: torch.Tensor  # [B, Hs, C] int32 listed positions, -1 padded
+    candidate_count: torch.Tensor  # [B, Hs] int32, candidates before the capacity (0: bypass)
+    bypass: torch.Tensor  # [B, Hq] bool, heads that took the sink-plus-mean bypass
+    sparsity: torch.Tensor  # [B, Hq] float32, Eq. 6's estimate
+
+
+def gather_keys(buffer, req_to_token, req_pool_indices, positions, valid) -> torch.Tensor:
+    """[B, P, Hkv, D] float32 entries of ``buffer`` at ``positions`` [B, P] (0 where not
+    ``valid``)."""
+    slots = req_to_token[req_pool_indices[:, None], positions.clamp_min(0)].long()
+    return torch.where(valid[..., None, None], buffer[slots].float(), 0.0)
+
+
+def head_sparsity(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state: LfpsBatchState,
+    params: LfpsParams,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 5-6 and the bypass output (``redknot.lfps.sparsity``) for every query head.
+
+    Returns:
+        sparsity: [B, Hq] float32 (0 for rows without a non-sink key, or without sinks).
+        bypass_out: [B, Hq, D] float32, softmax over the sinks and the count-weighted mean key
+            applied to the sink values and the mean value.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_buffer.shape[1]
+    grp = Hq // Hkv
+    s, w = params.num_sink, params.local_window
+    n = seq_lens.view(B, 1).long()
+    if s == 0:
+        return torch.zeros(B, Hq, device=q.device), torch.zeros(B, Hq, D, device=q.device)
+    pos = torch.cat(
+        [torch.arange(s, device=q.device).expand(B, s), n - w + torch.arange(w, device=q.device)],
+        dim=1,
+    )  # [B, s + w]: the sinks, then the last w keys (local term, non-sink ones only)
+    valid = torch.cat([pos[:, :s] < n, (pos[:, s:] >= s) & (pos[:, s:] < n)], dim=1)
+    keys = gather_keys(k_buffer, req_to_token, req_pool_indices, pos, valid)
+    qg = q.float().view(B, Hkv, grp, D)
+    logits = torch.einsum("bkgd,bpkd->bkgp", qg, keys).reshape(B, Hq, s + w) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    sink_logits = logits[..., :s]
+    sink = torch.logsumexp(sink_logits, -1)
+    local = torch.logsumexp(logits[..., s:], -1)
+    mean_key = state.mean_key.repeat_interleave(grp, 1)  # [B, Hq, D]
+    mean_value = state.mean_value.repeat_interleave(grp, 1)
+    qf = q.float()
+    mu = (qf * mean_key).sum(-1) * sm_scale
+    spread = sm_scale * qf.norm(dim=-1) * mean_key.norm(dim=-1)
+    sigma2 = state.query_stat * spread.square()
+    log_rest = torch.log((n - s).clamp_min(1).float())  # [B, 1]
+    rest = torch.maximum(log_rest + mu + 0.5 * sigma2, local)
+    has_rest = n > s
+    sparsity = torch.where(has_rest, torch.sigmoid(sink - rest), 0.0)
+
+    mean_logit = mu + log_rest
+    probs = torch.softmax(torch.cat([sink_logits, mean_logit[..., None]], -1), -1)
+    sink_values = gather_keys(v_buffer, req_to_token, req_pool_indices, pos[:, :s], valid[:, :s])
+    vals = sink_values.repeat_interleave(grp, 2)  # [B, s, Hq, D]
+    bypass_out = torch.einsum("bhs,bshd->bhd", probs[..., :s], vals)
+    bypass_out = bypass_out + probs[..., s:] * mean_value
+    return sparsity, bypass_out
+
+
+def row_budgets(seq_lens: torch.Tensor, params: LfpsParams) -> torch.Tensor:
+    """[B] int64 ``params.budget_for(n - sink)`` on the device (1 for rows without such keys)."""
+    keys = (seq_lens.long() - params.num_sink).clamp_min(0)
+    if isinstance(params.budget, float) and params.budget < 1.0:
+        k = torch.round(params.budget * keys.double()).long()
+    else:
+        k = torch.full_like(keys, int(params.budget))
+    return torch.minimum(k, keys).clamp_min(1)
+
+
+def select_topk(
+    logits: torch.Tensor,
+    candidates: torch.Tensor,
+    bypass: torch.Tensor,
+    budget: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` of each list by its rank (maximum logit over the non-bypassed query heads),
+    then each row's ``budget`` first.
+
+    Args:
+        logits: [B, Hq, C] float32 scaled logits of the listed keys (-inf: not a key).
+        candidates: [B, Hs, C] int32 positions.
+        bypass: [B, Hq] bool; budget: [B] int64.
+    Returns:
+        selected: [B, Hs, k] int32 positions (-1 padded), descending rank.
+        selected_logits: [B, Hq, k] float32 each query head's logits of them (-inf: padding).
+    """
+    B, Hq, C = logits.shape
+    Hs = candidates.shape[1]
+    rows = Hq // Hs
+    rank = logits.masked_fill(bypass[..., None], float("-inf")).view(B, Hs, rows, C).amax(2)
+    val, at = torch.topk(rank, k, dim=-1)
+    keep = torch.isfinite(val) & (torch.arange(k, device=val.device) < budget.view(B, 1, 1))
+    selected = torch.where(keep, torch.gather(candidates, 2, at), -1)
+    per_head = torch.gather(logits, 2, at.repeat_interleave(rows, 1))
+    per_head = per_head.masked_fill(~keep.repeat_interleave(rows, 1), float("-inf"))
+    return selected, per_head
+
+
+def update_tables_(
+    state: LfpsBatchState,
+    selected: torch.Tensor,
+    selected_logits: torch.Tensor,
+    bypass: torch.Tensor,
+    seq_lens: torch.Tensor,
+    decay: float,
+) -> None:
+    """Eq. 10 in place with the lazy decay: each selection head with a non-bypassed query head
+    decays (``scale *= decay``) and adds ``(1 - decay) / 2`` times the mean over those heads of
+    their attention renormalised over ``selected``, at each selected position (vertical) and
+    distance ``t - j`` (slash)."""
+    B, Hs, k = selected.shape
+    rows = state.rows
+    active = ~bypass  # [B, Hq]
+    attn = torch.softmax(selected_logits, -1).nan_to_num(0.0) * active[..., None]
+    heads = active.view(B, Hs, rows).sum(-1)  # [B, Hs]
+    mean_attn = attn.view(B, Hs, rows, k).sum(2) / heads.clamp_min(1)[..., None]
+    new_scale = torch.where(heads > 0, state.scale * decay, state.scale)
+    add = (1.0 - decay) * 0.5 * mean_attn / new_scale[..., None]
+    add = torch.where(selected >= 0, add, 0.0)
+    N = state.max_len
+    t = seq_lens.view(B, 1, 1).long() - 1
+    state.vertical.scatter_add_(2, selected.long().clamp_min(0), add)
+    state.slash.scatter_add_(2, (t - selected.long()).clamp(0, N - 1), add)
+    state.scale.copy_(new_scale)
+
+
+def lfps_decode_step(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state: LfpsBatchState,
+    params: LfpsParams,
+    budgets: LfpsBudgets,
+    *,
+    sm_scale: float | None = None,
+    kernels: bool = True,
+    plan: SparseDecodePlan | None = None,
+) -> LfpsBatchResult:
+    """Attend one new token per request with LFPS; ``state`` is updated in place (Eq. 10).
+
+    Args:
+        q: [B, Hq, D] fp16/bf16, post-RoPE queries of positions ``seq_lens - 1``.
+        k_buffer, v_buffer: [slots, Hkv, D] the layer's paged store, holding the new token.
+        req_to_token: [R, max_ctx] int32; req_pool_indices, seq_lens: [B].
+        state: tables covering ``seq_lens - 1`` keys (``seq_lens <= state.max_len``).
+        kernels: the Triton kernels (else the PyTorch references of this module, for tests).
+        plan: the sparse attention's plan (width ``budgets.topk``; made here if None).
+    """
+    B, Hq, D = q.shape
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    paged = (req_to_token, req_pool_indices, seq_lens)
+    tables = (state.vertical, state.slash, state.scale, seq_lens, params, budgets.candidates)
+    if kernels:
+        sparsity, bypass, bypass_out = lfps_sparsity(
+            q, k_buffer, v_buffer, *paged, state, params, sm_scale
+        )
+        cand, count = lfps_candidates(*tables)
+        logits, rank = score_and_rank(q, k_buffer, *paged, cand, bypass,
+                                      num_sink=params.num_sink, sm_scale=sm_scale)  # fmt: skip
+        val, at = torch.topk(rank, budgets.topk, dim=-1)
+        selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state,
+                                      params)  # fmt: skip
+        if plan is None:
+            plan = plan_sparse_decode(
+                batch_size=B, num_q_heads=Hq, head_dim=D, rows=state.rows, width=budgets.topk,
+                num_sink=params.num_sink, device=q.device,
+            )  # fmt: skip
+        out = run_sparse_decode(plan, q, k_buffer, v_buffer, *paged, selected, sm_scale)
+    else:
+        sparsity, bypass_out = head_sparsity(q, k_buffer, v_buffer, *paged, state, params, sm_scale)
+        bypass = sparsity > params.sparsity_threshold
+        groups_off = bypass.view(B, state.selection_heads, state.rows).all(-1)  # [B, Hs]
+        cand, count = candidates_reference(*tables)
+        cand = torch.where(groups_off[..., None], -1, cand)
+        count = torch.where(groups_off, 0, count)
+        logits = score_keys_reference(q, k_buffer, *paged, cand, params.num_sink, sm_scale)
+        budget = row_budgets(seq_lens, params)
+        selected, selected_logits = select_topk(logits, cand, bypass, budget, budgets.topk)
+        update_tables_(state, selected, selected_logits, bypass, seq_lens, params.decay)
+        out, _ = sparse_decode_reference(
+            q, k_buffer, v_buffer, *paged, selected, params.num_sink, sm_scale
+        )
+    out = torch.where(bypass[..., None], bypass_out.to(out.dtype), out)
+    return LfpsBatchResult(out, selected, cand, count, bypass, sparsity)

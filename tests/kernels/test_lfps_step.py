@@ -1,0 +1,98 @@
+"""The per-head kernels of the LFPS step against their PyTorch references (``redknot.lfps
+.batched``) under ``TRITON_INTERPRET=1``: Eq. 5-6 with the bypass output; the selection from
+Top-k with Eq. 10; the rank written by ``score_and_rank``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redknot.kernels.lfps_index import score_and_rank
+from redknot.kernels.lfps_step import lfps_select_update, lfps_sparsity
+from redknot.kernels.sparse_reference import score_keys_reference
+from redknot.lfps import LfpsParams
+from redknot.lfps.batched import head_sparsity, row_budgets, select_topk, update_tables_
+
+from .paged_data import make_paged, random_lfps_state
+from .test_sparse_decode import random_lists
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, in the interpreter
+
+SEQ_LENS = [0, 3, 9, 40, 150]
+
+
+@pytest.mark.parametrize("grp,dim,dtype", [(4, 32, torch.bfloat16), (3, 16, torch.float16)])
+def test_sparsity_kernel_matches_reference(grp, dim, dtype):
+    """Rows without keys, with fewer keys than sinks and longer ones; some with strong sinks;
+    the threshold set so that both branches of Eq. 6 occur."""
+    Hkv = 2
+    batch = make_paged(SEQ_LENS, Hkv, dim, dtype, seed=3)
+    for b, n in enumerate(SEQ_LENS):  # strong sinks in every other request
+        if b % 2:
+            slots = batch.req_to_token[int(batch.req_pool_indices[b]), : min(n, 4)].long()
+            batch.k_buffer[slots] *= 3
+    state = random_lfps_state(len(SEQ_LENS), Hkv * grp, Hkv, dim, 1, 160, seed=4)
+    q = torch.randn(len(SEQ_LENS), Hkv * grp, dim, generator=torch.Generator().manual_seed(5))
+    q = q.to(dtype)
+    paged = (batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+    want, want_out = head_sparsity(q, batch.k_buffer, batch.v_buffer, *paged, state,
+                                   LfpsParams(), 1 / dim**0.5)  # fmt: skip
+    tau = float(want[2:].median())
+    params = LfpsParams(sparsity_threshold=tau)
+    got, bypass, got_out = lfps_sparsity(q, batch.k_buffer, batch.v_buffer, *paged, state,
+                                         params, 1 / dim**0.5)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.equal(bypass, want > tau) and bypass.any() and not bypass.all()
+    assert (got[:2] == 0).all()  # no non-sink key
+    torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [0.1, 3])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_select_update_kernel_matches_reference(rows, budget):
+    """Lists with padding, query heads bypassing alone or as a whole group, per-row budgets
+    below the width: the selection, the tables, the scales and the emptied lists agree."""
+    B, Hq, Hkv, D, C, K, n_max = len(SEQ_LENS), 8, 2, 16, 24, 6, 160
+    batch = make_paged(SEQ_LENS, Hkv, D, torch.float16, seed=6)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(7)).half()
+    cand = random_lists(SEQ_LENS, Hq // rows, C, seed=8)
+    paged = (batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+    g = torch.Generator().manual_seed(9)
+    bypass = torch.rand(B, Hq, generator=g) < 0.3
+    bypass[3, :rows] = True  # a whole selection head off
+    logits = score_keys_reference(q, batch.k_buffer, *paged, cand, 4, 0.25)
+    rank = logits.masked_fill(bypass[..., None], float("-inf")).view(B, Hq // rows, rows, C)
+    val, at = torch.topk(rank.amax(2), K, dim=-1)
+    params = LfpsParams(budget=budget)
+    state = random_lfps_state(B, Hq, Hkv, D, rows, n_max, seed=10)
+    mine, ref = state.clone(), state.clone()
+    cand_k, count_k = cand.clone(), torch.full((B, Hq // rows), 7, dtype=torch.int32)
+    selected = lfps_select_update(val, at, cand_k, count_k, logits, bypass, batch.seq_lens, mine,
+                                  params)  # fmt: skip
+    want, want_logits = select_topk(logits, cand, bypass, row_budgets(batch.seq_lens, params), K)
+    update_tables_(ref, want, want_logits, bypass, batch.seq_lens, params.decay)
+    assert torch.equal(selected, want)
+    torch.testing.assert_close(mine.scale, ref.scale)
+    torch.testing.assert_close(mine.vertical, ref.vertical, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(mine.slash, ref.slash, atol=1e-6, rtol=1e-5)
+    off = bypass.view(B, Hq // rows, rows).all(-1)
+    assert off[3, 0] and (cand_k[off] == -1).all() and (count_k[off] == 0).all()
+    assert torch.equal(cand_k[~off], cand[~off]) and (count_k[~off] == 7).all()
+    assert (mine.vertical != state.vertical).any()
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_score_and_rank(rows):
+    B, Hq, Hkv, D = len(SEQ_LENS), 8, 2, 32
+    batch = make_paged(SEQ_LENS, Hkv, D, torch.bfloat16, seed=11)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(12)).bfloat16()
+    cand = random_lists(SEQ_LENS, Hq // rows, 40, seed=13)
+    bypass = torch.rand(B, Hq, generator=torch.Generator().manual_seed(14)) < 0.4
+    paged = (batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+    logits, rank = score_and_rank(q, batch.k_buffer, *paged, cand, bypass, num_sink=4,
+                                  sm_scale=0.2)  # fmt: skip
+    want = score_keys_reference(q, batch.k_buffer, *paged, cand, 4, 0.2)
+    want_rank = want.masked_fill(bypass[..., None], float("-inf"))
+    want_rank = want_rank.view(B, Hq // rows, rows, -1).amax(2)
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rank, want_rank, atol=1e-4, rtol=1e-4)

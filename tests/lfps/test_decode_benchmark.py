@@ -1,0 +1,38 @@
+"""``benchmarks/lfps_decode.py`` end to end at its tiny CPU shape (kernels under the Triton
+interpreter): every method runs and the JSON carries what the GPU run reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_writes_every_field(tmp_path):
+    out = tmp_path / "lfps_decode.json"
+    cmd = [sys.executable, "benchmarks/lfps_decode.py", "--small", "--device", "cpu",
+           "--lengths", "300", "--batches", "1,2", "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for key in ("device", "date", "commit", "command", "shape", "lfps_params", "timing"):
+        assert data[key], key
+    assert data["device"] == "cpu" and "lfps_decode.py" in data["command"]
+    assert data["summary"]["target"].startswith("decode attention >= 5x")
+    assert [(r["L"], r["B"]) for r in data["rows"]] == [(300, 1), (300, 2)]
+    for row in data["rows"]:
+        assert not row.get("notes"), row.get("notes")
+        assert row["full_impl"].startswith("redknot dense decode")
+        assert row["topk"] == 6 and row["candidates"] == 24  # 2% of 296 keys, C = 4 K
+        for sel in ("kv_head", "query_head"):
+            for method in ("topk", "attend", "lfps"):
+                assert row[f"ms_{method}_{sel}"] > 0
+            assert row[f"speedup_lfps_{sel}"] == row["ms_full"] / row[f"ms_lfps_{sel}"]
+            assert 0 < row[f"lfps_candidate_share_{sel}"] < 1
+            assert f"index_ms_lfps_{sel}" in row and f"index_ms_topk_{sel}" in row
+        assert set(row["timing"].values()) == {"cpu_wall"}
