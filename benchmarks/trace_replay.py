@@ -415,8 +415,13 @@ def join(paths: Sequence[str], out: str) -> int:
         rows = [r for r in rows if tuple(r[k] for k in KEY) not in keys] + data["rows"]
         runs.append({k: data.get(k) for k in ("device", "date", "commit", "commands", "sizes")})
     fill_speedups(rows)
-    common.write_json(out, common.record(runs=runs, rows=rows, note=json.loads(
-        Path(paths[-1]).read_text()).get("note")))  # fmt: skip
+    record = common.record(runs=runs, rows=rows, note=json.loads(
+        Path(paths[-1]).read_text()).get("note"))  # fmt: skip
+    # where the figures came from: the runs' devices and commits, not this machine's
+    record["device"] = "; ".join(dict.fromkeys(r["device"] for r in runs))
+    record["commit"] = ", ".join(dict.fromkeys(r["commit"] for r in runs))
+    record["date"] = max(r["date"] for r in runs)
+    common.write_json(out, record)
     return 0
 
 
