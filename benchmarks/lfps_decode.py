@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from segpaged_kernels import Timer
 from serving_common import record, write_json
 
 FULL_SHAPE = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -59,54 +60,6 @@ def parse_ints(text: str) -> list[int]:
 
 
 # ---- timing -----------------------------------------------------------------------------------
-
-
-class Timer:
-    """Milliseconds per call: CUDA graphs with an L2 flush per call on a GPU, wall time on CPU."""
-
-    def __init__(self, device: str, calls: int, repeats: int) -> None:
-        self.device, self.calls, self.repeats = device, calls, repeats
-        if device == "cuda":
-            self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-            self.flush_ms = self._graph_ms(lambda: None)
-
-    def _graph_ms(self, fn) -> float:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(self.calls):
-                self.flush_buf.zero_()
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(self.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / self.calls)
-        del graph
-        return sorted(times)[len(times) // 2]
-
-    def __call__(self, fn) -> tuple[float, str]:
-        fn()  # compile outside any capture
-        if self.device != "cuda":
-            times = []
-            for _ in range(self.repeats):
-                t0 = time.perf_counter()
-                for _ in range(self.calls):
-                    fn()
-                times.append((time.perf_counter() - t0) * 1e3 / self.calls)
-            return sorted(times)[len(times) // 2], "cpu_wall"
-        torch.cuda.synchronize()
-        try:
-            return max(self._graph_ms(fn) - self.flush_ms, 1e-4), "cuda_graph"
-        except Exception:  # noqa: BLE001 - a method that cannot be captured is timed eagerly
-            traceback.print_exc()
-            torch.cuda.synchronize()
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median"), "eager"
 
 
 def attempt(row: dict, name: str, timer: Timer, make) -> None:
@@ -348,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     args.calls = args.calls or (1 if args.small else 20)
     args.repeats = args.repeats or (1 if args.small else 5)
     params = LfpsParams(budget=args.budget)
-    timer = Timer(args.device, args.calls, args.repeats)
+    timer = Timer(args.calls, args.repeats, device=args.device)
     shape["dtype"] = "bfloat16" if args.device == "cuda" else "float16"
     result = record(
         shape=shape, lfps_params=dataclasses.asdict(params),
