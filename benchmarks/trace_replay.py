@@ -393,6 +393,12 @@ def markable_fraction(requests: list[Request], warmup: int) -> float:
 KEY = ("workload", "mode", "system", "arrival")
 
 
+def upsert(rows: list[dict], new: list[dict]) -> list[dict]:
+    """``rows`` with those of a key in ``new`` replaced by ``new`` (appended)."""
+    keys = {tuple(r[k] for k in KEY) for r in new}
+    return [r for r in rows if tuple(r[k] for k in KEY) not in keys] + new
+
+
 def fill_speedups(rows: list[dict]) -> None:
     """``speedup_p50_vs_flashinfer`` of every non-baseline row whose baseline row is there."""
     base = {(r["workload"], r["arrival"]): r for r in rows if r["system"] == BASELINE}
@@ -411,12 +417,10 @@ def join(paths: Sequence[str], out: str) -> int:
     runs = []
     for path in paths:
         data = json.loads(Path(path).read_text())
-        keys = {tuple(r[k] for k in KEY) for r in data["rows"]}
-        rows = [r for r in rows if tuple(r[k] for k in KEY) not in keys] + data["rows"]
+        rows = upsert(rows, data["rows"])
         runs.append({k: data.get(k) for k in ("device", "date", "commit", "commands", "sizes")})
     fill_speedups(rows)
-    record = common.record(runs=runs, rows=rows, note=json.loads(
-        Path(paths[-1]).read_text()).get("note"))  # fmt: skip
+    record = common.record(runs=runs, rows=rows, note=data.get("note"))
     # where the figures came from: the runs' devices and commits, not this machine's
     record["device"] = "; ".join(dict.fromkeys(r["device"] for r in runs))
     record["commit"] = ", ".join(dict.fromkeys(r["commit"] for r in runs))
@@ -470,8 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = target.stats()
         if stats:  # the store's and the capture path's counters after this row
             row["stats_after"] = {k: stats.get(k) for k in ("api", "auto", "store", "gate")}
-        rows[:] = [r for r in rows if tuple(r[k] for k in KEY) != tuple(row[k] for k in KEY)]
-        rows.append(row)
+        rows[:] = upsert(rows, [row])
         fill_speedups(rows)
         print(json.dumps({k: row.get(k) for k in (*KEY, "reused_token_fraction",
                           "ttft_p50_s", "capture_overhead")}), flush=True)  # fmt: skip

@@ -58,7 +58,7 @@ from redknot.api.marks import SegmentMark, encode_marks, segment_id
 logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT = 2  # batches of captures sent to the engine at once
-MAX_BATCH_TOKENS = 8192  # segment tokens in one batch (one registration request per segment)
+MAX_BATCH_TOKENS = 8192  # segment tokens in one batch (one request, a prompt per segment)
 MAX_PENDING = 1024  # segments waiting or being captured; beyond it a capture is dropped
 SEEN_LIMIT = 1 << 16  # automatic chunks remembered as seen once (the oldest forgotten first)
 CAPTURE_FIELD = "redknot_capture"  # per request: false turns capture off for it
@@ -110,23 +110,25 @@ class Capturer:
             sem = self._limits[loop] = asyncio.Semaphore(MAX_CONCURRENT)
         return sem
 
-    async def capture(self, segments: Sequence[tuple]) -> None:
-        """Capture those of ``segments`` (``(namespace, token ids[, chunks])``) the store
-        lacks; never raises."""
+    async def capture(self, segments: Sequence[tuple[str, list[int], bool]]) -> None:
+        """Capture those of ``segments`` (what :func:`note` collected) the store lacks; never
+        raises."""
         if not (self.enabled and segments):
             return
         count = self.api.counters.add
         mine: list[tuple[str, list[int], str, bool]] = []
+        taken: set[str] = set()
         try:
-            for ns, ids, *chunks in segments:
-                sid = segment_id(ns, list(ids))
-                if sid in self._inflight or any(sid == m[2] for m in mine):
+            for ns, ids, chunk in segments:
+                sid = segment_id(ns, ids)
+                if sid in self._inflight or sid in taken:
                     count(captures_deduplicated=1)
                 elif self._pending + len(mine) >= MAX_PENDING:
                     count(captures_dropped=1)
                 else:
-                    mine.append((ns, list(ids), sid, bool(chunks and chunks[0])))
-            self._inflight.update(m[2] for m in mine)
+                    mine.append((ns, ids, sid, chunk))
+                    taken.add(sid)
+            self._inflight.update(taken)
             self._pending += len(mine)
             for batch in _batches(mine, MAX_BATCH_TOKENS):
                 async with self._limit():
