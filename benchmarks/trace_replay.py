@@ -187,14 +187,23 @@ class Sent:
 
 class StandIn:
     """The tests' CPU server stand-in, one fresh server per mode (automatic chunks on for
-    ``auto``); no time is measured."""
+    ``auto``). With ``step_us`` = 0 no time passes: a request's captures are done before the
+    next request is sent. With ``step_us`` > 0 an engine clock (``tests/api/cpu_server.py``
+    ``EngineClock``) gives every prompt token that many microseconds of one-step-at-a-time
+    engine time, the server is served by uvicorn and sent to over HTTP as a real one: captures
+    overlap the next requests as on a GPU server, and the TTFTs are the clock's (a model of the
+    engine, not a measurement)."""
 
     name = "redknot CPU stand-in (no model)"
 
-    def __init__(self, region_tokens: int, context_len: int, capture_after: int = 2):
+    def __init__(
+        self, region_tokens: int, context_len: int, capture_after: int = 2, step_us: float = 0.0
+    ):
         self.region_tokens, self.context_len = region_tokens, context_len
-        self.capture_after = capture_after
+        self.capture_after, self.step_us = capture_after, step_us
         self.client: Any = None
+        self.http: Http | None = None
+        self._uvicorn: Any = None
 
     def start(self, mode: str) -> None:
         import logging
@@ -223,15 +232,48 @@ class StandIn:
         CpuServer(
             app, tokenizer, server_args=server_args, context_len=self.context_len,
             region_tokens=self.region_tokens, auto_segments="cdc" if mode == "auto" else "off",
-            auto_capture_after=self.capture_after,
+            auto_capture_after=self.capture_after, step_us_per_token=self.step_us,
         )  # fmt: skip
-        self.client = TestClient(app)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+        if self.step_us > 0:
+            self._serve(app)
+        else:
+            self.client = TestClient(app)
+
+    def _serve(self, app: Any) -> None:
+        """``app`` under uvicorn in a thread (the previous mode's server stopped first)."""
+        import socket
+        import threading
+
+        import uvicorn
+
+        self.stop()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="error")
+        self._uvicorn = uvicorn.Server(config)
+        thread = threading.Thread(target=self._uvicorn.run, daemon=True)
+        thread.start()
+        while not self._uvicorn.started:
+            time.sleep(0.05)
+        self._thread = thread
+        self.http = Http(f"http://127.0.0.1:{port}", "standin")
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            self._thread.join(timeout=30)
+            self._uvicorn = self.http = None
 
     def stats(self) -> dict | None:
+        if self.http is not None:
+            return self.http.stats()
         return self.client.get("/redknot/stats").json()
 
     def send(self, payload: dict) -> Sent:
+        if self.http is not None:
+            return self.http.send(payload)
         r = self.client.post("/generate", json=payload | {"stream": False})
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
@@ -453,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--capture-requests", type=int, default=0, help="0: no capture_overhead")
     p.add_argument("--region-tokens", type=int, default=1 << 19, help="--standin's region")
     p.add_argument("--auto-capture-after", type=int, default=2, help="--standin's option")
+    p.add_argument("--standin-step-us", type=float, default=0.0,
+                   help="--standin's engine time per prompt token in microseconds (0: none; "
+                   "33 is the 8B shape's full prefill on an H100 at 16K tokens)")  # fmt: skip
     p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
     args = p.parse_args(argv)
@@ -461,7 +506,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = {"rag": {"docs": args.docs, "requests": args.requests},
              "chat": {"sessions": args.sessions, "turns": args.turns}}  # fmt: skip
     if args.standin:
-        target: Any = StandIn(args.region_tokens, 1 << 16, args.auto_capture_after)
+        target: Any = StandIn(
+            args.region_tokens, 1 << 16, args.auto_capture_after, args.standin_step_us
+        )
         system = args.system or "redknot-standin"
     else:
         system = args.system or "redknot"
@@ -505,6 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row |= replay_open(target, requests, mode, rate, args.seed)
                 row |= {"capture_overhead": None, "speedup_p50_vs_flashinfer": None}
                 add(row)
+    if hasattr(target, "stop"):
+        target.stop()
     return 0
 
 

@@ -14,20 +14,27 @@ API in front, redknot's real scheduler-side segment code behind, no model.
 |                            | params run for real; tokenisation is the tokenizer's; the     |
 |                            | context-length and vocabulary checks are SGLang's, restated   |
 | control path               | real ``redknot.api.control`` both ends, through SGLang's      |
-|                            | msgpack codec; the scheduler's dispatcher is a direct call    |
+|                            | msgpack codec and its ``FanOutCommunicator`` (one request in  |
+|                            | flight at a time); the scheduler's dispatcher is a call       |
 | scheduler                  | faked (:class:`CpuScheduler`): no batching, no radix cache;   |
 |                            | per prompt it calls redknot's real ``registration.start`` /   |
 |                            | ``reuse.start``, ``plan_writes`` / ``plan_reads``, the        |
 |                            | segment region's ``write`` / ``read`` and ``finish``, on a    |
 |                            | real ``SegmentStore`` over a real ``RedknotKVPool`` region    |
 | model forward              | faked: the K/V written for a registration are random          |
+| engine time                | none by default; with ``step_us_per_token`` an                |
+|                            | :class:`EngineClock` (one forward step at a time, chunked     |
+|                            | prefill, control requests answered between steps)            |
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import types
+import weakref
+from collections import deque
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -200,6 +207,62 @@ class CpuScheduler:
         self._free_slots.append(rpi)
 
 
+class EngineClock:
+    """A GPU engine's time on the stand-in, so that what overlaps on a real server overlaps here
+    (a capture runs while later requests wait, a control request waits for the step under way).
+
+    One forward step at a time, as SGLang's scheduler: a step takes the waiting prompts in
+    arrival order up to ``chunk_tokens`` tokens (a longer prompt continues in the next steps:
+    chunked prefill) and lasts ``us_per_token`` microseconds per token it computes; a prompt is
+    served (its store effects happen) when its last token is computed. A control request is
+    answered at the end of the step under way (at once when the engine is idle), as the
+    scheduler reads its requests at the top of its loop. Decode steps are not modelled."""
+
+    def __init__(self, us_per_token: float, chunk_tokens: int = 8192):
+        self.us_per_token, self.chunk_tokens = us_per_token, chunk_tokens
+        self._waiting: deque[list] = deque()  # [tokens left, future]
+        self._boundary: list[asyncio.Future] = []
+        self._task: asyncio.Task | None = None
+
+    async def prefill(self, tokens: int) -> None:
+        """Return once a prompt of ``tokens`` tokens has been computed."""
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append([max(tokens, 1), done])
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        await done
+
+    async def between_steps(self) -> None:
+        """Return at the end of the step under way (at once when idle)."""
+        if self._task is None or self._task.done():
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._boundary.append(waiter)
+        await waiter
+
+    async def _run(self) -> None:
+        while self._waiting:
+            room, finished = self.chunk_tokens, []
+            for item in self._waiting:
+                take = min(item[0], room)
+                item[0] -= take
+                room -= take
+                if item[0] == 0:
+                    finished.append(item)
+                if room == 0:
+                    break
+            await asyncio.sleep((self.chunk_tokens - room) * self.us_per_token * 1e-6)
+            for item in finished:
+                self._waiting.remove(item)
+                item[1].set_result(None)
+            waiters, self._boundary = self._boundary, []
+            for waiter in waiters:
+                waiter.set_result(None)
+        for waiter in self._boundary:
+            waiter.set_result(None)
+        self._boundary = []
+
+
 def _is_capture(obj: Any) -> bool:
     from redknot.api.marks import KEY_CAPTURE
 
@@ -214,7 +277,13 @@ class CpuTokenizerManager(FakeTokenizerManager):
     every request object as it reached the tokenizer manager (before SGLang normalises it),
     captures on miss included; ``last`` is the last one that is not a capture."""
 
-    def __init__(self, tokenizer: Any, scheduler: CpuScheduler, **kwargs: Any):
+    def __init__(
+        self,
+        tokenizer: Any,
+        scheduler: CpuScheduler,
+        clock: EngineClock | None = None,
+        **kwargs: Any,
+    ):
         from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
 
         from redknot.api import control
@@ -222,11 +291,37 @@ class CpuTokenizerManager(FakeTokenizerManager):
         super().__init__(tokenizer, **kwargs)
         self.store = scheduler.store
         self.scheduler = scheduler
+        self.clock = clock
         self._rids = count()
 
-        async def communicator(req):  # the zmq hop both ways, through SGLang's msgpack codec
-            out = control.handle(scheduler, msgpack_decode(msgpack_encode(req)))
-            return [msgpack_decode(msgpack_encode(out))]
+        from sglang.srt.managers.communicator import FanOutCommunicator
+
+        answering: set[asyncio.Task] = set()
+        by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+        def make() -> FanOutCommunicator:
+            def send(req):  # the zmq hop both ways, through SGLang's msgpack codec
+                async def answer():
+                    if clock is not None:
+                        await clock.between_steps()
+                    out = control.handle(scheduler, msgpack_decode(msgpack_encode(req)))
+                    comm.handle_recv(msgpack_decode(msgpack_encode(out)))
+
+                task = asyncio.ensure_future(answer())
+                answering.add(task)
+                task.add_done_callback(answering.discard)
+
+            comm = FanOutCommunicator(send, 1)
+            return comm
+
+        async def communicator(req):
+            """SGLang's communicator, as the launcher's: one control request in flight at a
+            time (one per event loop: a test client may run each request in its own)."""
+            loop = asyncio.get_running_loop()
+            comm = by_loop.get(loop)
+            if comm is None:
+                comm = by_loop[loop] = make()
+            return await comm(req)
 
         self.redknot_segments_communicator = communicator
 
@@ -253,8 +348,19 @@ class CpuTokenizerManager(FakeTokenizerManager):
         self.received.append(copy.deepcopy(obj))
         obj.normalize_batch_and_arguments()
         subs = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
-        outs = [self._serve_one(sub) for sub in subs]
+        if self.clock is not None:
+            outs = await asyncio.gather(*(self._timed(sub) for sub in subs))
+        else:
+            outs = [self._serve_one(sub) for sub in subs]
         yield outs[0] if obj.is_single else outs
+
+    async def _timed(self, obj: Any) -> dict:
+        """``_serve_one`` once the engine clock has computed the prompt."""
+        ids = obj.input_ids
+        if ids is None and self.tokenizer is not None:
+            ids = self.tokenizer.encode(obj.text)
+        await self.clock.prefill(len(ids or ()))
+        return self._serve_one(obj)
 
     def _serve_one(self, obj: Any) -> dict:
         import msgspec
@@ -321,6 +427,7 @@ class CpuServer:
         auto_segments: str = "off",
         auto_chunk_tokens: int = 256,
         auto_capture_after: int = 2,
+        step_us_per_token: float = 0.0,
     ):
         from sglang.srt.entrypoints import http_server
 
@@ -333,8 +440,9 @@ class CpuServer:
         self.app = app
         self.scheduler = CpuScheduler(region_tokens, namespace_fraction=namespace_fraction)
         self.store = self.scheduler.store
+        clock = EngineClock(step_us_per_token) if step_us_per_token > 0 else None
         self.tm = CpuTokenizerManager(
-            tokenizer, self.scheduler, context_len=context_len, vocab_size=vocab
+            tokenizer, self.scheduler, clock, context_len=context_len, vocab_size=vocab
         )
         self.api = SegmentApi(
             self.tm,
