@@ -11,15 +11,18 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
 1. skips a segment when a capture of the same content address (namespace and tokens) is
    already under way in this server (concurrent requests that miss the same document capture
    it once);
-2. asks the scheduler's store (control op ``registration``, one per segment, concurrently)
-   and skips those stored, being written by another registration or capture, or refused as
-   too long for the region (413; retrying cannot help);
+2. asks the scheduler's store about all of them in one control request (op
+   ``registrations``: SGLang's control communicator has one request in flight at a time, and
+   each waits for the scheduler's step under way, so a request per segment made ~60 round
+   trips per RAG prompt) and skips those stored, being written by another registration or
+   capture, or refused as too long for the region (413; retrying cannot help);
 3. of the segments the store lacks, defers a content-defined chunk of an unmarked
    ``/generate`` prompt until its
    ``--redknot-auto-capture-after``-th miss (default 2; counted in ``captures_deferred``): the
    chunks that straddle two documents are seen once, and capturing them would spend a prefill
    and region pages on nothing. Marked segments and chat messages are captured at their first
-   miss;
+   miss. A request that misses a chunk while another request's capture is deciding about it
+   adds its miss to that decision;
 4. sends the rest as **one batched registration** (``max_new_tokens=0``, each prompt marked
    ``redknot_capture``; at most ``MAX_BATCH_TOKENS`` tokens per batch): the scheduler computes
    their standalone K/V (positions from 0, no prefix) as ``POST /redknot/segments`` does, in as
@@ -123,6 +126,8 @@ class Capturer:
                 sid = segment_id(ns, ids)
                 if sid in self._inflight or sid in taken:
                     count(captures_deduplicated=1)
+                    if chunk and sid in self._inflight:
+                        self._sighted(sid)  # the capture under way decides with it counted
                 elif self._pending + len(mine) >= MAX_PENDING:
                     count(captures_dropped=1)
                 else:
@@ -130,55 +135,69 @@ class Capturer:
                     taken.add(sid)
             self._inflight.update(taken)
             self._pending += len(mine)
-            for batch in _batches(mine, MAX_BATCH_TOKENS):
+            send = await self._to_send(mine)
+            self._release(taken, taken - {sid for _, _, sid, _ in send})
+            for batch in _batches(send, MAX_BATCH_TOKENS):
                 async with self._limit():
                     await self._capture_batch(batch)
         except Exception as e:  # noqa: BLE001 (a capture must never disturb serving)
             count(captures_failed=1)
             logger.warning("redknot capture: failed: %s: %s", type(e).__name__, e)
         finally:
-            self._inflight.difference_update(m[2] for m in mine)
-            self._pending -= len(mine)
+            self._release(taken, set(taken))
 
-    def _admit(self, sid: str) -> bool:
-        """Whether a missing chunk of an unmarked ``/generate`` prompt is captured now: at its
-        ``auto_capture_after``-th miss (``--redknot-auto-capture-after``, default 2). The chunks
-        that straddle two documents of such a prompt are seen once and never again, and
-        capturing them would spend a prefill and region pages on nothing. Marked segments and
-        chat messages (whole, or cut inside one message) are captured at their first miss."""
-        if self.auto_capture_after <= 1:
-            return True
-        misses = self._seen.pop(sid, 0) + 1
-        if misses >= self.auto_capture_after:
-            return True
+    def _release(self, held: set[str], done: set[str]) -> None:
+        """The segments ``done`` of this capture's ``held`` are no longer under way here
+        (decided, stored or failed); ``held`` keeps the others."""
+        held -= done
+        self._inflight -= done
+        self._pending -= len(done)
+
+    def _sighted(self, sid: str, misses: int = 1) -> int:
+        """Count ``misses`` more misses of the automatic chunk ``sid``; its misses so far."""
+        misses += self._seen.pop(sid, 0)
         self._seen[sid] = misses
         if len(self._seen) > SEEN_LIMIT:
             self._seen.popitem(last=False)
+        return misses
+
+    def _admit(self, sid: str) -> bool:
+        """Whether a missing chunk of an unmarked ``/generate`` prompt is captured now: at its
+        ``auto_capture_after``-th miss (``--redknot-auto-capture-after``, default 2), misses
+        of requests served while an earlier capture of it was being decided included. The
+        chunks that straddle two documents of such a prompt are seen once and never again, and
+        capturing them would spend a prefill and region pages on nothing. Marked segments and
+        chat messages (whole, or cut inside one message) are captured at their first miss."""
+        if self.auto_capture_after <= 1 or self._sighted(sid) >= self.auto_capture_after:
+            self._seen.pop(sid, None)
+            return True
         self.api.counters.add(captures_deferred=1)
         return False
 
-    async def _capture_batch(self, batch: list[tuple[str, list[int], str, bool]]) -> None:
-        """One registration request for every segment of ``batch`` the store lacks (a chunk
-        of an unmarked prompt only once :meth:`_admit` lets it)."""
-        count = self.api.counters.add
+    async def _to_send(
+        self, segments: list[tuple[str, list[int], str, bool]]
+    ) -> list[tuple[str, list[int], str, bool]]:
+        """Those of ``segments`` the store lacks (asked in one control request) and, for a
+        chunk of an unmarked prompt, that :meth:`_admit` lets through."""
         tm = self.api.tokenizer_manager
-        states = await asyncio.gather(
-            *(control.call(tm, "registration", ns, sid) for ns, _, sid, _ in batch)
-        )
+        states = await control.registrations(tm, [(ns, sid) for ns, _, sid, _ in segments])
         send = []
-        for (ns, ids, sid, chunk), state in zip(batch, states, strict=True):
+        for seg, state in zip(segments, states, strict=True):
             if state["state"] in SKIP_STATES or state["status"] == 413:
-                count(captures_skipped=1)
-            elif not chunk or self._admit(sid):
-                send.append((ns, ids, sid))
-        if not send:
-            return
-        count(captures_sent=len(send))
-        await self._register(send)
-        states = await asyncio.gather(
-            *(control.call(tm, "registration", ns, sid) for ns, _, sid in send)
-        )
-        for (ns, ids, sid), state in zip(send, states, strict=True):
+                self.api.counters.add(captures_skipped=1)
+            elif not seg[3] or self._admit(seg[2]):
+                send.append(seg)
+        return send
+
+    async def _capture_batch(self, batch: list[tuple[str, list[int], str, bool]]) -> None:
+        """One registration request for the segments of ``batch``, then what the store holds
+        of them (asked in one control request)."""
+        count = self.api.counters.add
+        count(captures_sent=len(batch))
+        await self._register([(ns, ids, sid) for ns, ids, sid, _ in batch])
+        tm = self.api.tokenizer_manager
+        states = await control.registrations(tm, [(ns, sid) for ns, _, sid, _ in batch])
+        for (ns, ids, sid, _), state in zip(batch, states, strict=True):
             if state["state"] in SKIP_STATES:
                 count(captures_stored=1)
             else:

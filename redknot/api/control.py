@@ -30,7 +30,7 @@ from sglang.srt.managers.io_struct import BaseReq
 
 logger = logging.getLogger(__name__)
 
-OPS = ("list", "delete", "stats", "registration", "gate")
+OPS = ("list", "delete", "stats", "registration", "registrations", "gate")
 TIMEOUT_S = 60.0
 
 
@@ -38,6 +38,10 @@ class RedknotSegmentsReq(BaseReq, kw_only=True):
     op: str  # one of OPS
     namespace: str | None = None
     segment_id: str | None = None
+    # "registrations": the (namespace, segment id) of many segments, asked in one round trip
+    # (SGLang's communicator has one control request in flight at a time)
+    namespaces: list[str] | None = None
+    segment_ids: list[str] | None = None
 
 
 class RedknotSegmentsReqOutput(BaseReq, kw_only=True):
@@ -94,6 +98,9 @@ def handle(scheduler: Any, req: RedknotSegmentsReq) -> RedknotSegmentsReqOutput:
             payload = store.stats(req.namespace)
         elif req.op == "registration":
             payload = store.registration_state(req.namespace, req.segment_id)
+        elif req.op == "registrations":
+            pairs = zip(req.namespaces or (), req.segment_ids or (), strict=True)
+            payload = [store.registration_state(ns, sid) for ns, sid in pairs]
         elif req.op == "gate":  # the reuse gate's break-even, for automatic chunks
             from redknot.api.auto import gate_state
 
@@ -153,13 +160,18 @@ def communicator(tokenizer_manager: Any) -> Any:
 
 
 async def call(
-    tokenizer_manager: Any, op: str, namespace: str | None = None, segment_id: str | None = None
+    tokenizer_manager: Any,
+    op: str,
+    namespace: str | None = None,
+    segment_id: str | None = None,
+    **fields: Any,
 ) -> Any:
-    """Send one request to the scheduler's store; the decoded payload, or ``ControlError``."""
+    """Send one request to the scheduler's store; the decoded payload, or ``ControlError``.
+    ``fields``: the request's other fields (``namespaces``, ``segment_ids``)."""
     comm = communicator(tokenizer_manager)
     if hasattr(tokenizer_manager, "auto_create_handle_loop"):
         tokenizer_manager.auto_create_handle_loop()
-    req = RedknotSegmentsReq(op=op, namespace=namespace, segment_id=segment_id)
+    req = RedknotSegmentsReq(op=op, namespace=namespace, segment_id=segment_id, **fields)
     try:
         outs = await asyncio.wait_for(comm(req), TIMEOUT_S)
     except TimeoutError:
@@ -168,3 +180,12 @@ async def call(
     if out.status != 200:
         raise ControlError(out.status, out.message)
     return json.loads(out.payload)
+
+
+async def registrations(tokenizer_manager: Any, segments: list[tuple[str, str]]) -> list[dict]:
+    """The store's ``registration_state`` of each ``(namespace, segment id)``, in one round
+    trip (one control request, however many segments)."""
+    if not segments:
+        return []
+    namespaces, ids = (list(x) for x in zip(*segments, strict=True))
+    return await call(tokenizer_manager, "registrations", namespaces=namespaces, segment_ids=ids)

@@ -324,3 +324,51 @@ def test_adversarial_unmarked_prompts_get_no_5xx_and_lose_nothing(make_server, c
     for _ in range(2):
         generate(client, text)
     assert server.store.stats("auto")["hits"] > 0
+
+
+def test_a_capture_asks_the_store_once_before_and_once_after(make_server, client):
+    server = make_server(auto_capture_after=1)
+    ops = []
+    ask = server.tm.redknot_segments_communicator
+
+    async def counted(req):
+        ops.append(req.op)
+        return await ask(req)
+
+    server.tm.redknot_segments_communicator = counted
+    generate(client, rag_prompt("Hi.", [0, 1, 2, 3], "Why?"))
+    stored = server.api.counters.captures_stored
+    assert stored > 8  # many chunks: one control request each way, not one per chunk
+    assert [op for op in ops if op.startswith("registration")] == ["registrations"] * 2
+
+
+def test_a_miss_while_the_first_is_being_decided_counts_toward_capture(make_server):
+    import asyncio
+
+    from redknot.api.marks import segment_id
+
+    server = make_server()  # chunks captured at their second miss
+    capturer, ask = server.api.capture, server.tm.redknot_segments_communicator
+    ids = list(range(10, 90))
+    chunk = [("auto", ids, True)]
+
+    async def two_overlapping_requests():
+        held = asyncio.Event()
+
+        async def slow(req):  # the store answers after the scheduler's step under way
+            await held.wait()
+            return await ask(req)
+
+        server.tm.redknot_segments_communicator = slow
+        first = asyncio.ensure_future(capturer.capture(chunk))
+        await asyncio.sleep(0)  # the first miss is being decided
+        second = asyncio.ensure_future(capturer.capture(chunk))
+        await asyncio.sleep(0)
+        held.set()
+        await asyncio.gather(first, second)
+
+    asyncio.run(two_overlapping_requests())
+    counters = server.api.counters
+    assert counters.captures_deduplicated == 1 and counters.captures_deferred == 0
+    assert counters.captures_stored == 1
+    assert server.store.registration_state("auto", segment_id("auto", ids))["state"] == "ready"
