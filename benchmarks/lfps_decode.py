@@ -3,7 +3,7 @@ one GPU (8B shape: 32 query / 8 KV heads, head_dim 128, bf16; one token per requ
 paged store of ``L`` keys per request; Top-k budget 2% of the keys).
 
     python3 benchmarks/gpu_run.py bench lfps_decode --lengths 32768,131072 --batches 1,8,32
-    python benchmarks/lfps_decode.py --small --device cpu --out /tmp/lfps_decode.json  # smoke
+    TRITON_INTERPRET=1 python benchmarks/lfps_decode.py --small --device cpu --out /tmp/lfps_decode.json  # smoke
 
 Methods (``ms_*`` per call of one layer):
 
@@ -17,6 +17,8 @@ Methods (``ms_*`` per call of one layer):
 | ``attend_<sel>``     | ``run_sparse_decode`` alone over a fixed list of the same width         |
 
 ``index_ms_<method>_<sel>`` is the method's time less ``attend``'s: what choosing the keys costs.
+With ``--stages``, ``lfps_stages_<sel>`` splits an LFPS step into its kernels (ms per call from
+``torch.profiler``, eager calls without the L2 flush: shares, not figures to compare).
 
 ``<sel>`` is ``kv_head`` (one selection per KV head shared by its 4 query heads) or
 ``query_head`` (one per query head, the reference's per-head LFPS). LFPS's score tables are
@@ -247,6 +249,8 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
                              params, budgets, plan=plan)  # fmt: skip
 
         attempt(row, f"lfps_{sel}", timer, lambda f=lfps_call: f)
+        if args.stages:
+            row[f"lfps_stages_{sel}"] = stage_times(lfps_call, dev)
         del state
 
     full_ms = row.get("ms_full")
@@ -257,6 +261,27 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
         if attend and row.get(f"ms_{name}"):  # the selection's share of the method's time
             row[f"index_ms_{name}"] = row[f"ms_{name}"] - attend
     return row
+
+
+def stage_times(call, device: str, calls: int = 10, top: int = 16) -> dict[str, float]:
+    """Milliseconds per call of each kernel (GPU; operator self time on the CPU) of ``call``,
+    from ``torch.profiler`` over ``calls`` eager calls after one warm-up: where a method's time
+    goes, not a figure to compare (eager, no L2 flush)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    gpu = device == "cuda"
+    if gpu:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            call()
+        if gpu:
+            torch.cuda.synchronize()
+    field = "self_device_time_total" if gpu else "self_cpu_time_total"
+    times = {e.key: getattr(e, field) / 1000.0 / calls for e in prof.key_averages()}
+    ranked = sorted(((t, k) for k, t in times.items() if t > 0), reverse=True)
+    return {k[:120]: round(t, 4) for t, k in ranked[:top]}
 
 
 def summary(rows: list[dict], long: int, batch: int) -> dict:
@@ -284,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--selections", default="kv_head,query_head")
     ap.add_argument("--calls", type=int, default=None, help="calls per CUDA graph (20; 1 small)")
     ap.add_argument("--repeats", type=int, default=None, help="timed replays (5; 1 small)")
+    ap.add_argument("--stages", action="store_true",
+                    help="also record LFPS's time per kernel (torch.profiler, eager)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--small", action="store_true",
                     help="tiny shape (4 query / 2 KV heads, D = 64) for a smoke run")  # fmt: skip
