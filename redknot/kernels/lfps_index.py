@@ -33,6 +33,7 @@ from redknot.lfps.params import LfpsParams
 SCORE_BLOCK_N = 64  # keys per scoring program
 CANDIDATE_CHUNK = 2048  # table entries per program of the candidate kernels
 CANDIDATE_BLOCK = 512  # table entries per inner step
+CANDIDATE_WARPS = 4  # warps per program of the candidate kernels
 
 
 @functools.cache
@@ -183,6 +184,7 @@ def lfps_candidates(
     *,
     chunk: int = CANDIDATE_CHUNK,
     block: int = CANDIDATE_BLOCK,
+    num_warps: int = CANDIDATE_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LFPS Eq. 7-9 into a fixed-capacity list (rule: ``redknot.lfps.fixed_budget``).
 
@@ -193,6 +195,7 @@ def lfps_candidates(
     scale : [B, Hs] float32.
     seq_lens : [B] int32/int64, keys including the new token's (``<= N_max``).
     chunk, block : table entries per program and per inner step (powers of two, block <= chunk).
+    num_warps : warps per program of the three launches.
 
     Returns
     -------
@@ -224,17 +227,17 @@ def lfps_candidates(
                  chunk_hist.stride(0), chunk_hist.stride(1), chunk_hist.stride(2))  # fmt: skip
     lfps_moments_kernel[grid](
         vertical, slash, scale, seq_lens, moments, params.num_sink, *tables, *m_strides,
-        CHUNK=chunk, BLOCK=block, num_warps=4,
+        CHUNK=chunk, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     lfps_mark_kernel[grid](
         vertical, slash, scale, seq_lens, offsets_tensor(params.offsets, dev), moments, codes,
         chunk_count, chunk_hist, params.lam, params.num_sink, *tables, *m_strides, *c_strides,
         NUM_OFFSETS=len(params.offsets), CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block,
-        NBINS=NUM_BINS, BINS_PER_OCTAVE=BINS_PER_OCTAVE, num_warps=4,
+        NBINS=NUM_BINS, BINS_PER_OCTAVE=BINS_PER_OCTAVE, num_warps=num_warps,
     )  # fmt: skip
     lfps_write_kernel[grid](
         seq_lens, codes, chunk_count, chunk_hist, out, count, params.num_sink, capacity,
         *c_strides, out.stride(0), out.stride(1), count.stride(0),
-        CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block, NBINS=NUM_BINS, num_warps=4,
+        CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block, NBINS=NUM_BINS, num_warps=num_warps,
     )  # fmt: skip
     return out, count

@@ -36,3 +36,30 @@ def test_smoke_run_writes_every_field(tmp_path):
             assert 0 < row[f"lfps_candidate_share_{sel}"] < 1
             assert f"index_ms_lfps_{sel}" in row and f"index_ms_topk_{sel}" in row
         assert set(row["timing"].values()) == {"cpu_wall"}
+
+
+def test_stage_profile_names_the_step_operators(tmp_path):
+    """``--stages`` records where an LFPS step's time goes (on the CPU: operator self times)."""
+    out = tmp_path / "lfps_decode.json"
+    cmd = [sys.executable, "benchmarks/lfps_decode.py", "--small", "--device", "cpu", "--stages",
+           "--lengths", "300", "--batches", "1", "--selections", "kv_head", "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    stages = json.loads(out.read_text())["rows"][0]["lfps_stages_kv_head"]
+    assert "aten::topk" in stages and all(t > 0 for t in stages.values()), stages
+
+
+def test_candidate_sweep_checks_each_setting_against_the_default(tmp_path):
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, "benchmarks/lfps_candidates_sweep.py", "--small", "--device", "cpu",
+           "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert {(s["chunk"], s["block"]) for s in row["settings"]} == {
+        (128, 64), (128, 128), (256, 64), (256, 128)}
+    assert all(s["same_as_default"] and s["ms"] > 0 for s in row["settings"]), row["settings"]
+    assert row["best"] in row["settings"] and row["ms_topk"] > 0

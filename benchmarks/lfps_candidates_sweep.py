@@ -1,0 +1,100 @@
+"""Launch settings of LFPS's candidate kernels (``lfps_candidates``: moments, mark, write) and
+the Top-k that follows them, one layer at the 8B shape (8 selection heads, one per KV head), on
+one GPU: which ``chunk`` / ``block`` / ``num_warps`` the defaults should be.
+
+    python3 benchmarks/gpu_run.py bench lfps_candidates_sweep --lengths 32768,131072 --batch 8
+    TRITON_INTERPRET=1 python benchmarks/lfps_candidates_sweep.py --device cpu --small  # smoke
+
+Every setting's list is checked equal to the default's before it is timed (a setting that
+changes the answer is reported, not ranked). Times: ``segpaged_kernels.Timer`` (CUDA graphs,
+L2 flushed before each call). ``ms_topk`` is ``torch.topk`` of the candidates' rank at the
+step's ``K``, for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lfps_decode import FULL_SHAPE, SMALL_SHAPE, parse_ints, synthetic_state
+from segpaged_kernels import Timer
+from serving_common import record, write_json
+
+
+def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
+    from redknot.kernels import lfps_index
+    from redknot.lfps import LfpsParams
+
+    params = LfpsParams(budget=args.budget)
+    dev, sink = args.device, params.num_sink
+    k = params.budget_for(L - sink)
+    capacity = min(L, args.candidate_factor * k)
+    rows = shape["num_q_heads"] // shape["num_kv_heads"]
+    state = synthetic_state(B, L, rows, shape, sink, args.table_sigma, dev)
+    seq = torch.full((B,), L, device=dev, dtype=torch.int64)
+    tables = (state.vertical, state.slash, state.scale, seq, params, capacity)
+    default = (lfps_index.CANDIDATE_CHUNK, lfps_index.CANDIDATE_BLOCK, lfps_index.CANDIDATE_WARPS)
+    ref, ref_count = lfps_index.lfps_candidates(*tables)
+    row = {"L": L, "B": B, "topk": k, "capacity": capacity, "default": list(default),
+           "candidate_share": float(ref_count.float().mean()) / (L - sink), "settings": []}  # fmt: skip
+    rank = torch.rand(B, shape["num_kv_heads"], capacity, device=dev)
+    row["ms_topk"], _ = timer(lambda: torch.topk(rank, k, dim=-1))
+    for chunk, block, warps in itertools.product(args.chunks, args.blocks, args.warps):
+        if block > chunk:
+            continue
+        kw = {"chunk": chunk, "block": block, "num_warps": warps}
+        entry = {"chunk": chunk, "block": block, "num_warps": warps}
+        try:
+            got, count = lfps_index.lfps_candidates(*tables, **kw)
+            entry["same_as_default"] = bool(torch.equal(got, ref) and torch.equal(count, ref_count))
+            entry["ms"], _ = timer(lambda kw=kw: lfps_index.lfps_candidates(*tables, **kw))
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile is a finding
+            entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["settings"].append(entry)
+        print(f"L={L} B={B}", entry, flush=True)
+    ok = [s for s in row["settings"] if s.get("same_as_default") and s.get("ms")]
+    best = min(ok, key=lambda s: s["ms"], default=None)
+    at_default = next((s for s in ok if (s["chunk"], s["block"], s["num_warps"]) == default), None)
+    row["best"] = best
+    row["ms_default"] = at_default["ms"] if at_default else None
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="32768,131072")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--chunks", default="1024,2048,4096,8192")
+    ap.add_argument("--blocks", default="256,512,1024,2048")
+    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--budget", type=float, default=0.02)
+    ap.add_argument("--candidate-factor", type=int, default=4)
+    ap.add_argument("--table-sigma", type=float, default=4.0)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--small", action="store_true", help="a tiny shape (CPU smoke run)")
+    ap.add_argument("--out", default="benchmarks/results/lfps_candidates_sweep.json")
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    shape = dict(SMALL_SHAPE if args.small else FULL_SHAPE)
+    lengths = parse_ints(args.lengths)
+    if args.small:
+        lengths, args.batch = [700], 2
+        args.chunks, args.blocks, args.warps = "128,256", "64,128", "4"
+    args.chunks, args.blocks = parse_ints(args.chunks), parse_ints(args.blocks)
+    args.warps = parse_ints(args.warps)
+    timer = Timer(1 if args.small else 20, 1 if args.small else 5, device=args.device)
+    result = record(shape=shape, batch=args.batch, table_sigma=args.table_sigma, rows=[])
+    for L in lengths:
+        result["rows"].append(sweep_case(L, args.batch, args, shape, timer))
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
