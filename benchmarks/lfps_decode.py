@@ -309,8 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--selections", default="kv_head,query_head")
     ap.add_argument("--calls", type=int, default=None, help="calls per CUDA graph (20; 1 small)")
     ap.add_argument("--repeats", type=int, default=None, help="timed replays (5; 1 small)")
-    ap.add_argument("--stages", action="store_true",
-                    help="also record LFPS's time per kernel (torch.profiler, eager)")
+    ap.add_argument(
+        "--stages",
+        action="store_true",
+        help="also record LFPS's time per kernel (torch.profiler, eager)",
+    )
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--small", action="store_true",
                     help="tiny shape (4 query / 2 KV heads, D = 64) for a smoke run")  # fmt: skip

@@ -60,6 +60,10 @@ def test_candidate_sweep_checks_each_setting_against_the_default(tmp_path):
     data = json.loads(out.read_text())
     (row,) = data["rows"]
     assert {(s["chunk"], s["block"]) for s in row["settings"]} == {
-        (128, 64), (128, 128), (256, 64), (256, 128)}
+        (128, 64),
+        (128, 128),
+        (256, 64),
+        (256, 128),
+    }
     assert all(s["same_as_default"] and s["ms"] > 0 for s in row["settings"]), row["settings"]
     assert row["best"] in row["settings"] and row["ms_topk"] > 0
