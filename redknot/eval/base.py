@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from redknot.eval.cases import Case
-from redknot.eval.compose import compose
+from redknot.eval.compose import ComposedCase, compose
 from redknot.recovery import RecoveryOptions
 
 REFERENCE_LABEL = "full"
@@ -77,6 +77,7 @@ class CaseShape:
     prompt: int
     segments: int
     prefix: int
+    count: int  # reused segments
 
 
 class FidelityBackend(ABC):
@@ -90,10 +91,14 @@ class FidelityBackend(ABC):
 
     tokenizer: Any = None  # the served model's tokenizer; cases are composed with it
 
+    def composed(self, case: Case) -> ComposedCase:
+        """``case`` as this backend serves it: its token ids and the rows it reuses."""
+        return compose(self.tokenizer, case)
+
     def shape_of(self, case: Case) -> CaseShape:
         """Token counts of ``case`` as this backend composes it."""
-        c = compose(self.tokenizer, case)
-        return CaseShape(len(c.ids), c.segment_tokens, c.prefix_len)
+        c = self.composed(case)
+        return CaseShape(len(c.ids), c.segment_tokens, c.prefix_len, len(c.segments))
 
     @abstractmethod
     def run_case(self, case: Case, settings: Sequence[PolicySetting]) -> dict[str, PolicyOutput]:

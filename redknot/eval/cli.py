@@ -156,6 +156,14 @@ def build_parser(prog: str = "python -m redknot.eval") -> argparse.ArgumentParse
         "them apart from a difference of algorithm)",
     )
     p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument(
+        "--auto-chunks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="reference backend: reuse what --redknot-auto-segments cdc would (its chunks of "
+        "about N tokens that lie inside a case segment) instead of the case's segments",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N cases only")
     p.add_argument("--work-dir", default=None, help="keep finished cases here; a rerun resumes")
     p.add_argument("--out", required=True, help="result JSON")
@@ -275,6 +283,13 @@ def make_backend(args: argparse.Namespace) -> FidelityBackend:
         return server_backend(args)
     if not args.head_map:
         raise SystemExit("error: --head-map is required with --backend reference")
+    from redknot.api.options import MIN_AUTO_CHUNK_TOKENS
+
+    if args.auto_chunks is not None and args.auto_chunks < MIN_AUTO_CHUNK_TOKENS:
+        raise SystemExit(
+            f"error: --auto-chunks must be at least {MIN_AUTO_CHUNK_TOKENS} (the server's "
+            f"--redknot-auto-chunk-tokens minimum), got {args.auto_chunks}"
+        )
     import torch
 
     from redknot.eval.reference_backend import ReferenceBackend
@@ -285,6 +300,7 @@ def make_backend(args: argparse.Namespace) -> FidelityBackend:
         device=args.device,
         dtype=getattr(torch, args.dtype),
         max_new_tokens=args.max_new_tokens,
+        auto_chunk_tokens=args.auto_chunks,
     )
 
 
@@ -294,6 +310,11 @@ def server_backend(args: argparse.Namespace) -> FidelityBackend:
 
     if not args.server or not args.reference_server:
         raise SystemExit("error: --backend server needs --server URL and --reference-server URL")
+    if args.auto_chunks is not None:
+        raise SystemExit(
+            "error: --auto-chunks is for --backend reference; a server chunks unmarked prompts "
+            "itself under --redknot-auto-segments cdc"
+        )
     other = [p for p in policies_of(args) if p not in SERVER_POLICIES]
     knobs = [k for k in KNOBS if getattr(args, k) is not None] + (
         ["redknot_settings"] if args.redknot_settings else []

@@ -9,6 +9,11 @@ prompt are exactly its tokens when cached alone::
             + tail (the chat template after the user message; empty when not chat)
 
 ``head`` is the exact-prefix part: a server holds it from earlier requests.
+
+:func:`auto_chunked` serves the same prompt with the segments automatic segments would reuse
+instead of the case's: the content-defined chunks of the whole prompt that lie inside one of
+its segments (a chunk that straddles two of them, or a segment and new text, differs with the
+neighbour and is computed in full).
 """
 
 from __future__ import annotations
@@ -32,6 +37,22 @@ class ComposedCase:
     @property
     def segment_tokens(self) -> int:
         return sum(e - s for s, e in self.segments)
+
+
+def auto_chunked(composed: ComposedCase, chunk_tokens: int = 256) -> ComposedCase:
+    """``composed`` with its segments replaced by those chunks of ``--redknot-auto-segments cdc
+    --redknot-auto-chunk-tokens chunk_tokens`` (the server's chunker, its minimum segment
+    length) that lie inside one of its segments; the prompt is unchanged."""
+    from redknot.api.auto import AutoSegments
+    from redknot.api.options import AutoSegmentsOption
+
+    auto = AutoSegments(AutoSegmentsOption.parse("cdc", chunk_tokens))
+    inside = [
+        (a, b)
+        for a, b in auto.spans(list(composed.ids))
+        if any(s <= a and b <= e for s, e in composed.segments)
+    ]
+    return ComposedCase(composed.ids, tuple(inside), composed.prefix_len)
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -137,7 +137,7 @@ def evaluate(
                 "prompt_tokens": shape.prompt,
                 "segment_tokens": shape.segments,
                 "prefix_tokens": shape.prefix,
-                "segments": len(case.segments),
+                "segments": shape.count,
                 "answers": list(case.answers),
             }
             store.put_meta(meta)

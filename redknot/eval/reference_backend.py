@@ -12,7 +12,7 @@ import torch
 
 from redknot.eval.base import FidelityBackend, PolicyOutput, PolicySetting
 from redknot.eval.cases import Case
-from redknot.eval.compose import ComposedCase, compose
+from redknot.eval.compose import ComposedCase, auto_chunked, compose
 from redknot.headmap import HeadMap
 from redknot.recovery import (
     POLICIES,
@@ -42,8 +42,10 @@ class ReferenceBackend(FidelityBackend):
         head_map_path: str = "",
         device: str = "cpu",
         max_new_tokens: int = 16,
+        auto_chunk_tokens: int | None = None,
     ) -> None:
         self.runner = ReferenceRunner(hf_model)
+        self.auto_chunk_tokens = auto_chunk_tokens  # None: the case's segments
         self.dtype = next(hf_model.parameters()).dtype
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -64,6 +66,7 @@ class ReferenceBackend(FidelityBackend):
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_new_tokens: int = 16,
+        auto_chunk_tokens: int | None = None,
     ) -> ReferenceBackend:
         """Load ``model`` (a :func:`redknot.reference.resolve_source` spec, never downloaded)
         in ``dtype`` and the head map file ``head_map``."""
@@ -76,7 +79,16 @@ class ReferenceBackend(FidelityBackend):
             head_map_path=head_map,
             device=device,
             max_new_tokens=max_new_tokens,
+            auto_chunk_tokens=auto_chunk_tokens,
         )
+
+    def composed(self, case: Case) -> ComposedCase:
+        """The case's prompt; its segments, or under ``auto_chunk_tokens`` the chunks of it
+        that automatic segments would reuse."""
+        composed = compose(self.tokenizer, case)
+        if self.auto_chunk_tokens is not None:
+            composed = auto_chunked(composed, self.auto_chunk_tokens)
+        return composed
 
     def describe(self) -> dict[str, Any]:
         hm = self.head_map
@@ -100,6 +112,11 @@ class ReferenceBackend(FidelityBackend):
             },
             "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": self.stop_token_ids,
+            "segments": (
+                "case"
+                if self.auto_chunk_tokens is None
+                else f"auto chunks of ~{self.auto_chunk_tokens} tokens inside the case's segments"
+            ),
         }
 
     def _prompt(self, composed: ComposedCase, head_map: HeadMap | None) -> ReusePrompt:
@@ -114,7 +131,7 @@ class ReferenceBackend(FidelityBackend):
         return ReusePrompt(ids, segments, prefix)
 
     def run_case(self, case: Case, settings: Sequence[PolicySetting]) -> dict[str, PolicyOutput]:
-        composed = compose(self.tokenizer, case)
+        composed = self.composed(case)
         prompts: dict[tuple, ReusePrompt] = {}
         outputs = {}
         for setting in settings:

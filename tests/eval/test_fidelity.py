@@ -149,3 +149,62 @@ def test_cli_reports_a_bad_case_file(tmp_path):
     bad.write_text('{"id": "a"}\n')
     with pytest.raises(SystemExit, match=r"bad.jsonl:1: missing field"):
         main(["fidelity", "--cases", str(bad), "--head-map", "m.json", "--out", "o.json"])
+
+
+def _composed(n: int, segments: tuple[tuple[int, int], ...], seed: int = 0):
+    import random
+
+    from redknot.eval.compose import ComposedCase
+
+    rng = random.Random(seed)
+    return ComposedCase(tuple(rng.randrange(3, 50_000) for _ in range(n)), segments, 10)
+
+
+def test_auto_chunks_are_the_servers_chunks_inside_a_segment():
+    from redknot.api.auto import AutoSegments
+    from redknot.api.options import AutoSegmentsOption
+    from redknot.eval.compose import auto_chunked
+
+    segments = ((40, 1500), (1510, 2900))
+    composed = _composed(3000, segments)
+    got = auto_chunked(composed, 64)
+    every = AutoSegments(AutoSegmentsOption.parse("cdc", 64)).spans(list(composed.ids))
+    inside = [(a, b) for a, b in every if any(s <= a and b <= e for s, e in segments)]
+    assert got.ids == composed.ids and got.prefix_len == composed.prefix_len
+    assert list(got.segments) == inside and len(inside) >= 20
+    assert len(inside) < len(every)  # those across a segment's edge are computed in full
+    # the limit: one segment over the whole prompt keeps every chunk
+    whole = auto_chunked(_composed(3000, ((0, 3000),)), 64)
+    assert list(whole.segments) == every
+    assert auto_chunked(_composed(3000, ()), 64).segments == ()
+
+
+def test_auto_chunks_serve_the_same_prompt_with_chunk_segments(backend):
+    """The dense reference is the same prompt either way; the reusing settings see the chunks."""
+    case = Case("c", ("the cat sat on the mat. " * 12, "a dog ran in the park. " * 12), "who?",
+                ("cat",), system="read: ")  # fmt: skip
+    settings = [PolicySetting("full"), PolicySetting("naive")]
+    plain = evaluate(backend, [case], settings, log=lambda s: None)
+    backend.auto_chunk_tokens = 16
+    try:
+        chunked = evaluate(backend, [case], settings, log=lambda s: None)
+        described = backend.describe()["segments"]
+    finally:
+        backend.auto_chunk_tokens = None
+    assert described.startswith("auto chunks of ~16 tokens")
+    row, crow = plain["per_case"][0], chunked["per_case"][0]
+    assert row["prompt_tokens"] == crow["prompt_tokens"]
+    assert row["settings"]["full"]["output"] == crow["settings"]["full"]["output"]
+    assert row["segments"] == 2 and crow["segments"] > 2
+    assert crow["segment_tokens"] < row["segment_tokens"]
+
+
+def test_auto_chunks_are_refused_where_they_mean_nothing(tmp_path):
+    cases = tmp_path / "c.jsonl"
+    write_cases(CASES, cases)
+    argv = ["fidelity", "--cases", str(cases), "--out", "o.json"]
+    with pytest.raises(SystemExit, match="--auto-chunks is for --backend reference"):
+        main(argv + ["--backend", "server", "--server", "u", "--reference-server", "v",
+                     "--auto-chunks", "64"])  # fmt: skip
+    with pytest.raises(SystemExit, match="--auto-chunks must be at least 16"):
+        main(argv + ["--head-map", "m.json", "--auto-chunks", "8"])
