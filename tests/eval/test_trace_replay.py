@@ -112,6 +112,24 @@ def test_capture_overhead_compares_all_miss_passes_with_capture_off_and_on():
     assert all("redknot_segments" not in b for b in target.bodies)  # auto: no markup
 
 
+def test_capture_overhead_in_auto_mode_sends_each_request_until_its_chunks_are_captured():
+    """Automatic chunks are captured at their second miss: one send each would capture nothing
+    and measure no capture at all."""
+    target = Clock()
+    row = capture_overhead(target, "auto", 0, 3, sightings=2)
+    assert row["capture_sightings"] == 2 and len(target.bodies) == 12
+    assert target.bodies[0]["input_ids"] == target.bodies[1]["input_ids"]
+    assert target.bodies[1]["input_ids"] != target.bodies[2]["input_ids"]
+    for sightings, captured in ((1, False), (2, True)):
+        standin = StandIn(region_tokens=1 << 16, context_len=1 << 15)
+        try:
+            capture_overhead(standin, "auto", 0, 2, sightings=sightings)
+            sent = standin.stats()["api"]["captures_sent"]
+        finally:
+            standin.stop()
+        assert (sent > 0) == captured, (sightings, sent)
+
+
 def test_open_loop_sends_every_request_and_counts_what_failed():
     target = Clock()
     reqs = rag_workload(0, docs=9, requests=5, doc_tokens=(5, 8))
