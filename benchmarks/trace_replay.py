@@ -511,9 +511,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--open-workloads", default=None, help="workloads of --rates (default: all)")
     p.add_argument("--capture-requests", type=int, default=0, help="0: no capture_overhead")
     p.add_argument("--region-tokens", type=int, default=1 << 19, help="--standin's region")
-    p.add_argument("--auto-capture-after", type=int, default=2,
-                   help="--standin's option; against a server, its value (capture_overhead "
-                   "sends each request this many times in auto mode)")
+    p.add_argument(
+        "--auto-capture-after",
+        type=int,
+        default=2,
+        help="--standin's option; against a server, its value (capture_overhead "
+        "sends each request this many times in auto mode)",
+    )
     p.add_argument("--standin-step-us", type=float, default=0.0,
                    help="--standin's engine time per prompt token in microseconds (0: none; "
                    "33 is the 8B shape's full prefill on an H100 at 16K tokens)")  # fmt: skip
