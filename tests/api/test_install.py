@@ -140,3 +140,15 @@ def test_api_options_are_published(sglang_plugins, model_dir):
     prepare_server_args(argv)
     config = published_config()
     assert (config.chat_segments, config.namespaces) == ("min-tokens:64", "kb,t1")
+
+
+def test_the_log_says_automatic_segments_are_off_and_why(server_args, caplog):
+    import logging
+
+    from redknot.api.server import AUTO_OFF
+    from tests.api.cpu_server import setup_http_app
+
+    with caplog.at_level(logging.INFO):
+        setup_http_app(server_args)
+    assert AUTO_OFF in caplog.text
+    assert "docs/auto_segments.md" in AUTO_OFF and "--redknot-auto-segments cdc" in AUTO_OFF
