@@ -364,13 +364,19 @@ def summarize(sent: list[Sent], seconds: float, warmup: int) -> dict:
 
 
 def replay(
-    target: Any, requests: list[Request], mode: str, warmup: int, extra: dict | None = None
+    target: Any,
+    requests: list[Request],
+    mode: str,
+    warmup: int,
+    extra: dict | None = None,
+    sightings: int = 1,
 ) -> dict:
-    """Send ``requests`` one at a time; the figures after the first ``warmup``."""
+    """Send ``requests`` one at a time, each ``sightings`` times in a row; the figures of the
+    first sends after the first ``warmup`` requests."""
     target.start(mode)
     started = time.perf_counter()
-    sent = [target.send(body(req, mode, extra)) for req in requests]
-    return summarize(sent, time.perf_counter() - started, warmup)
+    sent = [target.send(body(req, mode, extra)) for req in requests for _ in range(sightings)]
+    return summarize(sent[::sightings], time.perf_counter() - started, warmup)
 
 
 def replay_open(target: Any, requests: list[Request], mode: str, rate: float, seed: int) -> dict:
@@ -409,8 +415,8 @@ def capture_overhead(target: Any, mode: str, seed: int, n: int, sightings: int =
     do."""
     off = rag_workload(seed + 7919, salt=100, requests=n, distinct=True)
     on = rag_workload(seed + 7919, salt=101, requests=n, distinct=True)
-    r_off = _first_sends(target, off, mode, sightings, {"redknot_capture": False})
-    r_on = _first_sends(target, on, mode, sightings)
+    r_off = replay(target, off, mode, 0, {"redknot_capture": False}, sightings)
+    r_on = replay(target, on, mode, 0, sightings=sightings)
     ratio = None
     if r_on["ttft_p50_s"] and r_off["ttft_p50_s"]:
         ratio = round(r_on["ttft_p50_s"] / r_off["ttft_p50_s"], 4)
@@ -421,16 +427,6 @@ def capture_overhead(target: Any, mode: str, seed: int, n: int, sightings: int =
         "capture_ttft_p50_s": {"off": r_off["ttft_p50_s"], "on": r_on["ttft_p50_s"]},
         "capture_ttft_mean_s": {"off": r_off["ttft_mean_s"], "on": r_on["ttft_mean_s"]},
     }
-
-
-def _first_sends(
-    target: Any, requests: list[Request], mode: str, sightings: int, extra: dict | None = None
-) -> dict:
-    """Send each of ``requests`` ``sightings`` times in a row; the figures of the first sends."""
-    target.start(mode)
-    started = time.perf_counter()
-    sent = [target.send(body(req, mode, extra)) for req in requests for _ in range(sightings)]
-    return summarize(sent[::sightings], time.perf_counter() - started, 0)
 
 
 def markable_fraction(requests: list[Request], warmup: int) -> float:
