@@ -12,14 +12,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_smoke_run_writes_every_field(tmp_path):
-    out = tmp_path / "lfps_decode.json"
-    cmd = [sys.executable, "benchmarks/lfps_decode.py", "--small", "--device", "cpu",
-           "--lengths", "300", "--batches", "1,2", "--out", str(out)]  # fmt: skip
+def run_script(script: str, out: Path, *args: str) -> dict:
+    """``benchmarks/<script>`` on the CPU under the Triton interpreter; the JSON it wrote."""
+    cmd = [sys.executable, f"benchmarks/{script}", "--small", "--device", "cpu", *args,
+           "--out", str(out)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_smoke_run_writes_every_field(tmp_path):
+    out = tmp_path / "lfps_decode.json"
+    data = run_script("lfps_decode.py", out, "--lengths", "300", "--batches", "1,2")
     for key in ("device", "date", "commit", "command", "shape", "lfps_params", "timing"):
         assert data[key], key
     assert data["device"] == "cpu" and "lfps_decode.py" in data["command"]
@@ -40,24 +45,14 @@ def test_smoke_run_writes_every_field(tmp_path):
 
 def test_stage_profile_names_the_step_operators(tmp_path):
     """``--stages`` records where an LFPS step's time goes (on the CPU: operator self times)."""
-    out = tmp_path / "lfps_decode.json"
-    cmd = [sys.executable, "benchmarks/lfps_decode.py", "--small", "--device", "cpu", "--stages",
-           "--lengths", "300", "--batches", "1", "--selections", "kv_head", "--out", str(out)]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    stages = json.loads(out.read_text())["rows"][0]["lfps_stages_kv_head"]
+    args = ("--stages", "--lengths", "300", "--batches", "1", "--selections", "kv_head")
+    data = run_script("lfps_decode.py", tmp_path / "lfps_decode.json", *args)
+    stages = data["rows"][0]["lfps_stages_kv_head"]
     assert "aten::topk" in stages and all(t > 0 for t in stages.values()), stages
 
 
 def test_candidate_sweep_checks_each_setting_against_the_default(tmp_path):
-    out = tmp_path / "sweep.json"
-    cmd = [sys.executable, "benchmarks/lfps_candidates_sweep.py", "--small", "--device", "cpu",
-           "--out", str(out)]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data = run_script("lfps_candidates_sweep.py", tmp_path / "sweep.json")
     (row,) = data["rows"]
     assert {(s["chunk"], s["block"]) for s in row["settings"]} == {
         (128, 64),
