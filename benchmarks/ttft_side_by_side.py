@@ -1,0 +1,206 @@
+"""Time to first token of several servers running at once, one request at a time, interleaved.
+
+``ttft.py`` starts one engine after another; where a prompt takes 20-60 ms of mostly host time
+(a 135M model), two engines of one machine differ by as much as the servers do (SmolLM2 at
+1024 x 8, H100: flashinfer 17.9 ms in one run, 59 ms in another, the redknot servers the other
+way round). Here every server runs for the whole measurement and they take turns: each round
+sends one prompt per point to every server, the order of the servers rotating from round to
+round, so a slow spell of the machine falls on all of them alike, and each server's TTFT is
+compared with flashinfer's of the same round (``paired_speedup``: the median over rounds of
+flashinfer's TTFT over the server's).
+
+Servers are ``sglang.launch_server`` processes with the given flags and SGLang's defaults
+otherwise (the prefill CUDA graph included), dummy weights, token ids in. A prompt is one
+unique token (no two prompts share a cached prefix), ``S`` documents of ``L / S`` tokens and a
+fresh ``--question``-token question; a redknot server first registers the documents and the
+prompt marks them as segments, a flashinfer server gets the same ids unmarked. Per request the
+redknot report (``meta_info["redknot_reuse"]``) says whether the reuse gate served it with reuse
+or recomputed it; both are counted per point.
+
+    python3 benchmarks/gpu_run.py bench ttft_side_by_side \
+        --model benchmarks/models/smollm2-135m-instruct --points 512x4,1024x8,4096x8 \
+        --servers "flashinfer=--attention-backend flashinfer;cacheblend=--attention-backend redknot --redknot-policy cacheblend"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import serving_common as common
+from ttft import parse_points, point_key
+
+BASELINE = "flashinfer"
+SERVER_FLAGS = (  # every server: dummy weights, token ids in, no grammar, decode graphs for
+    # small batches only (quicker startup; the prefill graph stays on, as SGLang's default)
+    "--load-format dummy --skip-tokenizer-init --grammar-backend none --random-seed 0 "
+    "--sampling-backend pytorch --cuda-graph-max-bs-decode 8"
+)
+DEFAULT_SERVERS = (
+    "flashinfer=--attention-backend flashinfer;"
+    "redknot=--attention-backend redknot;"
+    "cacheblend=--attention-backend redknot --redknot-policy cacheblend;"
+    "epic=--attention-backend redknot --redknot-policy epic"
+)
+
+
+def parse_servers(text: str) -> dict[str, list[str]]:
+    """``"name=flags;name=flags"`` -> ``{name: flags}``; flashinfer (the baseline) must be one."""
+    servers = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, sep, flags = item.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--servers: {item!r} is not NAME=FLAGS")
+        servers[name.strip()] = flags.split()
+    if BASELINE not in servers:
+        raise SystemExit(f"--servers: one server must be named {BASELINE!r} (the baseline)")
+    return servers
+
+
+def post(url: str, payload: dict, stream: bool) -> tuple[float, dict]:
+    """Seconds to the first streamed chunk (the whole answer unstreamed) and the answer's
+    ``meta_info``."""
+    req = urllib.request.Request(
+        url + "/generate", data=json.dumps(payload | {"stream": stream}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    started, first, meta = time.perf_counter(), None, {}
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        if not stream:
+            return time.perf_counter() - started, json.loads(resp.read()).get("meta_info", {})
+        for line in resp:
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            first = first or time.perf_counter() - started
+            meta |= json.loads(line[5:]).get("meta_info", {})
+    return first, meta
+
+
+def gate_of(meta: dict) -> str:
+    """``reuse``, ``recompute`` (the gate's decision), ``none`` (no report or no hit)."""
+    reports = meta.get("redknot_reuse") or [None]
+    report = reports[0] if isinstance(reports, list) else reports
+    if not report:
+        return "none"
+    if report.get("reused_tokens"):
+        return "reuse"
+    return (report.get("gate") or {}).get("decision", "none")
+
+
+def measure(urls: dict[str, str], args, vocab: int) -> dict:
+    from redknot.api.marks import SegmentMark, encode_marks
+    from redknot.segcache.entry import segment_id
+
+    rng = random.Random(0)
+
+    def rand(n: int) -> list[int]:
+        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+    one = {"temperature": 0.0, "max_new_tokens": 1}
+    results = {}
+    for length, count in parse_points(args.points):
+        docs = [rand(length // count) for _ in range(count)]
+        names = list(urls)
+        rows = {name: {"samples": [], "gate": {}} for name in names}
+        marked = {name: name != BASELINE for name in names}
+        for name in names:
+            for doc in docs if marked[name] else ():  # registered (standalone), not timed
+                mark = SegmentMark(0, len(doc), "bench", segment_id("bench", doc))
+                params = {"max_new_tokens": 0,
+                          "custom_params": encode_marks([mark], register=True, pin=False)}  # fmt: skip
+                try:
+                    post(urls[name], {"input_ids": doc, "sampling_params": params}, stream=False)
+                except urllib.error.HTTPError as e:  # a server that stores no segments
+                    rows[name]["unmarked"] = f"registration refused: {e.read()[:300]!r}"
+                    marked[name] = False
+                    break
+        for rnd in range(args.rounds + 1):  # round 0 warms every server up, not counted
+            head, question = rand(1), rand(args.question)
+            ids, marks = list(head), []
+            for doc in docs:
+                marks.append(SegmentMark(len(ids), len(ids) + len(doc), "bench",
+                                         segment_id("bench", doc)))  # fmt: skip
+                ids += doc
+            ids += question
+            shift = rnd % len(names)
+            for name in names[shift:] + names[:shift]:
+                params = dict(one)
+                if marked[name]:
+                    params["custom_params"] = encode_marks(marks)
+                ttft, meta = post(urls[name], {"input_ids": ids, "sampling_params": params},
+                                  stream=True)  # fmt: skip
+                if rnd:
+                    rows[name]["samples"].append(round(ttft, 5))
+                    gate = rows[name]["gate"]
+                    gate[gate_of(meta)] = gate.get(gate_of(meta), 0) + 1
+        base = rows[BASELINE]["samples"]
+        for name, row in rows.items():
+            row["ttft_s"] = statistics.median(row["samples"])
+            row["p90_s"] = sorted(row["samples"])[int(0.9 * (len(row["samples"]) - 1))]
+            row["speedup_vs_flashinfer"] = round(statistics.median(base) / row["ttft_s"], 3)
+            row["paired_speedup"] = round(
+                statistics.median(b / s for b, s in zip(base, row["samples"])), 3
+            )
+        results[point_key(length, count)] = rows
+        print(point_key(length, count), {n: (round(r["ttft_s"] * 1e3, 1), r["paired_speedup"],
+                                             r["gate"]) for n, r in rows.items()}, flush=True)  # fmt: skip
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=common.DEFAULT_MODEL)
+    ap.add_argument("--points", default="512x4,1024x8,2048x8,4096x8,6144x8")
+    ap.add_argument("--servers", default=DEFAULT_SERVERS, help="NAME=FLAGS;... (one flashinfer)")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--question", type=int, default=64)
+    ap.add_argument("--mem-fraction-static", type=float, default=0.15, help="per server")
+    ap.add_argument("--startup-s", type=float, default=420)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    servers = parse_servers(args.servers)
+
+    import gpu_machine as gm
+
+    tree, env = gm.unpack()
+    context = max(length for length, _ in parse_points(args.points)) + args.question + 64
+    common_flags = ["--model-path", args.model, *SERVER_FLAGS.split(),
+                    "--context-length", str(context),
+                    "--mem-fraction-static", str(args.mem_fraction_static)]  # fmt: skip
+    procs, urls = {}, {}
+    try:
+        for i, (name, flags) in enumerate(servers.items()):
+            port = 30000 + 10 * i
+            procs[name] = (gm.start_server(common_flags + flags, port, tree, env,
+                                           f"server_{gm.plain(name)}.log"), port)  # fmt: skip
+            urls[name] = f"http://127.0.0.1:{port}"
+        for name, (proc, port) in procs.items():
+            if not gm.wait_healthy(proc, port, f"server_{gm.plain(name)}.log", args.startup_s):
+                return 1
+        vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
+        results = measure(urls, args, vocab)
+    finally:
+        for proc, _ in procs.values():
+            gm.stop_server(proc)
+    served = {}  # what each redknot server said it serves, and why (its startup log)
+    for name in servers:
+        log = (gm.OUT / f"server_{gm.plain(name)}.log").read_text(errors="replace")
+        served[name] = [line for line in log.splitlines() if "redknot: serv" in line][:3]
+    common.write_json(args.out, common.record(
+        model=args.model, points=args.points, rounds=args.rounds, question=args.question,
+        servers={name: " ".join(flags) for name, flags in servers.items()},
+        server_flags=SERVER_FLAGS, mem_fraction_static=args.mem_fraction_static,
+        served=served, summary=results,
+    ))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""``benchmarks/ttft_side_by_side.py`` against small HTTP servers that answer like SGLang's
+``/generate``: servers take turns, registrations go to redknot servers only, a server that
+refuses registrations is measured unmarked, and the figures are the servers' own."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from argparse import Namespace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ttft_side_by_side as sbs
+
+
+class FakeServer:
+    """Answers ``/generate`` after ``delay`` seconds; ``stores``: whether it takes
+    registrations (else 400); ``reuse``: whether a marked prompt reports reused tokens."""
+
+    def __init__(self, delay: float, stores: bool, reuse: bool, log: list):
+        self.delay, self.stores, self.reuse, self.log = delay, stores, reuse, log
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                params = body["sampling_params"]
+                custom = params.get("custom_params")
+                registering = params.get("max_new_tokens") == 0
+                fake.log.append((fake, "register" if registering else "prompt", bool(custom)))
+                if registering and not fake.stores:
+                    self.send_response(400)
+                    self.end_headers()
+                    self.wfile.write(b"no segment region")
+                    return
+                time.sleep(fake.delay)
+                meta = {}
+                if custom and not registering:
+                    reused = 10 if fake.reuse else 0
+                    gate = None if fake.reuse else {"decision": "recompute"}
+                    meta["redknot_reuse"] = [{"reused_tokens": reused, "gate": gate}]
+                self.send_response(200)
+                self.end_headers()
+                chunk = {"output_ids": [1], "meta_info": meta}
+                if body.get("stream"):
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.write(b"data: [DONE]\n\n")
+                else:
+                    self.wfile.write(json.dumps(chunk).encode())
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def servers():
+    log: list = []
+    made = {
+        "flashinfer": FakeServer(0.04, stores=False, reuse=False, log=log),
+        "cacheblend": FakeServer(0.01, stores=True, reuse=False, log=log),
+        "epic": FakeServer(0.02, stores=True, reuse=True, log=log),
+        "plain": FakeServer(0.02, stores=False, reuse=False, log=log),
+    }
+    yield made, log
+    for server in made.values():
+        server.httpd.shutdown()
+
+
+def test_servers_take_turns_and_are_compared_round_by_round(servers):
+    made, log = servers
+    urls = {name: s.url for name, s in made.items()}
+    args = Namespace(points="64x2", rounds=4, question=4)
+    rows = sbs.measure(urls, args, vocab=1000)["64x2"]
+    names = {s: n for n, s in made.items()}
+    registered = [names[s] for s, what, _ in log if what == "register"]
+    assert "flashinfer" not in registered and registered.count("cacheblend") == 2
+    assert registered.count("plain") == 1  # refused once, then measured unmarked
+    prompts = [(names[s], marked) for s, what, marked in log if what == "prompt"]
+    assert len(prompts) == 4 * 5  # every server, the warm-up round and 4 measured ones
+    firsts = [prompts[4 * r][0] for r in range(5)]
+    assert firsts == ["flashinfer", "cacheblend", "epic", "plain", "flashinfer"]  # rotating
+    assert all(marked == (n in ("cacheblend", "epic")) for n, marked in prompts)
+    assert "registration refused" in rows["plain"]["unmarked"]
+    assert rows["cacheblend"]["gate"] == {"recompute": 4}
+    assert rows["epic"]["gate"] == {"reuse": 4} and rows["flashinfer"]["gate"] == {"none": 4}
+    assert len(rows["epic"]["samples"]) == 4
+    assert rows["flashinfer"]["paired_speedup"] == 1.0
+    assert 2.0 < rows["cacheblend"]["paired_speedup"] < 5.0  # 40 ms against 10 ms
+    assert 1.2 < rows["epic"]["speedup_vs_flashinfer"] < 2.5
+
+
+def test_the_baseline_must_be_one_of_the_servers():
+    assert sbs.parse_servers("flashinfer=--attention-backend flashinfer;x=--a b") == {
+        "flashinfer": ["--attention-backend", "flashinfer"],
+        "x": ["--a", "b"],
+    }
+    with pytest.raises(SystemExit, match="flashinfer"):
+        sbs.parse_servers("x=--attention-backend redknot")
+    with pytest.raises(SystemExit, match="NAME=FLAGS"):
+        sbs.parse_servers("flashinfer=--a;nothing")
