@@ -8,7 +8,9 @@ one GPU: which ``chunk`` / ``block`` / ``num_warps`` the defaults should be.
 Every setting's list is checked equal to the default's before it is timed (a setting that
 changes the answer is reported, not ranked). Times: ``segpaged_kernels.Timer`` (CUDA graphs,
 L2 flushed before each call). ``ms_topk`` is ``torch.topk`` of the candidates' rank at the
-step's ``K``, for scale.
+step's ``K``, for scale; ``topk_settings`` times the step's own Top-k (``lfps_topk``, a radix
+select) at each ``--topk-blocks`` x ``--topk-warps`` (``0``: the default), each checked equal to
+the PyTorch reference ``rank_topk_in_list_order``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from serving_common import record, write_json
 
 
 def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
-    from redknot.kernels import lfps_index
+    from redknot.kernels import lfps_index, lfps_step
     from redknot.lfps import LfpsParams
+    from redknot.lfps.batched import rank_topk_in_list_order, row_budgets
 
     params = LfpsParams(budget=args.budget)
     dev, sink = args.device, params.num_sink
@@ -45,6 +48,19 @@ def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
            "candidate_share": float(ref_count.float().mean()) / (L - sink), "settings": []}  # fmt: skip
     rank = torch.rand(B, shape["num_kv_heads"], capacity, device=dev)
     row["ms_topk"], _ = timer(lambda: torch.topk(rank, k, dim=-1))
+    want = rank_topk_in_list_order(rank, row_budgets(seq, params), k)
+    row["topk_settings"] = []
+    for block, warps in itertools.product(args.topk_blocks, args.topk_warps):
+        kw = {"block": block or None, "num_warps": warps or None}
+        entry = {"block": block, "num_warps": warps}
+        try:
+            got = lfps_step.lfps_topk(rank, seq, params, k, **kw)
+            entry["same_as_reference"] = all(torch.equal(a, b) for a, b in zip(got, want))
+            entry["ms"], _ = timer(lambda kw=kw: lfps_step.lfps_topk(rank, seq, params, k, **kw))
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile is a finding
+            entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["topk_settings"].append(entry)
+        print(f"L={L} B={B} lfps_topk", entry, flush=True)
     for chunk, block, warps in itertools.product(args.chunks, args.blocks, args.warps):
         if block > chunk:
             continue
@@ -73,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunks", default="1024,2048,4096,8192")
     ap.add_argument("--blocks", default="256,512,1024,2048")
     ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--topk-blocks", default="0,1024,4096")
+    ap.add_argument("--topk-warps", default="0,8,16")
     ap.add_argument("--budget", type=float, default=0.02)
     ap.add_argument("--candidate-factor", type=int, default=4)
     ap.add_argument("--table-sigma", type=float, default=4.0)
@@ -87,8 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.small:
         lengths, args.batch = [700], 2
         args.chunks, args.blocks, args.warps = "128,256", "64,128", "4"
+        args.topk_blocks, args.topk_warps = "0,16", "0"
     args.chunks, args.blocks = parse_ints(args.chunks), parse_ints(args.blocks)
     args.warps = parse_ints(args.warps)
+    args.topk_blocks, args.topk_warps = parse_ints(args.topk_blocks), parse_ints(args.topk_warps)
     timer = Timer(1 if args.small else 20, 1 if args.small else 5, device=args.device)
     result = record(shape=shape, batch=args.batch, table_sigma=args.table_sigma, rows=[])
     for L in lengths:

@@ -1,14 +1,15 @@
 """Launches of the per-head pieces of LFPS's batched decode step (``redknot.lfps.batched``):
-Eq. 5-6 with the bypass output, and the Top-k selection with Eq. 10. One launch each, fixed
-shapes, capturable in a CUDA graph.
+Eq. 5-6 with the bypass output, the Top-k of the candidates' rank, and the selection with
+Eq. 10. One launch each, fixed shapes, capturable in a CUDA graph.
 
 >>> sparsity, bypass, bypass_out = lfps_sparsity(q, k_buffer, v_buffer, req_to_token,
 ...                                              req_pool_indices, seq_lens, state, params, scale)
->>> val, at = torch.topk(rank, k, dim=-1)                 # rank from score_and_rank
+>>> val, at = lfps_topk(rank, seq_lens, params, k)        # rank from score_and_rank
 >>> selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state, params)
 
-References: ``redknot.lfps.batched.head_sparsity``, ``select_topk`` and ``update_tables_``.
-Kernels: ``redknot.kernels.triton.lfps_step``.
+References: ``redknot.lfps.batched.head_sparsity``, ``rank_topk_in_list_order``,
+``select_topk`` and ``update_tables_``. Kernels: ``redknot.kernels.triton.lfps_step`` and
+``lfps_select``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import functools
 import torch
 
 from redknot.kernels.triton.common import upcast_dots
+from redknot.kernels.triton.lfps_select import lfps_topk_kernel
 from redknot.kernels.triton.lfps_step import lfps_sparsity_kernel, lfps_update_kernel
 from redknot.lfps.batch_state import LfpsBatchState
 from redknot.lfps.params import LfpsParams
 
 UPDATE_BLOCK_K = 512  # selected keys per inner step of the update kernel
+TOPK_MAX_BLOCK = 16384  # ranks per inner step of the Top-k kernel (a whole row up to this)
 
 
 @functools.cache
@@ -80,6 +83,57 @@ def lfps_sparsity(
     return sparsity, flags.view(torch.bool), bypass_out
 
 
+def lfps_topk(
+    rank: torch.Tensor,
+    seq_lens: torch.Tensor,
+    params: LfpsParams,
+    k: int,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``min(params.budget_for(n - sink), k)`` largest finite ranks, in list order.
+
+    Reference: ``redknot.lfps.batched.rank_topk_in_list_order``. The set is
+    ``torch.topk(rank, k)``'s cut to the row's budget, ties at the cut going to the lowest
+    indices; ``lfps_select_update`` takes it in place of ``torch.topk``'s output.
+
+    Parameters
+    ----------
+    rank : [B, Hs, C] float32, ``-inf`` where not a key (no NaN).
+    seq_lens : [B], keys including the new token's.
+    k : K, the width of the result (``1 <= k <= C``).
+    block, num_warps : ranks per inner step (a power of two) and warps; default a whole row
+        (up to ``TOPK_MAX_BLOCK``) and one warp per 512 of it (4 to 16).
+
+    Returns
+    -------
+    top_val : [B, Hs, k] float32, the selected ranks by ascending index, then ``-inf``.
+    top_at : [B, Hs, k] int64, their indices in the row, then 0.
+    """
+    B, Hs, C = rank.shape
+    assert rank.dtype == torch.float32 and rank.stride(2) == 1, (rank.dtype, rank.stride())
+    assert seq_lens.shape == (B,) and 1 <= k <= C, (seq_lens.shape, k, C)
+    if block is None:
+        block = min(TOPK_MAX_BLOCK, max(16, 1 << (C - 1).bit_length()))
+    assert block & (block - 1) == 0, block
+    if num_warps is None:
+        num_warps = min(16, max(4, block // 512))
+    top_val = torch.empty(B, Hs, k, dtype=torch.float32, device=rank.device)
+    top_at = torch.empty(B, Hs, k, dtype=torch.int64, device=rank.device)
+    if B == 0:
+        return top_val, top_at
+    budget = params.budget
+    fraction = isinstance(budget, float) and budget < 1.0
+    lfps_topk_kernel[(Hs, B)](
+        rank, seq_lens, budget_tensor(budget if fraction else int(budget), rank.device),
+        top_val, top_at, params.num_sink, k, C,
+        rank.stride(0), rank.stride(1), top_val.stride(0), top_val.stride(1),
+        BLOCK=block, FRACTION=fraction, num_warps=num_warps,
+    )  # fmt: skip
+    return top_val, top_at
+
+
 def lfps_select_update(
     top_val: torch.Tensor,
     top_at: torch.Tensor,
@@ -91,11 +145,13 @@ def lfps_select_update(
     state: LfpsBatchState,
     params: LfpsParams,
 ) -> torch.Tensor:
-    """The selection from ``torch.topk`` of the rank, and Eq. 10 on ``state`` (in place).
+    """The selection from the Top-K of the rank, and Eq. 10 on ``state`` (in place).
 
     Parameters
     ----------
-    top_val, top_at : [B, Hs, K] ``torch.topk(rank, K)``'s values (float32) and indices (int64).
+    top_val, top_at : [B, Hs, K] ``lfps_topk(rank, ...)``'s values (float32) and indices (int64),
+        or ``torch.topk(rank, K)``'s: entry ``e`` is kept if its value is finite and ``e`` is
+        under the row's budget.
     candidates : [B, Hs, C] int32; count : [B, Hs] int32 (both emptied for a selection head
         whose query heads all bypass).
     logits : [B, Hq, C] float32 every query head's logits of the candidates.

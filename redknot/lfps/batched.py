@@ -16,8 +16,9 @@ the PyTorch functions of this module are their references):
 | Eq. 5-6        | per query head               | ``lfps_sparsity`` (sink and last keys)        |
 | Eq. 7-9        | variable-size candidate mask | ``lfps_candidates``: list of ``C``            |
 |                |                              | (``fixed_budget``), 3 launches                |
-| scores, Top-k  | every key scored, masked     | ``score_and_rank`` on the list, ``torch.topk``|
-|                |                              | of ``K``, then each row's own budget          |
+| scores, Top-k  | every key scored, masked     | ``score_and_rank`` on the list, ``lfps_topk``:|
+|                |                              | each row's own budget (``<= K``) by a radix   |
+|                |                              | select, in list order                         |
 | Eq. 10         | whole tables decayed         | ``lfps_select_update``: lazy decay, only the  |
 |                |                              | selected entries written                      |
 | attention      | sinks + Top-k                | ``run_sparse_decode``, then the bypass output |
@@ -28,6 +29,10 @@ by the kernel for all its query heads) the tables are per KV head: a key's rank 
 logit over the group's non-bypassed query heads, each query head attends the shared selection,
 Eq. 10 adds the mean over the non-bypassed heads of their attention renormalised over the
 selection, and a group whose heads all bypass is left untouched.
+
+The selection is in list order (newest position first), not by rank; its consumers (Eq. 10,
+the sparse attention) do not depend on the order. Ties in rank at a row's cut go to the
+earliest entries of the list, i.e. the newest positions (``rank_topk``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from redknot.kernels.lfps_index import lfps_candidates, score_and_rank
-from redknot.kernels.lfps_step import lfps_select_update, lfps_sparsity
+from redknot.kernels.lfps_step import lfps_select_update, lfps_sparsity, lfps_topk
 from redknot.kernels.sparse_decode import SparseDecodePlan, plan_sparse_decode, run_sparse_decode
 from redknot.kernels.sparse_reference import score_keys_reference, sparse_decode_reference
 from redknot.lfps.batch_state import LfpsBatchState
@@ -144,30 +149,67 @@ def row_budgets(seq_lens: torch.Tensor, params: LfpsParams) -> torch.Tensor:
     return torch.minimum(k, keys).clamp_min(1)
 
 
+def rank_topk(
+    rank: torch.Tensor, budget: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``min(budget, k)`` largest finite ranks by descending rank; among equal ranks
+    the lowest index first (a stable sort), so ties at the cut go to the lowest indices.
+
+    Args:
+        rank: [B, Hs, C] float32 (``-inf``: not a key); budget: [B] int64.
+    Returns:
+        values [B, Hs, k] float32 and indices [B, Hs, k] int64; ``(-inf, 0)`` past the kept.
+    """
+    B = rank.shape[0]
+    order = torch.sort(rank, dim=-1, descending=True, stable=True)
+    val, at = order.values[..., :k], order.indices[..., :k]
+    keep = torch.isfinite(val) & (torch.arange(k, device=val.device) < budget.view(B, 1, 1))
+    return val.masked_fill(~keep, float("-inf")), at.masked_fill(~keep, 0)
+
+
+def in_list_order(val: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rank_topk``'s entries by ascending index, the ``(-inf, 0)`` padding last."""
+    key = torch.where(torch.isfinite(val), at, torch.iinfo(torch.int64).max)
+    order = key.argsort(dim=-1, stable=True)
+    return torch.gather(val, -1, order), torch.gather(at, -1, order)
+
+
+def rank_topk_in_list_order(
+    rank: torch.Tensor, budget: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of ``redknot.kernels.lfps_step.lfps_topk``: ``rank_topk`` in list order."""
+    return in_list_order(*rank_topk(rank, budget, k))
+
+
 def select_topk(
     logits: torch.Tensor,
     candidates: torch.Tensor,
     bypass: torch.Tensor,
     budget: torch.Tensor,
     k: int,
+    *,
+    list_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` of each list by its rank (maximum logit over the non-bypassed query heads),
-    then each row's ``budget`` first.
+    then each row's ``budget`` first (``rank_topk``: ties to the lowest list index).
 
     Args:
         logits: [B, Hq, C] float32 scaled logits of the listed keys (-inf: not a key).
         candidates: [B, Hs, C] int32 positions.
         bypass: [B, Hq] bool; budget: [B] int64.
+        list_order: order the selection as the list (``lfps_topk``'s order) instead of by rank.
     Returns:
-        selected: [B, Hs, k] int32 positions (-1 padded), descending rank.
+        selected: [B, Hs, k] int32 positions (-1 padded), descending rank or list order.
         selected_logits: [B, Hq, k] float32 each query head's logits of them (-inf: padding).
     """
     B, Hq, C = logits.shape
     Hs = candidates.shape[1]
     rows = Hq // Hs
     rank = logits.masked_fill(bypass[..., None], float("-inf")).view(B, Hs, rows, C).amax(2)
-    val, at = torch.topk(rank, k, dim=-1)
-    keep = torch.isfinite(val) & (torch.arange(k, device=val.device) < budget.view(B, 1, 1))
+    val, at = rank_topk(rank, budget, k)
+    if list_order:
+        val, at = in_list_order(val, at)
+    keep = torch.isfinite(val)
     selected = torch.where(keep, torch.gather(candidates, 2, at), -1)
     per_head = torch.gather(logits, 2, at.repeat_interleave(rows, 1))
     per_head = per_head.masked_fill(~keep.repeat_interleave(rows, 1), float("-inf"))
@@ -238,7 +280,7 @@ def lfps_decode_step(
         cand, count = lfps_candidates(*tables)
         logits, rank = score_and_rank(q, k_buffer, *paged, cand, bypass,
                                       num_sink=params.num_sink, sm_scale=sm_scale)  # fmt: skip
-        val, at = torch.topk(rank, budgets.topk, dim=-1)
+        val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
         selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state,
                                       params)  # fmt: skip
         if plan is None:
@@ -256,7 +298,8 @@ def lfps_decode_step(
         count = torch.where(groups_off, 0, count)
         logits = score_keys_reference(q, k_buffer, *paged, cand, params.num_sink, sm_scale)
         budget = row_budgets(seq_lens, params)
-        selected, selected_logits = select_topk(logits, cand, bypass, budget, budgets.topk)
+        selected, selected_logits = select_topk(logits, cand, bypass, budget, budgets.topk,
+                                                list_order=True)  # fmt: skip
         update_tables_(state, selected, selected_logits, bypass, seq_lens, params.decay)
         out, _ = sparse_decode_reference(
             q, k_buffer, v_buffer, *paged, selected, params.num_sink, sm_scale

@@ -5,12 +5,12 @@
 sinks and the last ``W`` keys: key ``p`` of a block of ``BLOCK_P >= S + W`` is sink ``p`` for
 ``p < S``, else position ``n - W + p - S`` (kept if non-sink).
 
-``lfps_update_kernel``, grid ``(Hs, B)``: from ``torch.topk`` of a selection head's rank, the
-selected positions (each row's own budget of them) and Eq. 10 with the lazy decay
-(``redknot.lfps.batched.select_topk`` then ``update_tables_``). Two passes over the ``K``
-selected: the online max and sum of every query head's logits, then the mean attention of the
-non-bypassed heads added to the tables. A selection head whose heads all bypass is left as is
-and its candidate list emptied.
+``lfps_update_kernel``, grid ``(Hs, B)``: from the Top-K of a selection head's rank
+(``lfps_select.lfps_topk_kernel``'s, or ``torch.topk``'s), the selected positions (each row's
+own budget of them) and Eq. 10 with the lazy decay (``redknot.lfps.batched.select_topk`` then
+``update_tables_``). Two passes over the ``K`` selected: the online max and sum of every query
+head's logits, then the mean attention of the non-bypassed heads added to the tables. A
+selection head whose heads all bypass is left as is and its candidate list emptied.
 """
 
 from __future__ import annotations
