@@ -9,8 +9,8 @@ Every setting's list is checked equal to the default's before it is timed (a set
 changes the answer is reported, not ranked). Times: ``segpaged_kernels.Timer`` (CUDA graphs,
 L2 flushed before each call). ``ms_topk`` is ``torch.topk`` of the candidates' rank at the
 step's ``K``, for scale; ``topk_settings`` times the step's own Top-k (``lfps_topk``, a radix
-select) at each ``--topk-blocks`` x ``--topk-warps`` (``0``: the default), each checked equal to
-the PyTorch reference ``rank_topk_in_list_order``.
+select) at each ``--topk-blocks`` x ``--topk-warps`` x ``--topk-radix-bits`` (``0``: the
+default), each checked equal to the PyTorch reference ``rank_topk_in_list_order``.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
     row["ms_topk"], _ = timer(lambda: torch.topk(rank, k, dim=-1))
     want = rank_topk_in_list_order(rank, row_budgets(seq, params), k)
     row["topk_settings"] = []
-    for block, warps in itertools.product(args.topk_blocks, args.topk_warps):
+    for block, warps, bits in itertools.product(args.topk_blocks, args.topk_warps, args.topk_bits):
         kw = {"block": block or None, "num_warps": warps or None}
-        entry = {"block": block, "num_warps": warps}
+        kw |= {"radix_bits": bits} if bits else {}
+        entry = {"block": block, "num_warps": warps, "radix_bits": bits}
         try:
             got = lfps_step.lfps_topk(rank, seq, params, k, **kw)
             entry["same_as_reference"] = all(torch.equal(a, b) for a, b in zip(got, want))
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--topk-blocks", default="0,1024,4096")
     ap.add_argument("--topk-warps", default="0,8,16")
+    ap.add_argument("--topk-radix-bits", default="0,5,8")
     ap.add_argument("--budget", type=float, default=0.02)
     ap.add_argument("--candidate-factor", type=int, default=4)
     ap.add_argument("--table-sigma", type=float, default=4.0)
@@ -105,10 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.small:
         lengths, args.batch = [700], 2
         args.chunks, args.blocks, args.warps = "128,256", "64,128", "4"
-        args.topk_blocks, args.topk_warps = "0,16", "0"
+        args.topk_blocks, args.topk_warps, args.topk_radix_bits = "0,16", "0", "0,8"
     args.chunks, args.blocks = parse_ints(args.chunks), parse_ints(args.blocks)
     args.warps = parse_ints(args.warps)
     args.topk_blocks, args.topk_warps = parse_ints(args.topk_blocks), parse_ints(args.topk_warps)
+    args.topk_bits = parse_ints(args.topk_radix_bits)
     timer = Timer(1 if args.small else 20, 1 if args.small else 5, device=args.device)
     result = record(shape=shape, batch=args.batch, table_sigma=args.table_sigma, rows=[])
     for L in lengths:

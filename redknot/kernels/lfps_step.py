@@ -26,6 +26,7 @@ from redknot.lfps.params import LfpsParams
 
 UPDATE_BLOCK_K = 512  # selected keys per inner step of the update kernel
 TOPK_MAX_BLOCK = 16384  # ranks per inner step of the Top-k kernel (a whole row up to this)
+TOPK_RADIX_BITS = 6  # key bits resolved per pass of the Top-k kernel (6 passes)
 
 
 @functools.cache
@@ -91,6 +92,7 @@ def lfps_topk(
     *,
     block: int | None = None,
     num_warps: int | None = None,
+    radix_bits: int = TOPK_RADIX_BITS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``min(params.budget_for(n - sink), k)`` largest finite ranks, in list order.
 
@@ -104,7 +106,8 @@ def lfps_topk(
     seq_lens : [B], keys including the new token's.
     k : K, the width of the result (``1 <= k <= C``).
     block, num_warps : ranks per inner step (a power of two) and warps; default a whole row
-        (up to ``TOPK_MAX_BLOCK``) and one warp per 512 of it (4 to 16).
+        (up to ``TOPK_MAX_BLOCK``, then held in registers) and one warp per 1024 of it (4 to 16).
+    radix_bits : key bits per pass (``cdiv(32, radix_bits)`` histogram passes, 1 to 8).
 
     Returns
     -------
@@ -116,9 +119,9 @@ def lfps_topk(
     assert seq_lens.shape == (B,) and 1 <= k <= C, (seq_lens.shape, k, C)
     if block is None:
         block = min(TOPK_MAX_BLOCK, max(16, 1 << (C - 1).bit_length()))
-    assert block & (block - 1) == 0, block
+    assert block & (block - 1) == 0 and 1 <= radix_bits <= 8, (block, radix_bits)
     if num_warps is None:
-        num_warps = min(16, max(4, block // 512))
+        num_warps = min(16, max(4, block // 1024))
     top_val = torch.empty(B, Hs, k, dtype=torch.float32, device=rank.device)
     top_at = torch.empty(B, Hs, k, dtype=torch.int64, device=rank.device)
     if B == 0:
@@ -129,7 +132,8 @@ def lfps_topk(
         rank, seq_lens, budget_tensor(budget if fraction else int(budget), rank.device),
         top_val, top_at, params.num_sink, k, C,
         rank.stride(0), rank.stride(1), top_val.stride(0), top_val.stride(1),
-        BLOCK=block, FRACTION=fraction, num_warps=num_warps,
+        BLOCK=block, ONE_BLOCK=block >= C, RADIX_BITS=radix_bits, FRACTION=fraction,
+        num_warps=num_warps,
     )  # fmt: skip
     return top_val, top_at
 

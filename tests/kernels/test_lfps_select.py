@@ -1,7 +1,7 @@
 """LFPS's Top-K of the candidates' rank (``lfps_topk``, a radix select) against its PyTorch
 reference ``rank_topk_in_list_order`` under ``TRITON_INTERPRET=1``: padding, each row's own
-budget below K, ties at the cut, signed zeros, rows without a finite rank, rows in one block or
-several."""
+budget below K, ties at the cut, signed zeros, rows without a finite rank, rows in one block
+(held in registers) or several, radix widths that divide 32 or not."""
 
 from __future__ import annotations
 
@@ -37,13 +37,15 @@ def ranks(B, Hs, C, seed):
 
 
 @pytest.mark.parametrize("budget", [0.02, 0.1, 7, 1000])
-@pytest.mark.parametrize("C,K,block", [(60, 12, 16), (60, 12, None), (50, 50, 64), (300, 40, 128)])
-def test_topk_matches_reference(budget, C, K, block):
+@pytest.mark.parametrize(
+    "C,K,block,bits", [(60, 12, 16, 6), (60, 12, None, 8), (50, 50, 64, 5), (300, 40, 128, 3)]
+)  # one block (None: the default, 64 >= C), or several; 3 bits: the last pass overlaps
+def test_topk_matches_reference(budget, C, K, block, bits):
     B, Hs = len(SEQ_LENS), 2
     rank = ranks(B, Hs, C, seed=C + K)
     seq = torch.tensor(SEQ_LENS)
     params = LfpsParams(budget=budget)
-    val, at = lfps_topk(rank, seq, params, K, block=block)
+    val, at = lfps_topk(rank, seq, params, K, block=block, radix_bits=bits)
     want_val, want_at = rank_topk_in_list_order(rank, row_budgets(seq, params), K)
     assert torch.equal(val, want_val) and torch.equal(at, want_at)
     kept = torch.isfinite(val).sum(-1)

@@ -63,5 +63,7 @@ def test_candidate_sweep_checks_each_setting_against_the_default(tmp_path):
     }
     assert all(s["same_as_default"] and s["ms"] > 0 for s in row["settings"]), row["settings"]
     assert row["best"] in row["settings"] and row["ms_topk"] > 0
-    assert {s["block"] for s in row["topk_settings"]} == {0, 16}
+    assert {(s["block"], s["radix_bits"]) for s in row["topk_settings"]} == {
+        (0, 0), (0, 8), (16, 0), (16, 8),
+    }  # fmt: skip
     assert all(s["same_as_reference"] and s["ms"] > 0 for s in row["topk_settings"])

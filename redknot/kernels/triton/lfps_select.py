@@ -5,13 +5,17 @@ the ``k = min(budget_for(n - num_sink), K, finite entries)`` largest, written in
 (ascending index ``i``) as ``(value, i)`` to slots ``0 .. k - 1`` of the row's ``K``; the other
 slots get ``(-inf, 0)``. Ties at the cut go to the lowest indices.
 
-How: each rank becomes a 32-bit key that orders like the float (``-0.0`` taken as ``+0.0``).
-Four passes over the row each build a 256-bin histogram of one byte of the keys that share the
-bytes found so far, most significant byte first; the bin where the count from the top reaches
-the ``k`` still wanted is that byte of the ``k``-th largest key ``T``. A last pass writes the
-entries with key ``> T`` and the first ``k - count(key > T)`` with key ``== T``, in list order
-(a running prefix count gives each its slot). The row is read in blocks of ``BLOCK``; with
-``BLOCK >= C`` it is one block, re-read from L1/L2 by each pass.
+How: each rank becomes a 32-bit key that orders like the float (``-0.0`` taken as ``+0.0``;
+``-inf`` and entries past ``C`` as 0, below every finite rank's key). ``cdiv(32, RADIX_BITS)``
+passes over the row each build a ``2^RADIX_BITS``-bin histogram (``tl.histogram``: one warp
+ballot per key bit) of the next ``RADIX_BITS`` bits of the keys that share the bits found so
+far, most significant first; the bin where the count from the top reaches the ``k`` still
+wanted gives those bits of the ``k``-th largest key ``T``. A last pass writes the entries with
+key ``> T`` and the first ``k - count(key > T)`` with key ``== T``, in list order (a running
+prefix count gives each its slot).
+
+The row is read in blocks of ``BLOCK``; with ``BLOCK >= C`` (``ONE_BLOCK``) the keys are loaded
+once and stay in registers for every pass.
 """
 
 from __future__ import annotations
@@ -21,21 +25,25 @@ import triton.language as tl
 
 from redknot.kernels.triton.lfps_step import row_budget
 
-RADIX_BITS = tl.constexpr(8)
-RADIX_BINS = tl.constexpr(256)
-
 
 @triton.jit
 def order_keys(Rank_row, i, ok):
-    """``(x, key, finite)`` at entries ``i``: the rank, its ordered uint32 key (negative floats
-    bit-flipped, positive ones with the sign bit set; ``-0.0`` as ``+0.0``) and ``x > -inf``."""
+    """Ordered uint32 keys of the ranks at entries ``i``: negative floats bit-flipped, others
+    with the sign bit set, ``-0.0`` as ``+0.0``; 0 for ``-inf`` and where not ``ok``."""
     x = tl.load(Rank_row + i, mask=ok, other=float("-inf"))
     bits = x.to(tl.uint32, bitcast=True)
     sign = tl.full(bits.shape, 0x80000000, tl.uint32)
     flip = tl.where((bits & sign) != 0, tl.full(bits.shape, 0xFFFFFFFF, tl.uint32), sign)
-    key = bits ^ flip
-    key = tl.where(x == 0.0, sign, key)
-    return x, key, ok & (x > float("-inf"))
+    key = tl.where(x == 0.0, sign, bits ^ flip)
+    return tl.where(x > float("-inf"), key, tl.zeros_like(key))
+
+
+@triton.jit
+def digit_histogram(key, prefix, known, shift, RADIX_BITS: tl.constexpr):
+    """Histogram of bits ``[shift, shift + RADIX_BITS)`` of the finite keys whose ``known``
+    bits equal ``prefix``'s."""
+    digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
+    return tl.histogram(digit, 1 << RADIX_BITS, mask=(key != 0) & ((key & known) == prefix))
 
 
 @triton.jit
@@ -44,6 +52,8 @@ def lfps_topk_kernel(
     num_sink, width, capacity,
     stride_rb, stride_rh, stride_tb, stride_th,
     BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
     FRACTION: tl.constexpr,
 ):  # fmt: skip
     hs = tl.program_id(0)
@@ -52,43 +62,51 @@ def lfps_topk_kernel(
     rank_row = Rank + b.to(tl.int64) * stride_rb + hs * stride_rh
     top_row = b.to(tl.int64) * stride_tb + hs * stride_th
     lanes = tl.arange(0, BLOCK)
-    bins = tl.arange(0, RADIX_BINS)
+    bins = tl.arange(0, 1 << RADIX_BITS)
+    if ONE_BLOCK:
+        row_keys = order_keys(rank_row, lanes, lanes < capacity)
 
-    # the k-th largest key, one byte a pass; ``want``: how many of the entries that share the
-    # bytes found so far are still wanted (pass 0 counts the finite entries of the row)
+    # the k-th largest key, RADIX_BITS a pass; ``want``: how many of the keys that share the
+    # bits found so far are still wanted (pass 0 counts the row's finite ranks)
     want = tl.minimum(row_budget(Budget, n, num_sink, FRACTION), width)
     wanted = want
     prefix = tl.sum(lanes * 0, 0).to(tl.uint32)
-    known = tl.sum(lanes * 0, 0).to(tl.uint32)  # mask of the bytes found
-    for p in tl.static_range(32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (p + 1)
-        hist = tl.zeros([RADIX_BINS], dtype=tl.int32)
-        for start in range(0, capacity, BLOCK):
-            i = start + lanes
-            _, key, ok = order_keys(rank_row, i, i < capacity)
-            digit = ((key >> shift) & (RADIX_BINS - 1)).to(tl.int32)
-            hist += tl.histogram(digit, RADIX_BINS, mask=ok & ((key & known) == prefix))
+    known = tl.sum(lanes * 0, 0).to(tl.uint32)  # the bits found
+    for p in tl.static_range((32 + RADIX_BITS - 1) // RADIX_BITS):
+        shift = max(32 - RADIX_BITS * (p + 1), 0)  # the last pass may re-read known bits
+        if ONE_BLOCK:
+            hist = digit_histogram(row_keys, prefix, known, shift, RADIX_BITS)
+        else:
+            hist = tl.zeros([1 << RADIX_BITS], dtype=tl.int32)
+            for start in range(0, capacity, BLOCK):
+                i = start + lanes
+                key = order_keys(rank_row, i, i < capacity)
+                hist += digit_histogram(key, prefix, known, shift, RADIX_BITS)
         total = tl.sum(hist, 0)
         if p == 0:
             want = tl.minimum(want, total)
             wanted = want
-        above = total - tl.cumsum(hist, 0)  # entries in higher bins
+        above = total - tl.cumsum(hist, 0)  # keys in higher bins
         cut = tl.max(tl.where(above + hist >= want, bins, 0), 0)
         want -= tl.sum(tl.where(bins == cut, above, 0), 0)
         prefix = prefix | (cut.to(tl.uint32) << shift)
-        known = known | (tl.full([], RADIX_BINS - 1, tl.uint32) << shift)
+        known = known | (tl.full([], (1 << RADIX_BITS) - 1, tl.uint32) << shift)
 
-    # entries above the k-th largest key ``prefix``, then the first ``want`` equal to it
+    # the keys above ``prefix`` (the k-th largest), then the first ``want`` equal to it
     written = tl.sum(lanes * 0, 0)
     ties = tl.sum(lanes * 0, 0)
     for start in range(0, capacity, BLOCK):
         i = start + lanes
-        x, key, ok = order_keys(rank_row, i, i < capacity)
-        ok = ok & (wanted > 0)
+        if ONE_BLOCK:
+            key = row_keys
+        else:
+            key = order_keys(rank_row, i, i < capacity)
+        ok = (key != 0) & (wanted > 0)
         tie = (ok & (key == prefix)).to(tl.int32)
         chosen = (ok & (key > prefix)) | ((tie > 0) & (ties + tl.cumsum(tie, 0) - tie < want))
         c = chosen.to(tl.int32)
         slot = written + tl.cumsum(c, 0) - c
+        x = tl.load(rank_row + i, mask=chosen, other=float("-inf"))
         tl.store(Top_val + top_row + slot, x, mask=chosen)
         tl.store(Top_at + top_row + slot, i.to(tl.int64), mask=chosen)
         written += tl.sum(c, 0)
