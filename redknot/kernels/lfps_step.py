@@ -25,8 +25,13 @@ from redknot.lfps.batch_state import LfpsBatchState
 from redknot.lfps.params import LfpsParams
 
 UPDATE_BLOCK_K = 512  # selected keys per inner step of the update kernel
-TOPK_MAX_BLOCK = 16384  # ranks per inner step of the Top-k kernel (a whole row up to this)
-TOPK_RADIX_BITS = 6  # key bits resolved per pass of the Top-k kernel (6 passes)
+# The Top-k kernel's launch, measured on an H100 (benchmarks/lfps_candidates_sweep.py, 8B shape,
+# B = 8, lfps_candidates_sweep.json): within 2% of the best setting swept at C = 10,484 (128K)
+# and 6% at C = 2,620 (32K); the first default (a whole row of up to 16,384 in registers, a warp
+# per 1,024 ranks, 6 bits) was 1.7x (128K) and 3.8x (32K) slower than this one.
+TOPK_MAX_BLOCK = 4096  # ranks per inner step (a whole row, held in registers, up to this)
+TOPK_WARPS = 16
+TOPK_RADIX_BITS = 5  # key bits resolved per pass (7 passes)
 
 
 @functools.cache
@@ -106,7 +111,8 @@ def lfps_topk(
     seq_lens : [B], keys including the new token's.
     k : K, the width of the result (``1 <= k <= C``).
     block, num_warps : ranks per inner step (a power of two) and warps; default a whole row
-        (up to ``TOPK_MAX_BLOCK``, then held in registers) and one warp per 1024 of it (4 to 16).
+        (up to ``TOPK_MAX_BLOCK``, then held in registers) and a warp per 256 of it (4 to
+        ``TOPK_WARPS``).
     radix_bits : key bits per pass (``cdiv(32, radix_bits)`` histogram passes, 1 to 8).
 
     Returns
@@ -121,7 +127,7 @@ def lfps_topk(
         block = min(TOPK_MAX_BLOCK, max(16, 1 << (C - 1).bit_length()))
     assert block & (block - 1) == 0 and 1 <= radix_bits <= 8, (block, radix_bits)
     if num_warps is None:
-        num_warps = min(16, max(4, block // 1024))
+        num_warps = max(4, min(TOPK_WARPS, block // 256))
     top_val = torch.empty(B, Hs, k, dtype=torch.float32, device=rank.device)
     top_at = torch.empty(B, Hs, k, dtype=torch.int64, device=rank.device)
     if B == 0:
