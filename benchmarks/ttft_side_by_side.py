@@ -161,8 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", default=DEFAULT_SERVERS, help="NAME=FLAGS;... (one flashinfer)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--question", type=int, default=64)
-    ap.add_argument("--mem-fraction-static", type=float, default=0.15, help="per server")
-    ap.add_argument("--startup-s", type=float, default=420)
+    ap.add_argument(
+        "--mem-fraction-static", type=float, default=0.2,
+        help="per server, of the GPU memory free when it starts",
+    )  # fmt: skip
+    ap.add_argument(
+        "--startup-s", type=float, default=420,
+        help="per server; the first on a fresh machine waits for FlashInfer's JIT (4.7 min for "
+        "SmolLM2's head dim 64 on an H100, 2026-11-25)",
+    )  # fmt: skip
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     servers = parse_servers(args.servers)
@@ -176,18 +183,20 @@ def main(argv: list[str] | None = None) -> int:
                     "--mem-fraction-static", str(args.mem_fraction_static)]  # fmt: skip
     procs, urls = {}, {}
     try:
+        # One after another: SGLang sizes a server's KV pool from the GPU memory free when it
+        # loads (``--mem-fraction-static`` of it), so servers started together see each other's
+        # allocations appear mid-profile (four at 0.15 on an H100: "Loaded weights leave no GPU
+        # memory for the KV cache"). Started in turn, each takes its share of what is left.
         for i, (name, flags) in enumerate(servers.items()):
-            port = 30000 + 10 * i
-            procs[name] = (gm.start_server(common_flags + flags, port, tree, env,
-                                           f"server_{gm.plain(name)}.log"), port)  # fmt: skip
-            urls[name] = f"http://127.0.0.1:{port}"
-        for name, (proc, port) in procs.items():
-            if not gm.wait_healthy(proc, port, f"server_{gm.plain(name)}.log", args.startup_s):
+            port, log = 30000 + 10 * i, f"server_{gm.plain(name)}.log"
+            proc = gm.start_server(common_flags + flags, port, tree, env, log)
+            procs[name], urls[name] = proc, f"http://127.0.0.1:{port}"
+            if not gm.wait_healthy(proc, port, log, args.startup_s):
                 return 1
         vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
         results = measure(urls, args, vocab)
     finally:
-        for proc, _ in procs.values():
+        for proc in procs.values():
             gm.stop_server(proc)
     served = {}  # what each redknot server said it serves, and why (its startup log)
     for name in servers:
