@@ -88,6 +88,54 @@ def run_lfps(q, k, v, prompt_len: int, steps: int, params: LfpsParams) -> dict:
     }
 
 
+def run_lfps_shared(
+    q, k, v, prompt_len: int, steps: int, params: LfpsParams, kv_heads: int, factor: int
+) -> dict:
+    """``run_lfps`` for the GPU path's shared selection (``redknot.lfps.batched``, its PyTorch
+    reference): one candidate list and one Top-k per KV head, serving its ``Hq / Hkv`` query
+    heads, with ``C = factor * K`` candidates as the decode benchmark runs it. Recall is each
+    query head's own (its exact Top-k against the shared selection); ``overflow_share``: steps
+    and KV heads whose candidates exceeded ``C`` (the list then keeps the highest priorities)."""
+    from redknot.lfps.batch_state import pack_states
+    from redknot.lfps.batched import LfpsBudgets, lfps_decode_step
+
+    H, T, D = q.shape
+    rows = H // kv_heads
+    hist = q[:, :prompt_len][:, -params.history_steps :]
+    ref = build_state(hist, k[:, :prompt_len], v[:, :prompt_len], params)
+    state = pack_states([ref], prompt_len + steps, rows, kv_heads)
+    k_buffer = k[::rows].transpose(0, 1).contiguous()  # [T, Hkv, D]
+    v_buffer = v[::rows].transpose(0, 1).contiguous()
+    req_to_token = torch.arange(T, dtype=torch.int32)[None]
+    top = params.budget_for(prompt_len + steps - params.num_sink)
+    budgets = LfpsBudgets(candidates=min(factor * top, T), topk=top)
+    recalls, cand, bypass, over = [], [], [], []
+    for t in range(prompt_len, prompt_len + steps):
+        seq = torch.tensor([t + 1])
+        res = lfps_decode_step(q[None, :, t], k_buffer, v_buffer, req_to_token,
+                               torch.tensor([0]), seq, state, params, budgets,
+                               kernels=False)  # fmt: skip
+        chosen = torch.zeros(H // rows, t + 1, dtype=torch.bool)
+        sel = res.selected[0].long()
+        chosen.scatter_(1, sel.clamp(min=0), sel >= 0)
+        chosen = chosen.repeat_interleave(rows, 0)
+        kk = params.budget_for(t + 1 - params.num_sink)
+        rec = recall_vs_exact_topk(q[:, t], k[:, : t + 1], chosen, kk, params.num_sink)
+        active = ~res.bypass[0]
+        if bool(active.any()):
+            recalls.append(float(rec[active].mean()))
+        count = res.candidate_count[0].float()
+        cand.append(float(count.mean()) / (t + 1))
+        over.append(float((count > budgets.candidates).float().mean()))
+        bypass.append(float(res.bypass.float().mean()))
+    return {
+        "recall": sum(recalls) / max(len(recalls), 1),
+        "candidate_share": sum(cand) / len(cand),
+        "bypass_share": sum(bypass) / len(bypass),
+        "overflow_share": sum(over) / len(over),
+    }
+
+
 def synthetic_qkv(n: int, heads: int, dim: int, seed: int):
     """Gaussian Q/K/V plus planted logits: 8 vertical positions and 4 slash distances per head.
 
@@ -125,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lam", type=float, default=0.2)
     p.add_argument("--history", type=int, default=64)
     p.add_argument("--skip-model", action="store_true", help="synthetic data only")
+    p.add_argument(
+        "--selection", choices=("query_head", "kv_head"), default="query_head",
+        help="query_head: the reference step (a selection per query head); kv_head: the GPU "
+        "path's shared selection per KV head (redknot.lfps.batched, PyTorch reference), C = "
+        "--candidate-factor x K",
+    )  # fmt: skip
+    p.add_argument("--candidate-factor", type=int, default=4)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     params = LfpsParams(budget=args.budget, lam=args.lam, history_steps=args.history)
@@ -146,10 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         if family is None:
             continue
         t0 = time.time()
-        per_layer = [
-            run_lfps(q, k, v, n, args.steps, params)
-            for q, k, v in model_qkv(family, prompt_ids(tokenizer, args.cases, n + args.steps))
-        ]
+        qkv = model_qkv(family, prompt_ids(tokenizer, args.cases, n + args.steps))
+        if args.selection == "kv_head":
+            kv_heads = family.shape.num_kv_heads
+            per_layer = [
+                run_lfps_shared(q, k, v, n, args.steps, params, kv_heads, args.candidate_factor)
+                for q, k, v in qkv
+            ]
+        else:
+            per_layer = [run_lfps(q, k, v, n, args.steps, params) for q, k, v in qkv]
         row = {
             "data": args.model,
             "length": n,
@@ -172,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             "decay": params.decay,
             "sparsity_threshold": params.sparsity_threshold,
             "num_sink": params.num_sink,
+            "selection": args.selection,
+            "candidate_factor": args.candidate_factor if args.selection == "kv_head" else None,
         },
         "note": "teacher-forced: Q/K/V of the dense model, recall averaged over non-bypass heads, "
         "steps and layers; candidate_share = keys scored exactly / keys",

@@ -1,0 +1,37 @@
+"""``benchmarks/lfps_recall.py``'s shared-selection mode: with one query head per selection head
+and room for every candidate it is the reference step, and with GQA it reports what it cut."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import lfps_recall as lr
+
+from redknot.lfps import LfpsParams
+
+
+def test_one_query_head_per_list_and_room_for_all_is_the_reference():
+    params = LfpsParams(budget=0.02)
+    q, k, v = lr.synthetic_qkv(608, 4, 64, seed=1)
+    ref = lr.run_lfps(q, k, v, 600, 8, params)
+    shared = lr.run_lfps_shared(q, k, v, 600, 8, params, kv_heads=4, factor=1000)
+    assert shared["overflow_share"] == 0.0
+    for key in ("recall", "candidate_share", "bypass_share"):
+        assert shared[key] == pytest.approx(ref[key], abs=1e-6), key
+
+
+def test_a_shared_list_over_capacity_is_counted():
+    params = LfpsParams(budget=0.02)
+    q, k, v = lr.synthetic_qkv(608, 4, 64, seed=1)
+    k, v = k[::2].repeat_interleave(2, 0), v[::2].repeat_interleave(2, 0)  # 2 KV heads
+    tight = lr.run_lfps_shared(q, k, v, 600, 8, params, kv_heads=2, factor=4)
+    roomy = lr.run_lfps_shared(q, k, v, 600, 8, params, kv_heads=2, factor=1000)
+    assert tight["overflow_share"] == 1.0 and roomy["overflow_share"] == 0.0
+    assert tight["candidate_share"] == pytest.approx(roomy["candidate_share"])
+    assert 0.0 <= tight["recall"] <= roomy["recall"] <= 1.0
