@@ -99,7 +99,7 @@ def run_lfps_shared(
     from redknot.lfps.batch_state import pack_states
     from redknot.lfps.batched import LfpsBudgets, lfps_decode_step
 
-    H, T, D = q.shape
+    H, T, _ = q.shape
     rows = H // kv_heads
     hist = q[:, :prompt_len][:, -params.history_steps :]
     ref = build_state(hist, k[:, :prompt_len], v[:, :prompt_len], params)

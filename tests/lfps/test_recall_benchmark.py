@@ -28,10 +28,11 @@ def test_one_query_head_per_list_and_room_for_all_is_the_reference():
 
 def test_a_shared_list_over_capacity_is_counted():
     params = LfpsParams(budget=0.02)
-    q, k, v = lr.synthetic_qkv(608, 4, 64, seed=1)
+    q, k, v = lr.synthetic_qkv(601, 4, 64, seed=1)
     k, v = k[::2].repeat_interleave(2, 0), v[::2].repeat_interleave(2, 0)  # 2 KV heads
-    tight = lr.run_lfps_shared(q, k, v, 600, 8, params, kv_heads=2, factor=4)
-    roomy = lr.run_lfps_shared(q, k, v, 600, 8, params, kv_heads=2, factor=1000)
+    tight = lr.run_lfps_shared(q, k, v, 600, 1, params, kv_heads=2, factor=4)
+    roomy = lr.run_lfps_shared(q, k, v, 600, 1, params, kv_heads=2, factor=1000)
     assert tight["overflow_share"] == 1.0 and roomy["overflow_share"] == 0.0
+    # one step from the same tables: the same candidates were found, fewer were kept
     assert tight["candidate_share"] == pytest.approx(roomy["candidate_share"])
-    assert 0.0 <= tight["recall"] <= roomy["recall"] <= 1.0
+    assert 0.0 < tight["recall"] < 1.0
