@@ -18,6 +18,7 @@ from typing import Any
 from redknot import SGLANG_VERSION
 from redknot.api import hooks as api_hooks
 from redknot.attention import ffn_schedule
+from redknot.integration import capture_order
 from redknot.integration import segments as segment_hooks
 from redknot.integration import server_args as sa_hooks
 from redknot.segcache import registration, reuse
@@ -149,6 +150,12 @@ HOOKS: tuple[Hook, ...] = (
         "sglang.srt.models.qwen2.Qwen2DecoderLayer.forward",
         "AROUND",
         ffn_schedule.around_decoder_layer,
+    ),
+    # Captures on miss wait while user requests do (redknot.integration.capture_order)
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
+        "AROUND",
+        capture_order.around_get_new_batch_prefill,
     ),
     *(Hook(*h) for h in segment_hooks.HOOKS),
     *(Hook(*h) for h in api_hooks.HOOKS),

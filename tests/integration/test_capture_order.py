@@ -1,0 +1,97 @@
+"""Captures on miss wait while user requests do (``redknot.integration.capture_order``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from redknot.api.marks import SegmentMark, encode_marks
+from redknot.integration import capture_order
+from redknot.segcache.entry import segment_id
+
+
+def _req(name: str, tokens: int, kind: str = "user"):
+    ids = list(range(tokens))
+    mark = SegmentMark(0, tokens, "ns", segment_id("ns", ids))
+    params = {
+        "user": None,
+        "marked": encode_marks([mark]),
+        "registration": encode_marks([mark], register=True),
+        "capture": encode_marks([mark], register=True, capture=True),
+    }[kind]
+    return SimpleNamespace(name=name, tokens=tokens,
+                           sampling_params=SimpleNamespace(custom_params=params))  # fmt: skip
+
+
+def _sglang_like(budget: int):
+    """Stands in for ``Scheduler.get_new_batch_prefill``: takes waiting requests in queue order
+    up to ``budget`` tokens and leaves the rest waiting (SGLang reassigns the list)."""
+    seen = []
+
+    def original(self, running_batch):
+        seen.append([r.name for r in self.waiting_queue])
+        batch, room = [], budget
+        for req in self.waiting_queue:
+            if req.tokens > room:
+                break
+            batch.append(req)
+            room -= req.tokens
+        self.waiting_queue = [r for r in self.waiting_queue if r not in batch]
+        return [r.name for r in batch]
+
+    return original, seen
+
+
+def test_only_captures_made_by_the_server_count_as_captures():
+    kinds = {k: capture_order.is_capture(_req(k, 4, k)) for k in
+             ("user", "marked", "registration", "capture")}  # fmt: skip
+    assert kinds == {"user": False, "marked": False, "registration": False, "capture": True}
+    assert not capture_order.is_capture(SimpleNamespace())  # no sampling params at all
+
+
+def test_user_requests_go_first_and_the_captures_keep_their_places():
+    original, seen = _sglang_like(budget=100)
+    sched = SimpleNamespace(waiting_queue=[
+        _req("c1", 30, "capture"), _req("u1", 20), _req("c2", 30, "capture"),
+        _req("u2", 90, "registration"),
+    ])  # fmt: skip
+    first = capture_order.around_get_new_batch_prefill(original, sched, None)
+    assert seen[-1] == ["u1", "u2"], "the batch is built from the user requests alone"
+    assert first == ["u1"]  # u2 did not fit beside u1
+    assert [r.name for r in sched.waiting_queue] == ["u2", "c1", "c2"]
+    second = capture_order.around_get_new_batch_prefill(original, sched, None)
+    assert second == ["u2"] and [r.name for r in sched.waiting_queue] == ["c1", "c2"]
+    third = capture_order.around_get_new_batch_prefill(original, sched, None)
+    assert third == ["c1", "c2"], "with no user request waiting, captures run as SGLang decides"
+    assert sched.waiting_queue == []
+
+
+def test_a_queue_without_captures_is_left_to_sglang():
+    original, seen = _sglang_like(budget=100)
+    reqs = [_req("u1", 20), _req("u2", 20, "marked")]
+    sched = SimpleNamespace(waiting_queue=list(reqs))
+    assert capture_order.around_get_new_batch_prefill(original, sched, None) == ["u1", "u2"]
+    assert seen == [["u1", "u2"]]
+    empty = SimpleNamespace(waiting_queue=[])
+    assert capture_order.around_get_new_batch_prefill(original, empty, None) == []
+
+
+def test_held_captures_come_back_when_scheduling_fails():
+    def original(self, running_batch):
+        self.waiting_queue = self.waiting_queue[1:]
+        raise RuntimeError("out of memory")
+
+    sched = SimpleNamespace(waiting_queue=[_req("c1", 8, "capture"), _req("u1", 8)])
+    with pytest.raises(RuntimeError):
+        capture_order.around_get_new_batch_prefill(original, sched, None)
+    assert [r.name for r in sched.waiting_queue] == ["c1"]
+
+
+def test_the_hook_is_installed_on_sglangs_scheduler(sglang_plugins):
+    from sglang.srt.managers.scheduler import Scheduler
+
+    sglang_plugins.verify()  # every hook of HOOKS took effect
+    assert sglang_plugins.wraps(
+        Scheduler.get_new_batch_prefill, capture_order.around_get_new_batch_prefill
+    )
