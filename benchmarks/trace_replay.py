@@ -199,10 +199,16 @@ class StandIn:
     name = "redknot CPU stand-in (no model)"
 
     def __init__(
-        self, region_tokens: int, context_len: int, capture_after: int = 2, step_us: float = 0.0
+        self,
+        region_tokens: int,
+        context_len: int,
+        capture_after: int = 2,
+        step_us: float = 0.0,
+        captures_yield: bool = True,
     ):
         self.region_tokens, self.context_len = region_tokens, context_len
         self.capture_after, self.step_us = capture_after, step_us
+        self.captures_yield = captures_yield
         self.client: Any = None
         self.http: Http | None = None
         self._uvicorn: Any = None
@@ -235,6 +241,7 @@ class StandIn:
             app, tokenizer, server_args=server_args, context_len=self.context_len,
             region_tokens=self.region_tokens, auto_segments="cdc" if mode == "auto" else "off",
             auto_capture_after=self.capture_after, step_us_per_token=self.step_us,
+            captures_yield=self.captures_yield,
         )  # fmt: skip
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
         if self.step_us > 0:
@@ -517,6 +524,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--standin-step-us", type=float, default=0.0,
                    help="--standin's engine time per prompt token in microseconds (0: none; "
                    "33 is the 8B shape's full prefill on an H100 at 16K tokens)")  # fmt: skip
+    p.add_argument("--standin-captures-fcfs", action="store_true",
+                   help="--standin's engine clock schedules captures first come first served "
+                   "(SGLang without redknot's capture ordering, redknot.integration."
+                   "capture_order)")  # fmt: skip
     p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
     args = p.parse_args(argv)
@@ -526,8 +537,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              "chat": {"sessions": args.sessions, "turns": args.turns}}  # fmt: skip
     if args.standin:
         target: Any = StandIn(
-            args.region_tokens, 1 << 16, args.auto_capture_after, args.standin_step_us
-        )
+            args.region_tokens, 1 << 16, args.auto_capture_after, args.standin_step_us,
+            captures_yield=not args.standin_captures_fcfs,
+        )  # fmt: skip
         system = args.system or "redknot-standin"
     else:
         system = args.system or "redknot"

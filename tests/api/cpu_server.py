@@ -211,23 +211,28 @@ class EngineClock:
     """A GPU engine's time on the stand-in, so that what overlaps on a real server overlaps here
     (a capture runs while later requests wait, a control request waits for the step under way).
 
-    One forward step at a time, as SGLang's scheduler: a step takes the waiting prompts in
-    arrival order up to ``chunk_tokens`` tokens (a longer prompt continues in the next steps:
-    chunked prefill) and lasts ``us_per_token`` microseconds per token it computes; a prompt is
-    served (its store effects happen) when its last token is computed. A control request is
-    answered at the end of the step under way (at once when the engine is idle), as the
-    scheduler reads its requests at the top of its loop. Decode steps are not modelled."""
+    One forward step at a time, as SGLang's scheduler: a step continues the prompt whose prefill
+    is under way (chunked prefill), then takes the waiting prompts in arrival order up to
+    ``chunk_tokens`` tokens, holding captures on miss back while a user prompt waits (and letting
+    only ``CAPTURE_STEP_TOKENS`` of captures start in a step) as redknot's
+    scheduler hook does (``redknot.integration.capture_order``; ``captures_yield=False``: plain
+    arrival order, SGLang without the hook). A step lasts ``us_per_token`` microseconds per
+    token it computes; a prompt is served (its store effects happen) when its last token is
+    computed. A control request is answered at the end of the step under way (at once when the
+    engine is idle), as the scheduler reads its requests at the top of its loop. Decode steps
+    are not modelled."""
 
-    def __init__(self, us_per_token: float, chunk_tokens: int = 8192):
+    def __init__(self, us_per_token: float, chunk_tokens: int = 8192, captures_yield: bool = True):
         self.us_per_token, self.chunk_tokens = us_per_token, chunk_tokens
-        self._waiting: deque[list] = deque()  # [tokens left, future]
+        self.captures_yield = captures_yield
+        self._waiting: deque[list] = deque()  # [tokens left, future, capture, started]
         self._boundary: list[asyncio.Future] = []
         self._task: asyncio.Task | None = None
 
-    async def prefill(self, tokens: int) -> None:
+    async def prefill(self, tokens: int, capture: bool = False) -> None:
         """Return once a prompt of ``tokens`` tokens has been computed."""
         done = asyncio.get_running_loop().create_future()
-        self._waiting.append([max(tokens, 1), done])
+        self._waiting.append([max(tokens, 1), done, capture, False])
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
         await done
@@ -240,12 +245,22 @@ class EngineClock:
         self._boundary.append(waiter)
         await waiter
 
+    def _step_order(self) -> list[list]:
+        from redknot.integration.capture_order import split_queue
+
+        started = [item for item in self._waiting if item[3]]
+        rest = [item for item in self._waiting if not item[3]]
+        if self.captures_yield:
+            rest, _ = split_queue(rest, lambda item: item[2], lambda item: item[0])
+        return started + rest
+
     async def _run(self) -> None:
         while self._waiting:
             room, finished = self.chunk_tokens, []
-            for item in self._waiting:
+            for item in self._step_order():
                 take = min(item[0], room)
                 item[0] -= take
+                item[3] = True
                 room -= take
                 if item[0] == 0:
                     finished.append(item)
@@ -359,7 +374,7 @@ class CpuTokenizerManager(FakeTokenizerManager):
         ids = obj.input_ids
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer.encode(obj.text)
-        await self.clock.prefill(len(ids or ()))
+        await self.clock.prefill(len(ids or ()), capture=_is_capture(obj))
         return self._serve_one(obj)
 
     def _serve_one(self, obj: Any) -> dict:
@@ -428,6 +443,7 @@ class CpuServer:
         auto_chunk_tokens: int = 256,
         auto_capture_after: int = 2,
         step_us_per_token: float = 0.0,
+        captures_yield: bool = True,
     ):
         from sglang.srt.entrypoints import http_server
 
@@ -440,7 +456,11 @@ class CpuServer:
         self.app = app
         self.scheduler = CpuScheduler(region_tokens, namespace_fraction=namespace_fraction)
         self.store = self.scheduler.store
-        clock = EngineClock(step_us_per_token) if step_us_per_token > 0 else None
+        clock = (
+            EngineClock(step_us_per_token, captures_yield=captures_yield)
+            if step_us_per_token > 0
+            else None
+        )
         self.tm = CpuTokenizerManager(
             tokenizer, self.scheduler, clock, context_len=context_len, vocab_size=vocab
         )

@@ -20,7 +20,7 @@ def _req(name: str, tokens: int, kind: str = "user"):
         "registration": encode_marks([mark], register=True),
         "capture": encode_marks([mark], register=True, capture=True),
     }[kind]
-    return SimpleNamespace(name=name, tokens=tokens,
+    return SimpleNamespace(name=name, tokens=tokens, origin_input_ids=ids,
                            sampling_params=SimpleNamespace(custom_params=params))  # fmt: skip
 
 
@@ -86,6 +86,20 @@ def test_held_captures_come_back_when_scheduling_fails():
     with pytest.raises(RuntimeError):
         capture_order.around_get_new_batch_prefill(original, sched, None)
     assert [r.name for r in sched.waiting_queue] == ["c1"]
+
+
+def test_captures_alone_start_a_step_of_a_bounded_size():
+    step = capture_order.CAPTURE_STEP_TOKENS
+    original, seen = _sglang_like(budget=8192)
+    sched = SimpleNamespace(waiting_queue=[
+        _req("c1", step - 500, "capture"), _req("c2", 1000, "capture"),
+        _req("c3", 100, "capture"), _req("c4", 3 * step, "capture"), _req("c5", 10, "capture"),
+    ])  # fmt: skip
+    batches = []
+    while sched.waiting_queue:
+        batches.append(capture_order.around_get_new_batch_prefill(original, sched, None))
+    assert batches == [["c1"], ["c2", "c3"], ["c4"], ["c5"]]
+    assert seen[0] == ["c1"], "the held captures were not offered to the batch"
 
 
 def test_the_hook_is_installed_on_sglangs_scheduler(sglang_plugins):
