@@ -205,10 +205,11 @@ class StandIn:
         capture_after: int = 2,
         step_us: float = 0.0,
         captures_yield: bool = True,
+        capture_step_tokens: int = 2048,
     ):
         self.region_tokens, self.context_len = region_tokens, context_len
         self.capture_after, self.step_us = capture_after, step_us
-        self.captures_yield = captures_yield
+        self.captures_yield, self.capture_step_tokens = captures_yield, capture_step_tokens
         self.client: Any = None
         self.http: Http | None = None
         self._uvicorn: Any = None
@@ -241,7 +242,7 @@ class StandIn:
             app, tokenizer, server_args=server_args, context_len=self.context_len,
             region_tokens=self.region_tokens, auto_segments="cdc" if mode == "auto" else "off",
             auto_capture_after=self.capture_after, step_us_per_token=self.step_us,
-            captures_yield=self.captures_yield,
+            captures_yield=self.captures_yield, capture_step_tokens=self.capture_step_tokens,
         )  # fmt: skip
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
         if self.step_us > 0:
@@ -528,6 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="--standin's engine clock schedules captures first come first served "
                    "(SGLang without redknot's capture ordering, redknot.integration."
                    "capture_order)")  # fmt: skip
+    p.add_argument("--standin-capture-step-tokens", type=int, default=2048,
+                   help="--standin's --redknot-capture-step-tokens")  # fmt: skip
     p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
     args = p.parse_args(argv)
@@ -539,6 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target: Any = StandIn(
             args.region_tokens, 1 << 16, args.auto_capture_after, args.standin_step_us,
             captures_yield=not args.standin_captures_fcfs,
+            capture_step_tokens=args.standin_capture_step_tokens,
         )  # fmt: skip
         system = args.system or "redknot-standin"
     else:

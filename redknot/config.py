@@ -202,6 +202,12 @@ class RedknotConfig:
         "after the request's first token); 'off' stores only registered segments.",
         default="on",
     )
+    capture_step_tokens: int = _opt(
+        "Captures on miss wait while user requests do; with none waiting, at most this many "
+        "prompt tokens of captures start in one prefill batch, so a request that arrives then "
+        "waits for one such step (redknot.integration.capture_order).",
+        default=2048,
+    )
     auto_segments: str = _opt(
         "Segments in unmarked prompts: 'off', or 'cdc' (a /generate prompt's tokens are cut "
         "into content-defined chunks, a chat request's message contents are segments, long "
@@ -322,6 +328,7 @@ class RedknotConfig:
                     f"--redknot-{flag} must be a number in [0, 1], got {value!r}"
                 )
         for name, low in (("dense_layers", 0), ("recent_n", 1), ("epic_k", 0), ("restore_edge", 1),
+                          ("capture_step_tokens", 1),
                           ("restore_heads", 0),
                           ("blend_check_layer", 0), ("sparseq_boundary", 1), ("sparseq_k", 0),
                           ("sparseq_block", 0)):  # fmt: skip

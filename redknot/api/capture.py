@@ -31,8 +31,9 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
    (``claim_write``).
 
 Scheduling: the capture is sent after the request that missed has its first token, so it never
-delays that request; it competes with later requests like any prefill of its length, at the
-lowest priority when the server schedules by priority (``--enable-priority-scheduling``).
+delays that request; in the scheduler it waits while user requests do, and starts in steps of
+at most 2,048 prompt tokens (``redknot.integration.capture_order``), at the lowest priority
+when the server schedules by priority (``--enable-priority-scheduling``).
 At most ``MAX_CONCURRENT`` batches run at once and ``MAX_PENDING`` segments wait; more are
 dropped (counted as ``captures_dropped``: the segment is captured by a later miss). One
 registration request per segment was measured first: with ~60 automatic chunks per RAG prompt

@@ -12,15 +12,15 @@ The rule, applied each time the scheduler builds a prefill batch
 | waiting                          | what the batch may take                                  |
 | -------------------------------- | -------------------------------------------------------- |
 | no capture                       | as SGLang decides (unchanged)                            |
-| captures only                    | the first of them up to ``CAPTURE_STEP_TOKENS`` prompt tokens (at least one) |
+| captures only                    | the first of them up to ``--redknot-capture-step-tokens`` prompt tokens (at least one) |
 | user requests and captures       | the user requests only; the captures keep their places at the end of the queue, for a later batch |
 
 So a user request that arrives while captures run waits for one step of at most
-``CAPTURE_STEP_TOKENS`` capture tokens (a 2K prompt takes 59 ms on the 8B shape, H100,
+``--redknot-capture-step-tokens`` (default 2,048) capture tokens (a 2K prompt takes 59 ms on the 8B shape, H100,
 ``ttft_all_sizes.json``) instead of every capture queued before it. What it does not do: a
 capture already running is not stopped (SGLang continues a chunked prompt first, and a forward
-step under way is not interrupted), so a capture longer than ``CAPTURE_STEP_TOKENS`` still
-takes steps of SGLang's chunk size; and under load that never leaves the queue empty, captures
+step under way is not interrupted), so a capture longer than the step still takes steps of
+SGLang's chunk size; and under load that never leaves the queue empty, captures
 wait (they hold no memory while queued; the HTTP side bounds how many are pending,
 ``redknot.api.capture.MAX_PENDING``). Every rank of a tensor-parallel server sees the same
 queue and takes the same decision. Client registrations (``POST /redknot/segments``) are user
@@ -29,14 +29,29 @@ requests here: the client asked for them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from redknot import envs
 from redknot.api.marks import KEY_CAPTURE, KEY_REGISTER
 
 T = TypeVar("T")
 
-CAPTURE_STEP_TOKENS = 2048  # prompt tokens of captures that start in one prefill batch
+CAPTURE_STEP_TOKENS = 2048  # RedknotConfig.capture_step_tokens' default
+
+
+def step_tokens() -> int:
+    """``--redknot-capture-step-tokens`` of this server (its default where none was resolved)."""
+    text = envs.REDKNOT_RESOLVED_CONFIG.get()
+    return CAPTURE_STEP_TOKENS if text is None else _step_tokens_of(text)
+
+
+@functools.cache
+def _step_tokens_of(text: str) -> int:
+    from redknot.config import RedknotConfig
+
+    return RedknotConfig.from_json(text).capture_step_tokens
 
 
 def is_capture(req: Any) -> bool:
@@ -57,7 +72,7 @@ def split_queue(
     queue: Sequence[T],
     capture: Callable[[T], bool],
     size: Callable[[T], int],
-    step_tokens: int = CAPTURE_STEP_TOKENS,
+    step_tokens: int,
 ) -> tuple[list[T], list[T]]:
     """``(schedulable now, held back)``, both in queue order: with a user request waiting, the
     captures are held back; with captures only, those after the first ``step_tokens`` tokens
@@ -82,7 +97,7 @@ def around_get_new_batch_prefill(original, self, *args, **kwargs):
     queue = getattr(self, "waiting_queue", None)
     if not queue:
         return original(self, *args, **kwargs)
-    now, held = split_queue(queue, is_capture, prompt_tokens)
+    now, held = split_queue(queue, is_capture, prompt_tokens, step_tokens())
     if not held:
         return original(self, *args, **kwargs)
     self.waiting_queue = now

@@ -214,7 +214,7 @@ class EngineClock:
     One forward step at a time, as SGLang's scheduler: a step continues the prompt whose prefill
     is under way (chunked prefill), then takes the waiting prompts in arrival order up to
     ``chunk_tokens`` tokens, holding captures on miss back while a user prompt waits (and letting
-    only ``CAPTURE_STEP_TOKENS`` of captures start in a step) as redknot's
+    only ``capture_step_tokens`` of captures start in a step) as redknot's
     scheduler hook does (``redknot.integration.capture_order``; ``captures_yield=False``: plain
     arrival order, SGLang without the hook). A step lasts ``us_per_token`` microseconds per
     token it computes; a prompt is served (its store effects happen) when its last token is
@@ -222,9 +222,15 @@ class EngineClock:
     engine is idle), as the scheduler reads its requests at the top of its loop. Decode steps
     are not modelled."""
 
-    def __init__(self, us_per_token: float, chunk_tokens: int = 8192, captures_yield: bool = True):
+    def __init__(
+        self,
+        us_per_token: float,
+        chunk_tokens: int = 8192,
+        captures_yield: bool = True,
+        capture_step_tokens: int = 2048,
+    ):
         self.us_per_token, self.chunk_tokens = us_per_token, chunk_tokens
-        self.captures_yield = captures_yield
+        self.captures_yield, self.capture_step_tokens = captures_yield, capture_step_tokens
         self._waiting: deque[list] = deque()  # [tokens left, future, capture, started]
         self._boundary: list[asyncio.Future] = []
         self._task: asyncio.Task | None = None
@@ -251,7 +257,9 @@ class EngineClock:
         started = [item for item in self._waiting if item[3]]
         rest = [item for item in self._waiting if not item[3]]
         if self.captures_yield:
-            rest, _ = split_queue(rest, lambda item: item[2], lambda item: item[0])
+            rest, _ = split_queue(
+                rest, lambda item: item[2], lambda item: item[0], self.capture_step_tokens
+            )
         return started + rest
 
     async def _run(self) -> None:
@@ -444,6 +452,7 @@ class CpuServer:
         auto_capture_after: int = 2,
         step_us_per_token: float = 0.0,
         captures_yield: bool = True,
+        capture_step_tokens: int = 2048,
     ):
         from sglang.srt.entrypoints import http_server
 
@@ -456,11 +465,13 @@ class CpuServer:
         self.app = app
         self.scheduler = CpuScheduler(region_tokens, namespace_fraction=namespace_fraction)
         self.store = self.scheduler.store
-        clock = (
-            EngineClock(step_us_per_token, captures_yield=captures_yield)
-            if step_us_per_token > 0
-            else None
-        )
+        clock = None
+        if step_us_per_token > 0:
+            clock = EngineClock(
+                step_us_per_token,
+                captures_yield=captures_yield,
+                capture_step_tokens=capture_step_tokens,
+            )
         self.tm = CpuTokenizerManager(
             tokenizer, self.scheduler, clock, context_len=context_len, vocab_size=vocab
         )

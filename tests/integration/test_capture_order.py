@@ -89,7 +89,8 @@ def test_held_captures_come_back_when_scheduling_fails():
 
 
 def test_captures_alone_start_a_step_of_a_bounded_size():
-    step = capture_order.CAPTURE_STEP_TOKENS
+    step = capture_order.step_tokens()
+    assert step == capture_order.CAPTURE_STEP_TOKENS  # no server resolved here: the default
     original, seen = _sglang_like(budget=8192)
     sched = SimpleNamespace(waiting_queue=[
         _req("c1", step - 500, "capture"), _req("c2", 1000, "capture"),
