@@ -89,15 +89,29 @@ def run_lfps(q, k, v, prompt_len: int, steps: int, params: LfpsParams) -> dict:
 
 
 def run_lfps_shared(
-    q, k, v, prompt_len: int, steps: int, params: LfpsParams, kv_heads: int, factor: int
+    q,
+    k,
+    v,
+    prompt_len: int,
+    steps: int,
+    params: LfpsParams,
+    kv_heads: int,
+    factor: int,
+    widen: float = 1.0,
 ) -> dict:
     """``run_lfps`` for the GPU path's shared selection (``redknot.lfps.batched``, its PyTorch
     reference): one candidate list and one Top-k per KV head, serving its ``Hq / Hkv`` query
     heads, with ``C = factor * K`` candidates as the decode benchmark runs it. Recall is each
-    query head's own (its exact Top-k against the shared selection); ``overflow_share``: steps
-    and KV heads whose candidates exceeded ``C`` (the list then keeps the highest priorities)."""
+    query head's own (its exact Top-k, at ``params.budget``, against the shared selection of
+    ``widen`` times that budget); ``overflow_share``: steps and KV heads whose candidates
+    exceeded ``C`` (the list then keeps the highest priorities)."""
+    import dataclasses
+
     from redknot.lfps.batch_state import pack_states
     from redknot.lfps.batched import LfpsBudgets, lfps_decode_step
+
+    exact = params
+    params = dataclasses.replace(params, budget=params.budget * widen)
 
     H, T, _ = q.shape
     rows = H // kv_heads
@@ -119,7 +133,7 @@ def run_lfps_shared(
         sel = res.selected[0].long()
         chosen.scatter_(1, sel.clamp(min=0), sel >= 0)
         chosen = chosen.repeat_interleave(rows, 0)
-        kk = params.budget_for(t + 1 - params.num_sink)
+        kk = exact.budget_for(t + 1 - params.num_sink)
         rec = recall_vs_exact_topk(q[:, t], k[:, : t + 1], chosen, kk, params.num_sink)
         active = ~res.bypass[0]
         if bool(active.any()):
@@ -180,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         "--candidate-factor x K",
     )  # fmt: skip
     p.add_argument("--candidate-factor", type=int, default=4)
+    p.add_argument(
+        "--shared-widen", type=float, default=1.0,
+        help="kv_head: the shared selection keeps this many times --budget (recall is still "
+        "against each query head's exact Top-k at --budget)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     params = LfpsParams(budget=args.budget, lam=args.lam, history_steps=args.history)
@@ -204,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         qkv = model_qkv(family, prompt_ids(tokenizer, args.cases, n + args.steps))
         if args.selection == "kv_head":
             kv_heads = family.shape.num_kv_heads
+            shared = (kv_heads, args.candidate_factor, args.shared_widen)
             per_layer = [
-                run_lfps_shared(q, k, v, n, args.steps, params, kv_heads, args.candidate_factor)
-                for q, k, v in qkv
+                run_lfps_shared(q, k, v, n, args.steps, params, *shared) for q, k, v in qkv
             ]
         else:
             per_layer = [run_lfps(q, k, v, n, args.steps, params) for q, k, v in qkv]
@@ -234,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_sink": params.num_sink,
             "selection": args.selection,
             "candidate_factor": args.candidate_factor if args.selection == "kv_head" else None,
+            "shared_widen": args.shared_widen if args.selection == "kv_head" else None,
         },
         "note": "teacher-forced: Q/K/V of the dense model, recall averaged over non-bypass heads, "
         "steps and layers; candidate_share = keys scored exactly / keys",

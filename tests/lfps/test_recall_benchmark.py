@@ -36,3 +36,14 @@ def test_a_shared_list_over_capacity_is_counted():
     # one step from the same tables: the same candidates were found, fewer were kept
     assert tight["candidate_share"] == pytest.approx(roomy["candidate_share"])
     assert 0.0 < tight["recall"] < 1.0
+
+
+def test_a_wider_shared_selection_contains_the_narrower_one():
+    params = LfpsParams(budget=0.02)
+    q, k, v = lr.synthetic_qkv(601, 4, 64, seed=2)
+    k, v = k[::2].repeat_interleave(2, 0), v[::2].repeat_interleave(2, 0)
+    one, two = (lr.run_lfps_shared(q, k, v, 600, 1, params, kv_heads=2, factor=1000, widen=w)
+                for w in (1.0, 2.0))  # fmt: skip
+    assert two["candidate_share"] == pytest.approx(one["candidate_share"])
+    assert one["recall"] <= two["recall"] <= 1.0
+    assert two["recall"] > one["recall"], "twice the keys of the same ranking recall more here"
