@@ -110,3 +110,26 @@ def test_the_hook_is_installed_on_sglangs_scheduler(sglang_plugins):
     assert sglang_plugins.wraps(
         Scheduler.get_new_batch_prefill, capture_order.around_get_new_batch_prefill
     )
+
+
+def test_sglangs_own_method_runs_through_the_hook(sglang_plugins):
+    """The installed wrapper around SGLang's real ``get_new_batch_prefill`` (its body runs; the
+    batch building below it is replaced by a recorder)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    sglang_plugins.verify()
+    sched = Scheduler.__new__(Scheduler)
+    sched.prefill_delayer = None
+    offered = []
+
+    def build(prefill_delayer_single_pass, running_batch):
+        offered.append([r.name for r in sched.waiting_queue])
+        sched.waiting_queue = sched.waiting_queue[1:]  # the first one was scheduled
+        return None, running_batch
+
+    sched._get_new_batch_prefill_raw = build
+    sched.waiting_queue = [_req("c1", 8, "capture"), _req("u1", 8), _req("u2", 8)]
+    plan = sched.get_new_batch_prefill("running")
+    assert plan.running_batch == "running" and plan.batch_to_run is None
+    assert offered == [["u1", "u2"]]
+    assert [r.name for r in sched.waiting_queue] == ["u2", "c1"]
