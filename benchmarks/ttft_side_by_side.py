@@ -94,7 +94,9 @@ def gate_of(meta: dict) -> str:
     return (report.get("gate") or {}).get("decision", "none")
 
 
-def measure(urls: dict[str, str], args, vocab: int) -> dict:
+def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
+    """Every point of ``args.points`` on every server; ``on_point(results so far)`` after each
+    point (the caller writes them, so that a run cut short keeps its finished points)."""
     from redknot.api.marks import SegmentMark, encode_marks
     from redknot.segcache.entry import segment_id
 
@@ -151,6 +153,8 @@ def measure(urls: dict[str, str], args, vocab: int) -> dict:
         results[point_key(length, count)] = rows
         print(point_key(length, count), {n: (round(r["ttft_s"] * 1e3, 1), r["paired_speedup"],
                                              r["gate"]) for n, r in rows.items()}, flush=True)  # fmt: skip
+        if on_point is not None:
+            on_point(results)
     return results
 
 
@@ -194,20 +198,24 @@ def main(argv: list[str] | None = None) -> int:
             if not gm.wait_healthy(proc, port, log, args.startup_s):
                 return 1
         vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
-        results = measure(urls, args, vocab)
+
+        def write(results: dict, complete: bool = False) -> None:
+            served = {}  # what each redknot server said it serves, and why (its startup log)
+            for name in servers:
+                log = (gm.OUT / f"server_{gm.plain(name)}.log").read_text(errors="replace")
+                served[name] = [x for x in log.splitlines() if "redknot: serv" in x][:3]
+            common.write_json(args.out, common.record(
+                model=args.model, points=args.points, rounds=args.rounds,
+                question=args.question, complete=complete,
+                servers={name: " ".join(flags) for name, flags in servers.items()},
+                server_flags=SERVER_FLAGS, mem_fraction_static=args.mem_fraction_static,
+                served=served, summary=results,
+            ))  # fmt: skip
+
+        write(measure(urls, args, vocab, on_point=write), complete=True)
     finally:
         for proc in procs.values():
             gm.stop_server(proc)
-    served = {}  # what each redknot server said it serves, and why (its startup log)
-    for name in servers:
-        log = (gm.OUT / f"server_{gm.plain(name)}.log").read_text(errors="replace")
-        served[name] = [line for line in log.splitlines() if "redknot: serv" in line][:3]
-    common.write_json(args.out, common.record(
-        model=args.model, points=args.points, rounds=args.rounds, question=args.question,
-        servers={name: " ".join(flags) for name, flags in servers.items()},
-        server_flags=SERVER_FLAGS, mem_fraction_static=args.mem_fraction_static,
-        served=served, summary=results,
-    ))  # fmt: skip
     return 0
 
 

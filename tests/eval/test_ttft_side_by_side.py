@@ -109,3 +109,12 @@ def test_the_baseline_must_be_one_of_the_servers():
         sbs.parse_servers("x=--attention-backend redknot")
     with pytest.raises(SystemExit, match="NAME=FLAGS"):
         sbs.parse_servers("flashinfer=--a;nothing")
+
+
+def test_each_finished_point_is_handed_over_at_once(servers):
+    made, _ = servers
+    urls = {name: made[name].url for name in ("flashinfer", "cacheblend")}
+    seen = []
+    args = Namespace(points="32x2,64x2", rounds=1, question=2)
+    out = sbs.measure(urls, args, vocab=1000, on_point=lambda r: seen.append(sorted(r)))
+    assert seen == [["32x2"], ["32x2", "64x2"]] and sorted(out) == ["32x2", "64x2"]
