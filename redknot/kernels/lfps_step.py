@@ -41,6 +41,14 @@ def budget_tensor(budget: float, device: torch.device) -> torch.Tensor:
     return torch.tensor([float(budget)], dtype=torch.float64, device=device)
 
 
+def row_budget_args(params: LfpsParams, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """What the kernels' ``row_budget`` reads: ``params.budget`` on ``device`` and whether it
+    is a fraction of the keys (``FRACTION``) rather than a count."""
+    budget = params.budget
+    fraction = isinstance(budget, float) and budget < 1.0
+    return budget_tensor(budget if fraction else int(budget), device), fraction
+
+
 def lfps_sparsity(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -132,11 +140,9 @@ def lfps_topk(
     top_at = torch.empty(B, Hs, k, dtype=torch.int64, device=rank.device)
     if B == 0:
         return top_val, top_at
-    budget = params.budget
-    fraction = isinstance(budget, float) and budget < 1.0
+    budget, fraction = row_budget_args(params, rank.device)
     lfps_topk_kernel[(Hs, B)](
-        rank, seq_lens, budget_tensor(budget if fraction else int(budget), rank.device),
-        top_val, top_at, params.num_sink, k, C,
+        rank, seq_lens, budget, top_val, top_at, params.num_sink, k, C,
         rank.stride(0), rank.stride(1), top_val.stride(0), top_val.stride(1),
         BLOCK=block, ONE_BLOCK=block >= C, RADIX_BITS=radix_bits, FRACTION=fraction,
         num_warps=num_warps,
@@ -183,13 +189,10 @@ def lfps_select_update(
     selected = torch.empty(B, Hs, K, dtype=torch.int32, device=top_val.device)
     if B == 0:
         return selected
-    budget = params.budget
-    fraction = isinstance(budget, float) and budget < 1.0
+    budget, fraction = row_budget_args(params, top_val.device)
     flags = bypass.view(torch.int8)
     lfps_update_kernel[(Hs, B)](
-        top_val, top_at, candidates, count, logits, flags, seq_lens,
-        budget_tensor(budget if fraction else int(budget), top_val.device),
-        state.vertical, state.slash, state.scale, selected,
+        top_val, top_at, candidates, count, logits, flags, seq_lens, budget, state.vertical, state.slash, state.scale, selected,
         params.decay, params.num_sink, K, C,
         top_val.stride(0), top_val.stride(1), candidates.stride(0), candidates.stride(1),
         count.stride(0), logits.stride(0), logits.stride(1), flags.stride(0),
