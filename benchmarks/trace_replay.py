@@ -311,36 +311,43 @@ class Http:
             return None
 
     def send(self, payload: dict) -> Sent:
-        import urllib.request
-
-        req = urllib.request.Request(
-            self.url + "/generate", data=json.dumps(payload | {"stream": True}).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        started, first, meta = time.perf_counter(), None, {}
-        with urllib.request.urlopen(req, timeout=600) as resp:
-            for line in resp:
-                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                    continue
-                first = first or time.perf_counter() - started
-                chunk = json.loads(line[5:])
-                meta = {**meta, **chunk.get("meta_info", {})}
+        first, meta = stream_generate(self.url, payload)
         prompt = meta.get("prompt_tokens", len(payload["input_ids"]))
         cached = int(meta.get("cached_tokens") or 0)
         return Sent(prompt, _reused(meta), first, _policy(meta), cached)
 
 
-def _report(meta: dict) -> dict:
+def stream_generate(url: str, payload: dict, timeout: float = 600) -> tuple[float, dict]:
+    """``POST url/generate`` streamed: seconds to the first chunk and the merged
+    ``meta_info`` of every chunk."""
+    import urllib.request
+
+    req = urllib.request.Request(
+        url + "/generate", data=json.dumps(payload | {"stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    started, first, meta = time.perf_counter(), None, {}
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for line in resp:
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            first = first or time.perf_counter() - started
+            meta = {**meta, **json.loads(line[5:]).get("meta_info", {})}
+    return first, meta
+
+
+def reuse_report(meta: dict) -> dict:
+    """The answer's ``meta_info["redknot_reuse"]`` report (``{}`` when it has none)."""
     reports = meta.get("redknot_reuse") or [{}]
     return reports[0] or {}
 
 
 def _reused(meta: dict) -> int:
-    return int(_report(meta).get("reused_tokens", 0))
+    return int(reuse_report(meta).get("reused_tokens", 0))
 
 
 def _policy(meta: dict) -> str | None:
-    return _report(meta).get("policy")
+    return reuse_report(meta).get("policy")
 
 
 def _p(values: list[float], q: float) -> float | None:

@@ -29,12 +29,12 @@ import json
 import random
 import statistics
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import serving_common as common
+from trace_replay import reuse_report, stream_generate
 from ttft import parse_points, point_key
 
 BASELINE = "flashinfer"
@@ -64,29 +64,19 @@ def parse_servers(text: str) -> dict[str, list[str]]:
     return servers
 
 
-def post(url: str, payload: dict, stream: bool) -> tuple[float, dict]:
-    """Seconds to the first streamed chunk (the whole answer unstreamed) and the answer's
-    ``meta_info``."""
+def register(url: str, payload: dict) -> None:
+    """``POST url/generate`` unstreamed (a registration: nothing is generated)."""
     req = urllib.request.Request(
-        url + "/generate", data=json.dumps(payload | {"stream": stream}).encode(),
+        url + "/generate", data=json.dumps(payload).encode(),
         headers={"Content-Type": "application/json"},
     )  # fmt: skip
-    started, first, meta = time.perf_counter(), None, {}
     with urllib.request.urlopen(req, timeout=300) as resp:
-        if not stream:
-            return time.perf_counter() - started, json.loads(resp.read()).get("meta_info", {})
-        for line in resp:
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            first = first or time.perf_counter() - started
-            meta |= json.loads(line[5:]).get("meta_info", {})
-    return first, meta
+        resp.read()
 
 
 def gate_of(meta: dict) -> str:
     """``reuse``, ``recompute`` (the gate's decision), ``none`` (no report or no hit)."""
-    reports = meta.get("redknot_reuse") or [None]
-    report = reports[0] if isinstance(reports, list) else reports
+    report = reuse_report(meta)
     if not report:
         return "none"
     if report.get("reused_tokens"):
@@ -118,7 +108,7 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                 params = {"max_new_tokens": 0,
                           "custom_params": encode_marks([mark], register=True, pin=False)}  # fmt: skip
                 try:
-                    post(urls[name], {"input_ids": doc, "sampling_params": params}, stream=False)
+                    register(urls[name], {"input_ids": doc, "sampling_params": params})
                 except urllib.error.HTTPError as e:  # a server that stores no segments
                     rows[name]["unmarked"] = f"registration refused: {e.read()[:300]!r}"
                     marked[name] = False
@@ -136,8 +126,8 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                 params = dict(one)
                 if marked[name]:
                     params["custom_params"] = encode_marks(marks)
-                ttft, meta = post(urls[name], {"input_ids": ids, "sampling_params": params},
-                                  stream=True)  # fmt: skip
+                payload = {"input_ids": ids, "sampling_params": params}
+                ttft, meta = stream_generate(urls[name], payload, timeout=300)
                 if rnd:
                     rows[name]["samples"].append(round(ttft, 5))
                     gate = rows[name]["gate"]
