@@ -29,6 +29,17 @@ from segpaged_kernels import Timer
 from serving_common import record, write_json
 
 
+def trial(entry: dict, call, same, key: str, timer: Timer) -> dict:
+    """``entry`` with ``key``: whether ``same(call())`` holds, and ``ms``: ``call`` timed;
+    a setting that fails (does not compile, say) gets ``error`` instead: a finding, not an end."""
+    try:
+        entry[key] = bool(same(call()))
+        entry["ms"], _ = timer(call)
+    except Exception as e:  # noqa: BLE001
+        entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return entry
+
+
 def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
     from redknot.kernels import lfps_index, lfps_step
     from redknot.lfps import LfpsParams
@@ -53,26 +64,24 @@ def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
     for block, warps, bits in itertools.product(args.topk_blocks, args.topk_warps, args.topk_bits):
         kw = {"block": block or None, "num_warps": warps or None}
         kw |= {"radix_bits": bits} if bits else {}
-        entry = {"block": block, "num_warps": warps, "radix_bits": bits}
-        try:
-            got = lfps_step.lfps_topk(rank, seq, params, k, **kw)
-            entry["same_as_reference"] = all(torch.equal(a, b) for a, b in zip(got, want))
-            entry["ms"], _ = timer(lambda kw=kw: lfps_step.lfps_topk(rank, seq, params, k, **kw))
-        except Exception as e:  # noqa: BLE001 - a setting that does not compile is a finding
-            entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        entry = trial(
+            {"block": block, "num_warps": warps, "radix_bits": bits},
+            lambda kw=kw: lfps_step.lfps_topk(rank, seq, params, k, **kw),
+            lambda got: all(torch.equal(a, b) for a, b in zip(got, want)),
+            "same_as_reference", timer,
+        )  # fmt: skip
         row["topk_settings"].append(entry)
         print(f"L={L} B={B} lfps_topk", entry, flush=True)
     for chunk, block, warps in itertools.product(args.chunks, args.blocks, args.warps):
         if block > chunk:
             continue
         kw = {"chunk": chunk, "block": block, "num_warps": warps}
-        entry = {"chunk": chunk, "block": block, "num_warps": warps}
-        try:
-            got, count = lfps_index.lfps_candidates(*tables, **kw)
-            entry["same_as_default"] = bool(torch.equal(got, ref) and torch.equal(count, ref_count))
-            entry["ms"], _ = timer(lambda kw=kw: lfps_index.lfps_candidates(*tables, **kw))
-        except Exception as e:  # noqa: BLE001 - a setting that does not compile is a finding
-            entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        entry = trial(
+            dict(kw),
+            lambda kw=kw: lfps_index.lfps_candidates(*tables, **kw),
+            lambda got: torch.equal(got[0], ref) and torch.equal(got[1], ref_count),
+            "same_as_default", timer,
+        )  # fmt: skip
         row["settings"].append(entry)
         print(f"L={L} B={B}", entry, flush=True)
     ok = [s for s in row["settings"] if s.get("same_as_default") and s.get("ms")]
