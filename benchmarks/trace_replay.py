@@ -205,7 +205,7 @@ class StandIn:
         capture_after: int = 2,
         step_us: float = 0.0,
         captures_yield: bool = True,
-        capture_step_tokens: int = 2048,
+        capture_step_tokens: int | None = None,
     ):
         self.region_tokens, self.context_len = region_tokens, context_len
         self.capture_after, self.step_us = capture_after, step_us
@@ -221,6 +221,7 @@ class StandIn:
         from fastapi.testclient import TestClient
         from transformers import AutoTokenizer
 
+        from redknot.integration.capture_order import CAPTURE_STEP_TOKENS
         from redknot.reference.loading import smollm2_source
         from tests.api.cpu_server import (
             CpuServer,
@@ -229,6 +230,8 @@ class StandIn:
             write_model_dir,
         )
 
+        step = self.capture_step_tokens
+        step = CAPTURE_STEP_TOKENS if step is None else step  # None: the server's default
         source = smollm2_source()
         if source is None:
             raise SystemExit(
@@ -242,7 +245,7 @@ class StandIn:
             app, tokenizer, server_args=server_args, context_len=self.context_len,
             region_tokens=self.region_tokens, auto_segments="cdc" if mode == "auto" else "off",
             auto_capture_after=self.capture_after, step_us_per_token=self.step_us,
-            captures_yield=self.captures_yield, capture_step_tokens=self.capture_step_tokens,
+            captures_yield=self.captures_yield, capture_step_tokens=step,
         )  # fmt: skip
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
         if self.step_us > 0:
@@ -536,8 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="--standin's engine clock schedules captures first come first served "
                    "(SGLang without redknot's capture ordering, redknot.integration."
                    "capture_order)")  # fmt: skip
-    p.add_argument("--standin-capture-step-tokens", type=int, default=2048,
-                   help="--standin's --redknot-capture-step-tokens")  # fmt: skip
+    p.add_argument("--standin-capture-step-tokens", type=int, default=None,
+                   help="--standin's --redknot-capture-step-tokens (default: the server's)")  # fmt: skip
     p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
     args = p.parse_args(argv)

@@ -35,10 +35,11 @@ from typing import Any, TypeVar
 
 from redknot import envs
 from redknot.api.marks import KEY_CAPTURE, KEY_REGISTER
+from redknot.config import RedknotConfig
 
 T = TypeVar("T")
 
-CAPTURE_STEP_TOKENS = 2048  # RedknotConfig.capture_step_tokens' default
+CAPTURE_STEP_TOKENS: int = RedknotConfig.__dataclass_fields__["capture_step_tokens"].default
 
 
 def step_tokens() -> int:
@@ -49,8 +50,6 @@ def step_tokens() -> int:
 
 @functools.cache
 def _step_tokens_of(text: str) -> int:
-    from redknot.config import RedknotConfig
-
     return RedknotConfig.from_json(text).capture_step_tokens
 
 

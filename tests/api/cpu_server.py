@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from redknot.integration.capture_order import CAPTURE_STEP_TOKENS
 from tests.api.conftest import FakeTokenizerManager
 
 TINY_LLAMA = {
@@ -227,7 +228,7 @@ class EngineClock:
         us_per_token: float,
         chunk_tokens: int = 8192,
         captures_yield: bool = True,
-        capture_step_tokens: int = 2048,
+        capture_step_tokens: int = CAPTURE_STEP_TOKENS,
     ):
         self.us_per_token, self.chunk_tokens = us_per_token, chunk_tokens
         self.captures_yield, self.capture_step_tokens = captures_yield, capture_step_tokens
@@ -452,7 +453,7 @@ class CpuServer:
         auto_capture_after: int = 2,
         step_us_per_token: float = 0.0,
         captures_yield: bool = True,
-        capture_step_tokens: int = 2048,
+        capture_step_tokens: int = CAPTURE_STEP_TOKENS,
     ):
         from sglang.srt.entrypoints import http_server
 
