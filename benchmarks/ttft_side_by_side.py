@@ -114,24 +114,18 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                     marked[name] = False
                     break
         for rnd in range(args.rounds + 1):  # round 0 warms every server up, not counted
-            head, question = rand(1), rand(args.question)
-            ids, marks = list(head), []
-            for doc in docs:
-                marks.append(SegmentMark(len(ids), len(ids) + len(doc), "bench",
-                                         segment_id("bench", doc)))  # fmt: skip
-                ids += doc
-            ids += question
+            ids, marks = common.reusing_prompt(rand(1), docs, rand(args.question), "bench")
             shift = rnd % len(names)
             for name in names[shift:] + names[:shift]:
                 params = dict(one)
                 if marked[name]:
-                    params["custom_params"] = encode_marks(marks)
+                    params["custom_params"] = marks
                 payload = {"input_ids": ids, "sampling_params": params}
                 ttft, meta = stream_generate(urls[name], payload, timeout=300)
                 if rnd:
                     rows[name]["samples"].append(round(ttft, 5))
-                    gate = rows[name]["gate"]
-                    gate[gate_of(meta)] = gate.get(gate_of(meta), 0) + 1
+                    gate, decision = rows[name]["gate"], gate_of(meta)
+                    gate[decision] = gate.get(decision, 0) + 1
         base = rows[BASELINE]["samples"]
         for name, row in rows.items():
             row["ttft_s"] = statistics.median(row["samples"])
