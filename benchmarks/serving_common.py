@@ -132,15 +132,11 @@ def register_segments(engine, docs: list[list[int]], namespace: str) -> None:
 
 
 def reusing_prompt(head: list[int], docs: list[list[int]], question: list[int],
-                   namespace: str) -> tuple[list[int], str]:  # fmt: skip
-    """``head``, every document of ``docs``, then ``question``, and the encoded marks of the
-    documents as segments of ``namespace`` (a request's ``custom_params``)."""
-    from redknot.api.marks import SegmentMark, encode_marks
-    from redknot.segcache.entry import segment_id
-
-    ids, marks = list(head), []
+                   namespace: str) -> tuple[list[int], list[dict]]:  # fmt: skip
+    """``head``, every document of ``docs``, then ``question``, and the documents' spans as
+    segments of ``namespace`` (a ``/generate`` request's ``redknot_segments``, docs/api.md)."""
+    ids, spans = list(head), []
     for doc in docs:
-        marks.append(SegmentMark(len(ids), len(ids) + len(doc), namespace,
-                                 segment_id(namespace, doc)))  # fmt: skip
+        spans.append({"start": len(ids), "end": len(ids) + len(doc), "namespace": namespace})
         ids += doc
-    return ids + list(question), encode_marks(marks)
+    return ids + list(question), spans

@@ -65,9 +65,9 @@ def parse_servers(text: str) -> dict[str, list[str]]:
 
 
 def register(url: str, payload: dict) -> None:
-    """``POST url/generate`` unstreamed (a registration: nothing is generated)."""
+    """``POST url/redknot/segments``: a segment stored standalone (docs/api.md section 4)."""
     req = urllib.request.Request(
-        url + "/generate", data=json.dumps(payload).encode(),
+        url + "/redknot/segments", data=json.dumps(payload).encode(),
         headers={"Content-Type": "application/json"},
     )  # fmt: skip
     with urllib.request.urlopen(req, timeout=300) as resp:
@@ -87,9 +87,6 @@ def gate_of(meta: dict) -> str:
 def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
     """Every point of ``args.points`` on every server; ``on_point(results so far)`` after each
     point (the caller writes them, so that a run cut short keeps its finished points)."""
-    from redknot.api.marks import SegmentMark, encode_marks
-    from redknot.segcache.entry import segment_id
-
     rng = random.Random(0)
 
     def rand(n: int) -> list[int]:
@@ -104,23 +101,19 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
         marked = {name: name != BASELINE for name in names}
         for name in names:
             for doc in docs if marked[name] else ():  # registered (standalone), not timed
-                mark = SegmentMark(0, len(doc), "bench", segment_id("bench", doc))
-                params = {"max_new_tokens": 0,
-                          "custom_params": encode_marks([mark], register=True, pin=False)}  # fmt: skip
                 try:
-                    register(urls[name], {"input_ids": doc, "sampling_params": params})
+                    register(urls[name], {"namespace": "bench", "input_ids": doc, "pin": False})
                 except urllib.error.HTTPError as e:  # a server that stores no segments
                     rows[name]["unmarked"] = f"registration refused: {e.read()[:300]!r}"
                     marked[name] = False
                     break
         for rnd in range(args.rounds + 1):  # round 0 warms every server up, not counted
-            ids, marks = common.reusing_prompt(rand(1), docs, rand(args.question), "bench")
+            ids, spans = common.reusing_prompt(rand(1), docs, rand(args.question), "bench")
             shift = rnd % len(names)
             for name in names[shift:] + names[:shift]:
-                params = dict(one)
+                payload = {"input_ids": ids, "sampling_params": one}
                 if marked[name]:
-                    params["custom_params"] = marks
-                payload = {"input_ids": ids, "sampling_params": params}
+                    payload["redknot_segments"] = spans
                 ttft, meta = stream_generate(urls[name], payload, timeout=300)
                 if rnd:
                     rows[name]["samples"].append(round(ttft, 5))

@@ -10,6 +10,15 @@ its recent window), as the head map says. Two execution paths, chosen once at st
   all KV heads, local rows limited to sink + window), used for every map with local heads and
   for all maps under ``--redknot-kernel triton``.
 
+Every head global under a token-level policy (``--redknot-policy cacheblend|epic|...``, the
+all-global maps of small models) takes both, per batch: an extend in which some request reuses,
+registers or captures a segment runs on the SegPaged kernels (they read and fill the segment
+cache); every other extend and every decode step is exactly dense attention over the same pool
+(the global K/V buffers are laid out as SGLang's) and runs on FlashInfer. A reusing server is
+then never slower than a dense one on the requests it does not reuse for (measured on SmolLM2:
+the SegPaged kernels took 1.1-1.6x FlashInfer's TTFT on prompts of 512-2K tokens,
+docs/performance.md).
+
 Planning happens once per batch (``init_forward_metadata*``); ``forward_extend`` and
 ``forward_decode`` only write KV and launch. Once built, the backend checks its path against the
 PyTorch reference on a synthetic batch (``redknot.attention.startup_check``) before the server
@@ -111,6 +120,16 @@ def _check_sparse_layers(model_runner: ModelRunner, runner, config: RedknotConfi
             )
 
 
+def _flashinfer(model_runner: ModelRunner) -> AttentionBackend:
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    return FlashInferAttnBackend(model_runner, init_new_workspace=model_runner.init_new_workspace)
+
+
+def _on_cuda(model_runner: ModelRunner) -> bool:
+    return torch.device(model_runner.device).type == "cuda"
+
+
 class RedknotAttnBackend(AttentionBackend):
     """SGLang attention backend applying a head-class map."""
 
@@ -133,13 +152,11 @@ class RedknotAttnBackend(AttentionBackend):
             )
         self.dense: AttentionBackend | None = None
         self.segpaged = None
-        if self.layout.all_global and config.kernel == "auto" and config.policy == "redknot":
-            from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
-
+        self.dense_batch = False  # the batch being run goes to FlashInfer (set per batch)
+        dense_exact = self.layout.all_global and config.kernel == "auto"
+        if dense_exact and config.policy == "redknot":
             _check_dense_path(model_runner.token_to_kv_pool)
-            self.dense = FlashInferAttnBackend(
-                model_runner, init_new_workspace=model_runner.init_new_workspace
-            )
+            self.dense = _flashinfer(model_runner)
             self.path = "dense"
         else:
             from redknot.attention.segpaged_runner import SegPagedRunner
@@ -147,11 +164,21 @@ class RedknotAttnBackend(AttentionBackend):
             self.segpaged = SegPagedRunner.from_model_runner(model_runner, self.layout)
             self.path = "segpaged"
             self._set_layer_schedule(model_runner, config, tp_size)
+            # no restore columns (they would widen the global buffers FlashInfer reads)
+            if dense_exact and not self.layout.restore and _on_cuda(model_runner):
+                self.dense = _flashinfer(model_runner)
+        self.dense_batch = self.segpaged is None
         logger.info(
-            "redknot backend (TP rank %d/%d): %s path, %d global / %d local KV heads per rank",
+            "redknot backend (TP rank %d/%d): %s path%s, %d global / %d local KV heads per rank",
             tp_rank,
             tp_size,
             self.path,
+            (
+                " for extends that reuse, register or capture a segment, FlashInfer for the "
+                "other extends and every decode step"
+                if self.segpaged is not None and self.dense is not None
+                else ""
+            ),
             sum(self.layout.num_global(i) for i in range(self.layout.num_layers)),
             sum(self.layout.num_local(i) for i in range(self.layout.num_layers)),
         )
@@ -233,26 +260,55 @@ class RedknotAttnBackend(AttentionBackend):
         return self.segpaged is not None and self.segpaged.rows_vary(forward_batch)
 
     # ---- planning: once per batch ------------------------------------------------------------
+    #
+    # Only the dense path: every call goes to FlashInfer. Only the SegPaged path: every call to
+    # the runner. Both (every head global, a token-level policy): decode goes to FlashInfer,
+    # an extend to the runner when it touches a segment, else to FlashInfer; the runner's
+    # per-forward state is reset either way (its layer hooks then pass every row through).
+
+    def _to_dense(self, forward_batch: ForwardBatch) -> bool:
+        """Whether this batch runs on FlashInfer, decided once when it is planned."""
+        if self.segpaged is None:
+            return True
+        if self.dense is None:
+            return False
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            return True
+        if mode in (mode.EXTEND, mode.MIXED):
+            return not self.segpaged.touches_segments(forward_batch)
+        return False  # idle: nothing runs
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
-        if self.dense is not None:
-            return self.dense.init_forward_metadata(forward_batch)
-        self.segpaged.plan(forward_batch)
+        self.dense_batch = self._to_dense(forward_batch)
+        if not self.dense_batch:
+            return self.segpaged.plan(forward_batch)
+        if self.segpaged is not None:
+            self.segpaged.begin_forward()
+        return self.dense.init_forward_metadata(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         if self.dense is not None:
-            return self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
-        self.segpaged.init_cuda_graph_state(max_bs, max_num_tokens)
+            self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+        if self.segpaged is not None:
+            self.segpaged.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_out_graph(
         self, forward_batch: ForwardBatch, in_capture: bool = False
     ):
-        if self.dense is not None:
-            return self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
-        self.segpaged.plan(forward_batch, for_graph=True, in_capture=in_capture)
+        # graphs: decode (SGLang's decode graphs), or every extend of a full prefill graph,
+        # which its path keeps (a captured graph replays the kernels of its capture)
+        self.dense_batch = self.segpaged is None or (
+            self.dense is not None and forward_batch.forward_mode.is_decode()
+        )
+        if not self.dense_batch:
+            return self.segpaged.plan(forward_batch, for_graph=True, in_capture=in_capture)
+        if self.segpaged is not None:
+            self.segpaged.begin_forward()
+        return self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
-        if self.dense is not None:
+        if self.dense_batch:
             return self.dense.init_forward_metadata_in_graph(forward_batch)
         self.segpaged.plan_in_graph(forward_batch)
 
@@ -277,7 +333,7 @@ class RedknotAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ):
-        if self.dense is not None:
+        if self.dense_batch:
             return self.dense.forward_extend(
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )

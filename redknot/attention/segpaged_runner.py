@@ -166,11 +166,26 @@ class SegPagedRunner:
         """Whether this server promotes local heads (adaptive restore)."""
         return bool(self.layout.restore) and self.restore_thresh is not None
 
-    def plan(self, fb: ForwardBatch, for_graph: bool = False, in_capture: bool = False) -> None:
+    def begin_forward(self) -> None:
+        """What every forward starts with, whichever kernels run it: the queued ring/snapshot
+        copies, no promoted head, an empty layer schedule."""
         self.pool.pending.run(self.pool)
         self.pool.reset_promoted()
         SCHEDULE.reset()
         SCHEDULE.last_layer = self.layout.num_layers - 1
+
+    def touches_segments(self, fb: ForwardBatch) -> bool:
+        """Whether a request of this batch reuses, registers or captures a segment: only such
+        an extend needs these kernels when every head is global (the others are dense
+        attention). No device sync while no request of the server has segment work."""
+        pool = self.pool
+        work = (pool.segment_reads, pool.segment_jobs, pool.capture_jobs)
+        if not any(work):
+            return False
+        return any(rpi in w for rpi in fb.req_pool_indices.tolist() for w in work)
+
+    def plan(self, fb: ForwardBatch, for_graph: bool = False, in_capture: bool = False) -> None:
+        self.begin_forward()
         mode = fb.forward_mode
         if mode.is_idle():
             return

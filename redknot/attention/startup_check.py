@@ -414,10 +414,13 @@ def check_backend(backend: Any, model_runner: Any, skip: bool) -> None:
             served.describe(), PATH_NAMES[backend.path],
         )  # fmt: skip
         return
-    key = (backend.path, served.layout, served.dtype, served.kv_dtype, served.device)
+    paths = (backend.path, backend.segpaged is not None and backend.dense is not None)
+    key = (paths, served.layout, served.dtype, served.kv_dtype, served.device)
     if key not in _passed:
         run_startup_check(served, backend.path, model_runner)
         segpaged = backend.segpaged
+        if segpaged is not None and backend.dense is not None:  # both paths serve (per batch)
+            run_startup_check(served, "dense", model_runner)
         if segpaged is not None and segpaged.dense_layers < backend.layout.num_layers:
             check_choice(served.device, check_votes=segpaged.tp_size > 1)
         if segpaged is not None and segpaged.rope is not None:

@@ -19,10 +19,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import ttft_side_by_side as sbs
 
+from redknot.api.generate import reject_reserved
+from redknot.api.marks import SegmentMarkError
+
 
 class FakeServer:
-    """Answers ``/generate`` after ``delay`` seconds; ``stores``: whether it takes
-    registrations (else 400); ``reuse``: whether a marked prompt reports reused tokens."""
+    """Answers ``/generate`` after ``delay`` seconds, and registrations at ``/redknot/segments``
+    when it ``stores`` them (else 400, as a server without a segment region); ``reuse``: whether
+    a marked prompt reports reused tokens. Like redknot's server, it refuses (400) a request
+    that sets redknot's reserved ``custom_params`` keys itself."""
 
     def __init__(self, delay: float, stores: bool, reuse: bool, log: list):
         self.delay, self.stores, self.reuse, self.log = delay, stores, reuse, log
@@ -32,20 +37,28 @@ class FakeServer:
             def log_message(self, *args):
                 pass
 
+            def answer(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.end_headers()
+                self.wfile.write(body)
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                params = body["sampling_params"]
-                custom = params.get("custom_params")
-                registering = params.get("max_new_tokens") == 0
-                fake.log.append((fake, "register" if registering else "prompt", bool(custom)))
-                if registering and not fake.stores:
-                    self.send_response(400)
-                    self.end_headers()
-                    self.wfile.write(b"no segment region")
-                    return
+                try:
+                    reject_reserved(body)
+                except SegmentMarkError as e:
+                    fake.log.append((fake, "refused", False))
+                    return self.answer(400, str(e).encode())
+                if self.path == "/redknot/segments":
+                    fake.log.append((fake, "register", True))
+                    if not fake.stores:
+                        return self.answer(400, b"no segment region")
+                    return self.answer(200, json.dumps({"state": "ready"}).encode())
+                marked = bool(body.get("redknot_segments"))
+                fake.log.append((fake, "prompt", marked))
                 time.sleep(fake.delay)
                 meta = {}
-                if custom and not registering:
+                if marked:
                     reused = 10 if fake.reuse else 0
                     gate = None if fake.reuse else {"decision": "recompute"}
                     meta["redknot_reuse"] = [{"reused_tokens": reused, "gate": gate}]
@@ -88,6 +101,7 @@ def test_servers_take_turns_and_are_compared_round_by_round(servers):
     assert registered.count("plain") == 1  # refused once, then measured unmarked
     prompts = [(names[s], marked) for s, what, marked in log if what == "prompt"]
     assert len(prompts) == 4 * 5  # every server, the warm-up round and 4 measured ones
+    assert not [x for x in log if x[1] == "refused"]  # the public API only
     firsts = [prompts[4 * r][0] for r in range(5)]
     assert firsts == ["flashinfer", "cacheblend", "epic", "plain", "flashinfer"]  # rotating
     assert all(marked == (n in ("cacheblend", "epic")) for n, marked in prompts)
