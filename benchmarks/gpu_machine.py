@@ -171,8 +171,19 @@ def plain(name: str) -> str:
 # ---- servers ------------------------------------------------------------------------------
 
 
-def start_server(flags: list[str], port: int, tree: Path, env: dict, log: str):
-    cmd = [sys.executable, "-m", "sglang.launch_server", *flags, "--port", str(port)]
+PINNED = (  # runs argv[2:] under this Python on the cores argv[1] lists (exec: same process)
+    "import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+
+
+def start_server(flags: list[str], port: int, tree: Path, env: dict, log: str, cpus=None):
+    """``sglang.launch_server`` with ``flags``; ``cpus``: the CPU cores it and its processes
+    (they inherit the affinity) may run on, None: every core."""
+    args = ["-m", "sglang.launch_server", *flags, "--port", str(port)]
+    cmd = [sys.executable, *args]
+    if cpus:
+        cmd = [sys.executable, "-c", PINNED, ",".join(map(str, sorted(cpus))), *args]
     print(f"+ {shlex.join(cmd)}   (log: {log})", flush=True)
     with open(OUT / log, "w") as f:  # the child keeps its own descriptor
         return subprocess.Popen(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -62,6 +63,20 @@ def parse_servers(text: str) -> dict[str, list[str]]:
     if BASELINE not in servers:
         raise SystemExit(f"--servers: one server must be named {BASELINE!r} (the baseline)")
     return servers
+
+
+CLIENT_CORES = 2  # cores this script keeps for itself when the servers are pinned
+
+
+def split_cores(cores: list[int], servers: int) -> tuple[list[int], list[list[int]]] | None:
+    """``cores`` as the client's first ``CLIENT_CORES`` and an equal, disjoint share per server
+    (the remainder unused); None when a server would get fewer than 2."""
+    cores = sorted(cores)
+    each = (len(cores) - CLIENT_CORES) // max(servers, 1)
+    if each < 2:
+        return None
+    rest = cores[CLIENT_CORES:]
+    return cores[:CLIENT_CORES], [rest[i * each : (i + 1) * each] for i in range(servers)]
 
 
 def register(url: str, payload: dict) -> None:
@@ -151,9 +166,22 @@ def main(argv: list[str] | None = None) -> int:
         help="per server; the first on a fresh machine waits for FlashInfer's JIT (4.7 min for "
         "SmolLM2's head dim 64 on an H100, 2026-11-25)",
     )  # fmt: skip
+    ap.add_argument(
+        "--pin-cores", action=argparse.BooleanOptionalAction, default=True,
+        help="each server (all its processes) on its own cores, this script on two others: "
+        "servers that share cores disturb each other's host-bound TTFT",
+    )  # fmt: skip
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     servers = parse_servers(args.servers)
+    split = None
+    if args.pin_cores:
+        split = split_cores(list(os.sched_getaffinity(0)), len(servers))
+        if split is None:
+            print("--pin-cores: too few cores for two per server; not pinned", flush=True)
+        else:
+            os.sched_setaffinity(0, split[0])
+    cores = dict(zip(servers, split[1])) if split else {}
 
     import gpu_machine as gm
 
@@ -170,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         # memory for the KV cache"). Started in turn, each takes its share of what is left.
         for i, (name, flags) in enumerate(servers.items()):
             port, log = 30000 + 10 * i, f"server_{gm.plain(name)}.log"
-            proc = gm.start_server(common_flags + flags, port, tree, env, log)
+            proc = gm.start_server(common_flags + flags, port, tree, env, log, cores.get(name))
             procs[name], urls[name] = proc, f"http://127.0.0.1:{port}"
             if not gm.wait_healthy(proc, port, log, args.startup_s):
                 return 1
@@ -186,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 question=args.question, complete=complete,
                 servers={name: " ".join(flags) for name, flags in servers.items()},
                 server_flags=SERVER_FLAGS, mem_fraction_static=args.mem_fraction_static,
+                cores={"client": split[0], **cores} if split else None,
                 served=served, summary=results,
             ))  # fmt: skip
 

@@ -132,3 +132,27 @@ def test_each_finished_point_is_handed_over_at_once(servers):
     args = Namespace(points="32x2,64x2", rounds=1, question=2)
     out = sbs.measure(urls, args, vocab=1000, on_point=lambda r: seen.append(sorted(r)))
     assert seen == [["32x2"], ["32x2", "64x2"]] and sorted(out) == ["32x2", "64x2"]
+
+
+def test_cores_are_split_into_disjoint_equal_shares():
+    client, shares = sbs.split_cores(list(range(15, -1, -1)), 3)
+    assert client == [0, 1] and shares == [[2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13]]
+    assert sbs.split_cores(list(range(7)), 3) is None  # fewer than two cores a server
+    assert sbs.split_cores(list(range(8)), 3)[1] == [[2, 3], [4, 5], [6, 7]]
+
+
+def test_a_pinned_server_command_runs_on_its_cores_only():
+    import os
+    import subprocess
+
+    import gpu_machine as gm
+
+    core = min(os.sched_getaffinity(0))
+    show = ["-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    out = subprocess.run(
+        [sys.executable, "-c", gm.PINNED, str(core), *show],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == f"[{core}]"
