@@ -206,7 +206,9 @@ class StandIn:
         step_us: float = 0.0,
         captures_yield: bool = True,
         capture_step_tokens: int | None = None,
+        exact_prefix: bool = False,
     ):
+        self.exact_prefix = exact_prefix
         self.region_tokens, self.context_len = region_tokens, context_len
         self.capture_after, self.step_us = capture_after, step_us
         self.captures_yield, self.capture_step_tokens = captures_yield, capture_step_tokens
@@ -246,6 +248,7 @@ class StandIn:
             region_tokens=self.region_tokens, auto_segments="cdc" if mode == "auto" else "off",
             auto_capture_after=self.capture_after, step_us_per_token=self.step_us,
             captures_yield=self.captures_yield, capture_step_tokens=step,
+            exact_prefix=self.exact_prefix,
         )  # fmt: skip
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
         if self.step_us > 0:
@@ -541,6 +544,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "capture_order)")  # fmt: skip
     p.add_argument("--standin-capture-step-tokens", type=int, default=None,
                    help="--standin's --redknot-capture-step-tokens (default: the server's)")  # fmt: skip
+    p.add_argument("--standin-exact-prefix", action="store_true",
+                   help="--standin models SGLang's radix cache: a prompt's exact-prefix hit on "
+                   "an earlier prompt is not computed (tests/api/cpu_server.py CpuScheduler)")  # fmt: skip
     p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
     args = p.parse_args(argv)
@@ -553,6 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.region_tokens, 1 << 16, args.auto_capture_after, args.standin_step_us,
             captures_yield=not args.standin_captures_fcfs,
             capture_step_tokens=args.standin_capture_step_tokens,
+            exact_prefix=args.standin_exact_prefix,
         )  # fmt: skip
         system = args.system or "redknot-standin"
     else:

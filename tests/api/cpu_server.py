@@ -105,12 +105,22 @@ class CpuScheduler:
 
     ``hold(n)`` keeps the next ``n`` requests running until :meth:`finish_running`: a reader
     keeps its segment references; a registration has computed only the first half of its
-    prompt (its write job open), and finishes it then, or is aborted."""
+    prompt (its write job open), and finishes it then, or is aborted.
+
+    ``exact_prefix``: a model of SGLang's radix cache for the replay: a prompt's longest prefix
+    (whole blocks of ``PREFIX_BLOCK`` tokens, at least one token left to compute) that an
+    earlier served prompt began with is its ``prefix_indices`` (no K/V behind it: only the
+    length is read) and is not computed. Off: no exact-prefix hit ever."""
 
     PAGE_TOKENS = 4
+    PREFIX_BLOCK = 16
 
     def __init__(
-        self, region_tokens: int = 2048, slots: int = 256, namespace_fraction: float = 1.0
+        self,
+        region_tokens: int = 2048,
+        slots: int = 256,
+        namespace_fraction: float = 1.0,
+        exact_prefix: bool = False,
     ):
         from redknot.headmap import ModelShape, synthetic_map
         from redknot.pool.kv_pool import RedknotKVPool
@@ -144,6 +154,30 @@ class CpuScheduler:
         self._gen = torch.Generator().manual_seed(0)
         # rid -> the request's customized_info (SGLang puts each key into meta_info)
         self.customized_info: dict[str, dict] = {}
+        self.exact_prefix = exact_prefix
+        self._prefixes: set[int] = set()  # chained hashes of the served prompts' whole blocks
+
+    def _chain(self, ids: list[int]):
+        """(tokens, hash) of each whole block prefix of ``ids``, shortest first."""
+        b, h = self.PREFIX_BLOCK, 0
+        for end in range(b, len(ids) + 1, b):
+            h = hash((h, tuple(ids[end - b : end])))
+            yield end, h
+
+    def prefix_of(self, ids: list[int]) -> int:
+        """The exact-prefix hit of ``ids`` (0 without ``exact_prefix``)."""
+        if not self.exact_prefix:
+            return 0
+        best = 0
+        for end, h in self._chain(ids):
+            if end >= len(ids) or h not in self._prefixes:
+                break
+            best = end
+        return best
+
+    def _remember(self, ids: list[int]) -> None:
+        if self.exact_prefix:
+            self._prefixes.update(h for _, h in self._chain(ids))
 
     def hold(self, n: int = 1) -> None:
         self._hold += n
@@ -153,26 +187,25 @@ class CpuScheduler:
         from redknot.segcache import registration, reuse
 
         rpi = self._free_slots.pop()
+        held = self._hold > 0
         req = types.SimpleNamespace(
-            rid=rid,
-            origin_input_ids=ids,
-            sampling_params=sampling_params,
-            req_pool_idx=rpi,
-            prefix_indices=[],  # no radix cache: no exact-prefix hit
+            rid=rid, origin_input_ids=ids, sampling_params=sampling_params, req_pool_idx=rpi
         )
+        prefix = 0 if held or registration.is_registration(req) else self.prefix_of(ids)
+        req.prefix_indices = range(prefix)  # only its length is read
         registration.start(self.tree_cache, req)
         reuse.start(self.tree_cache, req)
         self.customized_info[rid] = getattr(req, "customized_info", None) or {}
         n = len(ids)
-        held = self._hold > 0
         first = n // 2 if held and rpi in self.pool.segment_jobs and n > 1 else n
-        cached = self._extend(rpi, 0, first)
+        cached = self._extend(rpi, prefix, first - prefix)
         if held:
             self._hold -= 1
             self.running[rpi] = (first, n)
         else:
             self._finish(rpi)
-        return cached
+        self._remember(ids)
+        return prefix + cached
 
     def finish_running(self, *, complete: bool = True) -> None:
         """End the held requests; ``complete=False`` aborts those with tokens left to compute."""
@@ -287,6 +320,17 @@ class EngineClock:
         self._boundary = []
 
 
+def _is_registration(obj: Any) -> bool:
+    """A registration (client or capture): it takes no exact-prefix hit, as redknot's radix
+    cache gives it none."""
+    from redknot.api.marks import KEY_REGISTER
+
+    sp = obj.sampling_params
+    sp = sp[0] if isinstance(sp, list) and sp else sp
+    custom = sp.get("custom_params") if isinstance(sp, dict) else None
+    return isinstance(custom, dict) and bool(custom.get(KEY_REGISTER, False))
+
+
 def _is_capture(obj: Any) -> bool:
     from redknot.api.marks import KEY_CAPTURE
 
@@ -383,7 +427,9 @@ class CpuTokenizerManager(FakeTokenizerManager):
         ids = obj.input_ids
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer.encode(obj.text)
-        await self.clock.prefill(len(ids or ()), capture=_is_capture(obj))
+        ids = list(ids or ())
+        prefix = 0 if _is_registration(obj) else self.scheduler.prefix_of(ids)
+        await self.clock.prefill(len(ids) - prefix, capture=_is_capture(obj))
         return self._serve_one(obj)
 
     def _serve_one(self, obj: Any) -> dict:
@@ -454,6 +500,7 @@ class CpuServer:
         step_us_per_token: float = 0.0,
         captures_yield: bool = True,
         capture_step_tokens: int = CAPTURE_STEP_TOKENS,
+        exact_prefix: bool = False,
     ):
         from sglang.srt.entrypoints import http_server
 
@@ -464,7 +511,9 @@ class CpuServer:
 
         vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 512)
         self.app = app
-        self.scheduler = CpuScheduler(region_tokens, namespace_fraction=namespace_fraction)
+        self.scheduler = CpuScheduler(
+            region_tokens, namespace_fraction=namespace_fraction, exact_prefix=exact_prefix
+        )
         self.store = self.scheduler.store
         clock = None
         if step_us_per_token > 0:

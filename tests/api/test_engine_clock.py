@@ -37,3 +37,27 @@ def test_a_user_prompt_goes_before_waiting_captures(captures_yield):
         assert done == ["capture-a", "user", "capture-b"]
     else:
         assert done == ["capture-a", "capture-b", "user"]
+
+
+def test_the_exact_prefix_model_hits_whole_blocks_of_served_prompts_only():
+    """``exact_prefix``: an earlier served prompt's whole blocks are a later prompt's prefix hit
+    (at least one token left to compute); a registration takes none, as on the server."""
+    import types
+
+    from redknot.api.marks import SegmentMark, encode_marks, segment_id
+    from tests.api.cpu_server import CpuScheduler
+
+    sched = CpuScheduler(exact_prefix=True)
+    block = sched.PREFIX_BLOCK
+    first = list(range(1, 2 * block + 5))
+    assert sched.prefix_of(first) == 0
+    params = types.SimpleNamespace(custom_params=None)
+    assert sched.serve("a", first, params) == 0
+    assert sched.prefix_of(first + [7, 8]) == 2 * block  # the whole blocks only
+    assert sched.prefix_of(first[: 2 * block]) == block  # one token left to compute
+    assert sched.prefix_of([9] + first) == 0
+    assert sched.serve("b", first + [7, 8], params) == 2 * block  # cached_tokens
+    mark = SegmentMark(0, len(first), "default", segment_id("default", first))
+    reg = types.SimpleNamespace(custom_params=encode_marks([mark], register=True))
+    assert sched.serve("c", first, reg) == 0
+    assert not CpuScheduler().prefix_of(first)  # off: never a hit
