@@ -38,7 +38,7 @@ SMOLLM2_MAP = "configs/heads/smollm2-135m-instruct.json"
 
 GPU_TESTS = "-m gpu -q -p no:cacheprovider"
 E2E_VARIANTS = (
-    "--variants flashinfer,redknot,redknot-triton --head-map synthetic:0.125 "
+    "--variants flashinfer,redknot,redknot-triton,cacheblend --head-map synthetic:0.125 "
     "--disable-prefill-cuda-graph"
 )
 

@@ -6,7 +6,7 @@ whose prompts extend prefixes of the first (prefix-cache hits), and compares gre
 the flashinfer variant. Writes ``benchmarks/results/e2e_equivalence.json`` (or ``--out``).
 
     python scripts/e2e_equivalence.py --model .device/models/llama-3.1-8b \
-        --variants flashinfer,redknot,redknot-triton --out $OUT/e2e_equivalence.json
+        --variants flashinfer,redknot,redknot-triton,cacheblend --out $OUT/e2e_equivalence.json
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ VARIANTS = {
         "redknot_all_global": True,
         "redknot_kernel": "triton",
     },
+    # a token-level policy with a segment cache: prompts that reuse nothing and every decode
+    # step run on FlashInfer (the per-batch dispatch of redknot/attention/backend.py)
+    "cacheblend": {"attention_backend": "redknot", "redknot_policy": "cacheblend"},
 }
 
 
