@@ -14,10 +14,10 @@ Every head global under a token-level policy (``--redknot-policy cacheblend|epic
 all-global maps of small models) takes both, per batch: an extend in which some request reuses,
 registers or captures a segment runs on the SegPaged kernels (they read and fill the segment
 cache); every other extend and every decode step is exactly dense attention over the same pool
-(the global K/V buffers are laid out as SGLang's) and runs on FlashInfer. A reusing server is
-then never slower than a dense one on the requests it does not reuse for (measured on SmolLM2:
-the SegPaged kernels took 1.1-1.6x FlashInfer's TTFT on prompts of 512-2K tokens,
-docs/performance.md).
+(the global K/V buffers are laid out as SGLang's) and runs on FlashInfer, so the requests a
+reusing server does not reuse for run a dense server's kernels. (Before, such a server ran every
+batch on the SegPaged kernels and answered SmolLM2's unmarked 512-2K-token prompts 1.1-1.7x
+slower than a dense server, H100; docs/performance.md.)
 
 Planning happens once per batch (``init_forward_metadata*``); ``forward_extend`` and
 ``forward_decode`` only write KV and launch. Once built, the backend checks its path against the
@@ -152,7 +152,6 @@ class RedknotAttnBackend(AttentionBackend):
             )
         self.dense: AttentionBackend | None = None
         self.segpaged = None
-        self.dense_batch = False  # the batch being run goes to FlashInfer (set per batch)
         dense_exact = self.layout.all_global and config.kernel == "auto"
         if dense_exact and config.policy == "redknot":
             _check_dense_path(model_runner.token_to_kv_pool)
@@ -167,7 +166,7 @@ class RedknotAttnBackend(AttentionBackend):
             # no restore columns (they would widen the global buffers FlashInfer reads)
             if dense_exact and not self.layout.restore and _on_cuda(model_runner):
                 self.dense = _flashinfer(model_runner)
-        self.dense_batch = self.segpaged is None
+        self.dense_batch = self.segpaged is None  # the batch being run goes to FlashInfer
         logger.info(
             "redknot backend (TP rank %d/%d): %s path%s, %d global / %d local KV heads per rank",
             tp_rank,
