@@ -31,7 +31,8 @@ import serving_common as common
 
 # (module, function) timed on the marked path: the API process, then the scheduler
 TIMED = (
-    ("redknot.api.generate", "rewrite_generate"),  # markup -> the scheduler's marks
+    ("redknot.api.middleware", "rewrite_generate"),  # markup -> the scheduler's marks (the
+    # middleware's own name for it: patching redknot.api.generate would miss an earlier import)
     ("redknot.segcache.reuse", "start"),  # segment lookups, the reuse gate
     ("redknot.segcache.reuse", "plan_reads"),  # where the hits' K/V lie (reusing prompts only)
     ("redknot.api.capture", "Capturer.capture"),  # after the first token: what to capture
