@@ -38,9 +38,9 @@ def _is_batch_ids(ids: Any) -> bool:
 
 
 def _check_ids(ids: Any, where: str) -> list[int]:
-    if not isinstance(ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-    ):
+    # the types in C (no bool: its type is not int), then the least: 0.13 ms for 6K ids where
+    # a Python loop over them took 0.30 (benchmarks/marked_host_cost.py)
+    if not isinstance(ids, list) or (ids and (set(map(type, ids)) != {int} or min(ids) < 0)):
         raise SegmentMarkError(f"{where} input_ids must be a list of non-negative integers")
     return ids
 

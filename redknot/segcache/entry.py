@@ -104,6 +104,11 @@ class SegmentEntry:
     last_used: float  # time.time() of the last lookup hit or register
     serial: int  # registration number: tells a re-registration of a deleted id from the old one
 
+    def rows_of(self, offsets: np.ndarray) -> np.ndarray:
+        """Region rows of the tokens at ``offsets`` (int64, each in ``0 .. num_tokens - 1``)."""
+        pages = np.asarray(self.pages, dtype=np.int64)
+        return pages[offsets // self.page_tokens] * self.page_tokens + offsets % self.page_tokens
+
     def rows(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Region rows of tokens ``0 .. num_tokens - 1``: int64 [num_tokens] on ``device``."""
         pages = torch.tensor(self.pages, dtype=torch.long, device=device)

@@ -39,6 +39,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from redknot.attention.ffn_schedule import SparseFfn
@@ -168,7 +169,9 @@ def plan_reads(
 ) -> SegmentReads | None:
     """The segment tokens one extend batch computes, with where their cached K/V lies, and the
     sparse-FFN inputs of the requests whose prompt this extend completes."""
-    parts: list[tuple[torch.Tensor, ...]] = []
+    # built in NumPy and handed to torch once (per-segment torch ops cost ~0.6 ms a request
+    # of 8 segments on the scheduler's host; benchmarks/marked_host_cost.py)
+    parts: list[tuple[np.ndarray, ...]] = []
     sparse: list[SparseFfn] = []
     offset = 0
     for b, (rpi, p, e) in enumerate(zip(req_pool_indices, list(prefix_cpu), list(lens_cpu))):
@@ -179,20 +182,22 @@ def plan_reads(
             lo = max(use.start, p)
             hi = min(use.start + use.entry.num_tokens, p + e)
             if lo < hi:
-                online = torch.arange(lo, hi)
+                online = np.arange(lo, hi, dtype=np.int64)
                 offline = online - use.start
-                parts.append((offset + online - p, use.entry.rows()[offline], offline, online))
+                parts.append((offset + online - p, use.entry.rows_of(offline), offline, online))
                 positions.append(online)
         if positions and uses[0].prompt_len == p + e:
             question = max(u.start + u.entry.num_tokens for u in uses)
             probe = max(min(question, p + e - recent_n), p)
-            cand = torch.cat(positions)
-            cand = to_device(cand[cand < probe], device)
+            cand = np.concatenate(positions)
+            cand = to_device(torch.from_numpy(cand[cand < probe]), device)
             sparse.append(SparseFfn(rpi, offset, p, e, probe, cand, index=b))
         offset += e
     if not parts:
         return None
-    tokens, rows, pos_off, pos_on = (torch.cat(column).to(torch.int64) for column in zip(*parts))
+    tokens, rows, pos_off, pos_on = (
+        torch.from_numpy(np.concatenate(column)) for column in zip(*parts)
+    )
     on_device = (to_device(x, device) for x in (tokens, rows, pos_off, pos_on))
     return SegmentReads(*on_device, sparse=tuple(sparse), tokens_cpu=tokens, pos_off_cpu=pos_off)
 

@@ -146,6 +146,8 @@ def test_a_marked_request_reads_stored_segments_where_its_extends_compute_them()
     assert reads.tokens_gpu.tolist() == [3 + p - 6 for p in want_on]
     a, b = store.lookup("kb", doc_a), store.lookup("kb", doc_b)
     assert reads.rows_gpu.tolist() == a.rows()[2:].tolist() + b.rows().tolist()
+    columns = (reads.tokens_gpu, reads.rows_gpu, reads.pos_off_gpu, reads.pos_on_gpu)
+    assert all(x.dtype == torch.int64 for x in columns + (reads.tokens_cpu, reads.pos_off_cpu))
     assert reuse.plan_reads(pool, [2], [24], [1], "cpu") is None  # decode-like step: nothing
     reuse.finish(cache, 2)
     assert store.stats()["referenced"] == 0 and not pool.segment_reads

@@ -76,6 +76,8 @@ def test_rows_address_tokens_page_by_page():
     assert e.pages == (1, 2)
     assert e.rows().tolist() == [4, 5, 6, 7, 8, 9]
     assert e.rows().dtype == torch.int64
+    offsets = np.array([5, 0, 3, 4], dtype=np.int64)
+    assert e.rows_of(offsets).tolist() == e.rows()[torch.from_numpy(offsets)].tolist()
 
 
 def test_register_is_idempotent_and_updates_pin():
