@@ -98,7 +98,8 @@ def start(cache: Any, req: Any) -> None:
     ids = list(req.origin_input_ids)
     uses = []
     for mark in marks:
-        entry = cache.segments.lookup(mark.namespace, ids[mark.start : mark.end])
+        tokens = ids[mark.start : mark.end]  # its id checked by segments_of
+        entry = cache.segments.lookup(mark.namespace, tokens, verified_id=mark.segment_id)
         if entry is not None:
             cache.segments.acquire(entry)
             uses.append(SegmentUse(mark.start, entry, len(ids)))

@@ -170,13 +170,23 @@ class SegmentStore:
 
     # ---- the API -----------------------------------------------------------------------------
 
-    def lookup(self, namespace: str, token_ids: Sequence[int]) -> SegmentEntry | None:
-        """The ready segment of exactly these tokens in ``namespace``, or None; counts hit/miss."""
+    def lookup(
+        self, namespace: str, token_ids: Sequence[int], verified_id: str | None = None
+    ) -> SegmentEntry | None:
+        """The ready segment of exactly these tokens in ``namespace``, or None; counts hit/miss.
+        ``verified_id``: these tokens' id, already checked against them by the caller (the
+        scheduler's marks are, ``redknot.api.marks.segments_of``): the tokens are then neither
+        packed nor hashed again (a content address of 128 bits names one token sequence)."""
         namespace = check_namespace(namespace)
-        packed = pack_tokens(token_ids)
-        rec = self._by_id.get(_digest(namespace, packed))
-        hit = rec is not None and rec.ready and rec.packed == packed
-        tokens = len(packed) // 8
+        if verified_id is not None:
+            rec = self._by_id.get(verified_id)
+            hit = rec is not None and rec.ready and rec.namespace == namespace
+            tokens = len(token_ids)
+        else:
+            packed = pack_tokens(token_ids)
+            rec = self._by_id.get(_digest(namespace, packed))
+            hit = rec is not None and rec.ready and rec.packed == packed
+            tokens = len(packed) // 8
         saved = tokens * self.bytes_per_token if hit else 0
         self._counters.add(
             namespace,

@@ -264,3 +264,19 @@ def test_namespace_counters_are_bounded(monkeypatch):
     assert "kept" in store._counters  # a namespace that holds segments keeps its counters
     assert store.stats()["misses"] == 10  # the totals still count everything
     assert store.stats("probe9")["misses"] == 1 and store.stats("probe0")["misses"] == 0
+
+
+def test_lookup_by_a_verified_id_counts_as_a_lookup_by_content():
+    from redknot.segcache.entry import segment_id
+
+    store = make_store()
+    toks = list(range(10))
+    e = ready(store, "ns", toks)
+    sid = segment_id("ns", toks)
+    hit = store.lookup("ns", toks, verified_id=sid)
+    assert hit is not None and hit.id == e.id == sid
+    assert store.lookup("other", toks, verified_id=sid) is None  # another namespace's id
+    assert store.lookup("ns", toks[:-1], verified_id=segment_id("ns", toks[:-1])) is None
+    s = store.stats()
+    assert (s["hits"], s["misses"], s["hit_tokens"]) == (1, 2, 10)
+    store.check()
