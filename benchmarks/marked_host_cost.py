@@ -35,7 +35,8 @@ TIMED = (
     # middleware's own name for it: patching redknot.api.generate would miss an earlier import)
     ("redknot.segcache.reuse", "start"),  # segment lookups, the reuse gate
     ("redknot.segcache.reuse", "plan_reads"),  # where the hits' K/V lie (reusing prompts only)
-    ("redknot.api.capture", "Capturer.capture"),  # after the first token: what to capture
+    # after the first token, what to capture: not called when the answer reports all hits
+    ("redknot.api.capture", "Capturer.capture"),
 )
 
 

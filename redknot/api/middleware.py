@@ -4,7 +4,9 @@ and refuses redknot's reserved ``custom_params`` keys set by clients on any JSON
 It also runs capture on miss (``capture.py``): the segments a request marked (here, or in the
 chat hook) are handed to the capturer once its answer's first bytes are sent with status 200,
 and the call returns when the answer and those captures are done (the client has its answer
-before; a capture never delays it).
+before; a capture never delays it). When those first bytes carry the request's reuse report
+and it says every marked segment was a hit, nothing is missing from the store and the capturer
+is not asked (which would cost a control round trip to the scheduler per request).
 
 It is the app's innermost middleware (inside SGLang's request decompression, CORS and API-key
 checks: ``server.install``), in front of SGLang's own ``/generate`` route, which then parses the
@@ -39,6 +41,7 @@ from redknot.api.generate import reject_reserved, rewrite_generate
 from redknot.api.markers import RESERVED
 from redknot.api.marks import RESERVED_PREFIX, SegmentMarkError
 from redknot.api.service import SegmentApi
+from redknot.segcache.reuse import REPORT_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -135,13 +138,35 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
         if message["type"] == "http.response.start":
             status = message.get("status")
         elif message["type"] == "http.response.body" and task is None and status == 200 and pending:
-            task = asyncio.ensure_future(api.capture.capture(list(pending)))
+            if _all_hit(message.get("body", b"")):
+                api.counters.add(captures_skipped=len(pending))
+                pending.clear()
+            else:
+                task = asyncio.ensure_future(api.capture.capture(list(pending)))
 
     try:
         await app(scope, receive, sending)
     finally:
         if task is not None:
             await task
+
+
+def _all_hit(first: bytes) -> bool:
+    """Whether an answer's first bytes (a JSON answer, or a stream's first ``data:`` event)
+    report every segment of the request a hit (``redknot.segcache.reuse``'s report). Anything
+    else (a batch, a chat answer without ``meta_info``, bytes cut mid-event): False."""
+    if first.startswith(b"data:"):
+        first = first[5:].split(b"\n\n", 1)[0]
+    try:
+        answer = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return False
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    report = meta.get(REPORT_KEY) if isinstance(meta, dict) else None
+    if not (isinstance(report, list) and report and isinstance(report[0], dict)):
+        return False
+    marked, hit = report[0].get("segments_marked"), report[0].get("segments_hit")
+    return isinstance(marked, int) and marked > 0 and hit == marked
 
 
 def _check_other(body, path) -> None:

@@ -196,3 +196,29 @@ def test_capture_batches_hold_at_most_their_token_limit():
     cut = _batches(segs, 10)
     assert [[s[2] for s in b] for b in cut] == [["0", "1"], ["2"], ["3", "4"], ["5"]]
     assert _batches([], 10) == []
+
+
+def test_a_request_whose_segments_all_hit_does_not_ask_the_store(make_server, client):
+    """Its answer's report says every marked segment hit: nothing can be missing, so no control
+    round trip to the scheduler is spent on it (streamed or not); a miss still asks."""
+    server = make_server()
+    asked = []
+    real = server.tm.redknot_segments_communicator
+
+    async def counting(req):
+        asked.append(req.op)
+        return await real(req)
+
+    server.tm.redknot_segments_communicator = counting
+    assert _generate(client).status_code == 200  # a miss: asked, then captured
+    assert "registrations" in asked and len(_captures(server)) == 1
+    asked.clear()
+    for stream in (False, True):
+        r = _generate(client, "Capital of Germany?", stream=stream)
+        assert r.status_code == 200
+    assert asked == [] and len(_captures(server)) == 1
+    stats = client.get("/redknot/stats", params={"namespace": "kb"}).json()
+    assert stats["store"]["hits"] == 2 and stats["api"]["captures_skipped"] == 2
+    asked.clear()
+    other = _generate(client, namespace="kb2")  # the same text in a new namespace misses
+    assert other.status_code == 200 and "registrations" in asked
