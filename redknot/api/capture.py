@@ -11,7 +11,9 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
 1. skips a segment when a capture of the same content address (namespace and tokens) is
    already under way in this server (concurrent requests that miss the same document capture
    it once);
-2. asks the scheduler's store about all of them in one control request (op
+2. (unless the answer's reuse report says every marked segment hit: then the middleware does
+   not call it, nothing being missing) asks the scheduler's store about all of them in one
+   control request (op
    ``registrations``: SGLang's control communicator has one request in flight at a time, and
    each waits for the scheduler's step under way, so a request per segment made ~60 round
    trips per RAG prompt) and skips those stored, being written by another registration or
