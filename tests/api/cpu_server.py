@@ -537,6 +537,19 @@ class CpuServer:
         if chat != "off":
             self.enable_chat(server_args)
 
+    def record_control_ops(self) -> list[str]:
+        """From now on, the op of every control request the HTTP side sends to the scheduler is
+        appended to the returned list."""
+        ops: list[str] = []
+        send = self.tm.redknot_segments_communicator
+
+        async def recorded(req):
+            ops.append(req.op)
+            return await send(req)
+
+        self.tm.redknot_segments_communicator = recorded
+        return ops
+
     def enable_chat(self, server_args: Any) -> None:
         """The app's ``OpenAIServingChat`` over this tokenizer manager (see :func:`serving_chat`)."""
         self.app.state.openai_serving_chat = serving_chat(self.tm, server_args)

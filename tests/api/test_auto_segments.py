@@ -328,14 +328,7 @@ def test_adversarial_unmarked_prompts_get_no_5xx_and_lose_nothing(make_server, c
 
 def test_a_capture_asks_the_store_once_before_and_once_after(make_server, client):
     server = make_server(auto_capture_after=1)
-    ops = []
-    ask = server.tm.redknot_segments_communicator
-
-    async def counted(req):
-        ops.append(req.op)
-        return await ask(req)
-
-    server.tm.redknot_segments_communicator = counted
+    ops = server.record_control_ops()
     generate(client, rag_prompt("Hi.", [0, 1, 2, 3], "Why?"))
     stored = server.api.counters.captures_stored
     assert stored > 8  # many chunks: one control request each way, not one per chunk

@@ -202,14 +202,7 @@ def test_a_request_whose_segments_all_hit_does_not_ask_the_store(make_server, cl
     """Its answer's report says every marked segment hit: nothing can be missing, so no control
     round trip to the scheduler is spent on it (streamed or not); a miss still asks."""
     server = make_server()
-    asked = []
-    real = server.tm.redknot_segments_communicator
-
-    async def counting(req):
-        asked.append(req.op)
-        return await real(req)
-
-    server.tm.redknot_segments_communicator = counting
+    asked = server.record_control_ops()
     assert _generate(client).status_code == 200  # a miss: asked, then captured
     assert "registrations" in asked and len(_captures(server)) == 1
     asked.clear()
