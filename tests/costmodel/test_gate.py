@@ -137,13 +137,15 @@ def test_start_applies_the_gate(monkeypatch, pays):
     entry = SimpleNamespace(num_tokens=100, namespace="n")
     released = []
     segments = SimpleNamespace(
-        lookup=lambda ns, ids: entry, acquire=lambda e: None, release=released.append
+        lookup=lambda ns, ids, verified_id=None: entry,
+        acquire=lambda e: None,
+        release=released.append,
     )
     gate = _Gate(pays)
     cache = SimpleNamespace(
         segments=segments, pool=SimpleNamespace(segment_reads={}, reuse_gate=gate)
     )
-    mark = SimpleNamespace(namespace="n", start=10, end=110)
+    mark = SimpleNamespace(namespace="n", start=10, end=110, segment_id="0" * 32)
     monkeypatch.setattr(marks, "registration_of", lambda req: None)
     monkeypatch.setattr(marks, "segments_of", lambda req: [mark])
     req = SimpleNamespace(sampling_params=object(), origin_input_ids=list(range(300)), rid="r",
