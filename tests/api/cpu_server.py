@@ -320,24 +320,26 @@ class EngineClock:
         self._boundary = []
 
 
+def _custom_flag(obj: Any, key: str) -> bool:
+    """Whether a request object's (first) sampling params set redknot's ``key`` flag."""
+    sp = obj.sampling_params
+    sp = sp[0] if isinstance(sp, list) and sp else sp
+    custom = sp.get("custom_params") if isinstance(sp, dict) else None
+    return isinstance(custom, dict) and bool(custom.get(key, False))
+
+
 def _is_registration(obj: Any) -> bool:
     """A registration (client or capture): it takes no exact-prefix hit, as redknot's radix
     cache gives it none."""
     from redknot.api.marks import KEY_REGISTER
 
-    sp = obj.sampling_params
-    sp = sp[0] if isinstance(sp, list) and sp else sp
-    custom = sp.get("custom_params") if isinstance(sp, dict) else None
-    return isinstance(custom, dict) and bool(custom.get(KEY_REGISTER, False))
+    return _custom_flag(obj, KEY_REGISTER)
 
 
 def _is_capture(obj: Any) -> bool:
     from redknot.api.marks import KEY_CAPTURE
 
-    sp = obj.sampling_params
-    sp = sp[0] if isinstance(sp, list) and sp else sp
-    custom = sp.get("custom_params") if isinstance(sp, dict) else None
-    return isinstance(custom, dict) and bool(custom.get(KEY_CAPTURE, False))
+    return _custom_flag(obj, KEY_CAPTURE)
 
 
 class CpuTokenizerManager(FakeTokenizerManager):
