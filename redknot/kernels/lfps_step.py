@@ -192,7 +192,8 @@ def lfps_select_update(
     budget, fraction = row_budget_args(params, top_val.device)
     flags = bypass.view(torch.int8)
     lfps_update_kernel[(Hs, B)](
-        top_val, top_at, candidates, count, logits, flags, seq_lens, budget, state.vertical, state.slash, state.scale, selected,
+        top_val, top_at, candidates, count, logits, flags, seq_lens, budget,
+        state.vertical, state.slash, state.scale, selected,
         params.decay, params.num_sink, K, C,
         top_val.stride(0), top_val.stride(1), candidates.stride(0), candidates.stride(1),
         count.stride(0), logits.stride(0), logits.stride(1), flags.stride(0),
