@@ -81,12 +81,7 @@ def split_cores(cores: list[int], servers: int) -> tuple[list[int], list[list[in
 
 def register(url: str, payload: dict) -> None:
     """``POST url/redknot/segments``: a segment stored standalone (docs/api.md section 4)."""
-    req = urllib.request.Request(
-        url + "/redknot/segments", data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        resp.read()
+    post(url, "/redknot/segments", payload)
 
 
 def gate_of(meta: dict) -> str:
@@ -99,15 +94,35 @@ def gate_of(meta: dict) -> str:
     return (report.get("gate") or {}).get("decision", "none")
 
 
+def post(url: str, path: str, payload: dict | None = None) -> None:
+    """``POST url+path`` with a JSON body (an empty one when None); the answer is dropped."""
+    req = urllib.request.Request(
+        url + path, data=json.dumps(payload or {}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        resp.read()
+
+
+UNMARKED = "-unmarked"  # row suffix: a redknot server's same prompt sent without markup
+
+
 def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
     """Every point of ``args.points`` on every server; ``on_point(results so far)`` after each
-    point (the caller writes them, so that a run cut short keeps its finished points)."""
+    point (the caller writes them, so that a run cut short keeps its finished points).
+
+    With ``args.unmarked_too`` every redknot server also answers each round's prompt unmarked
+    (row ``NAME-unmarked``): the difference to its marked row is what the markup costs on that
+    server. With ``args.profile_dir``, after the rounds of each point of ``args.profile_points``
+    every row's server answers ``args.profile_requests`` more prompts under SGLang's torch
+    profiler, traces under ``profile_dir/ROW-POINT``."""
     rng = random.Random(0)
 
     def rand(n: int) -> list[int]:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
     one = {"temperature": 0.0, "max_new_tokens": 1}
+    profiled = set(filter(None, (getattr(args, "profile_points", "") or "").split(",")))
     results = {}
     for length, count in parse_points(args.points):
         docs = [rand(length // count) for _ in range(count)]
@@ -122,18 +137,38 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                     rows[name]["unmarked"] = f"registration refused: {e.read()[:300]!r}"
                     marked[name] = False
                     break
-        for rnd in range(args.rounds + 1):  # round 0 warms every server up, not counted
+        # (row, server, marked): the rows that take turns in each round
+        entries = [(name, name, marked[name]) for name in names]
+        if getattr(args, "unmarked_too", False):
+            entries += [(name + UNMARKED, name, False) for name in names if marked[name]]
+            rows.update({row: {"samples": [], "gate": {}} for row, _, m in entries[len(names):]})
+
+        def send(server: str, mark: bool) -> tuple[float, dict]:
             ids, spans = common.reusing_prompt(rand(1), docs, rand(args.question), "bench")
-            shift = rnd % len(names)
-            for name in names[shift:] + names[:shift]:
-                payload = {"input_ids": ids, "sampling_params": one}
-                if marked[name]:
-                    payload["redknot_segments"] = spans
-                ttft, meta = stream_generate(urls[name], payload, timeout=300)
+            payload = {"input_ids": ids, "sampling_params": one}
+            if mark:
+                payload["redknot_segments"] = spans
+            return stream_generate(urls[server], payload, timeout=300)
+
+        for rnd in range(args.rounds + 1):  # round 0 warms every server up, not counted
+            shift = rnd % len(entries)
+            for row, server, mark in entries[shift:] + entries[:shift]:
+                ttft, meta = send(server, mark)
                 if rnd:
-                    rows[name]["samples"].append(round(ttft, 5))
-                    gate, decision = rows[name]["gate"], gate_of(meta)
+                    rows[row]["samples"].append(round(ttft, 5))
+                    gate, decision = rows[row]["gate"], gate_of(meta)
                     gate[decision] = gate.get(decision, 0) + 1
+        key = point_key(length, count)
+        if key in profiled and args.profile_dir:
+            for row, server, mark in entries:
+                where = Path(args.profile_dir, f"{row}-{key}")
+                post(urls[server], "/start_profile", {
+                    "output_dir": str(where), "activities": ["CPU", "GPU"],
+                    "with_stack": False, "record_shapes": False,
+                })  # fmt: skip
+                took = [send(server, mark)[0] for _ in range(args.profile_requests)]
+                post(urls[server], "/stop_profile")
+                rows[row]["profiled_ttft_s"] = [round(t, 5) for t in took]
         base = rows[BASELINE]["samples"]
         for name, row in rows.items():
             row["ttft_s"] = statistics.median(row["samples"])
@@ -142,9 +177,9 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
             row["paired_speedup"] = round(
                 statistics.median(b / s for b, s in zip(base, row["samples"])), 3
             )
-        results[point_key(length, count)] = rows
-        print(point_key(length, count), {n: (round(r["ttft_s"] * 1e3, 1), r["paired_speedup"],
-                                             r["gate"]) for n, r in rows.items()}, flush=True)  # fmt: skip
+        results[key] = rows
+        print(key, {n: (round(r["ttft_s"] * 1e3, 1), r["paired_speedup"], r["gate"])
+                    for n, r in rows.items()}, flush=True)  # fmt: skip
         if on_point is not None:
             on_point(results)
     return results
@@ -171,6 +206,17 @@ def main(argv: list[str] | None = None) -> int:
         help="each server (all its processes) on its own cores, this script on two others: "
         "servers that share cores disturb each other's host-bound TTFT",
     )  # fmt: skip
+    ap.add_argument(
+        "--unmarked-too", action="store_true",
+        help="each redknot server also answers every round's prompt unmarked (row NAME-unmarked)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--profile-dir", default="",
+        help="with --profile-points: traces of SGLang's torch profiler under DIR/ROW-POINT "
+        "(gpu_run.py summarises them with benchmarks/profile_summary.py)",
+    )  # fmt: skip
+    ap.add_argument("--profile-points", default="", help="points to profile, e.g. 512x4,4096x8")
+    ap.add_argument("--profile-requests", type=int, default=1, help="prompts per profiled row")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     servers = parse_servers(args.servers)
@@ -215,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 servers={name: " ".join(flags) for name, flags in servers.items()},
                 server_flags=SERVER_FLAGS, mem_fraction_static=args.mem_fraction_static,
                 cores={"client": split[0], **cores} if split else None,
+                unmarked_too=args.unmarked_too, profile_points=args.profile_points,
+                profile_requests=args.profile_requests if args.profile_points else None,
                 served=served, summary=results,
             ))  # fmt: skip
 

@@ -49,6 +49,9 @@ class FakeServer:
                 except SegmentMarkError as e:
                     fake.log.append((fake, "refused", False))
                     return self.answer(400, str(e).encode())
+                if self.path in ("/start_profile", "/stop_profile"):
+                    fake.log.append((fake, self.path, body.get("output_dir")))
+                    return self.answer(200, b"ok")
                 if self.path == "/redknot/segments":
                     fake.log.append((fake, "register", True))
                     if not fake.stores:
@@ -112,6 +115,33 @@ def test_servers_take_turns_and_are_compared_round_by_round(servers):
     assert rows["flashinfer"]["paired_speedup"] == 1.0
     assert 2.0 < rows["cacheblend"]["paired_speedup"] < 5.0  # 40 ms against 10 ms
     assert 1.2 < rows["epic"]["speedup_vs_flashinfer"] < 2.5
+
+
+def test_unmarked_rows_and_profiled_prompts(servers, tmp_path):
+    made, log = servers
+    urls = {name: made[name].url for name in ("flashinfer", "cacheblend", "plain")}
+    args = Namespace(
+        points="32x2,64x2", rounds=2, question=2, unmarked_too=True,
+        profile_dir=str(tmp_path), profile_points="64x2", profile_requests=2,
+    )  # fmt: skip
+    out = sbs.measure(urls, args, vocab=1000)
+    names = {s: n for n, s in made.items()}
+    # a server that refused registrations has no marked row, so no unmarked one either
+    assert sorted(out["32x2"]) == ["cacheblend", "cacheblend-unmarked", "flashinfer", "plain"]
+    row = out["32x2"]["cacheblend-unmarked"]
+    assert row["gate"] == {"none": 2} and len(row["samples"]) == 2
+    assert out["32x2"]["cacheblend"]["gate"] == {"recompute": 2}
+    # the same server answers both rows: 3 prompts a round per point over 3 rounds, marked
+    # and unmarked alike, then 2 per row of the profiled point under the profiler
+    prompts = [marked for s, what, marked in log if what == "prompt" and names[s] == "cacheblend"]
+    assert prompts.count(True) == 3 + 3 + 2 and prompts.count(False) == 3 + 3 + 2
+    profiles = [(names[s], what, where) for s, what, where in log if what.endswith("_profile")]
+    starts = sorted(where for _, what, where in profiles if what == "/start_profile")
+    assert starts == [str(tmp_path / f"{row}-64x2") for row in
+                      ("cacheblend", "cacheblend-unmarked", "flashinfer", "plain")]  # fmt: skip
+    assert [what for _, what, _ in profiles].count("/stop_profile") == 4
+    assert len(out["64x2"]["cacheblend-unmarked"]["profiled_ttft_s"]) == 2
+    assert "profiled_ttft_s" not in out["32x2"]["flashinfer"]
 
 
 def test_the_baseline_must_be_one_of_the_servers():
