@@ -141,9 +141,9 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
         entries = [(name, name, marked[name]) for name in names]
         if getattr(args, "unmarked_too", False):
             entries += [(name + UNMARKED, name, False) for name in names if marked[name]]
-            rows.update({row: {"samples": [], "gate": {}} for row, _, m in entries[len(names):]})
+            rows.update({row: {"samples": [], "gate": {}} for row, _, m in entries[len(names) :]})
 
-        def send(server: str, mark: bool) -> tuple[float, dict]:
+        def send(server: str, mark: bool, docs=docs) -> tuple[float, dict]:
             ids, spans = common.reusing_prompt(rand(1), docs, rand(args.question), "bench")
             payload = {"input_ids": ids, "sampling_params": one}
             if mark:
