@@ -30,6 +30,7 @@ import os
 import random
 import statistics
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -106,6 +107,25 @@ def post(url: str, path: str, payload: dict | None = None) -> None:
 
 UNMARKED = "-unmarked"  # row suffix: a redknot server's same prompt sent without markup
 
+# Where a request's first token went, from the timestamps SGLang's --enable-metrics puts in
+# meta_info (wall clock, this machine): phase -> (from, to); "sent" and "first_token" are the
+# client's own.
+PHASES = {
+    "http_in": ("sent", "request_received_ts"),  # HTTP, redknot's /generate rewrite
+    "api_dispatch": ("request_received_ts", "api_server_dispatch_finish_ts"),
+    "to_forward": ("api_server_dispatch_finish_ts", "forward_entry_time"),  # IPC, scheduler
+    "prefill": ("forward_entry_time", "prefill_finished_time"),  # the extend and its sample
+    "out": ("prefill_finished_time", "first_token"),  # detokenizer, HTTP stream
+}
+
+
+def phases_of(meta: dict, sent: float, ttft: float) -> dict[str, float] | None:
+    """Seconds per phase of :data:`PHASES`; None without SGLang's timestamps."""
+    at = dict(meta, sent=sent, first_token=sent + ttft)
+    if not all(isinstance(at.get(k), (int, float)) for pair in PHASES.values() for k in pair):
+        return None
+    return {name: at[b] - at[a] for name, (a, b) in PHASES.items()}
+
 
 def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
     """Every point of ``args.points`` on every server; ``on_point(results so far)`` after each
@@ -143,19 +163,23 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
             entries += [(name + UNMARKED, name, False) for name in names if marked[name]]
             rows.update({row: {"samples": [], "gate": {}} for row, _, m in entries[len(names) :]})
 
-        def send(server: str, mark: bool, docs=docs) -> tuple[float, dict]:
+        def send(server: str, mark: bool, docs=docs) -> tuple[float, dict, float]:
             ids, spans = common.reusing_prompt(rand(1), docs, rand(args.question), "bench")
             payload = {"input_ids": ids, "sampling_params": one}
             if mark:
                 payload["redknot_segments"] = spans
-            return stream_generate(urls[server], payload, timeout=300)
+            sent = time.time()
+            return (*stream_generate(urls[server], payload, timeout=300), sent)
 
         for rnd in range(args.rounds + 1):  # round 0 warms every server up, not counted
             shift = rnd % len(entries)
             for row, server, mark in entries[shift:] + entries[:shift]:
-                ttft, meta = send(server, mark)
+                ttft, meta, sent = send(server, mark)
                 if rnd:
                     rows[row]["samples"].append(round(ttft, 5))
+                    phases = phases_of(meta, sent, ttft)
+                    if phases is not None:
+                        rows[row].setdefault("phase_samples", []).append(phases)
                     gate, decision = rows[row]["gate"], gate_of(meta)
                     gate[decision] = gate.get(decision, 0) + 1
         key = point_key(length, count)
@@ -177,6 +201,12 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
             row["paired_speedup"] = round(
                 statistics.median(b / s for b, s in zip(base, row["samples"])), 3
             )
+            seen = row.pop("phase_samples", None)
+            if seen:  # the median of each phase over the rounds, ms
+                row["phases_ms"] = {
+                    name: round(1e3 * statistics.median(p[name] for p in seen), 3)
+                    for name in PHASES
+                }
         results[key] = rows
         print(key, {n: (round(r["ttft_s"] * 1e3, 1), r["paired_speedup"], r["gate"])
                     for n, r in rows.items()}, flush=True)  # fmt: skip
@@ -217,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--profile-points", default="", help="points to profile, e.g. 512x4,4096x8")
     ap.add_argument("--profile-requests", type=int, default=1, help="prompts per profiled row")
+    ap.add_argument(
+        "--phases", action="store_true",
+        help="every server with SGLang's --enable-metrics: each row also gets the median time "
+        "of each phase of a request (phases_ms: http_in, api_dispatch, to_forward, prefill, out)",
+    )  # fmt: skip
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     servers = parse_servers(args.servers)
@@ -236,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     common_flags = ["--model-path", args.model, *SERVER_FLAGS.split(),
                     "--context-length", str(context),
                     "--mem-fraction-static", str(args.mem_fraction_static)]  # fmt: skip
+    common_flags += ["--enable-metrics"] if args.phases else []
     procs, urls = {}, {}
     try:
         # One after another: SGLang sizes a server's KV pool from the GPU memory free when it
@@ -261,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers={name: " ".join(flags) for name, flags in servers.items()},
                 server_flags=SERVER_FLAGS, mem_fraction_static=args.mem_fraction_static,
                 cores={"client": split[0], **cores} if split else None,
-                unmarked_too=args.unmarked_too, profile_points=args.profile_points,
+                phases=args.phases, unmarked_too=args.unmarked_too, profile_points=args.profile_points,
                 profile_requests=args.profile_requests if args.profile_points else None,
                 served=served, summary=results,
             ))  # fmt: skip

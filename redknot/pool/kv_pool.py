@@ -41,6 +41,13 @@ logger = logging.getLogger(__name__)
 GB = 1 << 30
 
 
+def _store_cache():
+    """SGLang's fused K+V store kernel (the one its own pools write with; CUDA only)."""
+    from sglang.kernels.ops.kvcache.kvcache import store_cache
+
+    return store_cache
+
+
 def bytes_per_token(layout: HeadLayout, dtype: torch.dtype) -> int:
     """Global-store bytes (K and V) one token costs over all layers of this rank (restore
     columns included)."""
@@ -101,6 +108,7 @@ class RedknotKVPool(KVCache):
             for i in range(layout.num_layers)
         ]
         self.pending = PendingCopies()
+        self._store_widths: dict[int, bool] = {}  # row bytes -> SGLang's store kernel serves it
         self.capture_jobs: dict[int, CaptureJob] = {}  # req_pool_idx -> job
         # req_pool_idx -> redknot.segcache.registration.WriteJob (segments being registered)
         self.segment_jobs: dict[int, Any] = {}
@@ -197,9 +205,32 @@ class RedknotKVPool(KVCache):
         if self.layout.num_local(layer_id):
             idx = self.global_index[layer_id]
             k, v = k.index_select(1, idx), v.index_select(1, idx)
+        k_buf, v_buf = self.k_global[layer_id], self.v_global[layer_id]
+        if k_buf.shape[1] == g and self._fused_store(k, v):
+            # whole rows: SGLang's K+V store kernel, one launch (two index_puts cost ~1 ms of
+            # host time per SmolLM2 prefill; benchmarks/ttft_side_by_side.py --profile-points)
+            row = g * self.head_dim
+            _store_cache()(
+                k.reshape(-1, row), v.reshape(-1, row), k_buf.view(-1, row), v_buf.view(-1, row),
+                loc, row_bytes=row * k_buf.element_size(), size_limit=k_buf.shape[0],
+                reserved_skip_index=-1,
+            )  # fmt: skip
+            return
         # the global heads' columns (restore columns, if any, follow them)
-        self.k_global[layer_id][loc, :g] = k.to(self.dtype)
-        self.v_global[layer_id][loc, :g] = v.to(self.dtype)
+        k_buf[loc, :g] = k.to(self.dtype)
+        v_buf[loc, :g] = v.to(self.dtype)
+
+    def _fused_store(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether SGLang's store kernel can write these rows: on CUDA, in the pool's dtype,
+        with a row width the kernel was built for (decided once per width)."""
+        if not (k.is_cuda and k.dtype == v.dtype == self.dtype):
+            return False
+        row_bytes = k.shape[1] * self.head_dim * k.element_size()
+        if row_bytes not in self._store_widths:
+            from sglang.kernels.ops.kvcache.kvcache import can_use_store_cache
+
+            self._store_widths[row_bytes] = bool(can_use_store_cache(row_bytes))
+        return self._store_widths[row_bytes]
 
     def write_restored(
         self, layer_id: int, loc: torch.Tensor, rpi: torch.Tensor, k: torch.Tensor, v: torch.Tensor

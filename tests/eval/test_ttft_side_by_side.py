@@ -59,8 +59,14 @@ class FakeServer:
                     return self.answer(200, json.dumps({"state": "ready"}).encode())
                 marked = bool(body.get("redknot_segments"))
                 fake.log.append((fake, "prompt", marked))
+                received = time.time()  # SGLang's --enable-metrics timestamps, as it names them
                 time.sleep(fake.delay)
-                meta = {}
+                meta = {
+                    "request_received_ts": received,
+                    "api_server_dispatch_finish_ts": received + 0.001,
+                    "forward_entry_time": received + 0.002,
+                    "prefill_finished_time": time.time(),
+                }
                 if marked:
                     reused = 10 if fake.reuse else 0
                     gate = None if fake.reuse else {"decision": "recompute"}
@@ -142,6 +148,25 @@ def test_unmarked_rows_and_profiled_prompts(servers, tmp_path):
     assert [what for _, what, _ in profiles].count("/stop_profile") == 4
     assert len(out["64x2"]["cacheblend-unmarked"]["profiled_ttft_s"]) == 2
     assert "profiled_ttft_s" not in out["32x2"]["flashinfer"]
+    # each row's phases: the server's own timestamps between the client's send and first byte
+    for name, delay in (("flashinfer", 0.04), ("cacheblend", 0.01)):
+        row = out["32x2"][name]
+        phases = row["phases_ms"]
+        assert list(phases) == list(sbs.PHASES)
+        assert phases["api_dispatch"] == pytest.approx(1.0, abs=0.01)
+        assert phases["to_forward"] == pytest.approx(1.0, abs=0.01)
+        assert 1e3 * delay - 3 < phases["prefill"] < 1e3 * delay + 15
+        assert 0 <= phases["http_in"] < 30 and 0 <= phases["out"] < 30
+        assert sum(phases.values()) == pytest.approx(1e3 * row["ttft_s"], abs=15)
+
+
+def test_phases_need_every_timestamp():
+    meta = {"request_received_ts": 1.0, "api_server_dispatch_finish_ts": 1.5}
+    assert sbs.phases_of(meta, sent=0.5, ttft=2.0) is None
+    meta |= {"forward_entry_time": 2.0, "prefill_finished_time": 2.25}
+    assert sbs.phases_of(meta, sent=0.5, ttft=2.0) == {
+        "http_in": 0.5, "api_dispatch": 0.5, "to_forward": 0.5, "prefill": 0.25, "out": 0.25,
+    }  # fmt: skip
 
 
 def test_the_baseline_must_be_one_of_the_servers():

@@ -111,3 +111,36 @@ def test_slot_plan_fits_budget_and_honours_requested_count():
         plan_slots([layout], torch.bfloat16, budget_bytes=10 * ring, requested=40)
     dense = HeadLayout.from_head_map(synthetic_map(SHAPE, 1.0))
     assert plan_slots([dense], torch.bfloat16, 10**9, None).request_slots is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("frac, restore", [(1.0, 0), (0.25, 0), (0.25, 1), (1.0, 1)])
+def test_global_writes_match_indexed_writes_on_the_gpu(frac, restore):
+    """Whole global rows go through SGLang's store kernel; rows with restore columns keep the
+    indexed write. Either way the stored K/V equal an indexed write of the global heads, for
+    K/V that are views of a fused QKV projection (strided rows), as attention hands them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    layout = HeadLayout.from_head_map(synthetic_map(SHAPE, frac, seed=1), restore=restore)
+    pool = RedknotKVPool(
+        64, 1, torch.bfloat16, layout, num_rings=2, num_snapshots=0, device="cuda"
+    )  # fmt: skip
+    qkv = torch.randn(5, (8 + 4 + 4) * 16, dtype=torch.bfloat16, device="cuda")
+    k = qkv[:, 8 * 16 : 12 * 16].view(5, 4, 16)
+    v = qkv[:, 12 * 16 :].view(5, 4, 16)
+    loc = torch.tensor([0, 3, 17, 40, 64], device="cuda")  # slot 0 (graph padding) included
+    for layer in range(layout.num_layers):
+        g = layout.global_heads(layer)
+        before = pool.k_global[layer].clone()
+        pool.write_global(layer, loc, k, v)
+        torch.testing.assert_close(pool.k_global[layer][loc, : len(g)], k[:, g], rtol=0, atol=0)
+        torch.testing.assert_close(pool.v_global[layer][loc, : len(g)], v[:, g], rtol=0, atol=0)
+        untouched = torch.ones(pool.k_global[layer].shape[0], dtype=torch.bool, device="cuda")
+        untouched[loc] = False
+        assert torch.equal(pool.k_global[layer][untouched], before[untouched])
+        if restore:  # the restore columns are never written by this path
+            assert torch.equal(pool.k_global[layer][:, len(g) :], before[:, len(g) :])
+    if restore:  # restore columns follow the global heads: no whole rows to store
+        assert pool._store_widths == {}
+    else:  # the store kernel was built for every row width and took the writes
+        assert pool._store_widths and all(pool._store_widths.values())
