@@ -162,9 +162,13 @@ def reserved_keys(custom_params: Any) -> list[str]:
 
 
 def decode_marks(
-    custom_params: Mapping[str, Any] | None, input_ids: Sequence[int] | None = None
+    custom_params: Mapping[str, Any] | None,
+    input_ids: Sequence[int] | None = None,
+    *,
+    prompt_len: int | None = None,
 ) -> list[SegmentMark]:
-    """The marks in ``custom_params``; with ``input_ids``, also check ranges and ids."""
+    """The marks in ``custom_params``; with ``input_ids``, also check ranges and ids; with only
+    ``prompt_len``, ranges only (the ids are then the caller's to trust)."""
     params = custom_params or {}
     bounds = params.get(KEY_BOUNDS)
     if bounds is None:
@@ -182,9 +186,13 @@ def decode_marks(
         for i, (ns, sid) in enumerate(zip(namespaces, ids, strict=True))
     ]
     if input_ids is not None:
-        check_marks(marks, prompt_len=len(input_ids))
-        for i, m in enumerate(marks):
-            if segment_id(m.namespace, input_ids[m.start : m.end]) != m.segment_id:
+        prompt_len = len(input_ids)
+    if prompt_len is not None:
+        check_marks(marks, prompt_len=prompt_len)
+    if input_ids is not None and marks:
+        actual = segment_ids(input_ids, marks)
+        for i, (m, sid) in enumerate(zip(marks, actual)):
+            if sid != m.segment_id:
                 raise SegmentMarkError(
                     f"segment {i} id {m.segment_id!r} is not the id of its tokens in namespace "
                     f"{m.namespace!r}: build marks with redknot.api.marks.segment_id"
@@ -192,12 +200,28 @@ def decode_marks(
     return marks
 
 
-def segments_of(req: Any) -> list[SegmentMark]:
-    """The validated segment marks of a scheduler ``Req`` (empty when it has none).
+def segment_ids(input_ids: Sequence[int], marks: Sequence[SegmentMark]) -> list[str]:
+    """The content address of each mark's tokens in ``input_ids`` (the prompt packed once);
+    what :func:`segment_id` gives for each, with its errors."""
+    from redknot.segcache.entry import SegmentError
+    from redknot.segcache.entry import segment_ids as store_segment_ids
+
+    try:
+        return store_segment_ids(input_ids, [(m.namespace, m.start, m.end) for m in marks])
+    except SegmentError as e:
+        raise SegmentMarkError(str(e)) from None
+
+
+def segments_of(req: Any, verify: bool = True) -> list[SegmentMark]:
+    """The validated segment marks of a scheduler ``Req`` (empty when it has none);
+    ``verify=False``: their ranges only, not their ids (for a request that reads no K/V).
 
     Raises :class:`SegmentMarkError` when the marks do not fit the request's prompt."""
     params = getattr(req.sampling_params, "custom_params", None)
-    return decode_marks(params, list(req.origin_input_ids))
+    ids = req.origin_input_ids
+    if verify:
+        return decode_marks(params, ids)
+    return decode_marks(params, prompt_len=len(ids))
 
 
 def registration_of(req: Any) -> Registration | None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redknot.api.auto import AutoSegments
 from redknot.api.capture import Capturer
-from redknot.api.marks import SegmentMark, SegmentMarkError, check_marks, segment_id
+from redknot.api.marks import SegmentMark, SegmentMarkError, check_marks, segment_ids
 from redknot.api.namespaces import NamespaceRegistry
 from redknot.api.options import AutoSegmentsOption, ChatSegments
 from redknot.api.tokenize import PiecewiseTokenizer
@@ -120,6 +120,9 @@ class SegmentApi:
                 raise SegmentMarkError(
                     f"{where} segment {i} has no tokens: its text tokenises to nothing"
                 )
-            marks.append(SegmentMark(start, end, ns, segment_id(ns, input_ids[start:end])))
+            marks.append(SegmentMark(start, end, ns, ""))
         check_marks(marks, prompt_len=len(input_ids), context_len=self.context_len)
-        return marks
+        if not marks:
+            return marks
+        ids = segment_ids(input_ids, marks)  # the prompt packed once for all its segments
+        return [replace(m, segment_id=sid) for m, sid in zip(marks, ids, strict=True)]

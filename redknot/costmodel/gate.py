@@ -15,6 +15,7 @@ is what an automatic chunker reads as the shortest chunk worth storing.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,35 @@ class ReuseGate:
             return Decision(True, reuse_ms, plain_ms, told)
         self.served_without_reuse += 1
         return Decision(False, reuse_ms, plain_ms, told + ": recomputed")
+
+    def hopeless(self, prompt_len: int, prefix_len: int = 0) -> Decision | None:
+        """The recompute decision for any request of ``prompt_len`` tokens after an exact-prefix
+        hit of ``prefix_len``, when no segment hit can change it: even the cheapest reusing
+        extend (:meth:`ReuseCostModel.reuse_floor_ms`) is predicted over ``1 - margin`` of
+        recomputing. None when hits might pay (then :meth:`decide` on the request's hits).
+        Found without looking a segment up, so a request it answers reads no K/V and its
+        marks' ids need no checking. Not counted: the caller counts a request that had hits
+        (:meth:`count_recomputed`)."""
+        computed = prompt_len - prefix_len
+        if computed <= 0:
+            return None
+        floor = self.model.reuse_floor_ms()
+        plain_ms = self._plain_ms(computed, prefix_len)
+        if floor <= (1 - self.model.record.margin) * plain_ms:
+            return None
+        return Decision(
+            False, floor, plain_ms,
+            f"reuse takes at least {floor:.1f} ms (its host path alone) vs {plain_ms:.1f} ms "
+            f"recomputing {computed} tokens, whatever it hits: recomputed",
+        )  # fmt: skip
+
+    def count_recomputed(self) -> None:
+        """A request with segment hits that :meth:`hopeless` answered."""
+        self.served_without_reuse += 1
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (one gate per scheduler, kept for its life)
+    def _plain_ms(self, computed: int, prefix_len: int) -> float:
+        return self.model.batch_ms([PromptWork(computed, prefix_len)], [False])
 
     def min_segment_tokens(self, prompt_tokens: int = 8192, question: int = 64) -> int | None:
         """The shortest segment worth storing for prompts of ``prompt_tokens`` made of such

@@ -29,6 +29,7 @@ from typing import Any
 from redknot.costmodel.record import CostRecord
 
 MAX_CONTEXT = 1 << 17  # break-even searches stop here
+REUSE_KINDS = ("full", "held", "schedule")  # host paths of a layer that reuses (layer_plan)
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,14 @@ class ReuseCostModel:
         if not any(chosen) or best > (1 - self.record.margin) * base:
             return plain, base, base
         return chosen, best, base
+
+    def reuse_floor_ms(self) -> float:
+        """A lower bound of any reusing extend's time, whatever it reuses: the host time to
+        issue it with every layer on the cheapest path a reusing layer takes
+        (:meth:`forward_ms` never ends before its host part; a chunked prompt has at least one
+        such extend)."""
+        r = self.record
+        return r.plan_ms + self.costs.num_layers * min(r.host_ms[k] for k in REUSE_KINDS)
 
     def pays(self, work: PromptWork) -> bool:
         """Whether a request alone in its batch is served with reuse."""

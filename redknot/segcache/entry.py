@@ -13,7 +13,9 @@ themselves, so even a digest collision never serves another segment's KV.
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -59,6 +61,14 @@ def check_namespace(namespace: Any) -> str:
 
 def pack_tokens(token_ids: Sequence[int] | torch.Tensor | np.ndarray) -> bytes:
     """Token ids as little-endian int64 bytes; refuses empty, negative or non-integer ids."""
+    if isinstance(token_ids, list) and token_ids and sys.byteorder == "little":
+        # a list of non-negative ints packs in C, with the same bytes as below (about 2x
+        # faster than NumPy's conversion of a Python list); anything else takes NumPy's way,
+        # which says what is wrong
+        try:
+            return array.array("Q", token_ids).tobytes()
+        except (OverflowError, TypeError):
+            pass
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)
@@ -76,6 +86,15 @@ def pack_tokens(token_ids: Sequence[int] | torch.Tensor | np.ndarray) -> bytes:
 def segment_id(namespace: str, token_ids: Sequence[int] | torch.Tensor | np.ndarray) -> str:
     """The deterministic id of ``(namespace, token_ids)`` (see the module docstring)."""
     return _digest(check_namespace(namespace), pack_tokens(token_ids))
+
+
+def segment_ids(
+    token_ids: Sequence[int] | torch.Tensor | np.ndarray, ranges: Sequence[tuple[str, int, int]]
+) -> list[str]:
+    """``segment_id(namespace, token_ids[start:end])`` of each ``(namespace, start, end)`` of
+    one prompt, its tokens packed once (``0 <= start < end <= len(token_ids)``)."""
+    packed = pack_tokens(token_ids)
+    return [_digest(check_namespace(ns), packed[8 * a : 8 * b]) for ns, a, b in ranges]
 
 
 def _digest(namespace: str, packed: bytes) -> str:

@@ -85,28 +85,39 @@ def start(cache: Any, req: Any) -> None:
 
     if getattr(req, "sampling_params", None) is None:
         return
+    gate = getattr(cache.pool, "reuse_gate", None)
+    prompt_len = len(req.origin_input_ids)
+    # a prompt that no hit could make worth reusing reads no K/V: its marks' ids are only
+    # counted and reported, not checked against its tokens (that packs and hashes them all)
+    hopeless = None if gate is None else gate.hopeless(prompt_len, len(req.prefix_indices))
     try:
         if registration_of(req) is not None:
             return
-        marks = segments_of(req)
+        marks = segments_of(req, verify=hopeless is None)
     except SegmentMarkError as e:  # validated by the API; never fail the scheduler on it
         logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
         return
     if not marks:  # reported too: SGLang would give it a null report beside one that has one
         _report(req, cache.pool, 0, 0, [])
         return
-    ids = list(req.origin_input_ids)
-    uses = []
-    for mark in marks:
-        tokens = ids[mark.start : mark.end]  # its id checked by segments_of
-        entry = cache.segments.lookup(mark.namespace, tokens, verified_id=mark.segment_id)
-        if entry is not None:
-            cache.segments.acquire(entry)
-            uses.append(SegmentUse(mark.start, entry, len(ids)))
+    store = cache.segments
+    found = [
+        (mark, store.lookup_id(mark.namespace, mark.segment_id, mark.num_tokens))
+        for mark in marks
+    ]  # fmt: skip
+    uses = [SegmentUse(mark.start, entry, prompt_len) for mark, entry in found if entry]
     hits = len(uses)
+    if hopeless is not None:
+        if uses:
+            gate.count_recomputed()
+            _recomputed(req, hopeless)
+        _report(req, cache.pool, len(marks), hits, [])
+        return
+    for use in uses:
+        store.acquire(use.entry)
     if uses and not _pays(cache, req, uses):
         for use in uses:
-            cache.segments.release(use.entry)
+            store.release(use.entry)
         uses = []
     if uses:
         cache.pool.segment_reads[req.req_pool_idx] = uses
@@ -157,12 +168,17 @@ def _pays(cache: Any, req: Any, uses: list[SegmentUse]) -> bool:
     prompt_len = len(req.origin_input_ids)
     hits = [(u.start, u.entry.num_tokens) for u in uses]
     decision = gate.decide(work_of(prompt_len, len(req.prefix_indices), hits))
-    req.redknot_reuse = decision
     if not decision.reuse:
-        logger.info(
-            "redknot: request %s served without segment reuse: %s", req.rid, decision.reason
-        )
+        _recomputed(req, decision)
+    else:
+        req.redknot_reuse = decision
     return decision.reuse
+
+
+def _recomputed(req: Any, decision: Any) -> None:
+    """``req`` has segment hits and is served without them: say why (log, answer)."""
+    req.redknot_reuse = decision
+    logger.info("redknot: request %s served without segment reuse: %s", req.rid, decision.reason)
 
 
 def plan_reads(

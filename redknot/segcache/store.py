@@ -177,27 +177,37 @@ class SegmentStore:
         ``verified_id``: these tokens' id, already checked against them by the caller (the
         scheduler's marks are, ``redknot.api.marks.segments_of``): the tokens are then neither
         packed nor hashed again (a content address of 128 bits names one token sequence)."""
-        namespace = check_namespace(namespace)
         if verified_id is not None:
-            rec = self._by_id.get(verified_id)
-            hit = rec is not None and rec.ready and rec.namespace == namespace
-            tokens = len(token_ids)
-        else:
-            packed = pack_tokens(token_ids)
-            rec = self._by_id.get(_digest(namespace, packed))
-            hit = rec is not None and rec.ready and rec.packed == packed
-            tokens = len(packed) // 8
-        saved = tokens * self.bytes_per_token if hit else 0
+            return self.lookup_id(namespace, verified_id, len(token_ids))
+        namespace = check_namespace(namespace)
+        packed = pack_tokens(token_ids)
+        rec = self._by_id.get(_digest(namespace, packed))
+        hit = rec is not None and rec.ready and rec.packed == packed
+        return self._looked_up(namespace, rec if hit else None, len(packed) // 8)
+
+    def lookup_id(self, namespace: str, segment_id: str, num_tokens: int) -> SegmentEntry | None:
+        """The ready segment of id ``segment_id`` in ``namespace`` (``num_tokens`` long), or
+        None; counts hit/miss. The caller vouches for the id: checked against the request's
+        tokens, or used only to count and report (no K/V read)."""
+        namespace = check_namespace(namespace)
+        rec = self._by_id.get(segment_id)
+        hit = rec is not None and rec.ready and rec.namespace == namespace
+        return self._looked_up(namespace, rec if hit else None, num_tokens)
+
+    def _looked_up(self, namespace: str, rec: _Record | None, tokens: int) -> SegmentEntry | None:
+        saved = tokens * self.bytes_per_token if rec is not None else 0
         self._counters.add(
             namespace,
-            hits=int(hit),
-            misses=int(not hit),
-            hit_tokens=tokens if hit else 0,
+            hits=int(rec is not None),
+            misses=int(rec is None),
+            hit_tokens=tokens if rec is not None else 0,
             bytes_saved=saved,
         )
         if self.observer is not None:
-            self.observer.lookup(namespace, hit, tokens if hit else 0, saved)
-        if not hit:
+            self.observer.lookup(
+                namespace, rec is not None, tokens if rec is not None else 0, saved
+            )
+        if rec is None:
             return None
         self._touch(rec)
         return self._entry(rec)

@@ -215,6 +215,7 @@ def test_chunks_below_the_reuse_gate_break_even_are_not_segments(
     server.scheduler.pool.reuse_gate = types.SimpleNamespace(
         min_segment_tokens=min_segment_tokens,
         decide=lambda work: Decision(True, 1.0, 2.0, "a stand-in gate: always reuse"),
+        hopeless=lambda prompt_len, prefix_len: None,
     )
     for order in ([0, 1, 2], [2, 1, 0]):
         generate(client, rag_prompt("Hi.", order, "Why?"))

@@ -54,8 +54,20 @@ def test_an_unmarked_request_reports_no_segment(server, client):
 
 
 class _Gate:
-    def __init__(self, reuse: bool):
-        self.reuse = reuse
+    """``decide`` answers ``reuse``; ``hopeless``: every prompt is answered before any
+    lookup (as the real gate where no hit can pay for the prompt's size)."""
+
+    def __init__(self, reuse: bool, hopeless: bool = False):
+        from redknot.costmodel.gate import Decision
+
+        self.reuse, self.recomputed = reuse, 0
+        self.answer = Decision(False, 5.0, 4.0, "no hit pays") if hopeless else None
+
+    def hopeless(self, prompt_len, prefix_len):
+        return self.answer
+
+    def count_recomputed(self):
+        self.recomputed += 1
 
     def decide(self, work):
         from redknot.costmodel.gate import Decision
@@ -63,18 +75,20 @@ class _Gate:
         return Decision(self.reuse, 5.0, 4.0, "predicted 5.0 ms with reuse against 4.0 ms")
 
 
-@pytest.mark.parametrize("pays", [True, False])
+@pytest.mark.parametrize("pays, hopeless", [(True, False), (False, False), (True, True)])
 def test_the_gate_decision_is_reported_and_a_recompute_reuses_nothing(
-    server, client, smollm_tokenizer, pays
+    server, client, smollm_tokenizer, pays, hopeless
 ):
     _generate(client, "Capital of France?")  # stores the document
-    server.scheduler.pool.reuse_gate = _Gate(pays)
+    server.scheduler.pool.reuse_gate = gate = _Gate(pays, hopeless)
     meta = _generate(client, "Capital of Germany?")
     (report,) = meta[REPORT_KEY]
-    assert report["segments_hit"] == 1
+    assert report["segments_hit"] == 1 and gate.recomputed == int(hopeless)
+    pays = pays and not hopeless
+    reason = "no hit pays" if hopeless else "predicted 5.0 ms with reuse against 4.0 ms"
     assert report["gate"] == {
         "decision": "reuse" if pays else "recompute", "reuse_ms": 5.0, "recompute_ms": 4.0,
-        "reason": "predicted 5.0 ms with reuse against 4.0 ms",
+        "reason": reason,
     }  # fmt: skip
     n = len(smollm_tokenizer.encode(DOC, add_special_tokens=False))
     assert report["reused_tokens"] == (n if pays else 0) == meta["cached_tokens"]

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from redknot.config import RedknotConfig, RedknotConfigError
-from redknot.costmodel.gate import ReuseGate, work_of
+from redknot.costmodel.gate import Decision, ReuseGate, work_of
 from redknot.costmodel.model import ModelCosts, PromptWork, Recovery, ReuseCostModel
 from redknot.costmodel.record import FALLBACK, RECORDS_DIR, CostRecord, record_for
 from redknot.headmap import ModelShape, synthetic_map
@@ -21,6 +22,7 @@ CFG_8B = {
     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
     "max_position_embeddings": 131072,
 }  # fmt: skip
+ROOT = Path(__file__).resolve().parents[2]
 H100 = CostRecord.read(RECORDS_DIR / f"{FALLBACK}.json")
 
 
@@ -118,42 +120,112 @@ def test_config_rejects_bad_gate_and_record(tmp_path):
 
 
 class _Gate:
-    def __init__(self, reuse: bool) -> None:
-        self.reuse, self.seen = reuse, []
+    def __init__(self, reuse: bool, hopeless: bool = False) -> None:
+        self.reuse, self.seen, self.recomputed = reuse, [], 0
+        self.answer = Decision(False, 9.0, 2.0, "no hit pays") if hopeless else None
+
+    def hopeless(self, prompt_len, prefix_len):
+        return self.answer
+
+    def count_recomputed(self):
+        self.recomputed += 1
 
     def decide(self, work):
         self.seen.append(work)
-        from redknot.costmodel.gate import Decision
-
         return Decision(self.reuse, 1.0, 2.0, "test")
+
+
+def _start(monkeypatch, gate, hit: bool = True):
+    """``reuse.start`` of one request marking tokens [10, 110) against a fake store; what it
+    did: (cache, req, store calls, segments_of's verify argument)."""
+    from redknot.api import marks
+    from redknot.segcache import reuse
+
+    entry = SimpleNamespace(num_tokens=100, namespace="n")
+    calls = []
+    segments = SimpleNamespace(
+        lookup_id=lambda ns, sid, n: calls.append(("lookup", ns, sid, n)) or (entry if hit else None),
+        acquire=lambda e: calls.append(("acquire", e)),
+        release=lambda e: calls.append(("release", e)),
+    )  # fmt: skip
+    cache = SimpleNamespace(
+        segments=segments, pool=SimpleNamespace(segment_reads={}, reuse_gate=gate)
+    )
+    mark = SimpleNamespace(namespace="n", start=10, end=110, num_tokens=100, segment_id="0" * 32)
+    verified = []
+    monkeypatch.setattr(marks, "registration_of", lambda req: None)
+    monkeypatch.setattr(
+        marks, "segments_of", lambda req, verify=True: verified.append(verify) or [mark]
+    )
+    req = SimpleNamespace(sampling_params=object(), origin_input_ids=list(range(300)), rid="r",
+                          req_pool_idx=3, prefix_indices=[])  # fmt: skip
+    reuse.start(cache, req)
+    (report,) = req.customized_info[reuse.REPORT_KEY]  # what the answer's meta_info says
+    return cache, report, calls, verified, entry
 
 
 @pytest.mark.parametrize("pays", [True, False])
 def test_start_applies_the_gate(monkeypatch, pays):
     """A refused request holds no segment and reads none (computed as without reuse)."""
-    from redknot.api import marks
-    from redknot.segcache import reuse
-
-    entry = SimpleNamespace(num_tokens=100, namespace="n")
-    released = []
-    segments = SimpleNamespace(
-        lookup=lambda ns, ids, verified_id=None: entry,
-        acquire=lambda e: None,
-        release=released.append,
-    )
     gate = _Gate(pays)
-    cache = SimpleNamespace(
-        segments=segments, pool=SimpleNamespace(segment_reads={}, reuse_gate=gate)
-    )
-    mark = SimpleNamespace(namespace="n", start=10, end=110, segment_id="0" * 32)
-    monkeypatch.setattr(marks, "registration_of", lambda req: None)
-    monkeypatch.setattr(marks, "segments_of", lambda req: [mark])
-    req = SimpleNamespace(sampling_params=object(), origin_input_ids=list(range(300)), rid="r",
-                          req_pool_idx=3, prefix_indices=[])  # fmt: skip
-    reuse.start(cache, req)
+    cache, report, calls, verified, entry = _start(monkeypatch, gate)
+    assert verified == [True]  # its K/V may be read: the ids are checked against the tokens
     assert gate.seen[0].segments == ((10, 100),) and gate.seen[0].computed == 300
     assert (3 in cache.pool.segment_reads) == pays
-    assert released == ([] if pays else [entry])
-    (report,) = req.customized_info[reuse.REPORT_KEY]  # what the answer's meta_info says
+    assert calls[:2] == [("lookup", "n", "0" * 32, 100), ("acquire", entry)]
+    assert calls[2:] == ([] if pays else [("release", entry)])
     assert report["gate"]["decision"] == ("reuse" if pays else "recompute")
     assert report["reused_tokens"] == (100 if pays else 0)
+
+
+@pytest.mark.parametrize("hit", [True, False])
+def test_a_prompt_no_hit_can_pay_for_is_looked_up_but_not_verified(monkeypatch, hit):
+    """When the gate finds reuse hopeless for the prompt's size, the marks' ids are not hashed
+    against the tokens, segments are counted (looked up) but never held, and the answer says
+    why; a request with a hit counts as served without reuse."""
+    gate = _Gate(True, hopeless=True)
+    cache, report, calls, verified, _ = _start(monkeypatch, gate, hit=hit)
+    assert verified == [False] and gate.seen == []  # no per-hit decision either
+    assert calls == [("lookup", "n", "0" * 32, 100)] and not cache.pool.segment_reads
+    assert report["segments_hit"] == int(hit) and report["reused_tokens"] == 0
+    assert gate.recomputed == int(hit)
+    if hit:
+        assert report["gate"] == {"decision": "recompute", "reuse_ms": 9.0, "recompute_ms": 2.0,
+                                  "reason": "no hit pays"}  # fmt: skip
+    else:
+        assert "gate" not in report
+
+
+@pytest.mark.parametrize("policy", ["redknot", "epic", "cacheblend", "sparsex", "naive"])
+def test_hopeless_agrees_with_decide_on_every_hit_set(policy):
+    """``hopeless`` answers only where ``decide`` recomputes whatever the hits, and it answers
+    wherever the reuse floor exceeds recomputing: checked on a grid of sizes and hit sets."""
+    for record in (H100, replace(H100, host_ms={**H100.host_ms, "full": 40.0, "held": 40.0,
+                                                "schedule": 40.0})):  # fmt: skip
+        gate = ReuseGate(model_of(policy, record, 8 if policy == "redknot" else None))
+        floor = gate.model.reuse_floor_ms()
+        for segment, n in ((64, 1), (256, 4), (1024, 8), (4096, 8), (8192, 4)):
+            work = prompt(segment, n)
+            answer = gate.hopeless(work.computed, 0)
+            plain = gate.model.batch_ms([work], [False])
+            assert (answer is not None) == (floor > (1 - record.margin) * plain)
+            if answer is None:
+                continue
+            assert answer.reuse is False and answer.plain_ms == pytest.approx(plain)
+            for k in range(1, n + 1):  # any subset of the segments hit: still recomputed
+                sub = PromptWork(work.computed, 0, work.segments[:k])
+                assert not gate.decide(sub).reuse
+                assert gate.model.batch_ms([sub], [True]) >= floor
+
+
+def test_hopeless_prompts_under_the_shipped_record_on_smollm2():
+    """SmolLM2's shape on the H100 record: reuse never pays at its context length, and the
+    gate says so without any hit; the 8B shape's long prompts are not hopeless."""
+    cfg = json.loads((ROOT / "benchmarks/models/smollm2-135m-instruct/config.json").read_text())
+    shape = ModelShape.from_hf_config(cfg)
+    layout = HeadLayout.from_head_map(synthetic_map(shape, 1.0, window=256, sink=64))
+    rec = Recovery("cacheblend", shape.num_layers, shape.num_layers)
+    gate = ReuseGate(ReuseCostModel(ModelCosts.of(cfg, layout), rec, H100))
+    assert gate.min_segment_tokens(8192) is None
+    assert all(gate.hopeless(n) is not None for n in (512, 2048, 8192))
+    assert ReuseGate(model_of("cacheblend")).hopeless(32768) is None
