@@ -39,7 +39,6 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from redknot.api import control
 from redknot.api.chunking import Chunker
 from redknot.api.options import AUTO_NAMESPACE, AutoSegmentsOption
 
@@ -93,19 +92,19 @@ class AutoSegments:
             self._warned.add(key)
             logger.warning("redknot auto segments: %s", message)
 
-    async def ask_gate(self, tokenizer_manager: Any) -> None:
-        """Learn the reuse gate's break-even from the scheduler (once; never raises). Requests
-        that arrive while the first one waits for the answer use the chunker's minimum."""
+    def use_gate(self, gate: dict[str, Any] | None, error: str = "") -> None:
+        """What the scheduler's reuse gate said (control op ``gate``, asked once per server by
+        :meth:`redknot.api.service.SegmentApi.learn_gate`); None: it could not be asked
+        (``error``). Requests that arrive while the first one waits for the answer use the
+        chunker's minimum."""
         if self._asked or not self.enabled:
             return
         self._asked = True
-        try:
-            gate = await control.call(tokenizer_manager, "gate")
-        except control.ControlError as e:
+        if gate is None:
             logger.warning(
                 "redknot auto segments: the reuse gate's break-even is unknown (%s); chunks of "
                 "%d+ tokens are segments",
-                e,
+                error,
                 self.chunker.min_tokens,
             )
             return
@@ -162,11 +161,13 @@ class AutoSegments:
 
 def gate_state(scheduler: Any) -> dict[str, Any]:
     """Scheduler side of control op ``gate``: whether the segment store holds anything, whether
-    a reuse gate decides, and its break-even (``None``: no segment length pays at
-    ``prompt_tokens``, or no gate)."""
+    a reuse gate decides, its break-even (``None``: no segment length pays at
+    ``prompt_tokens``, or no gate), and the longest prompt it recomputes whatever it hits
+    (``recompute_up_to``, at most the model's ``context_len``; 0 without a gate)."""
     cache = getattr(scheduler, "tree_cache", None)
     store = getattr(cache, "segments", None)
     gate = getattr(getattr(cache, "pool", None), "reuse_gate", None)
+    context = getattr(getattr(scheduler, "model_config", None), "context_len", None)
     return {
         "store_enabled": bool(getattr(store, "enabled", False)),
         "gate": gate is not None,
@@ -174,6 +175,8 @@ def gate_state(scheduler: Any) -> dict[str, Any]:
             None if gate is None else gate.min_segment_tokens(GATE_PROMPT_TOKENS)
         ),
         "prompt_tokens": GATE_PROMPT_TOKENS,
+        "recompute_up_to": 0 if gate is None or not context else gate.recomputed_up_to(context),
+        "context_len": context,
     }
 
 

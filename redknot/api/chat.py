@@ -43,7 +43,7 @@ from typing import Any
 
 from redknot.api.auto import AUTO_FIELD
 from redknot.api.capture import CAPTURE_FIELD, check_flag, note
-from redknot.api.marks import SegmentMarkError, encode_marks, reserved_keys
+from redknot.api.marks import SegmentMarkError, reserved_keys
 from redknot.api.options import AUTO_NAMESPACE, DEFAULT_NAMESPACE
 
 logger = logging.getLogger(__name__)
@@ -289,11 +289,11 @@ def around_apply_jinja_template(
         for a, b in selection.cuts[key]
     ]
     marks = api.marks(ids, spans, [scheme.namespace] * len(spans), where="chat")
-    request.custom_params = {**(request.custom_params or {}), **encode_marks(marks)}
+    request.custom_params = {**(request.custom_params or {}), **api.encode(marks)}
     if scheme.auto:
         api.counters.add(auto_requests=1, auto_chunks_marked=len(marks))
     else:
         api.counters.add(requests_with_segments=1, segments_marked=len(marks))
-    if capture:
+    if capture and api.inert is None:
         note([(m.namespace, ids[m.start : m.end]) for m in marks])
     return result

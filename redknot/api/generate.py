@@ -25,7 +25,7 @@ from typing import Any
 from redknot.api.auto import AUTO_FIELD
 from redknot.api.capture import CAPTURE_FIELD, check_flag, note
 from redknot.api.markers import has_markers, parse_markers
-from redknot.api.marks import SegmentMarkError, encode_marks, reserved_keys
+from redknot.api.marks import SegmentMarkError, reserved_keys
 from redknot.api.options import AUTO_NAMESPACE
 from redknot.api.service import SegmentApi
 from redknot.api.spans import FIELD, parse_spans
@@ -194,12 +194,12 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
             )
             token_spans = [(s.start, s.end) for s in spans]
         marks = api.marks(input_ids, token_spans, [s.namespace for s in spans], where=where)
-        if marks and api.rows_leave:
+        if marks and api.rows_leave and api.inert is None:
             _check_input_logprobs(
                 body, k if batch else None, marks, len(input_ids), api.rows_leave, where
             )
         out_ids.append(input_ids)
-        marked += _attach(params[k], marks, input_ids, capture)
+        marked += _attach(params[k], marks, input_ids, capture, api)
 
     drop = (FIELD, CAPTURE_FIELD, "text", "input_ids")
     new = {k: v for k, v in body.items() if k not in drop}
@@ -211,17 +211,18 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
 
 
 def _attach(
-    params: dict, marks: list, input_ids: list[int], capture: bool, *, chunks: bool = False
-) -> int:
+    params: dict, marks: list, input_ids: list[int], capture: bool, api: SegmentApi,
+    *, chunks: bool = False,
+) -> int:  # fmt: skip
     """Put ``marks`` into one prompt's sampling ``params`` (its ``custom_params``), hand them
-    to capture on miss when ``capture`` (``chunks``: they are content-defined chunks of an
-    unmarked prompt); the number of marks."""
+    to capture on miss when ``capture`` and the server's markup is not inert (``chunks``: they
+    are content-defined chunks of an unmarked prompt); the number of marks."""
     if not marks:
         return 0
     custom = dict(params.get("custom_params") or {})
-    custom.update(encode_marks(marks))
+    custom.update(api.encode(marks))
     params["custom_params"] = custom
-    if capture:
+    if capture and api.inert is None:
         note([(m.namespace, input_ids[m.start : m.end]) for m in marks], chunks=chunks)
     return len(marks)
 
@@ -278,7 +279,7 @@ def rewrite_unmarked(body: Any, api: SegmentApi, *, capture: bool) -> dict | Non
                 )
             except SegmentMarkError:
                 marks = []  # it asks logprobs of tokens reuse would not compute
-        marked += _attach(params[k], marks, input_ids, capture, chunks=True)
+        marked += _attach(params[k], marks, input_ids, capture, api, chunks=True)
     if not marked:
         return None
     new = {k: v for k, v in body.items() if k not in ("text", "input_ids")}

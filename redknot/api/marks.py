@@ -36,6 +36,8 @@ KEY_IDS = "redknot_seg_ids"
 KEY_REGISTER = "redknot_register"
 KEY_PIN = "redknot_pin"
 KEY_CAPTURE = "redknot_capture"
+# marks an inert server (no hit can pay: SegmentApi.learn_gate) does not look up: their number
+KEY_RECOMPUTED = "redknot_seg_recomputed"
 RESERVED_PREFIX = "redknot_"
 
 
@@ -210,6 +212,13 @@ def segment_ids(input_ids: Sequence[int], marks: Sequence[SegmentMark]) -> list[
         return store_segment_ids(input_ids, [(m.namespace, m.start, m.end) for m in marks])
     except SegmentError as e:
         raise SegmentMarkError(str(e)) from None
+
+
+def recomputed_marks(req: Any) -> int:
+    """How many segments a scheduler ``Req`` marked on an inert server (not looked up)."""
+    params = getattr(req.sampling_params, "custom_params", None) or {}
+    n = params.get(KEY_RECOMPUTED, 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 def segments_of(req: Any, verify: bool = True) -> list[SegmentMark]:

@@ -93,12 +93,13 @@ class SegmentMarkupMiddleware:
     async def _serve(self, scope, receive, send, body: bytes, api, pending: list) -> None:
         path = scope.get("path")
         auto = api is not None and api.auto.enabled
-        if auto:
+        triggered = api is not None and any(t in body for t in _TRIGGERS)
+        if api is not None and (auto or triggered or api.chat.enabled):
             try:
-                await api.auto.ask_gate(api.tokenizer_manager)  # once per server
+                await api.learn_gate()  # once per server
             except Exception:  # a bug there must not fail the request
-                logger.exception("redknot: asking the reuse gate's break-even failed")
-        if api is not None and ((auto and path in PATHS) or any(t in body for t in _TRIGGERS)):
+                logger.exception("redknot: asking the reuse gate failed")
+        if api is not None and ((auto and path in PATHS) or triggered):
             try:
                 if path in PATHS:
                     new = rewrite_generate(orjson.loads(body), api)

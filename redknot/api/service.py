@@ -7,17 +7,28 @@ all go through it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from redknot.api import control
 from redknot.api.auto import AutoSegments
 from redknot.api.capture import Capturer
-from redknot.api.marks import SegmentMark, SegmentMarkError, check_marks, segment_ids
+from redknot.api.marks import (
+    KEY_RECOMPUTED,
+    SegmentMark,
+    SegmentMarkError,
+    check_marks,
+    encode_marks,
+    segment_ids,
+)
 from redknot.api.namespaces import NamespaceRegistry
 from redknot.api.options import AutoSegmentsOption, ChatSegments
 from redknot.api.tokenize import PiecewiseTokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,6 +83,9 @@ class SegmentApi:
         )
         self.auto = AutoSegments(auto)
         self._piecewise: PiecewiseTokenizer | None = None
+        # why segment markup does nothing on this server (learn_gate), None while it may
+        self.inert: str | None = None
+        self._gate_asked = False
 
     @classmethod
     def from_config(cls, tokenizer_manager: Any, config: Any) -> SegmentApi:
@@ -122,7 +136,41 @@ class SegmentApi:
                 )
             marks.append(SegmentMark(start, end, ns, ""))
         check_marks(marks, prompt_len=len(input_ids), context_len=self.context_len)
-        if not marks:
+        if not marks or self.inert is not None:  # inert: no id is ever looked up
             return marks
         ids = segment_ids(input_ids, marks)  # the prompt packed once for all its segments
         return [replace(m, segment_id=sid) for m, sid in zip(marks, ids, strict=True)]
+
+    def encode(self, marks: Sequence[SegmentMark]) -> dict[str, Any]:
+        """The ``custom_params`` entries that carry one prompt's ``marks`` to the scheduler;
+        on an inert server only their number, which its answer reports."""
+        if self.inert is not None:
+            return {KEY_RECOMPUTED: len(marks)} if marks else {}
+        return encode_marks(marks)
+
+    async def learn_gate(self) -> None:
+        """Ask the scheduler's reuse gate once (control op ``gate``; never raises). When it
+        recomputes every prompt this model takes whatever the prompt hits, markup is
+        :attr:`inert`: marks are checked but carry no ids, nothing is looked up or captured,
+        and a marked prompt costs what it costs unmarked. Requests that arrive while the first
+        one waits for the answer are served as before."""
+        if self._gate_asked:
+            return
+        self._gate_asked = True
+        try:
+            gate = await control.call(self.tokenizer_manager, "gate")
+        except control.ControlError as e:
+            self.auto.use_gate(None, str(e))
+            return
+        self.auto.use_gate(gate)
+        upto, context = gate.get("recompute_up_to") or 0, gate.get("context_len")
+        if gate.get("gate") and context and upto >= context:
+            self.inert = (
+                f"the reuse gate recomputes every prompt this model takes (up to {context} "
+                "tokens) whatever it hits, on this device"
+            )
+            logger.info(
+                "redknot: segment markup is inert: %s; marked prompts are served as unmarked "
+                "ones (their answers report the marks), without lookups or captures",
+                self.inert,
+            )

@@ -111,6 +111,18 @@ class ReuseGate:
             f"recomputing {computed} tokens, whatever it hits: recomputed",
         )  # fmt: skip
 
+    def recomputed_up_to(self, limit: int) -> int:
+        """The longest prompt, at most ``limit`` tokens, that :meth:`hopeless` recomputes from
+        scratch (0: none); every shorter prompt is recomputed too, whatever its exact-prefix
+        hit (recomputing fewer tokens after a prefix costs no more than the whole prompt)."""
+        lo, hi = 0, limit  # hopeless(lo) holds (or lo == 0); find the last n that holds
+        if self.hopeless(hi) is not None:
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.hopeless(mid) is not None else (lo, mid)
+        return lo
+
     def count_recomputed(self) -> None:
         """A request with segment hits that :meth:`hopeless` answered."""
         self.served_without_reuse += 1

@@ -21,11 +21,18 @@ segments (automatic chunks included):
 | key               | meaning                                                               |
 | ----------------- | --------------------------------------------------------------------- |
 | ``segments_marked`` | segments the request marked                                        |
-| ``segments_hit``  | of those, found stored and ready                                      |
+| ``segments_hit``  | of those, found stored and ready; ``null`` when not looked up (inert markup, below) |
 | ``reused_tokens`` | prompt tokens computed with cached segment K/V (beyond an exact-prefix hit); 0 when not reused |
 | ``segments``      | the reused ones: ``namespace``, ``start`` (prompt offset), ``tokens`` |
 | ``policy``        | the recovery policy that served them, or ``null`` when nothing was reused |
 | ``gate``          | the reuse gate's decision (``reuse`` / ``recompute``, predicted ms, reason); absent without a gate or without hits |
+
+A prompt that no hit could make worth reusing (``ReuseGate.hopeless``: the cheapest reusing
+extend's host time exceeds recomputing it) is answered before its marks' ids are checked
+against its tokens: they are looked up and counted, never held. When that holds for every
+prompt the model takes, the HTTP side makes markup inert (``SegmentApi.learn_gate``): marks
+carry only their number (``redknot_seg_recomputed``), nothing is looked up or captured, and the
+report says ``segments_hit: null`` with the gate's reason.
 
 The extend that completes a reusing request's prompt also carries its sparse-FFN inputs (the
 probed newest tokens and the candidate segment tokens; ``redknot.attention.ffn_schedule``).
@@ -81,12 +88,23 @@ class SegmentReads:
 
 def start(cache: Any, req: Any) -> None:
     """``req`` got its request slot: find its stored segments and hold them while it runs."""
-    from redknot.api.marks import SegmentMarkError, registration_of, segments_of
+    from redknot.api.marks import (
+        SegmentMarkError,
+        recomputed_marks,
+        registration_of,
+        segments_of,
+    )
 
     if getattr(req, "sampling_params", None) is None:
         return
     gate = getattr(cache.pool, "reuse_gate", None)
     prompt_len = len(req.origin_input_ids)
+    inert = recomputed_marks(req)
+    if inert:  # marked on a server whose gate recomputes every prompt: nothing to look up
+        if gate is not None:  # why, for the answer (no log line: the server said it once)
+            req.redknot_reuse = gate.hopeless(prompt_len, len(req.prefix_indices))
+        _report(req, cache.pool, inert, None, [])
+        return
     # a prompt that no hit could make worth reusing reads no K/V: its marks' ids are only
     # counted and reported, not checked against its tokens (that packs and hashes them all)
     hopeless = None if gate is None else gate.hopeless(prompt_len, len(req.prefix_indices))
@@ -127,8 +145,9 @@ def start(cache: Any, req: Any) -> None:
 REPORT_KEY = "redknot_reuse"  # meta_info key of the report (module docstring)
 
 
-def _report(req: Any, pool: Any, marked: int, hits: int, uses: list[SegmentUse]) -> None:
-    """Attach what ``start`` decided to ``req`` for its answer's ``meta_info``."""
+def _report(req: Any, pool: Any, marked: int, hits: int | None, uses: list[SegmentUse]) -> None:
+    """Attach what ``start`` decided to ``req`` for its answer's ``meta_info`` (``hits`` None:
+    the marks were not looked up)."""
     indices = getattr(req, "prefix_indices", None)  # a tensor in the scheduler
     prefix = 0 if indices is None else len(indices)
     report: dict[str, Any] = {

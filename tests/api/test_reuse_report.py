@@ -147,3 +147,67 @@ def test_sglang_carries_the_report_from_the_scheduler_to_the_tokenizer_manager()
     first, second = (s[REPORT_KEY][0] for s in sent)
     assert first == [req.customized_info[REPORT_KEY][0]] and second == []
     assert first[0]["reused_tokens"] == 3 and first[0]["policy"] == "epic"
+
+
+class _HopelessGate:
+    """A reuse gate that recomputes every prompt up to ``up_to`` tokens whatever it hits."""
+
+    def __init__(self, up_to: int):
+        from redknot.costmodel.gate import Decision
+
+        self.up_to, self.asked, self.decided = up_to, [], 0
+        self.answer = Decision(False, 30.0, 10.0, "no hit pays at this size")
+
+    def hopeless(self, prompt_len, prefix_len=0):
+        self.asked.append((prompt_len, prefix_len))
+        return self.answer if prompt_len <= self.up_to else None
+
+    def recomputed_up_to(self, limit):
+        return min(limit, self.up_to)
+
+    def min_segment_tokens(self, prompt_tokens=8192, question=64):
+        return None
+
+    def count_recomputed(self):
+        pass
+
+    def decide(self, work):
+        from redknot.costmodel.gate import Decision
+
+        self.decided += 1
+        return Decision(False, 30.0, 10.0, "looked up and decided")
+
+
+@pytest.mark.parametrize("inert", [True, False])
+def test_markup_is_inert_where_the_gate_recomputes_every_prompt_the_model_takes(
+    server, client, inert
+):
+    """Inert: the first marked request learns it from the scheduler's gate; from then on the
+    prompt reaches the scheduler with the number of its marks only, nothing is looked up or
+    captured, and the answer reports the marks with the gate's reason. Otherwise (the gate
+    lets long prompts reuse) marks are looked up and captured as always."""
+    from redknot.api.marks import KEY_BOUNDS, KEY_RECOMPUTED
+
+    context = 4096
+    server.scheduler.model_config = types.SimpleNamespace(context_len=context)
+    server.scheduler.pool.reuse_gate = gate = _HopelessGate(context if inert else 1024)
+    ops = server.record_control_ops()
+    reports = [_generate(client, q)[REPORT_KEY][0] for q in ("France?", "Germany?", "Spain?")]
+    sent = server.tm.last.sampling_params["custom_params"]
+    stats = server.store.stats("kb")
+    if inert:
+        assert ops == ["gate"]  # asked once; no capture asked anything
+        assert sent[KEY_RECOMPUTED] == 1 and KEY_BOUNDS not in sent
+        assert stats["hits"] == stats["misses"] == 0 and not server.tm.captures
+        want = {"decision": "recompute", "reuse_ms": 30.0, "recompute_ms": 10.0,
+                "reason": "no hit pays at this size"}  # fmt: skip
+        for report in reports:
+            assert report["segments_marked"] == 1 and report["segments_hit"] is None
+            assert report["reused_tokens"] == 0 and report["gate"] == want
+        assert gate.decided == 0
+    else:
+        assert ops[0] == "gate" and KEY_BOUNDS in sent and KEY_RECOMPUTED not in sent
+        assert stats["misses"] == 1 and stats["hits"] == 2  # captured after the first miss
+        assert [r["segments_hit"] for r in reports] == [0, 1, 1]
+        # the prompts are short: answered without checking ids, their hits never held
+        assert all(r["gate"]["reason"] == "no hit pays at this size" for r in reports[1:])

@@ -229,3 +229,33 @@ def test_hopeless_prompts_under_the_shipped_record_on_smollm2():
     assert gate.min_segment_tokens(8192) is None
     assert all(gate.hopeless(n) is not None for n in (512, 2048, 8192))
     assert ReuseGate(model_of("cacheblend")).hopeless(32768) is None
+
+
+@pytest.mark.parametrize("policy", ["epic", "cacheblend"])
+def test_recomputed_up_to_is_the_last_hopeless_prompt_length(policy):
+    """The binary search's answer against every length: every prompt up to it is hopeless
+    (from scratch and after any exact-prefix hit), none just above it is."""
+    for host in (1.0, 3.0, 40.0):
+        record = replace(H100, host_ms={**H100.host_ms, "full": host, "held": host})
+        gate = ReuseGate(model_of(policy, record))
+        for limit in (600, 5000):
+            n = gate.recomputed_up_to(limit)
+            assert 0 <= n <= limit
+            assert all(gate.hopeless(m) is not None for m in range(1, n + 1, 7))
+            assert all(gate.hopeless(n, p) is not None for p in (0, 1, n // 2, n - 1))
+            if n < limit:
+                assert gate.hopeless(n + 1) is None
+
+
+def test_the_gate_control_op_says_how_long_a_recomputed_prompt_can_be():
+    from redknot.api.auto import gate_state
+
+    gate = ReuseGate(model_of("cacheblend"))
+    pool = SimpleNamespace(reuse_gate=gate)
+    cache = SimpleNamespace(segments=SimpleNamespace(enabled=True), pool=pool)
+    scheduler = SimpleNamespace(tree_cache=cache, model_config=SimpleNamespace(context_len=32768))
+    state = gate_state(scheduler)
+    assert state["context_len"] == 32768 and state["gate"] and state["store_enabled"]
+    assert state["recompute_up_to"] == gate.recomputed_up_to(32768) < 32768
+    del scheduler.model_config  # a scheduler without a model config: nothing is claimed
+    assert gate_state(scheduler)["recompute_up_to"] == 0
