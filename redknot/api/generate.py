@@ -186,7 +186,10 @@ def rewrite_generate(body: Any, api: SegmentApi) -> dict | None:
             else:
                 input_ids, token_spans = list(api.tokenizer.tokenizer.encode(clean)), []
         else:
-            input_ids = _check_ids(prompt, where)
+            # inert markup reads only the prompt's length: SGLang checks its ids as it does
+            # an unmarked prompt's
+            inert = api.inert is not None and isinstance(prompt, list)
+            input_ids = prompt if inert else _check_ids(prompt, where)
             spans = (
                 []
                 if spans_value is None

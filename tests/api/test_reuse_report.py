@@ -205,6 +205,13 @@ def test_markup_is_inert_where_the_gate_recomputes_every_prompt_the_model_takes(
             assert report["segments_marked"] == 1 and report["segments_hit"] is None
             assert report["reused_tokens"] == 0 and report["gate"] == want
         assert gate.decided == 0
+        body = {"input_ids": list(range(100, 140)), "sampling_params": {"max_new_tokens": 2},
+                "redknot_segments": [{"start": 2, "end": 30, "namespace": "kb"}]}  # fmt: skip
+        r = client.post("/generate", json=body)  # token ids in: only their count is read
+        assert r.status_code == 200, r.text
+        report = r.json()["meta_info"][REPORT_KEY][0]
+        assert report["segments_marked"] == 1 and report["segments_hit"] is None
+        assert server.tm.last.input_ids == list(range(100, 140))
     else:
         assert ops[0] == "gate" and KEY_BOUNDS in sent and KEY_RECOMPUTED not in sent
         assert stats["misses"] == 1 and stats["hits"] == 2  # captured after the first miss
