@@ -6,6 +6,8 @@ loses nothing."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from redknot.api.marks import decode_marks, segment_id
@@ -215,3 +217,30 @@ def test_a_request_whose_segments_all_hit_does_not_ask_the_store(make_server, cl
     asked.clear()
     other = _generate(client, namespace="kb2")  # the same text in a new namespace misses
     assert other.status_code == 200 and "registrations" in asked
+
+
+def test_chat_segments_are_inert_where_the_gate_recomputes_every_prompt(make_server, client):
+    """A chat request's messages marked on a server whose reuse gate recomputes every prompt
+    the model takes carry only their count: nothing is looked up, stored or captured."""
+    from redknot.api.marks import KEY_BOUNDS, KEY_RECOMPUTED
+    from tests.api.test_reuse_report import _HopelessGate
+
+    server = make_server()
+    server.scheduler.model_config = types.SimpleNamespace(context_len=4096)
+    server.scheduler.pool.reuse_gate = _HopelessGate(4096)
+    for question in ("Capital of France?", "Capital of Germany?"):
+        body = {
+            "model": "m",
+            "max_completion_tokens": 4,
+            "messages": [
+                {"role": "user", "content": DOC},
+                {"role": "user", "content": question},
+            ],
+        }
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        sent = server.tm.last.sampling_params["custom_params"]
+        assert sent[KEY_RECOMPUTED] == 2 and KEY_BOUNDS not in sent  # the two messages
+    stats = server.store.stats()
+    assert stats["hits"] == stats["misses"] == stats["captures"] == 0
+    assert not _captures(server)
