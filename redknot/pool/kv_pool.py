@@ -207,8 +207,9 @@ class RedknotKVPool(KVCache):
             k, v = k.index_select(1, idx), v.index_select(1, idx)
         k_buf, v_buf = self.k_global[layer_id], self.v_global[layer_id]
         if k_buf.shape[1] == g and self._fused_store(k, v):
-            # whole rows: SGLang's K+V store kernel, one launch (two index_puts cost ~1 ms of
-            # host time per SmolLM2 prefill; benchmarks/ttft_side_by_side.py --profile-points)
+            # whole rows: SGLang's K+V store kernel, one launch a layer where two index_puts
+            # made a SmolLM2 prefill 60 launches and 1-2 ms of host time longer than a dense
+            # server's (benchmarks/results/profile_side_by_side_smollm2_cea9016.json)
             row = g * self.head_dim
             _store_cache()(
                 k.reshape(-1, row), v.reshape(-1, row), k_buf.view(-1, row), v_buf.view(-1, row),

@@ -105,12 +105,12 @@ def start(cache: Any, req: Any) -> None:
             req.redknot_reuse = gate.hopeless(prompt_len, len(req.prefix_indices))
         _report(req, cache.pool, inert, None, [])
         return
-    # a prompt that no hit could make worth reusing reads no K/V: its marks' ids are only
-    # counted and reported, not checked against its tokens (that packs and hashes them all)
-    hopeless = None if gate is None else gate.hopeless(prompt_len, len(req.prefix_indices))
     try:
         if registration_of(req) is not None:
             return
+        # a prompt that no hit could make worth reusing reads no K/V: its marks' ids are only
+        # counted and reported, not checked against its tokens (that packs and hashes them all)
+        hopeless = None if gate is None else gate.hopeless(prompt_len, len(req.prefix_indices))
         marks = segments_of(req, verify=hopeless is None)
     except SegmentMarkError as e:  # validated by the API; never fail the scheduler on it
         logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)

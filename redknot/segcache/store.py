@@ -191,7 +191,10 @@ class SegmentStore:
         tokens, or used only to count and report (no K/V read)."""
         namespace = check_namespace(namespace)
         rec = self._by_id.get(segment_id)
-        hit = rec is not None and rec.ready and rec.namespace == namespace
+        hit = (
+            rec is not None and rec.ready and rec.namespace == namespace
+            and rec.num_tokens == num_tokens
+        )  # fmt: skip
         return self._looked_up(namespace, rec if hit else None, num_tokens)
 
     def _looked_up(self, namespace: str, rec: _Record | None, tokens: int) -> SegmentEntry | None:

@@ -83,19 +83,21 @@ def test_same_document_twice_in_one_request_is_captured_once(make_server, client
     assert server.store.stats()["segments"] == 1
 
 
+def _chat_about_doc(client, question: str) -> None:
+    """An OpenAI chat request of two user messages, ``DOC`` then ``question``."""
+    body = {
+        "model": "m",
+        "max_completion_tokens": 4,
+        "messages": [{"role": "user", "content": DOC}, {"role": "user", "content": question}],
+    }
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
 def test_chat_document_in_two_requests_hits_the_second_time(make_server, client):
     server = make_server()
     for question in ("Capital of France?", "Capital of Germany?"):
-        body = {
-            "model": "m",
-            "max_completion_tokens": 4,
-            "messages": [
-                {"role": "user", "content": DOC},
-                {"role": "user", "content": question},
-            ],
-        }
-        r = client.post("/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
+        _chat_about_doc(client, question)
     stats = server.store.stats()
     assert stats["hits"] == 1  # the document; the two questions differ
     assert stats["misses"] == 3 and stats["captures"] == 3
@@ -229,16 +231,7 @@ def test_chat_segments_are_inert_where_the_gate_recomputes_every_prompt(make_ser
     server.scheduler.model_config = types.SimpleNamespace(context_len=4096)
     server.scheduler.pool.reuse_gate = _HopelessGate(4096)
     for question in ("Capital of France?", "Capital of Germany?"):
-        body = {
-            "model": "m",
-            "max_completion_tokens": 4,
-            "messages": [
-                {"role": "user", "content": DOC},
-                {"role": "user", "content": question},
-            ],
-        }
-        r = client.post("/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
+        _chat_about_doc(client, question)
         sent = server.tm.last.sampling_params["custom_params"]
         assert sent[KEY_RECOMPUTED] == 2 and KEY_BOUNDS not in sent  # the two messages
     stats = server.store.stats()

@@ -279,4 +279,8 @@ def test_lookup_by_a_verified_id_counts_as_a_lookup_by_content():
     assert store.lookup("ns", toks[:-1], verified_id=segment_id("ns", toks[:-1])) is None
     s = store.stats()
     assert (s["hits"], s["misses"], s["hit_tokens"]) == (1, 2, 10)
+    # an id the caller did not check (a prompt no hit could pay for: only counted) must at
+    # least name a segment of the marked length
+    assert store.lookup_id("ns", sid, 10).id == sid and store.lookup_id("ns", sid, 9) is None
+    assert store.stats()["misses"] == 3
     store.check()
