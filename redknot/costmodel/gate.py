@@ -41,6 +41,7 @@ class ReuseGate:
         self.model, self.source = model, source
         self.served_without_reuse = 0
         self.served_with_reuse = 0
+        self.served_inert = 0  # marked requests of an inert server (none looked up)
 
     @classmethod
     def build(
@@ -126,6 +127,10 @@ class ReuseGate:
     def count_recomputed(self) -> None:
         """A request with segment hits that :meth:`hopeless` answered."""
         self.served_without_reuse += 1
+
+    def count_inert(self) -> None:
+        """A marked request of a server whose markup is inert (its marks not looked up)."""
+        self.served_inert += 1
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (one gate per scheduler, kept for its life)
     def _plain_ms(self, computed: int, prefix_len: int) -> float:

@@ -103,6 +103,7 @@ def start(cache: Any, req: Any) -> None:
     if inert:  # marked on a server whose gate recomputes every prompt: nothing to look up
         if gate is not None:  # why, for the answer (no log line: the server said it once)
             req.redknot_reuse = gate.hopeless(prompt_len, len(req.prefix_indices))
+            gate.count_inert()
         _report(req, cache.pool, inert, None, [])
         return
     try:

@@ -155,7 +155,7 @@ class _HopelessGate:
     def __init__(self, up_to: int):
         from redknot.costmodel.gate import Decision
 
-        self.up_to, self.asked, self.decided = up_to, [], 0
+        self.up_to, self.asked, self.decided, self.inert = up_to, [], 0, 0
         self.answer = Decision(False, 30.0, 10.0, "no hit pays at this size")
 
     def hopeless(self, prompt_len, prefix_len=0):
@@ -170,6 +170,9 @@ class _HopelessGate:
 
     def count_recomputed(self):
         pass
+
+    def count_inert(self):
+        self.inert += 1
 
     def decide(self, work):
         from redknot.costmodel.gate import Decision
@@ -204,7 +207,7 @@ def test_markup_is_inert_where_the_gate_recomputes_every_prompt_the_model_takes(
         for report in reports:
             assert report["segments_marked"] == 1 and report["segments_hit"] is None
             assert report["reused_tokens"] == 0 and report["gate"] == want
-        assert gate.decided == 0
+        assert gate.decided == 0 and gate.inert == 3
         body = {"input_ids": list(range(100, 140)), "sampling_params": {"max_new_tokens": 2},
                 "redknot_segments": [{"start": 2, "end": 30, "namespace": "kb"}]}  # fmt: skip
         r = client.post("/generate", json=body)  # token ids in: only their count is read
