@@ -170,15 +170,9 @@ class SegmentStore:
 
     # ---- the API -----------------------------------------------------------------------------
 
-    def lookup(
-        self, namespace: str, token_ids: Sequence[int], verified_id: str | None = None
-    ) -> SegmentEntry | None:
+    def lookup(self, namespace: str, token_ids: Sequence[int]) -> SegmentEntry | None:
         """The ready segment of exactly these tokens in ``namespace``, or None; counts hit/miss.
-        ``verified_id``: these tokens' id, already checked against them by the caller (the
-        scheduler's marks are, ``redknot.api.marks.segments_of``): the tokens are then neither
-        packed nor hashed again (a content address of 128 bits names one token sequence)."""
-        if verified_id is not None:
-            return self.lookup_id(namespace, verified_id, len(token_ids))
+        (The scheduler looks its marks up by id, :meth:`lookup_id`.)"""
         namespace = check_namespace(namespace)
         packed = pack_tokens(token_ids)
         rec = self._by_id.get(_digest(namespace, packed))
@@ -188,7 +182,9 @@ class SegmentStore:
     def lookup_id(self, namespace: str, segment_id: str, num_tokens: int) -> SegmentEntry | None:
         """The ready segment of id ``segment_id`` in ``namespace`` (``num_tokens`` long), or
         None; counts hit/miss. The caller vouches for the id: checked against the request's
-        tokens, or used only to count and report (no K/V read)."""
+        tokens (``redknot.api.marks.segments_of``; the tokens are then neither packed nor
+        hashed again, a content address of 128 bits naming one token sequence), or used only to
+        count and report (no K/V read)."""
         namespace = check_namespace(namespace)
         rec = self._by_id.get(segment_id)
         hit = (

@@ -273,10 +273,10 @@ def test_lookup_by_a_verified_id_counts_as_a_lookup_by_content():
     toks = list(range(10))
     e = ready(store, "ns", toks)
     sid = segment_id("ns", toks)
-    hit = store.lookup("ns", toks, verified_id=sid)
+    hit = store.lookup_id("ns", sid, len(toks))
     assert hit is not None and hit.id == e.id == sid
-    assert store.lookup("other", toks, verified_id=sid) is None  # another namespace's id
-    assert store.lookup("ns", toks[:-1], verified_id=segment_id("ns", toks[:-1])) is None
+    assert store.lookup_id("other", sid, len(toks)) is None  # another namespace's id
+    assert store.lookup_id("ns", segment_id("ns", toks[:-1]), 9) is None
     s = store.stats()
     assert (s["hits"], s["misses"], s["hit_tokens"]) == (1, 2, 10)
     # an id the caller did not check (a prompt no hit could pay for: only counted) must at
