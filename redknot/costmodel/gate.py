@@ -80,7 +80,7 @@ class ReuseGate:
             return Decision(False, 0.0, 0.0, "no stored segment in the computed tokens")
         # one request: model.choose([work]) reduces to this comparison (two predictions)
         reuse_ms = self.model.batch_ms([work], [True])
-        plain_ms = self.model.batch_ms([work], [False])
+        plain_ms = self._plain_ms(work.computed, work.prefix)  # hits change nothing without reuse
         told = (
             f"reuse predicted {reuse_ms:.1f} ms vs {plain_ms:.1f} ms recomputing "
             f"({work.reused} reused of {work.computed} computed tokens, {len(work.segments)} segments)"
