@@ -22,6 +22,8 @@ from redknot.headmap.served import ModelSignature
 from redknot.served_default import ServedDefaultError
 
 KERNEL_CHOICES = ("auto", "triton")
+LFPS_CHOICES = ("off", "lfps", "topk")  # redknot.lfps.serving
+LFPS_SELECTION_CHOICES = ("query-head", "kv-head")
 CAPTURE_CHOICES = ("on", "off")  # redknot.api.capture
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 LOCAL_KV_CHOICES = ("cached", "fresh")  # redknot.recovery.options.LOCAL_KV_SOURCES
@@ -236,6 +238,52 @@ class RedknotConfig:
         "evicts that namespace's own least recently used ones, never another namespace's.",
         default=1.0,
     )
+    lfps: str = _opt(
+        "Sparse decode of long requests: 'off' (dense), 'lfps' (LFPS: each step attends the sink "
+        "tokens and the keys predicted from score tables of past attention, docs/lfps.md) or "
+        "'topk' (the exact Top-k of every key's score at every step, the same budget). Needs "
+        "every head global (--redknot-all-global or a token-level policy). Off by default: "
+        "not yet measured to keep answers.",
+        default="off",
+    )
+    lfps_budget: float = _opt(
+        "--redknot-lfps: keys attended per head and step besides the sinks, a fraction of the "
+        "request's keys if below 1, else a count.",
+        default=0.02,
+    )
+    lfps_selection: str = _opt(
+        "--redknot-lfps: 'query-head' (every query head selects its own keys, LFPS as "
+        "published) or 'kv-head' (one selection per KV head, shared by its query heads: faster, "
+        "lower recall; docs/lfps.md).",
+        default="query-head",
+    )
+    lfps_min_tokens: int = _opt(
+        "--redknot-lfps: requests whose prompt is shorter than this decode densely.",
+        default=2048,
+    )
+    lfps_max_requests: int = _opt(
+        "--redknot-lfps: requests that may decode sparsely at once (each holds score tables as "
+        "long as the context in every layer, reserved from the KV budget at startup); others "
+        "decode densely.",
+        default=8,
+    )
+    lfps_decay: float = _opt(
+        "--redknot-lfps lfps: decay of the score tables (Eq. 4, 10).", default=0.95
+    )
+    lfps_lam: float = _opt(
+        "--redknot-lfps lfps: lambda of the candidate thresholds (Eq. 8; higher: fewer).",
+        default=0.2,
+    )
+    lfps_sparsity_threshold: float = _opt(
+        "--redknot-lfps lfps: a head whose estimated sink share exceeds this takes the "
+        "sink-plus-mean output (Eq. 6); above 1 turns that off.",
+        default=0.85,
+    )
+    lfps_candidate_factor: int = _opt(
+        "--redknot-lfps lfps: candidates scored per step, as a multiple of the budget (the "
+        "highest-priority ones are kept when more qualify).",
+        default=4,
+    )
     skip_startup_check: bool = _opt(
         "Start without the startup check of the attention kernels against the PyTorch "
         "reference (redknot.attention.startup_check); the kernels are then unverified.",
@@ -328,7 +376,8 @@ class RedknotConfig:
                     f"--redknot-{flag} must be a number in [0, 1], got {value!r}"
                 )
         for name, low in (("dense_layers", 0), ("recent_n", 1), ("epic_k", 0), ("restore_edge", 1),
-                          ("capture_step_tokens", 1),
+                          ("capture_step_tokens", 1), ("lfps_min_tokens", 1),
+                          ("lfps_max_requests", 1), ("lfps_candidate_factor", 1),
                           ("restore_heads", 0),
                           ("blend_check_layer", 0), ("sparseq_boundary", 1), ("sparseq_k", 0),
                           ("sparseq_block", 0)):  # fmt: skip
@@ -339,6 +388,7 @@ class RedknotConfig:
                 raise RedknotConfigError(
                     f"--redknot-{flag} must be an integer >= {low}, got {value!r}"
                 )
+        self._check_lfps()
         for name in ("window", "sink"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (name == "window")):
@@ -346,6 +396,41 @@ class RedknotConfig:
                     f"--redknot-{name} must be an integer >= {int(name == 'window')}, "
                     f"got {value!r}"
                 )
+
+    def _check_lfps(self) -> None:
+        """LFPS decode's options (redknot.lfps.serving)."""
+        for name, choices in (("lfps", LFPS_CHOICES), ("lfps_selection", LFPS_SELECTION_CHOICES)):
+            if getattr(self, name) not in choices:
+                flag = name.replace("_", "-")
+                raise RedknotConfigError(
+                    f"--redknot-{flag} {getattr(self, name)!r} is not one of {', '.join(choices)}"
+                )
+        for name, low, high in (("lfps_budget", 0.0, None), ("lfps_decay", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not (value > low and (high is None or value < high)):
+                flag = name.replace("_", "-")
+                bound = f"in ({low:g}, {high:g})" if high is not None else f"> {low:g}"
+                raise RedknotConfigError(
+                    f"--redknot-{flag} must be a number {bound}, got {value!r}"
+                )
+        if self.lfps_budget >= 1 and self.lfps_budget != int(self.lfps_budget):
+            raise RedknotConfigError(
+                f"--redknot-lfps-budget {self.lfps_budget!r}: a count of keys (>= 1) must be a "
+                "whole number; a fraction of the keys is below 1"
+            )
+        if self.lfps == "off":
+            return
+        if not self.all_global:
+            raise RedknotConfigError(
+                f"--redknot-lfps {self.lfps} needs every head global (--redknot-all-global, or "
+                "a token-level --redknot-policy): sparse decode of the global heads of a map with "
+                "local heads is not built"
+            )
+        if self.kernel != "auto":
+            raise RedknotConfigError(
+                f"--redknot-lfps {self.lfps} needs --redknot-kernel auto: the requests it does "
+                "not serve decode on FlashInfer"
+            )
 
     def _resolve_restore(self) -> None:
         """Adaptive restore is on with a threshold and at least one restore column; the columns

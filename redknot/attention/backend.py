@@ -133,6 +133,10 @@ def _on_cuda(model_runner: ModelRunner) -> bool:
 class RedknotAttnBackend(AttentionBackend):
     """SGLang attention backend applying a head-class map."""
 
+    lfps = None  # LFPS decode (redknot.lfps.serving.LfpsServing) under --redknot-lfps
+    lfps_plan = None  # the decode batch's LFPS part (redknot.lfps.serving.DecodePlan)
+    lfps_dense_batch = None  # the batch of its other rows, planned on FlashInfer
+
     def __init__(self, model_runner: ModelRunner, config: RedknotConfig):
         super().__init__()
         _check_model(model_runner)
@@ -167,6 +171,10 @@ class RedknotAttnBackend(AttentionBackend):
             if dense_exact and not self.layout.restore and _on_cuda(model_runner):
                 self.dense = _flashinfer(model_runner)
         self.dense_batch = self.segpaged is None  # the batch being run goes to FlashInfer
+        self.lfps_pool = model_runner.token_to_kv_pool
+        self.lfps = (
+            _lfps_serving(model_runner, config, self.dense) if config.lfps != "off" else None
+        )
         logger.info(
             "redknot backend (TP rank %d/%d): %s path%s, %d global / %d local KV heads per rank",
             tp_rank,
@@ -256,7 +264,14 @@ class RedknotAttnBackend(AttentionBackend):
         layer schedule of ``--redknot-dense-layers``, or a token-level policy); a graph would
         replay the rows of its capture. Every other batch may replay (SGLang's own gate
         decides). Called by redknot's hook on ``PrefillCudaGraphRunner.can_run_graph``."""
+        if self.lfps is not None and self.lfps.wants_extend(forward_batch):
+            return True  # the LFPS state is built per layer from the extend's queries
         return self.segpaged is not None and self.segpaged.rows_vary(forward_batch)
+
+    def needs_eager_decode(self, forward_batch: ForwardBatch) -> bool:
+        """True for a decode batch with a request that decodes with LFPS (its budgets follow the
+        batch's lengths). Called by redknot's hook on ``DecodeCudaGraphRunner.can_run_graph``."""
+        return self.lfps is not None and self.lfps.has_rows(forward_batch)
 
     # ---- planning: once per batch ------------------------------------------------------------
     #
@@ -279,12 +294,36 @@ class RedknotAttnBackend(AttentionBackend):
         return False  # idle: nothing runs
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
+        if self.lfps is not None and self._plan_lfps(forward_batch):
+            return None
         self.dense_batch = self._to_dense(forward_batch)
         if not self.dense_batch:
             return self.segpaged.plan(forward_batch)
         if self.segpaged is not None:
             self.segpaged.begin_forward()
         return self.dense.init_forward_metadata(forward_batch)
+
+    def _plan_lfps(self, forward_batch: ForwardBatch) -> bool:
+        """LFPS's part of planning an eager batch; True when it planned the batch itself (a
+        decode batch with LFPS rows: those rows on LFPS, the others on FlashInfer)."""
+        self.lfps_plan = None
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            self.lfps.extend_rows = []
+            self.lfps_plan = self.lfps.plan_decode(forward_batch)
+        elif mode.is_extend():
+            self.lfps.plan_extend(forward_batch)
+        if self.lfps_plan is None:
+            return False
+        self.dense_batch = True
+        if self.segpaged is not None:
+            self.segpaged.begin_forward()
+        plan = self.lfps_plan
+        self.lfps_dense_batch = None
+        if plan.dense_rows_list:
+            self.lfps_dense_batch = _sub_batch(forward_batch, plan.dense_rows, plan.dense_rows_list)
+            self.dense.init_forward_metadata(self.lfps_dense_batch)
+        return True
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         if self.dense is not None:
@@ -296,7 +335,11 @@ class RedknotAttnBackend(AttentionBackend):
         self, forward_batch: ForwardBatch, in_capture: bool = False
     ):
         # graphs: decode (SGLang's decode graphs), or every extend of a full prefill graph,
-        # which its path keeps (a captured graph replays the kernels of its capture)
+        # which its path keeps (a captured graph replays the kernels of its capture); never a
+        # batch with LFPS work (needs_eager_*)
+        self.lfps_plan = None
+        if self.lfps is not None:
+            self.lfps.extend_rows = []
         self.dense_batch = self.segpaged is None or (
             self.dense is not None and forward_batch.forward_mode.is_decode()
         )
@@ -333,10 +376,18 @@ class RedknotAttnBackend(AttentionBackend):
         **kwargs,
     ):
         if self.dense_batch:
-            return self.dense.forward_extend(
+            out = self.dense.forward_extend(
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )
-        return self.segpaged.extend(q, k, v, layer, forward_batch, save_kv_cache)
+        else:
+            out = self.segpaged.extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if self.lfps is not None and self.lfps.extend_rows:
+            lid = layer.layer_id
+            pool = self.lfps_pool
+            self.lfps.after_extend(
+                lid, q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), layer.scaling
+            )
+        return out
 
     def forward_decode(
         self,
@@ -348,11 +399,36 @@ class RedknotAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ):
+        if self.lfps_plan is not None:
+            return self._lfps_decode(q, k, v, layer, forward_batch, save_kv_cache)
         if self.dense is not None:
             return self.dense.forward_decode(
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )
         return self.segpaged.decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _lfps_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """A decode batch with LFPS rows: every row's K/V written, then the LFPS rows attend
+        their selection and the others run on FlashInfer."""
+        plan, lid = self.lfps_plan, layer.layer_id
+        pool = self.lfps_pool
+        hq, d = layer.tp_q_head_num, layer.head_dim
+        if save_kv_cache and k is not None:
+            hkv = layer.tp_k_head_num
+            pool.write_global(lid, forward_batch.out_cache_loc, k.view(-1, hkv, d),
+                              v.view(-1, hkv, d))  # fmt: skip
+        q = q.view(-1, hq, d)
+        out = q.new_empty(q.shape)
+        if self.lfps_dense_batch is not None:
+            dense_q = q.index_select(0, plan.dense_rows).reshape(-1, hq * d)
+            out[plan.dense_rows] = self.dense.forward_decode(
+                dense_q, None, None, layer, self.lfps_dense_batch, save_kv_cache=False
+            ).view(-1, hq, d)
+        out[plan.lfps_rows] = self.lfps.decode(
+            lid, q.index_select(0, plan.lfps_rows).contiguous(), pool.get_key_buffer(lid),
+            pool.get_value_buffer(lid), plan, layer.scaling,
+        )  # fmt: skip
+        return out.view(-1, hq * d)
 
 
 def _warn_restore_scope(model_runner: ModelRunner, runner) -> None:
@@ -379,3 +455,58 @@ def _warn_restore_scope(model_runner: ModelRunner, runner) -> None:
             "context length (%d)",
             chunk, context,
         )  # fmt: skip
+
+
+def _lfps_serving(model_runner: ModelRunner, config: RedknotConfig, dense):
+    """LFPS decode (``--redknot-lfps``) over the pool's reserved state, or a clear refusal."""
+    from redknot.lfps.params import LfpsParams
+    from redknot.lfps.serving import LfpsServing
+
+    pool = model_runner.token_to_kv_pool
+    store = getattr(pool, "lfps_store", None)
+    problems = []
+    if dense is None:
+        problems.append("its other requests decode on FlashInfer, which this path lacks")
+    if not _on_cuda(model_runner):
+        problems.append("its kernels need CUDA")
+    if getattr(model_runner.model_config.hf_config, "attn_logit_softcapping", None):
+        problems.append("the model caps attention logits, which its kernels do not")
+    if store is None:
+        problems.append("no LFPS state was reserved in the KV pool")
+    if problems:
+        raise ValueError(f"--redknot-lfps {config.lfps} cannot serve here: " + "; ".join(problems))
+    budget = config.lfps_budget
+    params = LfpsParams(
+        budget=budget if budget < 1 else int(budget), decay=config.lfps_decay, lam=config.lfps_lam,
+        sparsity_threshold=config.lfps_sparsity_threshold,
+    )  # fmt: skip
+    serving = LfpsServing(
+        config.lfps, params, store.shape, store, model_runner.req_to_token_pool.req_to_token,
+        min_tokens=config.lfps_min_tokens, candidate_factor=config.lfps_candidate_factor,
+    )  # fmt: skip
+    logger.info(
+        "redknot: %s decode for requests of %d prompt tokens or more, at most %d at once "
+        "(the others decode densely on FlashInfer): %s of the keys per %s and step besides %d "
+        "sinks%s; such decode batches run eagerly",
+        "LFPS" if config.lfps == "lfps" else "exact Top-k",
+        config.lfps_min_tokens, store.slots,
+        f"{budget:g}" if budget < 1 else f"{int(budget)}", config.lfps_selection,
+        params.num_sink,
+        f", {config.lfps_candidate_factor}x candidates" if config.lfps == "lfps" else "",
+    )  # fmt: skip
+    return serving
+
+
+def _sub_batch(forward_batch: ForwardBatch, rows: torch.Tensor, rows_list: list[int]):
+    """The decode batch of ``rows`` only, for planning FlashInfer over them (a shallow copy)."""
+    import copy
+
+    sub = copy.copy(forward_batch)
+    seq_cpu = forward_batch.seq_lens_cpu[rows_list]
+    sub.batch_size = len(rows_list)
+    sub.req_pool_indices = forward_batch.req_pool_indices[rows]
+    sub.seq_lens = forward_batch.seq_lens[rows]
+    sub.seq_lens_cpu = seq_cpu
+    sub.seq_lens_sum = int(seq_cpu.sum())
+    sub.out_cache_loc = forward_batch.out_cache_loc[rows]
+    return sub

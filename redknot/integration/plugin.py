@@ -115,6 +115,15 @@ def _around_prefill_can_run_graph(original, self, forward_batch):
     return original(self, forward_batch)
 
 
+def _around_decode_can_run_graph(original, self, forward_batch):
+    """SGLang's decode CUDA graphs replay no batch with a request that decodes with LFPS
+    (:meth:`redknot.attention.backend.RedknotAttnBackend.needs_eager_decode`)."""
+    eager = getattr(getattr(self.model_runner, "attn_backend", None), "needs_eager_decode", None)
+    if eager is not None and eager(forward_batch):
+        return False
+    return original(self, forward_batch)
+
+
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 HOOKS: tuple[Hook, ...] = (
@@ -136,6 +145,12 @@ HOOKS: tuple[Hook, ...] = (
         ".can_run_graph",
         "AROUND",
         _around_prefill_can_run_graph,
+    ),
+    Hook(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+        ".can_run_graph",
+        "AROUND",
+        _around_decode_can_run_graph,
     ),
     # Segment reuse's sparse FFN (redknot.attention.ffn_schedule) on the served MLP classes
     Hook("sglang.srt.models.llama.LlamaMLP.forward", "AROUND", ffn_schedule.around_mlp),

@@ -173,6 +173,12 @@ def resolve(server_args: Any) -> RedknotConfig | None:
             f"{config.segment_fraction:g} of the KV budget" if config.segment_fraction else "off",
             config.kernel,
         )
+    if config.lfps != "off" and server_args.enable_mixed_chunk:
+        raise RedknotConfigError(
+            f"--redknot-lfps {config.lfps} cannot be combined with --enable-mixed-chunk: a "
+            "decode step run inside a prefill batch would not update the request's LFPS state; "
+            "drop one of them"
+        )
     if server_args.radix_cache_backend != BACKEND_NAME:
         server_args.override("redknot", radix_cache_backend=BACKEND_NAME)
     envs.REDKNOT_RESOLVED_CONFIG.set(config.to_json())

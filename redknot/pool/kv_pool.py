@@ -139,6 +139,9 @@ class RedknotKVPool(KVCache):
                 if segment_plan is not None and segment_plan.num_pages > 0
                 else None
             )
+        # LFPS decode's score tables (redknot.lfps.serving.LfpsStore); set by the pool's
+        # builder under --redknot-lfps, whose budget it is taken from
+        self.lfps_store = None
         # Adaptive restore: the local KV heads each request promoted, per layer (-1: none); a
         # request's row is reset when it gets its slot (every slot of the batch's rings)
         self.promoted = torch.full(

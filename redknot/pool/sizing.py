@@ -161,9 +161,54 @@ def reserve_segment_bytes(kvc: Any, budget_bytes: int) -> SegmentPlan:
     return plan
 
 
+def lfps_shape(kvc: Any):
+    """The LFPS state's shape on this rank (``--redknot-lfps``), or None when it is off."""
+    from redknot.integration.server_args import published_config
+    from redknot.lfps.serving import LfpsShape, rows_of
+
+    config = published_config()
+    if config.lfps == "off":
+        return None
+    layout = layout_of(kvc)
+    hq, hkv = layout.num_q_heads, layout.num_kv_heads
+    return LfpsShape(
+        num_layers=layout.num_layers, num_q_heads=hq, num_kv_heads=hkv,
+        head_dim=layout.head_dim, rows=rows_of(config.lfps_selection, hq, hkv),
+        max_len=kvc.model_config.context_len,
+    )  # fmt: skip
+
+
+def reserve_lfps_bytes(kvc: Any, budget_bytes: int) -> int:
+    """Bytes of the LFPS state (``--redknot-lfps-max-requests`` rows of tables as long as the
+    context in every layer), taken from the KV budget so that admission counts them."""
+    from redknot.integration.server_args import published_config
+    from redknot.lfps.serving import state_bytes
+
+    shape = lfps_shape(kvc)
+    if shape is None:
+        return 0
+    slots = published_config().lfps_max_requests
+    need = state_bytes(shape, slots)
+    if need >= budget_bytes:
+        raise ValueError(
+            f"redknot: --redknot-lfps-max-requests {slots} needs {need / (1 << 30):.2f} GB of "
+            f"LFPS score tables ({shape.max_len}-token context), more than the "
+            f"{budget_bytes / (1 << 30):.2f} GB KV budget: lower --redknot-lfps-max-requests or "
+            "--context-length, or pass --redknot-lfps-selection kv-head (tables per KV head)"
+        )
+    state_of(kvc)["lfps"] = (shape, slots)
+    logger.info(
+        "redknot: LFPS state for %d requests (%d-token tables, %d selection heads x %d layers) "
+        "reserves %.2f GB of the KV budget",
+        slots, shape.max_len, shape.selection_heads, shape.num_layers, need / (1 << 30),
+    )  # fmt: skip
+    return need
+
+
 def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
-    """Plan the segment region and the request/snapshot slots; return the budget left for token
-    slots."""
+    """Plan the LFPS state, the segment region and the request/snapshot slots; return the budget
+    left for token slots."""
+    budget_bytes -= reserve_lfps_bytes(kvc, budget_bytes)
     budget_bytes -= reserve_segment_bytes(kvc, budget_bytes).reserved_bytes
     plan = plan_slots(
         rank_layouts(kvc), kvc.kv_cache_dtype, budget_bytes, kvc.server_args.max_running_requests
@@ -204,6 +249,11 @@ def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
         device=kvc.device,
         segment_plan=state_of(kvc).get("segments"),
     )
+    lfps = state_of(kvc).get("lfps")
+    if lfps is not None:
+        from redknot.lfps.serving import LfpsStore
+
+        pool.lfps_store = LfpsStore(*lfps, device=kvc.device)
     pool.reuse_gate = _reuse_gate(kvc, rank_layouts(kvc)[0])
     pool.reuse_policy = published_config().policy
     return pool
