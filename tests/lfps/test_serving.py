@@ -55,23 +55,29 @@ class Server:
     """A paged store of ``lens[b]`` keys per request and the LFPS serving over it."""
 
     def __init__(self, prompt_lens, steps, *, slots=4, min_tokens=20, mode="lfps", rows=1,
-                 params=None, factor=4, seed=0, kernels=False, dtype=torch.float32):  # fmt: skip
+                 params=None, factor=4, seed=0, kernels=False, dtype=torch.float32,
+                 heads=(HQ, HKV, D), device="cpu"):  # fmt: skip
         g = torch.Generator().manual_seed(seed)
         self.prompt_lens, self.steps = prompt_lens, steps
+        self.hq, hkv, self.d = heads
         totals = [n + steps for n in prompt_lens]
-        self.keys = [torch.randn(n, HKV, D, generator=g) for n in totals]
-        self.values = [torch.randn(n, HKV, D, generator=g) for n in totals]
-        self.batch = make_paged(totals, HKV, D, dtype, keys=self.keys, values=self.values)
+        self.keys = [torch.randn(n, hkv, self.d, generator=g) for n in totals]
+        self.values = [torch.randn(n, hkv, self.d, generator=g) for n in totals]
+        self.batch = make_paged(totals, hkv, self.d, dtype, keys=self.keys, values=self.values,
+                                device=device)  # fmt: skip
         self.params = params or LfpsParams(budget=0.1, history_steps=M)
-        self.shape = LfpsShape(num_layers=2, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                               rows=rows, max_len=max(totals) + 3)  # fmt: skip
-        self.store = LfpsStore(self.shape, slots, "cpu")
+        self.shape = LfpsShape(num_layers=2, num_q_heads=self.hq, num_kv_heads=hkv,
+                               head_dim=self.d, rows=rows, max_len=max(totals) + 3)  # fmt: skip
+        self.store = LfpsStore(self.shape, slots, device)
         self.serving = LfpsServing(
             mode, self.params, self.shape, self.store, self.batch.req_to_token,
             min_tokens=min_tokens, candidate_factor=factor, kernels=kernels,
         )  # fmt: skip
-        self.prefill_q = [torch.randn(n, HQ, D, generator=g) for n in prompt_lens]
-        self.decode_q = [torch.randn(steps, HQ, D, generator=g) for _ in prompt_lens]
+        self.prefill_q = [torch.randn(n, self.hq, self.d, generator=g).to(device)
+                          for n in prompt_lens]  # fmt: skip
+        self.decode_q = [torch.randn(steps, self.hq, self.d, generator=g).to(device)
+                         for _ in prompt_lens]  # fmt: skip
+        self.scale = 1.0 / math.sqrt(self.d)
 
     def rid(self, b):
         return f"r{b}"
@@ -86,17 +92,19 @@ class Server:
         self.serving.plan_extend(fb)
         q = (
             torch.cat([self.prefill_q[b] for b in which])
-            .view(-1, HQ * D)
+            .view(-1, self.hq * self.d)
             .to(self.batch.k_buffer.dtype)
         )
         for layer in range(self.shape.num_layers):
-            self.serving.after_extend(layer, q, self.batch.k_buffer, self.batch.v_buffer, SCALE)
+            self.serving.after_extend(layer, q, self.batch.k_buffer, self.batch.v_buffer,
+                                      self.scale)  # fmt: skip
 
     def decode_batch(self, which, step):
         lens = [self.prompt_lens[b] + step + 1 for b in which]
         fb = SimpleNamespace(
             rids=[self.rid(b) for b in which], seq_lens_cpu=torch.tensor(lens),
-            seq_lens=torch.tensor(lens), req_pool_indices=self.batch.req_pool_indices[which],
+            seq_lens=torch.tensor(lens, device=self.batch.k_buffer.device),
+            req_pool_indices=self.batch.req_pool_indices[which],
         )  # fmt: skip
         q = torch.stack([self.decode_q[b][step] for b in which])
         return fb, q.to(self.batch.k_buffer.dtype)
@@ -276,3 +284,28 @@ def test_the_kernels_match_the_references_in_the_server_path(mode):
             for layer in range(2):
                 a, b = (srv.store.view(layer, 2).true_tables() for srv in runs)
                 torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["lfps", "topk"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_server_path_on_the_gpu_at_the_8b_shape(mode, rows):
+    """32 query / 8 KV heads of 128, bf16, prompts of 4K and 3K tokens plus a short one that
+    decodes densely: the kernels against the references (run on the GPU too), two steps."""
+    params = LfpsParams(budget=0.02, history_steps=64)
+    runs = [Server([4096, 100, 3000], steps=2, slots=3, min_tokens=1024, mode=mode, rows=rows,
+                   params=params, kernels=kernels, dtype=torch.bfloat16, heads=(32, 8, 128),
+                   device="cuda") for kernels in (True, False)]  # fmt: skip
+    for srv in runs:
+        srv.prefill([0, 1, 2])
+    for step in range(2):
+        outs = []
+        for srv in runs:
+            fb, q = srv.decode_batch([1, 2, 0], step)
+            plan = srv.serving.plan_decode(fb)
+            assert plan.lfps_rows.tolist() == [2, 1] and plan.dense_rows_list == [0]
+            sub = q[plan.lfps_rows].contiguous()
+            outs.append([srv.serving.decode(layer, sub, srv.batch.k_buffer, srv.batch.v_buffer,
+                                            plan, srv.scale) for layer in range(2)])  # fmt: skip
+        for got, want in zip(*outs):
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
