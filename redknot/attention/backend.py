@@ -136,6 +136,8 @@ class RedknotAttnBackend(AttentionBackend):
     lfps = None  # LFPS decode (redknot.lfps.serving.LfpsServing) under --redknot-lfps
     lfps_plan = None  # the decode batch's LFPS part (redknot.lfps.serving.DecodePlan)
     lfps_dense_batch = None  # the batch of its other rows, planned on FlashInfer
+    lfps_graph = False  # the decode batch being captured or replayed runs LFPS's graph path
+    lfps_graph_rows = None  # (out_cache_loc, rows) of the batch about to replay a decode graph
 
     def __init__(self, model_runner: ModelRunner, config: RedknotConfig):
         super().__init__()
@@ -269,9 +271,19 @@ class RedknotAttnBackend(AttentionBackend):
         return self.segpaged is not None and self.segpaged.rows_vary(forward_batch)
 
     def needs_eager_decode(self, forward_batch: ForwardBatch) -> bool:
-        """True for a decode batch with a request that decodes with LFPS (its budgets follow the
-        batch's lengths). Called by redknot's hook on ``DecodeCudaGraphRunner.can_run_graph``."""
-        return self.lfps is not None and self.lfps.has_rows(forward_batch)
+        """Under ``--redknot-lfps``: True for a decode batch that no decode graph can serve (a
+        request without LFPS state too long to list every key of); for any other, the rows its
+        graph is to take (kept for :meth:`init_forward_metadata_out_graph`, which sees only a
+        padded view of the batch). Called by redknot's hook on
+        ``DecodeCudaGraphRunner.can_run_graph``, right before SGLang replays a graph."""
+        if self.lfps is None:
+            return False
+        if not self.lfps.fits_graph(forward_batch):
+            return True
+        if getattr(forward_batch, "rids", None) is not None:
+            rows = self.lfps.graph_rows(forward_batch)
+            self.lfps_graph_rows = (forward_batch.out_cache_loc, rows)
+        return False
 
     # ---- planning: once per batch ------------------------------------------------------------
     #
@@ -294,6 +306,7 @@ class RedknotAttnBackend(AttentionBackend):
         return False  # idle: nothing runs
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
+        self.lfps_graph = False
         if self.lfps is not None and self._plan_lfps(forward_batch):
             return None
         self.dense_batch = self._to_dense(forward_batch)
@@ -326,6 +339,8 @@ class RedknotAttnBackend(AttentionBackend):
         return True
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        if self.lfps is not None:
+            self.lfps.init_graph_state(max_bs, self.lfps_pool.device)
         if self.dense is not None:
             self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
         if self.segpaged is not None:
@@ -338,8 +353,11 @@ class RedknotAttnBackend(AttentionBackend):
         # which its path keeps (a captured graph replays the kernels of its capture); never a
         # batch with LFPS work (needs_eager_*)
         self.lfps_plan = None
+        self.lfps_graph = False
         if self.lfps is not None:
             self.lfps.extend_rows = []
+            if forward_batch.forward_mode.is_decode():
+                return self._begin_lfps_graph(forward_batch, in_capture)
         self.dense_batch = self.segpaged is None or (
             self.dense is not None and forward_batch.forward_mode.is_decode()
         )
@@ -349,7 +367,27 @@ class RedknotAttnBackend(AttentionBackend):
             self.segpaged.begin_forward()
         return self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
 
+    def _begin_lfps_graph(self, forward_batch, in_capture: bool) -> None:
+        """A decode graph under ``--redknot-lfps``: every row on LFPS's kernels (rows without
+        state list every key), the rows of the real batch found by ``needs_eager_decode``."""
+        rows = None
+        if not in_capture:
+            kept = self.lfps_graph_rows
+            if kept is None or kept[0] is not forward_batch.out_cache_loc:
+                raise RuntimeError(
+                    "redknot LFPS: a decode graph is replayed for a batch its can_run_graph "
+                    "hook did not see (redknot.integration.plugin): the LFPS rows are unknown"
+                )
+            rows = kept[1]
+        self.lfps_graph_rows = None
+        self.lfps.begin_graph(forward_batch.batch_size, rows)
+        self.lfps_graph = self.dense_batch = True
+        if self.segpaged is not None:
+            self.segpaged.begin_forward()
+
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        if self.lfps_graph:
+            return None
         if self.dense_batch:
             return self.dense.init_forward_metadata_in_graph(forward_batch)
         self.segpaged.plan_in_graph(forward_batch)
@@ -399,6 +437,8 @@ class RedknotAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ):
+        if self.lfps_graph:
+            return self._lfps_graph_decode(q, k, v, layer, forward_batch, save_kv_cache)
         if self.lfps_plan is not None:
             return self._lfps_decode(q, k, v, layer, forward_batch, save_kv_cache)
         if self.dense is not None:
@@ -406,6 +446,20 @@ class RedknotAttnBackend(AttentionBackend):
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )
         return self.segpaged.decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _lfps_graph_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """A decode graph's batch: every row's K/V written, every row on LFPS's kernels."""
+        lid, pool = layer.layer_id, self.lfps_pool
+        hq, d = layer.tp_q_head_num, layer.head_dim
+        if save_kv_cache and k is not None:
+            hkv = layer.tp_k_head_num
+            pool.write_global(lid, forward_batch.out_cache_loc, k.view(-1, hkv, d),
+                              v.view(-1, hkv, d))  # fmt: skip
+        out = self.lfps.decode_graph(
+            lid, q.view(-1, hq, d), pool.get_key_buffer(lid), pool.get_value_buffer(lid),
+            forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling,
+        )  # fmt: skip
+        return out.reshape(-1, hq * d)
 
     def _lfps_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         """A decode batch with LFPS rows: every row's K/V written, then the LFPS rows attend
@@ -485,14 +539,16 @@ def _lfps_serving(model_runner: ModelRunner, config: RedknotConfig, dense):
         min_tokens=config.lfps_min_tokens, candidate_factor=config.lfps_candidate_factor,
     )  # fmt: skip
     logger.info(
-        "redknot: %s decode for requests of %d prompt tokens or more, at most %d at once "
-        "(the others decode densely on FlashInfer): %s of the keys per %s and step besides %d "
-        "sinks%s; such decode batches run eagerly",
+        "redknot: %s decode for requests of %d prompt tokens or more, at most %d at once: %s of "
+        "the keys per %s and step besides %d sinks%s. Decode batches replay CUDA graphs with "
+        "budgets for %d keys (requests without LFPS state list all of theirs); a batch with a "
+        "longer such request runs eagerly, its other requests on FlashInfer",
         "LFPS" if config.lfps == "lfps" else "exact Top-k",
         config.lfps_min_tokens, store.slots,
         f"{budget:g}" if budget < 1 else f"{int(budget)}", config.lfps_selection,
         params.num_sink,
         f", {config.lfps_candidate_factor}x candidates" if config.lfps == "lfps" else "",
+        serving.graph_topk,
     )  # fmt: skip
     return serving
 

@@ -182,6 +182,7 @@ def lfps_candidates(
     params: LfpsParams,
     capacity: int,
     *,
+    rows: torch.Tensor | None = None,
     chunk: int = CANDIDATE_CHUNK,
     block: int = CANDIDATE_BLOCK,
     num_warps: int = CANDIDATE_WARPS,
@@ -190,10 +191,12 @@ def lfps_candidates(
 
     Parameters
     ----------
-    vertical, slash : [B, Hs, N_max] float32 stored tables (true value = stored * ``scale``;
+    vertical, slash : [R, Hs, N_max] float32 stored tables (true value = stored * ``scale``;
         slash indexed by distance); entries past each row's covered keys are 0.
-    scale : [B, Hs] float32.
+    scale : [R, Hs] float32.
     seq_lens : [B] int32/int64, keys including the new token's (``<= N_max``).
+    rows : [B] int32, the table row of each request (``LfpsBatchState.index``); None: request
+        ``b`` reads row ``b`` (``R = B``).
     chunk, block : table entries per program and per inner step (powers of two, block <= chunk).
     num_warps : warps per program of the three launches.
 
@@ -202,11 +205,15 @@ def lfps_candidates(
     candidates : [B, Hs, capacity] int32 positions, newest first, -1 padded.
     count : [B, Hs] int32, candidates before the capacity was applied.
     """
-    B, Hs, N = vertical.shape
-    assert slash.shape == vertical.shape and scale.shape == (B, Hs), (slash.shape, scale.shape)
+    R, Hs, N = vertical.shape
+    assert slash.shape == vertical.shape and scale.shape == (R, Hs), (slash.shape, scale.shape)
     for t in (vertical, slash, scale):
         assert t.dtype == torch.float32 and t.stride(-1) == 1, t.dtype
-    assert seq_lens.shape == (B,) and capacity >= 1, (seq_lens.shape, capacity)
+    B = seq_lens.shape[0]
+    if rows is None:
+        assert B == R, (B, R)
+        rows = torch.arange(B, dtype=torch.int32, device=vertical.device)
+    assert rows.shape == (B,) and rows.dtype == torch.int32 and capacity >= 1, (rows, capacity)
     assert block <= chunk and chunk % block == 0 and block & (block - 1) == 0, (chunk, block)
     dev = vertical.device
     out = torch.empty(B, Hs, capacity, dtype=torch.int32, device=dev)
@@ -226,11 +233,11 @@ def lfps_candidates(
     c_strides = (codes.stride(0), codes.stride(1), chunk_count.stride(0), chunk_count.stride(1),
                  chunk_hist.stride(0), chunk_hist.stride(1), chunk_hist.stride(2))  # fmt: skip
     lfps_moments_kernel[grid](
-        vertical, slash, scale, seq_lens, moments, params.num_sink, *tables, *m_strides,
+        vertical, slash, scale, rows, seq_lens, moments, params.num_sink, *tables, *m_strides,
         CHUNK=chunk, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     lfps_mark_kernel[grid](
-        vertical, slash, scale, seq_lens, offsets_tensor(params.offsets, dev), moments, codes,
+        vertical, slash, scale, rows, seq_lens, offsets_tensor(params.offsets, dev), moments, codes,
         chunk_count, chunk_hist, params.lam, params.num_sink, *tables, *m_strides, *c_strides,
         NUM_OFFSETS=len(params.offsets), CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block,
         NBINS=NUM_BINS, BINS_PER_OCTAVE=BINS_PER_OCTAVE, num_warps=num_warps,

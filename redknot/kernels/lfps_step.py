@@ -74,7 +74,8 @@ def lfps_sparsity(
     for store in (k_buffer, v_buffer):
         assert store.shape[1:] == (Hkv, D) and store.dtype == q.dtype and store.stride(2) == 1
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
-    assert state.mean_key.shape == (B, Hkv, D) and state.query_stat.shape == (B, Hq)
+    assert state.batch_size == B and state.mean_key.shape[1:] == (Hkv, D), state.mean_key.shape
+    assert state.query_stat.shape[1] == Hq, state.query_stat.shape
     sparsity = torch.zeros(B, Hq, dtype=torch.float32, device=q.device)
     flags = torch.zeros(B, Hq, dtype=torch.int8, device=q.device)
     bypass_out = torch.zeros(B, Hq, D, dtype=torch.float32, device=q.device)
@@ -84,7 +85,7 @@ def lfps_sparsity(
     span = params.num_sink + params.local_window
     lfps_sparsity_kernel[(Hkv, B)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, state.mean_key,
-        state.mean_value, state.query_stat, sparsity, flags, bypass_out,
+        state.mean_value, state.query_stat, state.state_rows(), sparsity, flags, bypass_out,
         sm_scale, params.sparsity_threshold, params.num_sink, params.local_window,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), req_to_token.stride(0), state.mean_key.stride(0),
@@ -183,7 +184,7 @@ def lfps_select_update(
     assert top_at.stride() == top_val.stride(), (top_at.stride(), top_val.stride())
     assert candidates.shape == (B, Hs, C) and candidates.dtype == torch.int32
     assert count.shape == (B, Hs) and logits.shape == (B, Hq, C) and bypass.shape == (B, Hq)
-    assert state.vertical.shape[:2] == (B, Hs) and Hq == Hs * state.rows
+    assert state.batch_size == B and state.selection_heads == Hs and Hq == Hs * state.rows
     for t in (top_val, top_at, candidates, logits):
         assert t.stride(-1) == 1, t.stride()
     selected = torch.empty(B, Hs, K, dtype=torch.int32, device=top_val.device)
@@ -193,7 +194,7 @@ def lfps_select_update(
     flags = bypass.view(torch.int8)
     lfps_update_kernel[(Hs, B)](
         top_val, top_at, candidates, count, logits, flags, seq_lens, budget,
-        state.vertical, state.slash, state.scale, selected,
+        state.vertical, state.slash, state.scale, state.state_rows(), selected,
         params.decay, params.num_sink, K, C,
         top_val.stride(0), top_val.stride(1), candidates.stride(0), candidates.stride(1),
         count.stride(0), logits.stride(0), logits.stride(1), flags.stride(0),

@@ -13,6 +13,11 @@ says how). ``Hs = Hq / rows``.
 | ``mean_key`` | [B, Hkv, D]     | float32 | mean non-sink prompt key                            |
 | ``mean_value``| [B, Hkv, D]    | float32 | mean non-sink prompt value                          |
 | ``query_stat``| [B, Hq]        | float32 | Var(q) / ``|q|^2`` of the last prefill query        |
+| ``index``     | [b] or None    | int32   | the row each of the step's ``b`` requests uses      |
+
+With ``index`` the tensors hold ``B`` rows (a server's slots) and a step over ``b`` requests
+reads and updates row ``index[i]`` for request ``i`` (several requests may share a scratch row
+whose contents do not matter); without it request ``i`` uses row ``i`` (``b = B``).
 
 Invariant: before a step over ``n`` keys, entries at positions / distances ``>= n - 1`` are 0.
 
@@ -26,6 +31,7 @@ grow as ``gamma^-steps``: call ``renormalize_`` every few hundred steps (float32
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +50,7 @@ class LfpsBatchState:
     mean_value: torch.Tensor
     query_stat: torch.Tensor
     rows: int
+    index: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         B, Hs, N = self.vertical.shape
@@ -57,10 +64,19 @@ class LfpsBatchState:
         for name in ("vertical", "slash", "scale", "mean_key", "mean_value", "query_stat"):
             t = getattr(self, name)
             assert t.dtype == torch.float32 and t.is_contiguous(), f"{name}: {t.dtype}"
+        if self.index is not None:
+            assert self.index.dtype == torch.int32 and self.index.dim() == 1, self.index.dtype
 
     @property
     def batch_size(self) -> int:
-        return self.vertical.shape[0]
+        """Requests of a step: ``len(index)``, else the rows."""
+        return self.vertical.shape[0] if self.index is None else self.index.shape[0]
+
+    def state_rows(self) -> torch.Tensor:
+        """[batch_size] int32: the row of each request (``index``, else ``0 .. B - 1``)."""
+        if self.index is not None:
+            return self.index
+        return _arange(self.vertical.shape[0], self.vertical.device)
 
     @property
     def selection_heads(self) -> int:
@@ -91,6 +107,13 @@ class LfpsBatchState:
         self.vertical.mul_(self.scale[..., None])
         self.slash.mul_(self.scale[..., None])
         self.scale.fill_(1.0)
+
+
+@functools.cache
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``0 .. n - 1`` as int32 on ``device``, made once (a copy from the host cannot be
+    captured in a CUDA graph)."""
+    return torch.arange(n, dtype=torch.int32, device=device)
 
 
 def pack_states(

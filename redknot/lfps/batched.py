@@ -119,12 +119,13 @@ def head_sparsity(
     sink_logits = logits[..., :s]
     sink = torch.logsumexp(sink_logits, -1)
     local = torch.logsumexp(logits[..., s:], -1)
-    mean_key = state.mean_key.repeat_interleave(grp, 1)  # [B, Hq, D]
-    mean_value = state.mean_value.repeat_interleave(grp, 1)
+    idx = state.state_rows().long()
+    mean_key = state.mean_key[idx].repeat_interleave(grp, 1)  # [B, Hq, D]
+    mean_value = state.mean_value[idx].repeat_interleave(grp, 1)
     qf = q.float()
     mu = (qf * mean_key).sum(-1) * sm_scale
     spread = sm_scale * qf.norm(dim=-1) * mean_key.norm(dim=-1)
-    sigma2 = state.query_stat * spread.square()
+    sigma2 = state.query_stat[idx] * spread.square()
     log_rest = torch.log((n - s).clamp_min(1).float())  # [B, 1]
     rest = torch.maximum(log_rest + mu + 0.5 * sigma2, local)
     has_rest = n > s
@@ -234,14 +235,27 @@ def update_tables_(
     attn = torch.softmax(selected_logits, -1).nan_to_num(0.0) * active[..., None]
     heads = active.view(B, Hs, rows).sum(-1)  # [B, Hs]
     mean_attn = attn.view(B, Hs, rows, k).sum(2) / heads.clamp_min(1)[..., None]
-    new_scale = torch.where(heads > 0, state.scale * decay, state.scale)
+    idx = state.state_rows().long()
+    vertical, slash, scale = state.vertical[idx], state.slash[idx], state.scale[idx]
+    new_scale = torch.where(heads > 0, scale * decay, scale)
     add = (1.0 - decay) * 0.5 * mean_attn / new_scale[..., None]
     add = torch.where(selected >= 0, add, 0.0)
     N = state.max_len
     t = seq_lens.view(B, 1, 1).long() - 1
-    state.vertical.scatter_add_(2, selected.long().clamp_min(0), add)
-    state.slash.scatter_add_(2, (t - selected.long()).clamp(0, N - 1), add)
-    state.scale.copy_(new_scale)
+    vertical.scatter_add_(2, selected.long().clamp_min(0), add)
+    slash.scatter_add_(2, (t - selected.long()).clamp(0, N - 1), add)
+    state.vertical[idx], state.slash[idx], state.scale[idx] = vertical, slash, new_scale
+
+
+def every_key(
+    selected: torch.Tensor, dense: torch.Tensor, seq_lens: torch.Tensor, num_sink: int
+) -> torch.Tensor:
+    """``selected`` [B, Hs, K] with the rows of ``dense`` [B] listing every non-sink position
+    below their length (the first ``K`` of them), -1 after."""
+    width = selected.shape[2]
+    listed = num_sink + torch.arange(width, device=selected.device, dtype=torch.int32)
+    listed = torch.where(listed < seq_lens.view(-1, 1), listed, -1)  # [B, K]
+    return torch.where(dense.view(-1, 1, 1), listed[:, None, :], selected).contiguous()
 
 
 def lfps_decode_step(
@@ -258,8 +272,13 @@ def lfps_decode_step(
     sm_scale: float | None = None,
     kernels: bool = True,
     plan: SparseDecodePlan | None = None,
+    dense: torch.Tensor | None = None,
 ) -> LfpsBatchResult:
     """Attend one new token per request with LFPS; ``state`` is updated in place (Eq. 10).
+
+    ``dense`` ([B] bool): requests attended over every key instead (no bypass; their
+    selection lists positions ``num_sink .. n - 1``, which ``budgets.topk`` must hold); their
+    state row is updated as any other, so give them a scratch row (``state.index``).
 
     Args:
         q: [B, Hq, D] fp16/bf16, post-RoPE queries of positions ``seq_lens - 1``.
@@ -272,12 +291,19 @@ def lfps_decode_step(
     B, Hq, D = q.shape
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     paged = (req_to_token, req_pool_indices, seq_lens)
-    tables = (state.vertical, state.slash, state.scale, seq_lens, params, budgets.candidates)
+    rows = state.state_rows()
+    if kernels:
+        tables = (state.vertical, state.slash, state.scale)
+    else:
+        tables = (state.vertical[rows.long()], state.slash[rows.long()], state.scale[rows.long()])
+    tables = (*tables, seq_lens, params, budgets.candidates)
     if kernels:
         sparsity, bypass, bypass_out = lfps_sparsity(
             q, k_buffer, v_buffer, *paged, state, params, sm_scale
         )
-        cand, count = lfps_candidates(*tables)
+        if dense is not None:
+            bypass = bypass & ~dense[:, None]
+        cand, count = lfps_candidates(*tables, rows=rows)
         logits, rank = score_and_rank(q, k_buffer, *paged, cand, bypass,
                                       num_sink=params.num_sink, sm_scale=sm_scale)  # fmt: skip
         val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
@@ -288,10 +314,14 @@ def lfps_decode_step(
                 batch_size=B, num_q_heads=Hq, head_dim=D, rows=state.rows, width=budgets.topk,
                 num_sink=params.num_sink, device=q.device,
             )  # fmt: skip
+        if dense is not None:
+            selected = every_key(selected, dense, seq_lens, params.num_sink)
         out = run_sparse_decode(plan, q, k_buffer, v_buffer, *paged, selected, sm_scale)
     else:
         sparsity, bypass_out = head_sparsity(q, k_buffer, v_buffer, *paged, state, params, sm_scale)
         bypass = sparsity > params.sparsity_threshold
+        if dense is not None:
+            bypass = bypass & ~dense[:, None]
         groups_off = bypass.view(B, state.selection_heads, state.rows).all(-1)  # [B, Hs]
         cand, count = candidates_reference(*tables)
         cand = torch.where(groups_off[..., None], -1, cand)
@@ -301,6 +331,8 @@ def lfps_decode_step(
         selected, selected_logits = select_topk(logits, cand, bypass, budget, budgets.topk,
                                                 list_order=True)  # fmt: skip
         update_tables_(state, selected, selected_logits, bypass, seq_lens, params.decay)
+        if dense is not None:
+            selected = every_key(selected, dense, seq_lens, params.num_sink)
         out, _ = sparse_decode_reference(
             q, k_buffer, v_buffer, *paged, selected, params.num_sink, sm_scale
         )

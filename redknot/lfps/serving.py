@@ -10,28 +10,33 @@ sink tokens and a per-head selection of ``--redknot-lfps-budget`` of its keys:
 - ``topk``: the exact Top-k of every key's score at every step (the selection LFPS predicts; the
   accuracy baseline, it scores every key).
 
-Requests without a slot (shorter prompts, or every slot taken) decode densely, on FlashInfer, in
-the same batch.
-
-**State** (``LfpsStore``): per layer one ``LfpsBatchState`` of ``slots`` rows, tables as wide as
-the context, reserved from the KV budget at startup (``state_bytes``), so admission counts it.
-The rows in use are always ``0 .. count - 1`` (a freed row is refilled by moving the last one
-into it), and every owner of a row is in every decode batch (a request absent from one has
-finished, been aborted or retracted: its row is freed then), so a decode step passes the rows as
-one contiguous slice to the batched step, whose kernels index the state by batch row.
+**State** (``LfpsStore``): per layer one ``LfpsBatchState`` of ``slots`` rows plus a scratch
+row, tables as wide as the context, reserved from the KV budget at startup (``state_bytes``),
+so admission counts it. A request keeps its row while it is in the decode batches (one absent
+from a decode batch has finished, been aborted or retracted: its row is freed then). A step
+reads and updates the rows of its requests through ``LfpsBatchState.index``.
 
 **Prefill** (``LfpsServing.after_extend``, per layer, after the K/V are written): for every
-request of the extend that holds a slot, the tables of Eq. 4 from the extend's last
+request of the extend that holds a row, the tables of Eq. 4 from the extend's last
 ``history_steps`` queries over every key of the request (``build_tables``), the mean key and
 value and the query statistic. A chunked prompt builds at every chunk; the last one's stays.
 A prompt whose last extend is shorter than ``history_steps`` (a prefix-cache hit, a short last
 chunk) builds from the queries that extend has.
 
-**Decode** (``LfpsServing.plan_decode`` once per batch on the host, ``decode`` per layer): the
-batch's slot holders, in slot order, as a sub-batch; the budgets ``K`` (the widest row's Top-k)
-and ``C`` (``candidate_factor * K``) from the host's sequence lengths. Such a batch runs eagerly
-(its budgets change with the lengths; ``needs_eager``); the tables are renormalised every
-``RENORMALIZE_EVERY`` steps (``LfpsBatchState.renormalize_``).
+**Decode in CUDA graphs** (the usual case): every row of SGLang's decode graphs runs on the
+step's kernels, with budgets fixed at startup (``graph_topk`` keys, ``graph_candidates``
+candidates: wide enough for the context, and for listing every key of a request below
+``min_tokens``). A row holder reads its row; any other request (short, or found every row
+taken) lists every key it has (``dense``) on the scratch row. Before a replay, the hook on
+``DecodeCudaGraphRunner.can_run_graph`` gives the backend the real batch (``graph_rows``);
+``begin_graph`` copies its rows into the graphs' buffers.
+
+**Decode, eager**: a batch no graph can serve (a request without a row longer than
+``graph_topk`` keys, or a batch larger than the graphs): the row holders on the step with the
+batch's own budgets (``plan_decode``, ``decode``), the others on FlashInfer.
+
+The tables are renormalised every ``RENORMALIZE_EVERY`` steps, while planning
+(``LfpsBatchState.renormalize_``).
 """
 
 from __future__ import annotations
@@ -75,61 +80,49 @@ def rows_of(selection: str, num_q_heads: int, num_kv_heads: int) -> int:
 
 
 def state_bytes(shape: LfpsShape, slots: int) -> int:
-    """Bytes of ``slots`` rows of state over every layer (float32 tables, scale and priors)."""
+    """Bytes of ``slots`` rows of state (and the scratch row) over every layer (float32
+    tables, scale and priors)."""
     hs = shape.selection_heads
     per_row = (
         2 * hs * shape.max_len + hs + 2 * shape.num_kv_heads * shape.head_dim + shape.num_q_heads
     )
-    return 4 * per_row * slots * shape.num_layers
+    return 4 * per_row * (slots + 1) * shape.num_layers
 
 
 class LfpsStore:
-    """``slots`` rows of LFPS state for every layer (see the module docstring)."""
+    """``slots`` rows of LFPS state for every layer, and one scratch row (``scratch``) that the
+    requests of a CUDA-graph batch without a row of their own update (its contents never
+    matter)."""
 
     def __init__(self, shape: LfpsShape, slots: int, device: torch.device | str):
-        self.shape, self.slots = shape, slots
+        self.shape, self.slots, self.scratch = shape, slots, slots
         hs, hkv, hq, d, n = (shape.selection_heads, shape.num_kv_heads, shape.num_q_heads,
                              shape.head_dim, shape.max_len)  # fmt: skip
+        rows = slots + 1
 
         def zeros(*size):
             return torch.zeros(*size, dtype=torch.float32, device=device)
 
         self.layers = [
             LfpsBatchState(
-                vertical=zeros(slots, hs, n),
-                slash=zeros(slots, hs, n),
-                scale=torch.ones(slots, hs, device=device),
-                mean_key=zeros(slots, hkv, d),
-                mean_value=zeros(slots, hkv, d),
-                query_stat=zeros(slots, hq),
+                vertical=zeros(rows, hs, n),
+                slash=zeros(rows, hs, n),
+                scale=torch.ones(rows, hs, device=device),
+                mean_key=zeros(rows, hkv, d),
+                mean_value=zeros(rows, hkv, d),
+                query_stat=zeros(rows, hq),
                 rows=shape.rows,
             )
             for _ in range(shape.num_layers)
         ]
 
-    def view(self, layer: int, count: int) -> LfpsBatchState:
-        """Rows ``0 .. count - 1`` of ``layer`` (views: the step updates the store in place)."""
-        state = self.layers[layer]
-        return dataclasses.replace(
-            state,
-            **{
-                f.name: getattr(state, f.name)[:count]
-                for f in dataclasses.fields(state)
-                if f.name != "rows"
-            },
-        )
+    def state(self, layer: int, index: torch.Tensor) -> LfpsBatchState:
+        """The state of ``layer`` for a step whose request ``i`` uses row ``index[i]``."""
+        return dataclasses.replace(self.layers[layer], index=index)
 
-    def move(self, dst: int, src: int) -> None:
-        """Row ``src`` of every layer into row ``dst``."""
+    def renormalize_(self) -> None:
         for state in self.layers:
-            for f in dataclasses.fields(state):
-                if f.name != "rows":
-                    t = getattr(state, f.name)
-                    t[dst].copy_(t[src])
-
-    def renormalize_(self, count: int) -> None:
-        for layer in range(len(self.layers)):
-            self.view(layer, count).renormalize_()
+            state.renormalize_()
 
 
 def build_tables(
@@ -186,9 +179,10 @@ def build_tables(
 
 @dataclass
 class DecodePlan:
-    """One decode batch's LFPS part (host decisions, device indices)."""
+    """One eager decode batch's LFPS part (host decisions, device indices)."""
 
-    lfps_rows: torch.Tensor  # [Bl] long: batch rows that decode with LFPS, in slot order
+    lfps_rows: torch.Tensor  # [Bl] long: batch rows that decode with LFPS
+    index: torch.Tensor  # [Bl] int32: their state rows
     dense_rows: torch.Tensor  # [Bd] long: the others
     dense_rows_list: list[int]
     req_pool_indices: torch.Tensor  # [Bl]
@@ -200,7 +194,9 @@ class DecodePlan:
 
 
 class LfpsServing:
-    """The LFPS decode of one rank: slots, the prefill build and the decode step."""
+    """The LFPS decode of one rank: state rows, the prefill build and the decode step, eager
+    (``plan_decode``, ``decode``) or in SGLang's decode CUDA graphs (``graph_rows``,
+    ``begin_graph``, ``decode_graph``)."""
 
     def __init__(
         self,
@@ -218,44 +214,47 @@ class LfpsServing:
         self.mode, self.params, self.shape, self.store = mode, params, shape, store
         self.req_to_token = req_to_token
         self.min_tokens, self.candidate_factor, self.kernels = min_tokens, candidate_factor, kernels
-        self.owner: list[str] = []  # rid of each row in use (row i: owner[i])
-        self.row_of: dict[str, int] = {}
+        self.row_of: dict[str, int] = {}  # rid -> its state row
+        self.free = list(range(store.slots - 1, -1, -1))  # rows not in use (popped from the end)
         self.steps = 0  # decode steps since the last renormalisation
         self.extend_rows: list[tuple[int, int, int, int, int]] = []  # per extend, see plan_extend
-        self.served = 0  # requests that took a slot
-        self.refused = 0  # long-enough requests that found every slot taken
+        self.served = 0  # requests that took a row
+        self.refused = 0  # long-enough requests that found every row taken
+        keys = shape.max_len - params.num_sink
+        # CUDA graphs: fixed budgets wide enough for the longest request, and for listing every
+        # key of a request without a row that started below min_tokens
+        self.graph_topk = max(
+            1, min(keys, max(params.budget_for(keys), min_tokens - params.num_sink))
+        )
+        self.graph_candidates = min(keys, max(self.graph_topk, candidate_factor * self.graph_topk))
+        self.graph_index: torch.Tensor | None = None  # [max_bs] int32 state row of each row
+        self.graph_dense: torch.Tensor | None = None  # [max_bs] bool rows listing every key
+        self.graph_plans: dict[int, object] = {}  # batch size -> SparseDecodePlan
 
-    # ---- slots ---------------------------------------------------------------------------
+    # ---- rows ----------------------------------------------------------------------------
 
     @property
     def count(self) -> int:
-        return len(self.owner)
+        return len(self.row_of)
 
     def acquire(self, rid: str) -> int | None:
         """The row of ``rid`` (a new one if it has none), or None when every row is taken."""
         row = self.row_of.get(rid)
         if row is not None:
             return row
-        if self.count >= self.store.slots:
+        if not self.free:
             self.refused += 1
             return None
-        row = self.count
-        self.owner.append(rid)
+        row = self.free.pop()
         self.row_of[rid] = row
         self.served += 1
         return row
 
     def release_absent(self, present: set[str]) -> None:
         """Free the rows of requests not in ``present`` (a decode batch holds every running
-        request), keeping the rows in use contiguous."""
-        for rid in [r for r in self.owner if r not in present]:
-            row = self.row_of.pop(rid)
-            last = self.count - 1
-            moved = self.owner.pop()
-            if row != last:
-                self.store.move(row, last)
-                self.owner[row] = moved
-                self.row_of[moved] = row
+        request: one absent from it has finished, been aborted or retracted)."""
+        for rid in [r for r in self.row_of if r not in present]:
+            self.free.append(self.row_of.pop(rid))
 
     # ---- prefill -------------------------------------------------------------------------
 
@@ -264,7 +263,7 @@ class LfpsServing:
         ``(row, req_pool_index, seq_len, last query row + 1, extend length)`` each."""
         self.extend_rows = []
         rids = getattr(forward_batch, "rids", None)
-        lens = forward_batch.extend_seq_lens_cpu
+        lens = getattr(forward_batch, "extend_seq_lens_cpu", None)
         if not rids or lens is None:
             return
         seq_lens = forward_batch.seq_lens_cpu.tolist()
@@ -288,7 +287,7 @@ class LfpsServing:
         return seq_lens is not None and bool((seq_lens >= self.min_tokens).any())
 
     def after_extend(self, layer_id: int, q: torch.Tensor, k_buffer, v_buffer, sm_scale: float):
-        """Build the state of this layer for the extend's slot holders (K/V already written).
+        """Build the state of this layer for the extend's row holders (K/V already written).
 
         ``q``: [T, Hq * D] the extend's post-RoPE queries."""
         if not self.extend_rows:
@@ -312,24 +311,31 @@ class LfpsServing:
             state.mean_value[row] = mv
             state.query_stat[row] = qs
 
-    # ---- decode --------------------------------------------------------------------------
+    # ---- decode, eager -------------------------------------------------------------------
 
     def has_rows(self, forward_batch) -> bool:
-        """Whether a decode batch has a request that holds a row (such a batch runs eagerly)."""
+        """Whether a decode batch has a request that holds a row."""
         rids = getattr(forward_batch, "rids", None)
         return bool(rids) and any(rid in self.row_of for rid in rids)
 
+    def _step(self) -> None:
+        """Count a decode step; fold the lazy decay in every ``RENORMALIZE_EVERY`` (outside
+        any graph: called while planning)."""
+        self.steps += 1
+        if self.mode == "lfps" and self.steps >= RENORMALIZE_EVERY:
+            self.store.renormalize_()
+            self.steps = 0
+
     def plan_decode(self, forward_batch) -> DecodePlan | None:
-        """Free the rows of requests that left; the plan of this batch's slot holders, or None
+        """Free the rows of requests that left; the plan of this batch's row holders, or None
         when it has none."""
         rids = getattr(forward_batch, "rids", None)
         if rids is None:  # a synthetic batch (CUDA-graph capture, warm-up): no request
             return None
         self.release_absent(set(rids))
-        if self.count == 0:
+        lfps = [i for i, rid in enumerate(rids) if rid in self.row_of]
+        if not lfps:
             return None
-        index_of = {rid: i for i, rid in enumerate(rids)}
-        lfps = [index_of[rid] for rid in self.owner]
         taken = set(lfps)
         dense = [i for i in range(len(rids)) if i not in taken]
         seq_lens = forward_batch.seq_lens_cpu.tolist()
@@ -339,21 +345,11 @@ class LfpsServing:
         candidates = min(max(topk, self.candidate_factor * topk), max(topk, longest - p.num_sink))
         dev = forward_batch.seq_lens.device
         lfps_rows = torch.tensor(lfps, dtype=torch.long, device=dev)
-        sparse = None
-        if self.kernels:
-            from redknot.kernels.sparse_decode import plan_sparse_decode
-
-            sparse = plan_sparse_decode(
-                batch_size=len(lfps), num_q_heads=self.shape.num_q_heads,
-                head_dim=self.shape.head_dim, rows=self.shape.rows, width=topk,
-                num_sink=p.num_sink, device=dev,
-            )  # fmt: skip
-        self.steps += 1
-        if self.mode == "lfps" and self.steps >= RENORMALIZE_EVERY:
-            self.store.renormalize_(self.count)
-            self.steps = 0
+        index = [self.row_of[rids[i]] for i in lfps]
+        self._step()
         return DecodePlan(
             lfps_rows=lfps_rows,
+            index=torch.tensor(index, dtype=torch.int32, device=dev),
             dense_rows=torch.tensor(dense, dtype=torch.long, device=dev),
             dense_rows_list=dense,
             req_pool_indices=forward_batch.req_pool_indices[lfps_rows],
@@ -361,46 +357,124 @@ class LfpsServing:
             topk=topk,
             candidates=candidates,
             width=longest,
-            sparse=sparse,
+            sparse=self._sparse_plan(len(lfps), topk, dev),
         )
+
+    def _sparse_plan(self, batch: int, width: int, device):
+        if not self.kernels:
+            return None
+        from redknot.kernels.sparse_decode import plan_sparse_decode
+
+        return plan_sparse_decode(
+            batch_size=batch, num_q_heads=self.shape.num_q_heads, head_dim=self.shape.head_dim,
+            rows=self.shape.rows, width=width, num_sink=self.params.num_sink, device=device,
+        )  # fmt: skip
 
     def decode(
         self, layer_id: int, q: torch.Tensor, k_buffer, v_buffer, plan: DecodePlan, sm_scale
     ) -> torch.Tensor:
         """Attention of the plan's rows in this layer: ``q`` [Bl, Hq, D] -> [Bl, Hq, D]."""
-        paged = (self.req_to_token, plan.req_pool_indices, plan.seq_lens)
+        return self._attend(
+            layer_id, q, k_buffer, v_buffer, plan.req_pool_indices, plan.seq_lens, plan.index,
+            None, plan.topk, plan.candidates, plan.width, plan.sparse, sm_scale,
+        )  # fmt: skip
+
+    # ---- decode in CUDA graphs ------------------------------------------------------------
+
+    def init_graph_state(self, max_bs: int, device) -> None:
+        """Static buffers of the decode graphs; the constants the step reads made now (a copy
+        from the host cannot be captured)."""
+        from redknot.kernels.lfps_index import offsets_tensor
+        from redknot.kernels.lfps_step import row_budget_args
+
+        self.graph_index = torch.full((max_bs,), self.store.scratch, dtype=torch.int32,
+                                      device=device)  # fmt: skip
+        self.graph_dense = torch.ones(max_bs, dtype=torch.bool, device=device)
+        offsets_tensor(self.params.offsets, torch.device(device))
+        row_budget_args(self.params, torch.device(device))
+
+    def fits_graph(self, forward_batch) -> bool:
+        """Whether a decode graph can serve this batch: every request holds a row or is short
+        enough to have every key listed (``graph_topk``)."""
+        rids = getattr(forward_batch, "rids", None)
+        seq_lens = getattr(forward_batch, "seq_lens_cpu", None)
+        if rids is None or seq_lens is None:
+            return True
+        limit = self.graph_topk + self.params.num_sink
+        return all(rid in self.row_of or int(n) <= limit for rid, n in zip(rids, seq_lens))
+
+    def graph_rows(self, forward_batch) -> tuple[list[int], list[bool]]:
+        """Per request of a (real) decode batch: its state row (the scratch row without one)
+        and whether it lists every key; the rows of requests that left are freed first."""
+        rids = forward_batch.rids
+        self.release_absent(set(rids))
+        index = [self.row_of.get(rid, self.store.scratch) for rid in rids]
+        return index, [rid not in self.row_of for rid in rids]
+
+    def begin_graph(self, bs: int, rows: tuple[list[int], list[bool]] | None) -> None:
+        """Before capturing (``rows`` None: every row dense, on the scratch row) or replaying a
+        graph of batch size ``bs``: the static buffers; padded rows are dense on the scratch."""
+        index, dense = rows if rows is not None else ([], [])
+        pad = bs - len(index)
+        index = index + [self.store.scratch] * pad
+        dense = dense + [True] * pad
+        self.graph_index[:bs].copy_(torch.tensor(index, dtype=torch.int32), non_blocking=True)
+        self.graph_dense[:bs].copy_(torch.tensor(dense, dtype=torch.bool), non_blocking=True)
+        if bs not in self.graph_plans:
+            self.graph_plans[bs] = self._sparse_plan(bs, self.graph_topk, self.graph_index.device)
+        if rows is not None:
+            self._step()
+
+    def decode_graph(
+        self, layer_id: int, q: torch.Tensor, k_buffer, v_buffer, req_pool_indices, seq_lens,
+        sm_scale,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attention of every row of a graph batch (``q`` [bs, Hq, D]), fixed budgets."""
+        bs = q.shape[0]
+        return self._attend(
+            layer_id, q, k_buffer, v_buffer, req_pool_indices, seq_lens, self.graph_index[:bs],
+            self.graph_dense[:bs], self.graph_topk, self.graph_candidates, self.shape.max_len,
+            self.graph_plans[bs], sm_scale,
+        )  # fmt: skip
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def _attend(self, layer_id, q, k_buffer, v_buffer, req_pool_indices, seq_lens, index, dense,
+                topk, candidates, width, sparse, sm_scale):  # fmt: skip
+        paged = (self.req_to_token, req_pool_indices, seq_lens)
         p = self.params
         if self.mode == "lfps":
             from redknot.lfps.batched import LfpsBudgets, lfps_decode_step
 
-            state = self.store.view(layer_id, self.count)
             res = lfps_decode_step(
-                q, k_buffer, v_buffer, *paged, state, p,
-                LfpsBudgets(candidates=plan.candidates, topk=plan.topk), sm_scale=sm_scale,
-                kernels=self.kernels, plan=plan.sparse,
+                q, k_buffer, v_buffer, *paged, self.store.state(layer_id, index), p,
+                LfpsBudgets(candidates=candidates, topk=topk), sm_scale=sm_scale,
+                kernels=self.kernels, plan=sparse, dense=dense,
             )  # fmt: skip
             return res.output
-        from redknot.lfps.batched import row_budgets
+        from redknot.lfps.batched import every_key, row_budgets
 
         if self.kernels:
             from redknot.kernels.lfps_index import exact_topk
             from redknot.kernels.sparse_decode import run_sparse_decode
 
             picked = exact_topk(
-                q, k_buffer, *paged, k=plan.topk, num_sink=p.num_sink, sm_scale=sm_scale,
-                width=plan.width, rows=self.shape.rows,
+                q, k_buffer, *paged, k=topk, num_sink=p.num_sink, sm_scale=sm_scale,
+                width=width, rows=self.shape.rows,
             )  # fmt: skip
         else:
             from redknot.kernels.sparse_reference import exact_topk_reference
 
             picked = exact_topk_reference(
-                q, k_buffer, *paged, plan.topk, p.num_sink, sm_scale, rows=self.shape.rows
+                q, k_buffer, *paged, topk, p.num_sink, sm_scale, rows=self.shape.rows
             )
         # exact_topk orders each list by descending score: each row keeps its own budget
-        keep = torch.arange(plan.topk, device=q.device) < row_budgets(plan.seq_lens, p)[:, None]
+        keep = torch.arange(topk, device=q.device) < row_budgets(seq_lens, p)[:, None]
         picked = torch.where(keep[:, None, :], picked, -1).contiguous()
+        if dense is not None:
+            picked = every_key(picked, dense, seq_lens, p.num_sink)
         if self.kernels:
-            return run_sparse_decode(plan.sparse, q, k_buffer, v_buffer, *paged, picked, sm_scale)
+            return run_sparse_decode(sparse, q, k_buffer, v_buffer, *paged, picked, sm_scale)
         from redknot.kernels.sparse_reference import sparse_decode_reference
 
         out, _ = sparse_decode_reference(

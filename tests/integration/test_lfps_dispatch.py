@@ -51,6 +51,9 @@ class Dense:
         self.planned = fb
         self.calls.append("init_forward_metadata")
 
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        pass  # FlashInfer's buffers: nothing of its graphs is exercised here
+
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kw):
         self.calls.append("forward_extend")
         return q
@@ -88,11 +91,12 @@ def test_an_extend_builds_the_state_of_its_long_requests():
     q = torch.cat([srv.prefill_q[i] for i in which]).view(-1, HQ * D)
     b.forward_extend(q, None, None, LAYER, fb)
     assert b.dense.calls == ["init_forward_metadata", "forward_extend"]
-    assert srv.serving.owner == ["r0", "r2"]
+    assert srv.serving.row_of == {"r0": 0, "r2": 1}
     from test_serving import reference_state
 
     want = reference_state(srv, [0, 2])[0]
-    torch.testing.assert_close(srv.store.view(0, 2).vertical, want.vertical, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(srv.store.layers[0].vertical[:2], want.vertical, atol=1e-7,
+                               rtol=1e-5)  # fmt: skip
     short = SimpleNamespace(seq_lens_cpu=torch.tensor([10, 12]))
     assert not b.needs_eager_extend(short)
 
@@ -117,9 +121,8 @@ def test_a_decode_batch_splits_its_rows_between_lfps_and_flashinfer():
     srv.batch.k_buffer[loc.long()] = 0.0
     srv.batch.v_buffer[loc.long()] = 0.0
     fb.forward_mode, fb.out_cache_loc, fb.batch_size = ForwardMode.DECODE, loc.long(), 3
-    assert b.needs_eager_decode(fb)
-    b.init_forward_metadata(fb)
-    assert b.lfps_plan.lfps_rows.tolist() == [2, 1] and b.lfps_plan.dense_rows_list == [0]
+    b.init_forward_metadata(fb)  # eager (no graph for this batch size, say)
+    assert b.lfps_plan.lfps_rows.tolist() == [1, 2] and b.lfps_plan.dense_rows_list == [0]
     sub = b.dense.planned
     assert sub.batch_size == 1 and sub.seq_lens_sum == 11 and sub.seq_lens.tolist() == [11]
     out = b.forward_decode(q.reshape(3, -1), new_k.reshape(3, -1), new_v.reshape(3, -1), LAYER, fb)
@@ -135,13 +138,13 @@ def test_a_decode_batch_without_slot_holders_is_flashinfers():
     b = backend(srv)
     srv.prefill([0, 1])
     fb, _ = srv.decode_batch([0, 1], 0)
-    fb.forward_mode = ForwardMode.DECODE
-    assert not b.needs_eager_decode(fb)
-    b.init_forward_metadata(fb)
+    fb.forward_mode, fb.out_cache_loc = ForwardMode.DECODE, torch.zeros(2, dtype=torch.long)
+    assert not b.needs_eager_decode(fb)  # a graph serves it
+    b.init_forward_metadata(fb)  # eagerly: FlashInfer alone
     assert b.lfps_plan is None and b.dense.planned is fb
 
 
-def test_sglangs_decode_graph_is_not_replayed_for_lfps_batches():
+def test_sglangs_decode_graph_is_not_replayed_where_the_backend_says_so():
     class Runner:
         def __init__(self, eager):
             self.model_runner = SimpleNamespace(
@@ -154,6 +157,56 @@ def test_sglangs_decode_graph_is_not_replayed_for_lfps_batches():
     assert plugin._around_decode_can_run_graph(original, Runner(True), None) is False
     assert plugin._around_decode_can_run_graph(original, Runner(False), None) is True
     assert any(h.fn is plugin._around_decode_can_run_graph for h in plugin.HOOKS)
+
+
+def test_decode_graphs_are_captured_and_replayed_on_lfps():
+    """Capture: every row dense on the scratch row. Replay: the rows the can_run_graph hook saw
+    (row holders on their state, the others listing every key, padding dense); at the exact
+    limit every row's output is dense attention. A replay the hook did not see is refused."""
+    from redknot.lfps import LfpsParams
+
+    srv = Server([40, 10, 57], steps=1, min_tokens=20, factor=10**3,
+                 params=LfpsParams(history_steps=8, budget=10**6, lam=-1e9,
+                                   sparsity_threshold=2.0))  # fmt: skip
+    b = backend(srv)
+    b.lfps_pool.device = "cpu"
+    srv.prefill([0, 1, 2])
+    b.init_cuda_graph_state(4, 4)
+    capture = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=4, rids=None,
+                              out_cache_loc=torch.zeros(4, dtype=torch.long))  # fmt: skip
+    b.init_forward_metadata_out_graph(capture, in_capture=True)
+    assert b.lfps_graph and srv.serving.graph_dense[:4].all()
+    assert b.dense.calls == []  # FlashInfer takes no part in LFPS's decode graphs
+    fb, q = srv.decode_batch([1, 2, 0], 0)
+    fb.forward_mode, fb.batch_size = ForwardMode.DECODE, 3
+    fb.out_cache_loc = torch.tensor([srv.batch.req_to_token[int(r), int(n) - 1]
+                                     for r, n in zip(fb.req_pool_indices, fb.seq_lens)])  # fmt: skip
+    assert not b.needs_eager_decode(fb)
+    from test_serving import padded
+
+    gq, rpi, seq = padded(srv, fb, q, 4)
+    view = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=4, req_pool_indices=rpi,
+                           seq_lens=seq, out_cache_loc=fb.out_cache_loc)  # fmt: skip
+    b.init_forward_metadata_out_graph(view)
+    assert srv.serving.graph_dense[:4].tolist() == [True, False, False, True]
+    new_k = torch.stack([srv.keys[i][srv.prompt_lens[i]] for i in (1, 2, 0)])
+    new_v = torch.stack([srv.values[i][srv.prompt_lens[i]] for i in (1, 2, 0)])
+    kv = [torch.cat([x, torch.zeros(1, *x.shape[1:])]).reshape(4, -1) for x in (new_k, new_v)]
+    view.out_cache_loc = torch.cat([fb.out_cache_loc, torch.zeros(1, dtype=torch.long)])
+    out = b.forward_decode(gq.reshape(4, -1), *kv, LAYER, view).view(4, HQ, D)
+    for row, i in enumerate((1, 2, 0)):
+        want = dense_attention(srv, i, q[row], srv.prompt_lens[i] + 1)
+        torch.testing.assert_close(out[row], want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="did not see"):
+        b.init_forward_metadata_out_graph(view)
+
+
+def test_a_batch_no_graph_can_serve_runs_eagerly():
+    srv = Server([40, 57], steps=1, slots=1, min_tokens=20)
+    b = backend(srv)
+    srv.prefill([0, 1])
+    fb, _ = srv.decode_batch([0, 1], 0)
+    assert b.needs_eager_decode(fb) and b.lfps_graph_rows is None
 
 
 @pytest.mark.parametrize(

@@ -127,27 +127,27 @@ def reference_state(srv: Server, which, rows=1) -> list:
 def test_prefill_builds_each_long_request_its_row():
     srv = Server([40, 10, 57], steps=2, min_tokens=20)
     srv.prefill([0, 1, 2])
-    assert srv.serving.owner == ["r0", "r2"]  # r1 is below --redknot-lfps-min-tokens
+    assert srv.serving.row_of == {"r0": 0, "r2": 1}  # r1 is below --redknot-lfps-min-tokens
     want = reference_state(srv, [0, 2])
     for layer in range(2):
-        got = srv.store.view(layer, 2)
+        got = srv.store.layers[layer]
         for name in ("vertical", "slash", "mean_key", "mean_value", "query_stat", "scale"):
-            torch.testing.assert_close(getattr(got, name), getattr(want[layer], name),
+            torch.testing.assert_close(getattr(got, name)[:2], getattr(want[layer], name),
                                        atol=1e-7, rtol=1e-5)  # fmt: skip
 
 
 def test_decode_of_slot_holders_equals_the_batched_step():
-    """A batch of three requests, two holding rows: the plan puts those two in slot order,
-    the third among the dense rows; each layer's decode equals lfps_decode_step on the
-    reference state, and the store follows its updates."""
+    """A batch of three requests, two holding rows: the plan takes those two (their state rows
+    in the index), the third among the dense rows; each layer's decode equals lfps_decode_step
+    on the reference state, and the store's rows follow its updates."""
     srv = Server([40, 10, 57], steps=3, min_tokens=20)
     srv.prefill([2, 1, 0])  # rows: r2 -> 0, r0 -> 1
-    want = reference_state(srv, [2, 0])
-    order = [0, 1, 2]  # the decode batch's order differs from the slots'
+    want = reference_state(srv, [0, 2])  # in the decode batch's order
     for step in range(srv.steps):
-        fb, q = srv.decode_batch(order, step)
+        fb, q = srv.decode_batch([0, 1, 2], step)
         plan = srv.serving.plan_decode(fb)
-        assert plan.lfps_rows.tolist() == [2, 0] and plan.dense_rows_list == [1]
+        assert plan.lfps_rows.tolist() == [0, 2] and plan.index.tolist() == [1, 0]
+        assert plan.dense_rows_list == [1]
         longest = max(srv.prompt_lens[b] + step + 1 for b in (0, 2))
         assert plan.topk == srv.params.budget_for(longest - srv.params.num_sink)
         sub_q = q[plan.lfps_rows]
@@ -156,35 +156,34 @@ def test_decode_of_slot_holders_equals_the_batched_step():
                                      plan, SCALE)  # fmt: skip
             ref = lfps_decode_step(
                 sub_q, srv.batch.k_buffer, srv.batch.v_buffer, srv.batch.req_to_token,
-                fb.req_pool_indices[[2, 0]], fb.seq_lens[[2, 0]], want[layer], srv.params,
+                fb.req_pool_indices[[0, 2]], fb.seq_lens[[0, 2]], want[layer], srv.params,
                 LfpsBudgets(candidates=plan.candidates, topk=plan.topk), sm_scale=SCALE,
                 kernels=False,
             )  # fmt: skip
             torch.testing.assert_close(got, ref.output)
-            torch.testing.assert_close(srv.store.view(layer, 2).vertical, want[layer].vertical)
-            torch.testing.assert_close(srv.store.view(layer, 2).scale, want[layer].scale)
+            held = srv.store.layers[layer]
+            torch.testing.assert_close(held.vertical[[1, 0]], want[layer].vertical)
+            torch.testing.assert_close(held.scale[[1, 0]], want[layer].scale)
 
 
-def test_a_request_that_leaves_frees_its_row_and_the_rows_stay_contiguous():
+def test_a_request_that_leaves_frees_its_row_for_the_next():
     srv = Server([40, 30, 57], steps=2, slots=3, min_tokens=20)
     srv.prefill([0, 1, 2])
-    before = srv.store.view(0, 3).vertical.clone()
+    before = srv.store.layers[0].vertical.clone()
     fb, _ = srv.decode_batch([0, 2], 0)  # r1 (row 1) finished
     plan = srv.serving.plan_decode(fb)
-    assert srv.serving.owner == ["r0", "r2"] and srv.serving.row_of == {"r0": 0, "r2": 1}
-    torch.testing.assert_close(srv.store.view(0, 2).vertical[1], before[2])  # moved
-    assert plan.lfps_rows.tolist() == [0, 1] and plan.dense_rows_list == []
-    fb, _ = srv.decode_batch([2], 1)  # r0 finished: r2 is the last row, nothing moves
-    srv.serving.plan_decode(fb)
-    assert srv.serving.owner == ["r2"]
-    fb, _ = srv.decode_batch([1], 1)
+    assert srv.serving.row_of == {"r0": 0, "r2": 2} and srv.serving.free == [1]
+    assert plan.index.tolist() == [0, 2] and plan.dense_rows_list == []
+    torch.testing.assert_close(srv.store.layers[0].vertical[2], before[2])  # nothing moved
+    assert srv.serving.acquire("r9") == 1 and srv.serving.free == []
+    fb, _ = srv.decode_batch([1], 1)  # every holder left
     assert srv.serving.plan_decode(fb) is None and srv.serving.count == 0
 
 
 def test_when_every_row_is_taken_a_request_decodes_densely():
     srv = Server([40, 30], steps=1, slots=1, min_tokens=20)
     srv.prefill([0, 1])
-    assert srv.serving.owner == ["r0"] and srv.serving.refused == 1
+    assert srv.serving.row_of == {"r0": 0} and srv.serving.refused == 1
     fb, _ = srv.decode_batch([0, 1], 0)
     plan = srv.serving.plan_decode(fb)
     assert plan.lfps_rows.tolist() == [0] and plan.dense_rows_list == [1]
@@ -268,13 +267,13 @@ def test_the_kernels_match_the_references_in_the_server_path(mode):
                    params=params, factor=3, kernels=kernels, dtype=torch.float16)
             for kernels in (True, False)]  # fmt: skip
     for srv in runs:
-        srv.prefill([0, 1, 2])
+        srv.prefill([2, 1, 0])  # rows: r2 -> 0, r0 -> 1: the step reads them permuted
     for step in range(2):
         outs = []
         for srv in runs:
             fb, q = srv.decode_batch([1, 0, 2], step)
             plan = srv.serving.plan_decode(fb)
-            assert plan.lfps_rows.tolist() == [1, 2]
+            assert plan.lfps_rows.tolist() == [1, 2] and plan.index.tolist() == [1, 0]
             sub = q[plan.lfps_rows].contiguous()
             outs.append([srv.serving.decode(layer, sub, srv.batch.k_buffer, srv.batch.v_buffer,
                                             plan, SCALE) for layer in range(2)])  # fmt: skip
@@ -282,8 +281,8 @@ def test_the_kernels_match_the_references_in_the_server_path(mode):
             torch.testing.assert_close(got.float(), want.float(), atol=4e-3, rtol=4e-3)
         if mode == "lfps":
             for layer in range(2):
-                a, b = (srv.store.view(layer, 2).true_tables() for srv in runs)
-                torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=1e-4)
+                a, b = (srv.store.layers[layer].true_tables() for srv in runs)
+                torch.testing.assert_close(a[0][:2], b[0][:2], atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.gpu
@@ -303,9 +302,109 @@ def test_the_server_path_on_the_gpu_at_the_8b_shape(mode, rows):
         for srv in runs:
             fb, q = srv.decode_batch([1, 2, 0], step)
             plan = srv.serving.plan_decode(fb)
-            assert plan.lfps_rows.tolist() == [2, 1] and plan.dense_rows_list == [0]
+            assert plan.lfps_rows.tolist() == [1, 2] and plan.dense_rows_list == [0]
             sub = q[plan.lfps_rows].contiguous()
             outs.append([srv.serving.decode(layer, sub, srv.batch.k_buffer, srv.batch.v_buffer,
                                             plan, srv.scale) for layer in range(2)])  # fmt: skip
         for got, want in zip(*outs):
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def padded(srv: Server, fb, q, bs: int):
+    """A graph batch of size ``bs``: the real rows, then padding (request row 0, length 1)."""
+    pad, dev = bs - q.shape[0], q.device
+    rpi = fb.req_pool_indices
+    rpi = torch.cat([rpi, torch.zeros(pad, dtype=rpi.dtype, device=rpi.device)])
+    seq = torch.cat([fb.seq_lens, torch.ones(pad, dtype=fb.seq_lens.dtype, device=dev)])
+    return torch.cat([q, torch.zeros(pad, *q.shape[1:], dtype=q.dtype, device=dev)]), rpi, seq
+
+
+@pytest.mark.parametrize("mode", ["lfps", "topk"])
+def test_graph_decode_equals_eager_decode(mode):
+    """The graph path (fixed budgets, every row on LFPS's kernels, state rows through the
+    index, padded rows) gives each row holder what the eager path gives it, and a row without
+    state attends every key; both update the same tables."""
+    twins = [Server([40, 10, 57], steps=3, min_tokens=20, mode=mode, factor=10**3)
+             for _ in range(2)]  # fmt: skip
+    eager, graph = twins
+    for srv in twins:
+        srv.prefill([0, 1, 2])
+    graph.serving.init_graph_state(8, "cpu")
+    assert graph.serving.graph_topk == 16  # min_tokens - sinks: the short request fits
+    for step in range(eager.steps):
+        fb, q = eager.decode_batch([2, 1, 0], step)
+        plan = eager.serving.plan_decode(fb)
+        assert graph.serving.fits_graph(fb)
+        rows = graph.serving.graph_rows(fb)
+        assert rows == ([1, graph.store.scratch, 0], [False, True, False])
+        graph.serving.begin_graph(5, rows)
+        gq, rpi, seq = padded(graph, fb, q, 5)
+        for layer in range(2):
+            want = eager.serving.decode(layer, q[plan.lfps_rows], eager.batch.k_buffer,
+                                        eager.batch.v_buffer, plan, SCALE)  # fmt: skip
+            got = graph.serving.decode_graph(layer, gq, graph.batch.k_buffer,
+                                             graph.batch.v_buffer, rpi, seq, SCALE)  # fmt: skip
+            torch.testing.assert_close(got[[0, 2]], want, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got[1], dense_attention(graph, 1, q[1], 11 + step),
+                                       atol=1e-5, rtol=1e-5)  # fmt: skip
+            if mode == "lfps":
+                a, b = (srv.store.layers[layer].true_tables()[0][:2] for srv in twins)
+                torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+
+
+def test_a_long_request_without_state_keeps_a_batch_out_of_the_graphs():
+    srv = Server([40, 57, 10], steps=1, slots=1, min_tokens=20)
+    srv.prefill([0, 1, 2])
+    assert srv.serving.row_of == {"r0": 0}  # r1 found every row taken
+    fb, _ = srv.decode_batch([0, 1, 2], 0)
+    assert not srv.serving.fits_graph(fb)
+    fb, _ = srv.decode_batch([0, 2], 0)
+    assert srv.serving.fits_graph(fb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["lfps", "topk"])
+def test_the_graph_path_is_captured_and_replayed_on_the_gpu(mode):
+    """The graph step at the 8B shape captured in a CUDA graph (padding rows, a row without
+    state), replayed for two steps with new rows and queries: each row holder's output equals
+    the eager kernels' on a twin server, the short request's equals dense attention."""
+    params = LfpsParams(budget=0.02, history_steps=64)
+    twins = [Server([4096, 300, 3000], steps=2, slots=3, min_tokens=1024, mode=mode, rows=4,
+                    params=params, kernels=True, dtype=torch.bfloat16, heads=(32, 8, 128),
+                    factor=10**3, device="cuda") for _ in range(2)]  # fmt: skip
+    eager, graph = twins
+    for srv in twins:
+        srv.prefill([0, 1, 2])
+    bs = 4
+    graph.serving.init_graph_state(8, "cuda")
+    fb, q = graph.decode_batch([0, 1, 2], 0)
+    static_q, rpi, seq = padded(graph, fb, q, bs)
+    graph.serving.begin_graph(bs, None)
+    args = (graph.batch.k_buffer, graph.batch.v_buffer, rpi, seq, graph.scale)
+    graph.serving.decode_graph(0, static_q, *args)  # compile outside the capture
+    torch.cuda.synchronize()
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        static_out = graph.serving.decode_graph(0, static_q, *args)
+    for name in ("vertical", "slash", "scale"):  # warm-up and capture updated the scratch row
+        a, b = (getattr(srv.store.layers[0], name)[:3] for srv in twins)
+        assert torch.equal(a, b), name
+    for step in range(2):
+        fb, q = eager.decode_batch([0, 1, 2], step)
+        plan = eager.serving.plan_decode(fb)
+        want = eager.serving.decode(0, q[plan.lfps_rows].contiguous(), eager.batch.k_buffer,
+                                    eager.batch.v_buffer, plan, eager.scale)  # fmt: skip
+        graph.serving.begin_graph(bs, graph.serving.graph_rows(fb))
+        new_q, new_rpi, new_seq = padded(graph, fb, q, bs)
+        static_q.copy_(new_q)
+        rpi.copy_(new_rpi)
+        seq.copy_(new_seq)
+        cuda_graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_out[[0, 2]].float(), want.float(), atol=2e-2,
+                                   rtol=2e-2)  # fmt: skip
+        k = graph.keys[1][: 301 + step].cuda().repeat_interleave(4, 1).transpose(0, 1).float()
+        v = graph.values[1][: 301 + step].cuda().repeat_interleave(4, 1).transpose(0, 1).float()
+        w = torch.softmax(torch.einsum("hd,hnd->hn", q[1].float(), k) * graph.scale, -1)
+        torch.testing.assert_close(static_out[1].float(), torch.einsum("hn,hnd->hd", w, v),
+                                   atol=2e-2, rtol=2e-2)  # fmt: skip

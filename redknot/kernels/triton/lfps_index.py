@@ -169,7 +169,7 @@ def row_thresholds(Moments_row, stride_mc, m, lam, CHUNK: tl.constexpr,
 
 @triton.jit
 def lfps_moments_kernel(
-    Vert, Slash, Scale, Seq_lens, Moments,
+    Vert, Slash, Scale, State_rows, Seq_lens, Moments,
     num_sink,
     stride_vb, stride_vh, stride_sb, stride_sh, stride_cb, stride_mb, stride_mh, stride_mc,
     CHUNK: tl.constexpr,
@@ -177,14 +177,16 @@ def lfps_moments_kernel(
 ):  # fmt: skip
     """Program ``(c, hs, b)``: mean and central sums of powers 2-4 of both tables over the row's
     entries ``[c * CHUNK, (c + 1) * CHUNK)``: ``Moments[b, hs, c] = (mean_v, M2_v, M3_v, M4_v,
-    mean_s, M2_s, M3_s, M4_s)`` (zeros for a chunk past the row)."""
+    mean_s, M2_s, M3_s, M4_s)`` (zeros for a chunk past the row). The tables of request ``b``
+    are row ``State_rows[b]`` of the state."""
     c = tl.program_id(0)
     hs = tl.program_id(1)
     b = tl.program_id(2)
+    sb = tl.load(State_rows + b).to(tl.int64)
     m = tl.maximum(tl.load(Seq_lens + b).to(tl.int32) - num_sink, 0)
-    scale = tl.load(Scale + b * stride_cb + hs)
-    vert_row = Vert + b.to(tl.int64) * stride_vb + hs * stride_vh + num_sink
-    slash_row = Slash + b.to(tl.int64) * stride_sb + hs * stride_sh
+    scale = tl.load(Scale + sb * stride_cb + hs)
+    vert_row = Vert + sb * stride_vb + hs * stride_vh + num_sink
+    slash_row = Slash + sb * stride_sb + hs * stride_sh
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, m)
     lanes = tl.arange(0, BLOCK)
@@ -227,7 +229,7 @@ def lfps_moments_kernel(
 
 @triton.jit
 def lfps_mark_kernel(
-    Vert, Slash, Scale, Seq_lens, Offsets, Moments, Codes, Chunk_count, Chunk_hist,
+    Vert, Slash, Scale, State_rows, Seq_lens, Offsets, Moments, Codes, Chunk_count, Chunk_hist,
     lam, num_sink,
     stride_vb, stride_vh, stride_sb, stride_sh, stride_cb, stride_mb, stride_mh, stride_mc,
     stride_db, stride_dh, stride_nb, stride_nh, stride_hb, stride_hh, stride_hc,
@@ -243,10 +245,11 @@ def lfps_mark_kernel(
     c = tl.program_id(0)
     hs = tl.program_id(1)
     b = tl.program_id(2)
+    sb = tl.load(State_rows + b).to(tl.int64)
     m = tl.maximum(tl.load(Seq_lens + b).to(tl.int32) - num_sink, 0)
-    scale = tl.load(Scale + b * stride_cb + hs)
-    vert_row = Vert + b.to(tl.int64) * stride_vb + hs * stride_vh + num_sink
-    slash_row = Slash + b.to(tl.int64) * stride_sb + hs * stride_sh
+    scale = tl.load(Scale + sb * stride_cb + hs)
+    vert_row = Vert + sb * stride_vb + hs * stride_vh + num_sink
+    slash_row = Slash + sb * stride_sb + hs * stride_sh
     moments_row = Moments + b.to(tl.int64) * stride_mb + hs * stride_mh
     mean_v, theta_v, mean_s, theta_s = row_thresholds(moments_row, stride_mc, m, lam, CHUNK,
                                                       CHUNKS_P2)  # fmt: skip

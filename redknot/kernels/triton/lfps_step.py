@@ -33,7 +33,7 @@ def log_sum_exp(x):
 @triton.jit
 def lfps_sparsity_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mean_key, Mean_value, Query_stat,
-    Sparsity, Bypass, Bypass_out,
+    State_rows, Sparsity, Bypass, Bypass_out,
     sm_scale, tau, num_sink, local_window,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
     stride_mkb, stride_mkh, stride_mvb, stride_mvh, stride_rb, stride_sb, stride_yb,
@@ -68,12 +68,13 @@ def lfps_sparsity_kernel(
     local_l = tl.where((is_local & valid)[None, :], logits, float("-inf"))
     sink_max, sink = log_sum_exp(sink_l)
     _, local = log_sum_exp(local_l)
-    mk = tl.load(Mean_key + b * stride_mkb + kvh * stride_mkh + d)
-    mv = tl.load(Mean_value + b * stride_mvb + kvh * stride_mvh + d)
+    sb = tl.load(State_rows + b).to(tl.int64)  # the request's row of the state
+    mk = tl.load(Mean_key + sb * stride_mkb + kvh * stride_mkh + d)
+    mv = tl.load(Mean_value + sb * stride_mvb + kvh * stride_mvh + d)
     qf = q.to(tl.float32)
     mu = tl.sum(qf * mk[None, :], 1) * sm_scale
     spread = sm_scale * tl.sqrt(tl.sum(qf * qf, 1)) * tl.sqrt(tl.sum(mk * mk, 0))
-    rho = tl.load(Query_stat + b * stride_rb + head, mask=row_ok, other=0.0)
+    rho = tl.load(Query_stat + sb * stride_rb + head, mask=row_ok, other=0.0)
     log_rest = tl.log(tl.maximum(n - num_sink, 1).to(tl.float32))
     rest = tl.maximum(log_rest + mu + 0.5 * rho * spread * spread, local)
     sparsity = tl.where(n > num_sink, 1.0 / (1.0 + tl.exp(rest - sink)), 0.0)
@@ -109,7 +110,8 @@ def row_budget(Budget, n, num_sink, FRACTION: tl.constexpr):
 
 @triton.jit
 def lfps_update_kernel(
-    Top_val, Top_at, Cand, Count, Logits, Bypass, Seq_lens, Budget, Vert, Slash, Scale, Selected,
+    Top_val, Top_at, Cand, Count, Logits, Bypass, Seq_lens, Budget, Vert, Slash, Scale, State_rows,
+    Selected,
     decay, num_sink, width, capacity,
     stride_tb, stride_th, stride_cb, stride_ch, stride_nb, stride_lb, stride_lh, stride_yb,
     stride_vb, stride_vh, stride_sb, stride_sh, stride_scb, stride_eb, stride_eh,
@@ -150,12 +152,13 @@ def lfps_update_kernel(
         m_r = m_new
 
     if n_act > 0:
-        scale = tl.load(Scale + b * stride_scb + hs) * decay
-        tl.store(Scale + b * stride_scb + hs, scale)
+        sb = tl.load(State_rows + b).to(tl.int64)  # the request's row of the state
+        scale = tl.load(Scale + sb * stride_scb + hs) * decay
+        tl.store(Scale + sb * stride_scb + hs, scale)
         coef = (1.0 - decay) * 0.5 / scale / n_act.to(tl.float32)
         l_safe = tl.where(l_r > 0.0, l_r, 1.0)
-        vert_row = Vert + b.to(tl.int64) * stride_vb + hs * stride_vh
-        slash_row = Slash + b.to(tl.int64) * stride_sb + hs * stride_sh
+        vert_row = Vert + sb * stride_vb + hs * stride_vh
+        slash_row = Slash + sb * stride_sb + hs * stride_sh
         for e0 in range(0, width, BLOCK_K):
             e = e0 + tl.arange(0, BLOCK_K)
             in_k = e < width
