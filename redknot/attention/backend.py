@@ -538,6 +538,7 @@ def _lfps_serving(model_runner: ModelRunner, config: RedknotConfig, dense):
         config.lfps, params, store.shape, store, model_runner.req_to_token_pool.req_to_token,
         min_tokens=config.lfps_min_tokens, candidate_factor=config.lfps_candidate_factor,
     )  # fmt: skip
+    model_runner.req_to_token_pool.redknot_lfps = serving  # its free hook releases rows
     logger.info(
         "redknot: %s decode for requests of %d prompt tokens or more, at most %d at once: %s of "
         "the keys per %s and step besides %d sinks%s. Decode batches replay CUDA graphs with "

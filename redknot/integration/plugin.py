@@ -105,6 +105,20 @@ def _around_req_slot_alloc(original, self, reqs):
     return result
 
 
+def _after_req_slot_free(result, self, req):
+    """A request slot freed (its request finished, was aborted or retracted): its LFPS state
+    row is free for the next request (redknot.lfps.serving)."""
+    lfps = getattr(self, "redknot_lfps", None)
+    if lfps is not None:
+        lfps.release(req.rid)
+
+
+def _after_req_slots_clear(result, self):
+    lfps = getattr(self, "redknot_lfps", None)
+    if lfps is not None:
+        lfps.release_all()
+
+
 def _around_prefill_can_run_graph(original, self, forward_batch):
     """SGLang's prefill CUDA graph replays no extend batch whose rows vary per request under
     redknot (:meth:`redknot.attention.backend.RedknotAttnBackend.needs_eager_extend`): such a
@@ -140,6 +154,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_KVC}.resolve_max_num_reqs", "AFTER", _after_max_num_reqs),
     Hook(f"{_KVC}._build_token_to_kv_pool", "AROUND", _around_build_pool),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", "AROUND", _around_req_slot_alloc),
+    Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free", "AFTER", _after_req_slot_free),
+    Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", "AFTER", _after_req_slots_clear),
     Hook(
         "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
         ".can_run_graph",

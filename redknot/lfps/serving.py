@@ -12,9 +12,9 @@ sink tokens and a per-head selection of ``--redknot-lfps-budget`` of its keys:
 
 **State** (``LfpsStore``): per layer one ``LfpsBatchState`` of ``slots`` rows plus a scratch
 row, tables as wide as the context, reserved from the KV budget at startup (``state_bytes``),
-so admission counts it. A request keeps its row while it is in the decode batches (one absent
-from a decode batch has finished, been aborted or retracted: its row is freed then). A step
-reads and updates the rows of its requests through ``LfpsBatchState.index``.
+so admission counts it. A request keeps its row until its request slot is freed (it finished,
+was aborted or retracted: the hook on ``ReqToTokenPool.free`` calls ``release``). A step reads
+and updates the rows of its requests through ``LfpsBatchState.index``.
 
 **Prefill** (``LfpsServing.after_extend``, per layer, after the K/V are written): for every
 request of the extend that holds a row, the tables of Eq. 4 from the extend's last
@@ -250,11 +250,17 @@ class LfpsServing:
         self.served += 1
         return row
 
-    def release_absent(self, present: set[str]) -> None:
-        """Free the rows of requests not in ``present`` (a decode batch holds every running
-        request: one absent from it has finished, been aborted or retracted)."""
-        for rid in [r for r in self.row_of if r not in present]:
-            self.free.append(self.row_of.pop(rid))
+    def release(self, rid: str) -> None:
+        """Free the row of ``rid`` (its request slot was freed: it finished, was aborted or
+        retracted; called by redknot's hook on ``ReqToTokenPool.free``)."""
+        row = self.row_of.pop(rid, None)
+        if row is not None:
+            self.free.append(row)
+
+    def release_all(self) -> None:
+        """Free every row (``ReqToTokenPool.clear``: the server flushed its caches)."""
+        for rid in list(self.row_of):
+            self.release(rid)
 
     # ---- prefill -------------------------------------------------------------------------
 
@@ -327,12 +333,10 @@ class LfpsServing:
             self.steps = 0
 
     def plan_decode(self, forward_batch) -> DecodePlan | None:
-        """Free the rows of requests that left; the plan of this batch's row holders, or None
-        when it has none."""
+        """The plan of this batch's row holders, or None when it has none."""
         rids = getattr(forward_batch, "rids", None)
         if rids is None:  # a synthetic batch (CUDA-graph capture, warm-up): no request
             return None
-        self.release_absent(set(rids))
         lfps = [i for i, rid in enumerate(rids) if rid in self.row_of]
         if not lfps:
             return None
@@ -405,9 +409,8 @@ class LfpsServing:
 
     def graph_rows(self, forward_batch) -> tuple[list[int], list[bool]]:
         """Per request of a (real) decode batch: its state row (the scratch row without one)
-        and whether it lists every key; the rows of requests that left are freed first."""
+        and whether it lists every key."""
         rids = forward_batch.rids
-        self.release_absent(set(rids))
         index = [self.row_of.get(rid, self.store.scratch) for rid in rids]
         return index, [rid not in self.row_of for rid in rids]
 

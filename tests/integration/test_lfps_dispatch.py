@@ -201,6 +201,19 @@ def test_decode_graphs_are_captured_and_replayed_on_lfps():
         b.init_forward_metadata_out_graph(view)
 
 
+def test_a_freed_request_slot_frees_its_lfps_row():
+    srv = Server([40, 57], steps=1, min_tokens=20)
+    srv.prefill([0, 1])
+    pool = SimpleNamespace(redknot_lfps=srv.serving)
+    plugin._after_req_slot_free(None, pool, SimpleNamespace(rid="r1"))
+    assert srv.serving.row_of == {"r0": 0}
+    plugin._after_req_slots_clear(None, pool)
+    assert srv.serving.row_of == {}
+    plugin._after_req_slot_free(None, SimpleNamespace(), SimpleNamespace(rid="r0"))  # LFPS off
+    hooked = {h.fn for h in plugin.HOOKS}
+    assert {plugin._after_req_slot_free, plugin._after_req_slots_clear} <= hooked
+
+
 def test_a_batch_no_graph_can_serve_runs_eagerly():
     srv = Server([40, 57], steps=1, slots=1, min_tokens=20)
     b = backend(srv)

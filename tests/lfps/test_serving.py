@@ -170,14 +170,18 @@ def test_a_request_that_leaves_frees_its_row_for_the_next():
     srv = Server([40, 30, 57], steps=2, slots=3, min_tokens=20)
     srv.prefill([0, 1, 2])
     before = srv.store.layers[0].vertical.clone()
-    fb, _ = srv.decode_batch([0, 2], 0)  # r1 (row 1) finished
-    plan = srv.serving.plan_decode(fb)
+    srv.serving.release("r1")  # its request slot was freed
+    srv.serving.release("r7")  # a request that never held a row
     assert srv.serving.row_of == {"r0": 0, "r2": 2} and srv.serving.free == [1]
+    fb, _ = srv.decode_batch([0, 2], 0)
+    plan = srv.serving.plan_decode(fb)
     assert plan.index.tolist() == [0, 2] and plan.dense_rows_list == []
     torch.testing.assert_close(srv.store.layers[0].vertical[2], before[2])  # nothing moved
     assert srv.serving.acquire("r9") == 1 and srv.serving.free == []
-    fb, _ = srv.decode_batch([1], 1)  # every holder left
+    srv.serving.release_all()
+    fb, _ = srv.decode_batch([1], 1)
     assert srv.serving.plan_decode(fb) is None and srv.serving.count == 0
+    assert sorted(srv.serving.free) == [0, 1, 2]
 
 
 def test_when_every_row_is_taken_a_request_decodes_densely():
