@@ -243,7 +243,9 @@ class RedknotConfig:
         "tokens and the keys predicted from score tables of past attention, docs/lfps.md) or "
         "'topk' (the exact Top-k of every key's score at every step, the same budget). Needs "
         "every head global (--redknot-all-global or a token-level policy). Off by default: "
-        "not yet measured to keep answers.",
+        "it kept SmolLM2's long-case answers and decodes 1.3-1.8x faster from 8 requests at "
+        "32-90K tokens (8B shape, H200), but its prefill is ~20% slower and one request "
+        "decodes slower (docs/lfps.md).",
         default="off",
     )
     lfps_budget: float = _opt(
