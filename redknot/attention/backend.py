@@ -19,6 +19,11 @@ reusing server does not reuse for run a dense server's kernels. (Before, such a 
 batch on the SegPaged kernels and answered SmolLM2's unmarked 512-2K-token prompts 1.1-1.7x
 slower than a dense server, H100; docs/performance.md.)
 
+Under ``--redknot-lfps`` (every head global) long requests decode on LFPS's sparse step
+(``redknot.lfps.serving``): an extend builds their state after each layer, SGLang's decode
+graphs run the step for every row (requests without state list every key), and a batch no
+graph can serve splits its rows between the step and FlashInfer.
+
 Planning happens once per batch (``init_forward_metadata*``); ``forward_extend`` and
 ``forward_decode`` only write KV and launch. Once built, the backend checks its path against the
 PyTorch reference on a synthetic batch (``redknot.attention.startup_check``) before the server
@@ -350,8 +355,9 @@ class RedknotAttnBackend(AttentionBackend):
         self, forward_batch: ForwardBatch, in_capture: bool = False
     ):
         # graphs: decode (SGLang's decode graphs), or every extend of a full prefill graph,
-        # which its path keeps (a captured graph replays the kernels of its capture); never a
-        # batch with LFPS work (needs_eager_*)
+        # which its path keeps (a captured graph replays the kernels of its capture). Under
+        # --redknot-lfps every decode graph runs LFPS's step (_begin_lfps_graph); extends that
+        # build LFPS state never replay a graph (needs_eager_extend)
         self.lfps_plan = None
         self.lfps_graph = False
         if self.lfps is not None:
