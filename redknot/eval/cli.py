@@ -78,6 +78,7 @@ KNOB_TYPES: dict[str, Callable[[str], Any]] = {
     "samkv_init_blocks": int,
     "samkv_local_blocks": int,
     "samkv_stable_layers": int,
+    "samkv_stable_from": _optional(int),
     "samkv_bias": _flag,
     "samkv_budget": _optional(float),
     "samkv_recompute": str,

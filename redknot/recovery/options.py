@@ -53,7 +53,8 @@ class RecoveryOptions:
     | ``sparseq_block``| ``sparsex`` and ``redknot+sparseq``: overflow block, reused tokens recomputed on each side of a non-reused span |
     | ``samkv_block``  | ``samkv``: tokens per KV block (the unit of selection) |
     | ``samkv_init_blocks`` / ``samkv_local_blocks`` | ``samkv``: blocks at the start / end of every document kept in full (the anchors) |
-    | ``samkv_stable_layers`` | ``samkv``: the last layers whose Top-P ratios are averaged (``N*`` of Eq. 3) |
+    | ``samkv_stable_layers`` | ``samkv``: the layers whose Top-P ratios are averaged (``N*`` of Eq. 3): this many, the last ones unless ``samkv_stable_from`` says where they start |
+    | ``samkv_stable_from`` | ``samkv``: the first of the ``samkv_stable_layers`` layers of ``N*`` (``None``: the last layers); ``redknot.recovery.samkv.calibrate`` (appendix A.2) chooses it per model |
     | ``samkv_bias``   | ``samkv``: add the personalized bias of Eq. 1 to the query vector of each document |
     | ``samkv_budget`` | ``samkv``: ``None``: the paper's adaptive block count (Eq. 2-3, retained total / documents); a number in ``[0, 1]``: that fraction of the middle blocks, in every layer |
     | ``samkv_recompute`` | ``samkv``: ``selective`` (anchors and high-attention tokens of kept blocks), ``all`` kept tokens, or ``none`` |
@@ -104,6 +105,7 @@ class RecoveryOptions:
     samkv_init_blocks: int = 1
     samkv_local_blocks: int = 2
     samkv_stable_layers: int = 4
+    samkv_stable_from: int | None = None
     samkv_bias: bool = True
     samkv_budget: float | None = None
     samkv_recompute: SamkvRecompute = "selective"
@@ -153,6 +155,11 @@ class RecoveryOptions:
         for name in ("samkv_block", "samkv_stable_layers"):
             if getattr(self, name) < 1:
                 raise RecoveryOptionsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.samkv_stable_from is not None and self.samkv_stable_from < 0:
+            raise RecoveryOptionsError(
+                f"samkv_stable_from must be a layer >= 0 or None (the last layers), "
+                f"got {self.samkv_stable_from}"
+            )
         for name in ("samkv_init_blocks", "samkv_local_blocks"):
             if getattr(self, name) < 0:
                 raise RecoveryOptionsError(f"{name} must be >= 0 blocks, got {getattr(self, name)}")

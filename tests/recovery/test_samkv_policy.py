@@ -157,3 +157,17 @@ def test_the_server_refuses_samkv_at_startup_and_says_why():
 
     with pytest.raises(RedknotConfigError, match=r"samkv is not served: .*fidelity --policies"):
         RedknotConfig(policy="samkv")
+
+
+def test_stable_from_chooses_the_layers_eq3_averages(runner, prompt):
+    """``samkv_stable_from`` places ``N*``; not given, the last layers; the report keeps every
+    layer's block scores (what appendix A.2's calibration reads)."""
+    n = runner.shape.num_layers
+    for start, rows in ((0, slice(0, 2)), (None, slice(n - 2, n))):
+        policy, _ = serve_policy(runner, "samkv", prompt, **BLOCK, samkv_stable_from=start)
+        sel = policy.report.selection
+        torch.testing.assert_close(sel.ratios, sel.layer_ratios[rows].mean(dim=0))
+        assert len(policy.report.block_scores) == len(policy.report.docs)
+        assert all(s.shape[0] == n for s in policy.report.block_scores)
+    with pytest.raises(ValueError, match="exceeds the model's"):
+        serve_policy(runner, "samkv", prompt, **BLOCK, samkv_stable_from=n - 1)

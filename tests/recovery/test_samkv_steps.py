@@ -259,3 +259,33 @@ def test_sparse_forward_by_brute_force():
     # rule 1: rows 0, 6 and 11 are recomputed above layers 0 and 1; row 7 only in layer 0
     assert [c.attention_rows for c in got.counts] == [3, 3, 0]
     assert [c.kv_rows for c in got.counts] == [2, 2, 3]
+
+
+def test_layer_votes_follow_the_pauta_criterion():
+    """A document whose block 3 is the best in every layer and stands out in layers 4-6: those
+    layers vote, the layers where it is best but no outlier do not; a document of one block
+    votes nowhere."""
+    from redknot.recovery.samkv.calibrate import layer_votes
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.rand(8, 20, generator=g)
+    s[:, 3] = 1.05  # the best of every layer, within 3 std of its layer's mean
+    s[4:7, 3] = 10.0  # > mean + 3 std of its layer
+    votes = layer_votes([s, torch.rand(8, 1, generator=g)])
+    assert votes.tolist() == [0, 0, 0, 0, 1, 1, 1, 0]
+    want = [
+        int(s[n, 3] > s[n].mean() + 3 * s[n].std(unbiased=False)) for n in range(8)
+    ]  # written out
+    assert votes.tolist() == want
+    assert layer_votes([s, s]).tolist() == [2 * v for v in want]
+
+
+def test_stable_window_takes_the_most_votes_and_the_later_tie():
+    from redknot.recovery.samkv.calibrate import stable_window
+
+    votes = torch.tensor([0, 3, 3, 0, 0, 1, 2, 3])
+    assert stable_window(votes, 2) == 1  # 6 beats 5 (6-7) and 3
+    assert stable_window(votes, 3) == 5  # 6 (5-7) ties 6 (0-2, 1-3): the later window
+    assert stable_window(votes, 8) == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        stable_window(votes, 9)

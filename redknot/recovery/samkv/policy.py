@@ -68,6 +68,7 @@ SAMKV_KNOBS = (
     "samkv_init_blocks",
     "samkv_local_blocks",
     "samkv_stable_layers",
+    "samkv_stable_from",
     "samkv_bias",
     "samkv_budget",
     "samkv_recompute",
@@ -88,6 +89,7 @@ class SamkvReport:
     | ``kept_tokens``  | of them, KV rows held per layer (the same in every layer)       |
     | ``recomputed``   | per layer, document tokens whose KV was recomputed              |
     | ``computed``     | per layer, document tokens that ran attention and FFN           |
+    | ``block_scores`` | per document, every layer's middle-block scores ``[N, M_i]``    |
     """
 
     docs: list[DocumentBlocks] = field(default_factory=list)
@@ -96,6 +98,7 @@ class SamkvReport:
     kept_tokens: int = 0
     recomputed: list[int] = field(default_factory=list)
     computed: list[int] = field(default_factory=list)
+    block_scores: list[Tensor] = field(default_factory=list)  # per document [N, M_i] (A.2)
 
     def fractions(self, num_layers: int) -> dict[str, float | None]:
         """``sequence_ratio`` (KV rows held / document tokens), ``recompute_ratio`` (recomputed
@@ -322,7 +325,15 @@ class SamKV(ReusePolicy):
                     scores(queries[d.index, layer], anchor[:, None])[0]
                 )
             block_scores.append(torch.stack(per_layer))
-        stable = range(max(0, n_layers - self.options.samkv_stable_layers), n_layers)
+        self.report.block_scores = block_scores
+        width, start = self.options.samkv_stable_layers, self.options.samkv_stable_from
+        if start is not None and start + width > n_layers:
+            raise ValueError(
+                f"samkv_stable_from {start} + samkv_stable_layers {width} exceeds the model's "
+                f"{n_layers} layers"
+            )
+        start = max(0, n_layers - width) if start is None else start
+        stable = range(start, min(n_layers, start + width))
         return select_blocks(
             block_scores, anchor_scores, stable_layers=list(stable),
             budget=self.options.samkv_budget,
