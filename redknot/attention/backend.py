@@ -453,14 +453,18 @@ class RedknotAttnBackend(AttentionBackend):
             )
         return self.segpaged.decode(q, k, v, layer, forward_batch, save_kv_cache)
 
+    def _write_kv(self, k, v, layer, forward_batch, save_kv_cache) -> None:
+        """Every row's new K/V into the pool (LFPS's decode paths, before anyone attends)."""
+        if save_kv_cache and k is not None:
+            hkv, d = layer.tp_k_head_num, layer.head_dim
+            self.lfps_pool.write_global(layer.layer_id, forward_batch.out_cache_loc,
+                                        k.view(-1, hkv, d), v.view(-1, hkv, d))  # fmt: skip
+
     def _lfps_graph_decode(self, q, k, v, layer, forward_batch, save_kv_cache):
         """A decode graph's batch: every row's K/V written, every row on LFPS's kernels."""
         lid, pool = layer.layer_id, self.lfps_pool
         hq, d = layer.tp_q_head_num, layer.head_dim
-        if save_kv_cache and k is not None:
-            hkv = layer.tp_k_head_num
-            pool.write_global(lid, forward_batch.out_cache_loc, k.view(-1, hkv, d),
-                              v.view(-1, hkv, d))  # fmt: skip
+        self._write_kv(k, v, layer, forward_batch, save_kv_cache)
         out = self.lfps.decode_graph(
             lid, q.view(-1, hq, d), pool.get_key_buffer(lid), pool.get_value_buffer(lid),
             forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling,
@@ -473,10 +477,7 @@ class RedknotAttnBackend(AttentionBackend):
         plan, lid = self.lfps_plan, layer.layer_id
         pool = self.lfps_pool
         hq, d = layer.tp_q_head_num, layer.head_dim
-        if save_kv_cache and k is not None:
-            hkv = layer.tp_k_head_num
-            pool.write_global(lid, forward_batch.out_cache_loc, k.view(-1, hkv, d),
-                              v.view(-1, hkv, d))  # fmt: skip
+        self._write_kv(k, v, layer, forward_batch, save_kv_cache)
         q = q.view(-1, hq, d)
         out = q.new_empty(q.shape)
         if self.lfps_dense_batch is not None:

@@ -53,8 +53,6 @@ from redknot.lfps.state import table_norm
 
 logger = logging.getLogger(__name__)
 
-MODES = ("off", "lfps", "topk")
-SELECTIONS = ("query-head", "kv-head")
 RENORMALIZE_EVERY = 256  # decode steps between folds of the lazy decay (float32 holds ~1700)
 
 
@@ -218,7 +216,6 @@ class LfpsServing:
         self.free = list(range(store.slots - 1, -1, -1))  # rows not in use (popped from the end)
         self.steps = 0  # decode steps since the last renormalisation
         self.extend_rows: list[tuple[int, int, int, int, int]] = []  # per extend, see plan_extend
-        self.served = 0  # requests that took a row
         self.refused = 0  # long-enough requests that found every row taken
         keys = shape.max_len - params.num_sink
         # CUDA graphs: fixed budgets wide enough for the longest request, and for listing every
@@ -226,7 +223,7 @@ class LfpsServing:
         self.graph_topk = max(
             1, min(keys, max(params.budget_for(keys), min_tokens - params.num_sink))
         )
-        self.graph_candidates = min(keys, max(self.graph_topk, candidate_factor * self.graph_topk))
+        self.graph_candidates = self._candidates(self.graph_topk, keys)
         self.graph_index: torch.Tensor | None = None  # [max_bs] int32 state row of each row
         self.graph_dense: torch.Tensor | None = None  # [max_bs] bool rows listing every key
         self.graph_plans: dict[int, object] = {}  # batch size -> SparseDecodePlan
@@ -247,7 +244,6 @@ class LfpsServing:
             return None
         row = self.free.pop()
         self.row_of[rid] = row
-        self.served += 1
         return row
 
     def release(self, rid: str) -> None:
@@ -319,11 +315,6 @@ class LfpsServing:
 
     # ---- decode, eager -------------------------------------------------------------------
 
-    def has_rows(self, forward_batch) -> bool:
-        """Whether a decode batch has a request that holds a row."""
-        rids = getattr(forward_batch, "rids", None)
-        return bool(rids) and any(rid in self.row_of for rid in rids)
-
     def _step(self) -> None:
         """Count a decode step; fold the lazy decay in every ``RENORMALIZE_EVERY`` (outside
         any graph: called while planning)."""
@@ -346,7 +337,7 @@ class LfpsServing:
         longest = max(int(seq_lens[i]) for i in lfps)
         p = self.params
         topk = p.budget_for(longest - p.num_sink)
-        candidates = min(max(topk, self.candidate_factor * topk), max(topk, longest - p.num_sink))
+        candidates = self._candidates(topk, longest - p.num_sink)
         dev = forward_batch.seq_lens.device
         lfps_rows = torch.tensor(lfps, dtype=torch.long, device=dev)
         index = [self.row_of[rids[i]] for i in lfps]
@@ -363,6 +354,11 @@ class LfpsServing:
             width=longest,
             sparse=self._sparse_plan(len(lfps), topk, dev),
         )
+
+    def _candidates(self, topk: int, keys: int) -> int:
+        """C for a Top-``topk``: ``candidate_factor`` times it, at most every key (never below
+        ``topk``)."""
+        return max(topk, min(self.candidate_factor * topk, keys))
 
     def _sparse_plan(self, batch: int, width: int, device):
         if not self.kernels:
