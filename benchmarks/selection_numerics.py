@@ -1,0 +1,185 @@
+"""How much of a token policy's served-vs-reference divergence the dtype alone explains.
+
+The reference path is run twice on the same cases with the same code, once in float32 and once in
+bfloat16 (the server's dtype); nothing else changes. Per policy it records which segment rows
+the selection chose in each run (``TokenRecovery.selected``), their overlap (Jaccard) and
+whether the greedy generations are identical. A policy whose choice does not read the data
+(EPIC: the first ``epic_k`` tokens of each segment) can only move with the model's numerics;
+one that ranks rows (SparseX by attention mass, CacheBlend by KV deviation) also moves with
+its ranking. For SparseX it also counts the rows whose float32 score lies within bfloat16's
+relative resolution (``2**-8``) of the cut, where rounding alone can swap a row in or out.
+
+    python benchmarks/selection_numerics.py --cases benchmarks/cases/rag_v1.jsonl --limit 24 \\
+        --out benchmarks/results/selection_numerics.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from redknot.eval.base import PolicySetting
+from redknot.eval.cases import load_cases
+from redknot.eval.reference_backend import ReferenceBackend
+from redknot.recovery import RecoveryOptions
+from redknot.recovery.tokenwise import TokenRecovery
+
+BF16_RESOLUTION = 2.0**-8  # bfloat16 keeps 8 significant bits
+SETTINGS = {  # label: (policy, options) as the server serves them
+    "epic[epic_k=16]": ("epic", {"epic_k": 16}),
+    "cacheblend[blend_ratio=0.15]": ("cacheblend", {"blend_ratio": 0.15}),
+    "sparsex[sparseq_boundary=5]": ("sparsex", {"sparseq_boundary": 5}),
+    "sparsex[sparseq_boundary=1]": ("sparsex", {"sparseq_boundary": 1}),
+}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def jaccard(a: list[int], b: list[int]) -> float:
+    sa, sb = set(a), set(b)
+    return 1.0 if not sa | sb else len(sa & sb) / len(sa | sb)
+
+
+def near_cut(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> int:
+    """Candidate rows whose score is within ``BF16_RESOLUTION`` (relative) of the ``k``-th
+    largest candidate score: rows bfloat16 rounding alone can move across the top-k cut."""
+    s = scores[candidates].double()
+    if k <= 0 or k >= s.numel():
+        return 0
+    cut = s.topk(k).values[-1]
+    return int(((s - cut).abs() <= BF16_RESOLUTION * cut.abs()).sum())
+
+
+class Recorder:
+    """Wraps ``TokenRecovery.restore_classes`` to keep each policy's selection (and SparseX's
+    scores) of the prefill it serves; one record per policy object."""
+
+    def __init__(self) -> None:
+        self.last: dict | None = None
+        self._orig = TokenRecovery.restore_classes
+
+    def __enter__(self) -> Recorder:
+        recorder = self
+
+        def restore_classes(policy, ctx, q, keys, values):
+            had = policy.selected is not None
+            out = recorder._orig(policy, ctx, q, keys, values)
+            if not had and policy.selected is not None:
+                rec = {"selected": policy.selected.tolist()}
+                selection = getattr(policy, "selection", None)
+                if selection is not None:  # SparseX: its top-k ranks every row of the call
+                    rows = torch.arange(selection.scores.numel())
+                    rec["near_cut"] = near_cut(selection.scores, rows, policy.options.sparseq_k)
+                recorder.last = rec
+            return out
+
+        TokenRecovery.restore_classes = restore_classes
+        return self
+
+    def __exit__(self, *exc) -> None:
+        TokenRecovery.restore_classes = self._orig
+
+
+def run(backend: ReferenceBackend, case, labels: list[str]) -> dict[str, dict]:
+    """Each setting of ``labels`` (and ``full``) on ``case``: generation and selection."""
+    out = {}
+    full = backend.run_case(case, [PolicySetting("full")])["full"]
+    out["full"] = {"output": full.text}
+    for label in labels:
+        policy, knobs = SETTINGS[label]
+        with Recorder() as rec:
+            got = backend.run_case(case, [PolicySetting(policy, RecoveryOptions(**knobs), label)])
+        out[label] = {"output": got[label].text, **(rec.last or {"selected": []})}
+    return out
+
+
+def summarise(per_case: list[dict], labels: list[str]) -> dict:
+    out = {}
+    for label in ["full", *labels]:
+        rows = [(c["float32"][label], c["bfloat16"][label]) for c in per_case]
+        item = {"identical_generations": sum(a["output"] == b["output"] for a, b in rows)}
+        if label != "full":
+            js = [jaccard(a["selected"], b["selected"]) for a, b in rows]
+            same = [a["selected"] == b["selected"] for a, b in rows]
+            item["identical_selections"] = sum(same)
+            item["mean_jaccard"] = round(sum(js) / len(js), 4)
+            item["min_jaccard"] = round(min(js), 4)
+            item["identical_generations_where_selection_identical"] = sum(
+                a["output"] == b["output"] for (a, b), s in zip(rows, same) if s
+            )
+            item["identical_generations_where_selection_differs"] = sum(
+                a["output"] == b["output"] for (a, b), s in zip(rows, same) if not s
+            )
+            if "near_cut" in rows[0][0]:
+                item["mean_rows_within_bf16_of_cut_float32"] = round(
+                    sum(a["near_cut"] for a, _ in rows) / len(rows), 2
+                )
+        out[label] = item
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="benchmarks/cases/rag_v1.jsonl")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--head-map", default="configs/heads/smollm2-135m-instruct.json")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma list of: "
+                    + ", ".join(SETTINGS))  # fmt: skip
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    labels = [s for s in args.settings.split(",") if s]
+    unknown = [s for s in labels if s not in SETTINGS]
+    if unknown:
+        ap.error(f"unknown setting(s) {unknown}; choose from {list(SETTINGS)}")
+
+    cases = load_cases(args.cases)[: args.limit]
+    backends = {
+        name: ReferenceBackend.load(args.model, args.head_map, dtype=dtype,
+                                    max_new_tokens=args.max_new_tokens)  # fmt: skip
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+    }
+    per_case = []
+    for case in cases:
+        started = time.perf_counter()
+        row = {"id": case.id}
+        for name, backend in backends.items():
+            row[name] = run(backend, case, labels)
+        row["wall_s"] = round(time.perf_counter() - started, 1)
+        per_case.append(row)
+        print(case.id, {lb: row["float32"][lb]["output"] == row["bfloat16"][lb]["output"]
+                        for lb in ["full", *labels]}, flush=True)  # fmt: skip
+    result = {
+        "device": "cpu",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": commit(),
+        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+        "model": backends["float32"].model_name,
+        "cases": args.cases,
+        "count": len(per_case),
+        "max_new_tokens": args.max_new_tokens,
+        "summary": summarise(per_case, labels),
+        "per_case": per_case,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
