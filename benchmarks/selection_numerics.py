@@ -22,6 +22,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -71,7 +72,7 @@ class Recorder:
         self.last: dict | None = None
         self._orig = TokenRecovery.restore_classes
 
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> Self:
         recorder = self
 
         def restore_classes(policy, ctx, q, keys, values):
@@ -149,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = load_cases(args.cases)[: args.limit]
     backends = {
-        name: ReferenceBackend.load(args.model, args.head_map, dtype=dtype,
-                                    max_new_tokens=args.max_new_tokens)  # fmt: skip
+        name: ReferenceBackend.load(
+            args.model, args.head_map, dtype=dtype, max_new_tokens=args.max_new_tokens
+        )
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
     }
     per_case = []

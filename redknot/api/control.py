@@ -96,6 +96,10 @@ def handle(scheduler: Any, req: RedknotSegmentsReq) -> RedknotSegmentsReqOutput:
             }
         elif req.op == "stats":
             payload = store.stats(req.namespace)
+            if req.namespace is None:  # server-wide: what the capture-order rule did
+                from redknot.integration.capture_order import STATS
+
+                payload["capture_order"] = STATS.as_dict()
         elif req.op == "registration":
             payload = store.registration_state(req.namespace, req.segment_id)
         elif req.op == "registrations":

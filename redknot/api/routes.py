@@ -152,6 +152,9 @@ def build_router(get_api: Callable[[], SegmentApi]) -> APIRouter:
         out = await _control(api, "stats", namespace, None, key="store")
         if out.status_code == 200:
             body = orjson.loads(out.body)
+            order = body["store"].pop("capture_order", None)  # the scheduler's, not the store's
+            if order is not None:
+                body["capture_order"] = order
             body.update(api=api.counters.as_dict(), namespaces=api.namespaces.known())
             if api.auto.enabled:
                 body["auto"] = await _auto_stats(api)

@@ -29,6 +29,7 @@ requests here: the client asked for them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -40,6 +41,22 @@ from redknot.config import RedknotConfig
 T = TypeVar("T")
 
 CAPTURE_STEP_TOKENS: int = RedknotConfig.__dataclass_fields__["capture_step_tokens"].default
+
+
+@dataclasses.dataclass
+class OrderStats:
+    """What the rule did in this scheduler, reported by ``GET /redknot/stats`` under
+    ``"capture_order"``."""
+
+    batches_for_users: int = 0  # prefill batches built from user requests, captures held back
+    capture_steps_cut: int = 0  # prefill batches of captures only, cut at the step's tokens
+    captures_held: int = 0  # captures left waiting by those batches (summed over batches)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+STATS = OrderStats()  # one per scheduler process
 
 
 def step_tokens() -> int:
@@ -99,6 +116,11 @@ def around_get_new_batch_prefill(original, self, *args, **kwargs):
     now, held = split_queue(queue, is_capture, prompt_tokens, step_tokens())
     if not held:
         return original(self, *args, **kwargs)
+    if is_capture(now[0]):
+        STATS.capture_steps_cut += 1
+    else:
+        STATS.batches_for_users += 1
+    STATS.captures_held += len(held)
     self.waiting_queue = now
     try:
         return original(self, *args, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -133,3 +134,35 @@ def test_sglangs_own_method_runs_through_the_hook(sglang_plugins):
     assert plan.running_batch == "running" and plan.batch_to_run is None
     assert offered == [["u1", "u2"]]
     assert [r.name for r in sched.waiting_queue] == ["u2", "c1"]
+
+
+def test_the_rule_counts_what_it_held_back(monkeypatch):
+    monkeypatch.setattr(capture_order, "STATS", capture_order.OrderStats())
+    original, _ = _sglang_like(budget=10_000)
+    step = capture_order.step_tokens()
+    sched = SimpleNamespace(waiting_queue=[_req("c1", 30, "capture"), _req("u1", 20)])
+    capture_order.around_get_new_batch_prefill(original, sched, None)  # u1 only, c1 held
+    assert capture_order.STATS.as_dict() == {
+        "batches_for_users": 1, "capture_steps_cut": 0, "captures_held": 1}  # fmt: skip
+    sched.waiting_queue += [_req("c2", step, "capture"), _req("c3", 10, "capture")]
+    capture_order.around_get_new_batch_prefill(original, sched, None)  # c1 alone: c2 over step
+    capture_order.around_get_new_batch_prefill(original, sched, None)  # c2 alone: c3 over step
+    capture_order.around_get_new_batch_prefill(original, sched, None)  # c3: nothing held
+    capture_order.around_get_new_batch_prefill(original, sched, None)  # empty queue
+    assert capture_order.STATS.as_dict() == {
+        "batches_for_users": 1, "capture_steps_cut": 2, "captures_held": 4}  # fmt: skip
+
+
+def test_server_wide_stats_carry_the_rules_counters(monkeypatch):
+    from redknot.api import control
+    from redknot.api.control import RedknotSegmentsReq
+
+    monkeypatch.setattr(capture_order, "STATS", capture_order.OrderStats(batches_for_users=3))
+    store = SimpleNamespace(stats=lambda namespace=None: {"hits": 1})
+    sched = SimpleNamespace(tree_cache=SimpleNamespace(segments=store))
+    out = control.handle(sched, RedknotSegmentsReq(op="stats"))
+    assert out.status == 200
+    payload = json.loads(out.payload)
+    assert payload["capture_order"]["batches_for_users"] == 3 and payload["hits"] == 1
+    one = json.loads(control.handle(sched, RedknotSegmentsReq(op="stats", namespace="kb")).payload)
+    assert "capture_order" not in one  # a namespace's stats are the store's alone
