@@ -572,7 +572,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def add(row: dict) -> None:  # written after every row: a stopped run keeps what it measured
         stats = target.stats()
         if stats:  # the store's and the capture path's counters after this row
-            row["stats_after"] = {k: stats.get(k) for k in ("api", "auto", "store", "gate")}
+            row["stats_after"] = {
+                k: stats.get(k) for k in ("api", "auto", "store", "gate", "capture_order")
+            }
         rows[:] = upsert(rows, [row])
         fill_speedups(rows)
         print(json.dumps({k: row.get(k) for k in (*KEY, "reused_token_fraction",
