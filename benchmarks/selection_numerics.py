@@ -11,6 +11,11 @@ relative resolution (``2**-8``) of the cut, where rounding alone can swap a row 
 
     python benchmarks/selection_numerics.py --cases benchmarks/cases/rag_v1.jsonl --limit 24 \\
         --out benchmarks/results/selection_numerics.json
+
+``--served FILE=LABEL`` adds how often a server's generations (a ``redknot.eval fidelity
+--backend server`` result, its policy served under ``LABEL``'s knobs) equal each run's, for the
+policy and for its dense server; ``--rescore RESULT`` recomputes the summary of an earlier run
+(with new ``--served`` files) without running the model.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from redknot.eval.base import PolicySetting
 from redknot.eval.cases import load_cases
+from redknot.eval.compose import ComposedCase
 from redknot.eval.reference_backend import ReferenceBackend
 from redknot.recovery import RecoveryOptions
 from redknot.recovery.tokenwise import TokenRecovery
@@ -79,7 +85,8 @@ class Recorder:
             had = policy.selected is not None
             out = recorder._orig(policy, ctx, q, keys, values)
             if not had and policy.selected is not None:
-                rec = {"selected": policy.selected.tolist()}
+                # prompt positions (rows of the call start after a cached head)
+                rec = {"selected": (policy.selected + ctx.past_len).tolist()}
                 selection = getattr(policy, "selection", None)
                 if selection is not None:  # SparseX: its top-k ranks every row of the call
                     rows = torch.arange(selection.scores.numel())
@@ -94,24 +101,44 @@ class Recorder:
         TokenRecovery.restore_classes = self._orig
 
 
+class HeadInCall(ReferenceBackend):
+    """The reference path with the prompt's head (template and system rows) computed in the
+    prefill call instead of cached before it: what a server computes when its radix cache holds
+    no page of the head (the rows are then probed and ranked by SparseX like new text)."""
+
+    def _prompt(self, composed: ComposedCase, head_map):
+        return super()._prompt(ComposedCase(composed.ids, composed.segments, 0), head_map)
+
+
+COMPARISONS = {  # --compare: the two runs, (name, dtype, backend class)
+    "dtype": (("float32", torch.float32, ReferenceBackend),
+              ("bfloat16", torch.bfloat16, ReferenceBackend)),
+    "prefix": (("float32", torch.float32, ReferenceBackend),
+               ("float32_head_in_call", torch.float32, HeadInCall)),
+}  # fmt: skip
+
+
 def run(backend: ReferenceBackend, case, labels: list[str]) -> dict[str, dict]:
     """Each setting of ``labels`` (and ``full``) on ``case``: generation and selection."""
     out = {}
     full = backend.run_case(case, [PolicySetting("full")])["full"]
-    out["full"] = {"output": full.text}
+    out["full"] = {"output": full.text.strip()}
     for label in labels:
         policy, knobs = SETTINGS[label]
         with Recorder() as rec:
             got = backend.run_case(case, [PolicySetting(policy, RecoveryOptions(**knobs), label)])
-        out[label] = {"output": got[label].text, **(rec.last or {"selected": []})}
+        out[label] = {"output": got[label].text.strip(), **(rec.last or {"selected": []})}
     return out
 
 
-def summarise(per_case: list[dict], labels: list[str]) -> dict:
+def summarise(per_case: list[dict], labels: list[str], runs: tuple[str, str]) -> dict:
+    """Per setting, how the two runs' selections and generations compare."""
+    first, second = runs
     out = {}
     for label in ["full", *labels]:
-        rows = [(c["float32"][label], c["bfloat16"][label]) for c in per_case]
-        item = {"identical_generations": sum(a["output"] == b["output"] for a, b in rows)}
+        rows = [(c[first][label], c[second][label]) for c in per_case]
+        same_output = [a["output"].strip() == b["output"].strip() for a, b in rows]
+        item = {"identical_generations": sum(same_output)}
         if label != "full":
             js = [jaccard(a["selected"], b["selected"]) for a, b in rows]
             same = [a["selected"] == b["selected"] for a, b in rows]
@@ -119,16 +146,39 @@ def summarise(per_case: list[dict], labels: list[str]) -> dict:
             item["mean_jaccard"] = round(sum(js) / len(js), 4)
             item["min_jaccard"] = round(min(js), 4)
             item["identical_generations_where_selection_identical"] = sum(
-                a["output"] == b["output"] for (a, b), s in zip(rows, same) if s
+                o for o, s in zip(same_output, same) if s
             )
             item["identical_generations_where_selection_differs"] = sum(
-                a["output"] == b["output"] for (a, b), s in zip(rows, same) if not s
+                o for o, s in zip(same_output, same) if not s
             )
             if "near_cut" in rows[0][0]:
-                item["mean_rows_within_bf16_of_cut_float32"] = round(
+                item[f"mean_rows_within_bf16_of_cut_{first}"] = round(
                     sum(a["near_cut"] for a, _ in rows) / len(rows), 2
                 )
         out[label] = item
+    return out
+
+
+def served_agreement(per_case: list[dict], served: list[str], runs: tuple[str, str]) -> dict:
+    """Per ``FILE=LABEL``: identical generations of the server's policy and of its dense server
+    with each dtype's run, on the cases both have (outputs stripped, as the evaluation's)."""
+    out = {}
+    for spec in served:
+        path, _, label = spec.partition("=")
+        data = json.loads(Path(path).read_text())
+        policy = label.split("[")[0]
+        theirs = {c["id"]: c["settings"] for c in data["per_case"]}
+        common = [c for c in per_case if c["id"] in theirs]
+        item = {"file": path, "commit": data.get("commit"), "cases": len(common)}
+        for run in runs:
+            item[run] = {
+                name: sum(
+                    theirs[c["id"]][name]["output"].strip() == c[run][mine]["output"].strip()
+                    for c in common
+                )
+                for name, mine in ((policy, label), ("full", "full"))
+            }
+        out[spec] = item
     return out
 
 
@@ -140,7 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-map", default="configs/heads/smollm2-135m-instruct.json")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma list of: "
                     + ", ".join(SETTINGS))  # fmt: skip
-    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=12, help="as the servers' results")
+    ap.add_argument("--served", action="append", default=[], help="FILE=LABEL (repeatable)")
+    ap.add_argument("--rescore", default=None, help="an earlier result: summarise, run nothing")
+    ap.add_argument("--compare", choices=sorted(COMPARISONS), default="dtype",
+                    help="dtype: float32 vs bfloat16; prefix: float32 with the prompt's head "
+                    "cached (as the reference path serves it) vs computed in the call (as a "
+                    "server without a radix-cache hit on it)")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     labels = [s for s in args.settings.split(",") if s]
@@ -148,12 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown setting(s) {unknown}; choose from {list(SETTINGS)}")
 
+    if args.rescore:
+        result = json.loads(Path(args.rescore).read_text())
+        runs = tuple(result.get("runs", ("float32", "bfloat16")))
+        labels = [lb for lb in result["per_case"][0][runs[0]] if lb != "full"]
+        result["summary"] = summarise(result["per_case"], labels, runs)
+        result["served"] = served_agreement(result["per_case"], args.served, runs)
+        result["rescore_command"] = "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])])
+        return write(result, args.out)
     cases = load_cases(args.cases)[: args.limit]
+    runs = tuple(name for name, _, _ in COMPARISONS[args.compare])
     backends = {
-        name: ReferenceBackend.load(
-            args.model, args.head_map, dtype=dtype, max_new_tokens=args.max_new_tokens
-        )
-        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+        name: cls.load(args.model, args.head_map, dtype=dtype, max_new_tokens=args.max_new_tokens)
+        for name, dtype, cls in COMPARISONS[args.compare]
     }
     per_case = []
     for case in cases:
@@ -163,23 +226,29 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = run(backend, case, labels)
         row["wall_s"] = round(time.perf_counter() - started, 1)
         per_case.append(row)
-        print(case.id, {lb: row["float32"][lb]["output"] == row["bfloat16"][lb]["output"]
+        print(case.id, {lb: row[runs[0]][lb]["output"] == row[runs[1]][lb]["output"]
                         for lb in ["full", *labels]}, flush=True)  # fmt: skip
     result = {
         "device": "cpu",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": commit(),
         "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-        "model": backends["float32"].model_name,
+        "model": backends[runs[0]].model_name,
+        "runs": list(runs),
         "cases": args.cases,
         "count": len(per_case),
         "max_new_tokens": args.max_new_tokens,
-        "summary": summarise(per_case, labels),
+        "summary": summarise(per_case, labels, runs),
+        "served": served_agreement(per_case, args.served, runs),
         "per_case": per_case,
     }
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["summary"], indent=1))
+    return write(result, args.out)
+
+
+def write(result: dict, out: str | None) -> int:
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("summary", "served")}, indent=1))
     return 0
 
 

@@ -493,20 +493,30 @@ def model_config(model: str) -> dict:
 def merge(cfg: dict, runs: dict[str, dict]) -> dict:
     """One result of several runs (``path -> result``) of the same commit on the same device
     and settings, e.g. the variants of one comparison split over device calls of 10 minutes:
-    their variants together (a variant in two runs is refused) and the summary recomputed, so
-    that every variant is compared with the ``flashinfer`` of whichever run measured it. Each
-    run keeps its date and command in ``merged_from``."""
+    their variants together (a variant in two runs is refused, but for ``flashinfer``) and the
+    summary recomputed, so that every variant is compared with the ``flashinfer`` of the run
+    that measured it, or of the first run where its own run has none (a later run's
+    ``flashinfer`` is kept as ``flashinfer@N``, N its place in ``--merge``; ``baselines`` says
+    which each variant is compared with). Each run keeps its date and command in
+    ``merged_from``."""
     first = next(iter(runs.values()))
     for path, run in runs.items():
         differ = [k for k in MERGE_KEYS if run.get(k) != first.get(k)]
         if differ:
             raise SystemExit(f"--merge: {path} differs in {', '.join(differ)}: not comparable")
     variants: dict = {}
-    for path, run in runs.items():
-        twice = sorted(set(variants) & set(run["variants"]))
+    baselines: dict[str, str] = {}
+    for i, (path, run) in enumerate(runs.items(), start=1):
+        mine = dict(run["variants"])
+        base = "flashinfer"
+        if "flashinfer" in mine and "flashinfer" in variants:
+            base = f"flashinfer@{i}"
+            mine[base] = mine.pop("flashinfer")
+        twice = sorted(set(variants) & set(mine))
         if twice:
             raise SystemExit(f"--merge: {path} measures {', '.join(twice)} again")
-        variants.update(run["variants"])
+        variants.update(mine)
+        baselines.update({name: base for name in mine})
     merged = {k: first[k] for k in first if k not in ("variants", "summary", "date", "command")}
     merged["points"] = ",".join(
         dict.fromkeys(",".join(r["points"] for r in runs.values()).split(","))
@@ -516,17 +526,20 @@ def merge(cfg: dict, runs: dict[str, dict]) -> dict:
         {"path": path, "date": run["date"], "command": run["command"]} for path, run in runs.items()
     ]
     merged["variants"] = variants
-    merged["summary"] = summarize(cfg, variants, first["reps"])
+    merged["baselines"] = baselines
+    merged["summary"] = summarize(cfg, variants, first["reps"], baselines)
     return merged
 
 
-def summarize(cfg: dict, results: dict, reps: int) -> dict:
-    """Per variant and point: TTFT, analytical FLOPs, and the ratios to flashinfer."""
+def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None) -> dict:
+    """Per variant and point: TTFT, analytical FLOPs, and the ratios to flashinfer (to the
+    variant ``baselines`` names, where given: ``flashinfer@N`` of a merged run)."""
     summary = {}
-    ref = results.get("flashinfer", {}).get("points", {})
     _, ffn = token_layer_flops(cfg)
     for name, res in results.items():
-        fraction = VARIANTS[parse_variant(name)[0]][0]
+        base = (baselines or {}).get(name, "flashinfer")
+        ref = results.get(base, results.get("flashinfer", {})).get("points", {})
+        fraction = VARIANTS[parse_variant(name.split("@")[0])[0]][0]
         skipped = res.get("ffn_skipped_per_prompt", [])
         left_all = res.get("left_per_prompt", [])
         at = 0  # the server logs these per prompt served with reuse only

@@ -68,8 +68,18 @@ def test_merged_runs_compare_each_variant_with_flashinfer_and_refuse_other_commi
     assert (merged["date"], merged["commit"], merged["points"]) == ("d2", "abc", "8192x8")
     with pytest.raises(SystemExit, match="differs in commit"):
         merge(CFG, {"a.json": first, "c.json": {**second, "commit": "def"}})
-    with pytest.raises(SystemExit, match="measures flashinfer again"):
-        merge(CFG, {"a.json": first, "d.json": first})
+    with pytest.raises(SystemExit, match="measures naive again"):
+        merge(CFG, {"a.json": first, "b.json": second, "d.json": second})
+    # a later run with its own flashinfer: its variants are compared with that one
+    third = run("d3", {"flashinfer": {"points": {"8192x8": _row(8192, 8, 0.1)}},
+                       "epic": {"points": {"8192x8": _row(8192, 8, 0.05)}}})  # fmt: skip
+    merged = merge(CFG, {"a.json": first, "b.json": second, "c.json": third})
+    assert merged["baselines"] == {"flashinfer": "flashinfer", "naive": "flashinfer",
+                                   "flashinfer@3": "flashinfer@3", "epic": "flashinfer@3"}  # fmt: skip
+    summary = merged["summary"]
+    assert summary["epic"]["8192x8"]["speedup_vs_flashinfer"] == pytest.approx(2.0)
+    assert summary["naive"]["8192x8"]["speedup_vs_flashinfer"] == pytest.approx(4.0)
+    assert summary["flashinfer@3"]["8192x8"]["speedup_vs_flashinfer"] == pytest.approx(1.0)
 
 
 def test_summary_subtracts_the_ffns_the_server_skipped():
