@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Source on the GPU machine from the carried working tree (.device/, and .devsrc.tar made here by
-# `git archive HEAD -o .devsrc.tar` so that uncommitted edits never reach a measurement):
+# `git archive HEAD | gzip > .devsrc.tar` so that uncommitted edits never reach a measurement):
 # benchmarks/gpu_run.py makes the machine ready (SGLang bundle in /tmp/site, the committed tree
 # in /tmp/src, the project installed, the commit known) and this shell continues in /tmp/src
 # with PYTHONPATH and REDKNOT_COMMIT set.
