@@ -116,13 +116,15 @@ def around_get_new_batch_prefill(original, self, *args, **kwargs):
     now, held = split_queue(queue, is_capture, prompt_tokens, step_tokens())
     if not held:
         return original(self, *args, **kwargs)
-    if is_capture(now[0]):
-        STATS.capture_steps_cut += 1
-    else:
-        STATS.batches_for_users += 1
-    STATS.captures_held += len(held)
     self.waiting_queue = now
     try:
-        return original(self, *args, **kwargs)
+        batch = original(self, *args, **kwargs)
     finally:
         self.waiting_queue = list(self.waiting_queue) + held
+    if batch is not None:  # SGLang built a batch (None: nothing could be scheduled now)
+        if is_capture(now[0]):
+            STATS.capture_steps_cut += 1
+        else:
+            STATS.batches_for_users += 1
+        STATS.captures_held += len(held)
+    return batch

@@ -151,6 +151,11 @@ def test_the_rule_counts_what_it_held_back(monkeypatch):
     capture_order.around_get_new_batch_prefill(original, sched, None)  # empty queue
     assert capture_order.STATS.as_dict() == {
         "batches_for_users": 1, "capture_steps_cut": 2, "captures_held": 4}  # fmt: skip
+    # a scheduling pass that builds no batch (SGLang returns None) counts nothing
+    sched.waiting_queue = [_req("c4", 30, "capture"), _req("u2", 20)]
+    capture_order.around_get_new_batch_prefill(lambda self, rb: None, sched, None)
+    assert capture_order.STATS.batches_for_users == 1
+    assert [r.name for r in sched.waiting_queue] == ["u2", "c4"]
 
 
 def test_server_wide_stats_carry_the_rules_counters(monkeypatch):
