@@ -49,7 +49,7 @@ class RecoveryOptions:
     | ``blend_ratio``  | ``cacheblend``: fraction of the segment tokens (largest KV deviation) recomputed above the check layer, in ``[0, 1]`` |
     | ``epic_k``       | ``epic``: the first ``epic_k`` tokens of every segment are recomputed in every layer |
     | ``sparseq_boundary`` | ``sparsex`` and ``redknot+sparseq``: layers ``< sparseq_boundary`` recompute every token (global heads, for the hybrid); 0: sparse from the first layer |
-    | ``sparseq_k``    | ``sparsex`` and ``redknot+sparseq``: the top-k budget, tokens ranked by the attention mass of the non-reused queries |
+    | ``sparseq_k``    | ``sparsex`` and ``redknot+sparseq``: the top-k budget, reused tokens ranked by the attention mass of the non-reused queries |
     | ``sparseq_block``| ``sparsex`` and ``redknot+sparseq``: overflow block, reused tokens recomputed on each side of a non-reused span |
     | ``samkv_block``  | ``samkv``: tokens per KV block (the unit of selection) |
     | ``samkv_init_blocks`` / ``samkv_local_blocks`` | ``samkv``: blocks at the start / end of every document kept in full (the anchors) |

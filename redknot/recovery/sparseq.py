@@ -8,8 +8,8 @@ Rows are the rows of the prefill call (an exact-prefix hit is not part of it). W
 | set        | definition                                                              |
 | ---------- | ----------------------------------------------------------------------- |
 | scores     | ``s_j = sum_i sum_heads softmax(q_i K^T / sqrt(d) + causal)[j]`` over the probed rows ``i`` (Eq. 1-2); one global score over heads |
-| ``key``    | ``TopK(s, k)`` over every row of the call (Eq. 3): the top-k may fall on non-reused rows |
-| ``overflow`` | for each maximal run of non-reused rows, the last ``block`` rows of the segment just before it and the first ``block`` rows of the segment just after it (§3.3) |
+| ``key``    | ``TopK(s, k)`` over the reused rows of the call (Eq. 3 ranks every token; see below) |
+| ``overflow`` | for each maximal run of non-reused rows, the last ``block`` rows of the segment just before it and the first ``block`` rows of the segment just after it (§3.3); the rows of an exact-prefix hit count as non-reused |
 | ``tail``   | when the prompt ends inside a segment (no non-reused row at its tail), the last ``64`` rows of that final segment (§3.2, fallback) |
 | recompute  | ``I_nr | key | overflow | tail`` (step 17)                              |
 
@@ -17,10 +17,19 @@ Where the paper is silent, this module chooses:
 
 * the probed rows are ``I_nr``, plus the ``tail`` rows when the fallback applies (the paper
   calls the fallback "close to last-Q probing", so those rows also probe);
-* the top-k ranks the rows of the prefill call only: exact-prefix rows are exact already and
-  are never recomputed, though their keys take part in the softmax;
-* a span that starts the call (right after an exact-prefix hit) or ends it has no neighbour on
-  that side; a segment shorter than ``block`` overflows over all of it, never further;
+* the top-k ranks the reused rows of the call only. Eq. 3 ranks every token of the prompt, so
+  non-reused tokens, recomputed anyway, take part of the budget; which of them are in the call
+  depends on what a server's radix cache holds of the prompt's head (the template and system
+  rows before the first segment), so ranking them made the recomputed set, and the answer,
+  depend on the cache's state (measured: ``benchmarks/selection_numerics.py --compare
+  prefix``). Exact-prefix rows are never recomputed, though their keys take part in the
+  softmax; their queries are not probed (they only attend rows before the segments, so no
+  reused row's score depends on them);
+* the rows of an exact-prefix hit are non-reused text before the call: a span that starts the
+  call after such a hit overflows at its start, as it would with those rows in the call (a hit
+  that ends inside a segment also does: ``block`` rows recomputed that need not be). A span
+  that starts the prompt or ends the call has no neighbour on that side; a segment shorter
+  than ``block`` overflows over all of it, never further;
 * ties in the top-k go to the lower row.
 """
 
@@ -63,15 +72,22 @@ class SparseQSelection:
 
 
 def overflow_rows(
-    spans: Sequence[tuple[int, int]], num_rows: int, block: int, device=None
+    spans: Sequence[tuple[int, int]],
+    num_rows: int,
+    block: int,
+    device=None,
+    *,
+    after_prefix: bool = False,
 ) -> Tensor:
-    """``[T]`` bool: the overflow of every run of non-reused rows (see the module table)."""
+    """``[T]`` bool: the overflow of every run of non-reused rows (see the module table);
+    ``after_prefix``: rows of an exact-prefix hit precede the call (non-reused text)."""
     reused = reused_mask(spans, num_rows, device)
     out = torch.zeros(num_rows, dtype=torch.bool, device=device)
     if block <= 0:
         return out
     for start, end in spans:
-        if start > 0 and not bool(reused[start - 1]):  # a non-reused run ends at `start`
+        before = not bool(reused[start - 1]) if start > 0 else after_prefix
+        if before:  # a non-reused run ends at `start`
             out[start : min(start + block, end)] = True
         if end < num_rows and not bool(reused[end]):  # a non-reused run starts at `end`
             out[max(end - block, start) : end] = True
@@ -160,8 +176,8 @@ def select_tokens(
         )[past_len:]
     if reduce is not None:
         scores = reduce(scores)
-    key = top_rows(scores, torch.arange(num_rows, device=device), k)
-    overflow = overflow_rows(spans, num_rows, block, device)
+    key = top_rows(scores, torch.nonzero(reused).flatten(), k)
+    overflow = overflow_rows(spans, num_rows, block, device, after_prefix=past_len > 0)
     recompute = ~reused | overflow | tail
     recompute[key] = True
     return SparseQSelection(scores, probed, key, overflow, tail, recompute)

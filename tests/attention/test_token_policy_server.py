@@ -91,7 +91,7 @@ def brute_sparseq(q, k, policy, heads):
     """SparseX's set among the segment rows, computed directly: the attention probability
     each key gets from the non-reused rows (and the tail rows when the prompt ends inside the
     segment), summed over the query heads of the KV ``heads`` (global heads: every key up to
-    the query); the top ``sparseq_k`` rows of the call (ties: the lower row),
+    the query); the top ``sparseq_k`` segment rows (ties: the lower row),
     ``sparseq_block`` rows at each segment edge facing non-reused rows, the tail."""
     n = q.shape[0]
     ends_inside = n == NEW + SEG
@@ -103,7 +103,8 @@ def brute_sparseq(q, k, policy, heads):
             s = (k[: i + 1, hq // GRP].float() @ q[i, hq].float()) * D**-0.5
             for j, p in enumerate(torch.softmax(s.double(), 0).tolist()):
                 score[j] += p
-    top = sorted(range(n), key=lambda j: (-score[j], j))[: policy.sparseq_k]
+    segment = range(NEW, NEW + SEG)  # the top-k ranks the reused rows only
+    top = sorted(segment, key=lambda j: (-score[j], j))[: policy.sparseq_k]
     block = policy.sparseq_block
     edges = set(range(NEW, min(NEW + block, NEW + SEG)))  # new text before the segment
     if not ends_inside:  # the question after it

@@ -62,13 +62,15 @@ def brute_sparseq(q, keys, spans, past_len, classes, window, sink, scale, k, blo
             for j in seen:
                 if j >= past_len:
                     scores[j - past_len] += math.exp(logits[j] - top) / norm
-    key = brute_top(scores, k)
+    key = brute_top({r: v for r, v in scores.items() if reused[r]}, k)  # reused rows only
     overflow = set()
     for s, e in spans:
+        # the row before the segment: in the call, or an exact-prefix row (non-reused text)
+        before_new = not reused[s - 1] if s > 0 else past_len > 0
         for r in range(s, e):
             to_left = r - s + 1  # steps to the row before the segment
             to_right = e - r  # steps to the row after the segment
-            if s - 1 >= 0 and not reused[s - 1] and to_left <= block:
+            if before_new and to_left <= block:
                 overflow.add(r)
             if e < num_rows and not reused[e] and to_right <= block:
                 overflow.add(r)
@@ -163,6 +165,25 @@ def test_sparseq_overflow_example():
         29,
     ]
     assert not got.tail.any()
+
+
+@pytest.mark.parametrize("k,block", [(3, 2), (9, 4), (40, 3)])
+def test_sparseq_selection_does_not_depend_on_a_cached_head(k, block):
+    """The prompt's head (rows before the first segment) computed in the call, or cached
+    before it (an exact-prefix hit, the reference path's prefix): the same rows recomputed."""
+    gen = torch.Generator().manual_seed(k)
+    head, n, d = 6, 40, 5
+    spans = [(6, 18), (18, 25), (29, 36)]  # the first segment right after the head
+    q = torch.randn(2, n, d, generator=gen)
+    keys = torch.randn(1, n, d, generator=gen)
+    common = dict(classes="G", window=64, sink=0, scale=0.9, k=k, block=block)
+    inside = select_tokens(q, keys, spans, past_len=0, **common)
+    cached = select_tokens(q[:, head:], keys, [(s - head, e - head) for s, e in spans],
+                           past_len=head, **common)  # fmt: skip
+    assert torch.equal(cached.recompute, inside.recompute[head:])
+    assert inside.recompute[:head].all()  # the head itself: new text, always computed
+    assert cached.overflow[:block].all()  # the first segment overflows after the head
+    assert bool(inside.key.ge(head).all())  # the budget goes to reused rows
 
 
 # ---- the selections inside a served request ----------------------------------------------------
