@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -35,6 +34,7 @@ from redknot.eval.base import PolicySetting
 from redknot.eval.cases import load_cases
 from redknot.eval.compose import ComposedCase
 from redknot.eval.reference_backend import ReferenceBackend
+from redknot.headmap.provenance import git_commit
 from redknot.recovery import RecoveryOptions
 from redknot.recovery.tokenwise import TokenRecovery
 
@@ -45,14 +45,6 @@ SETTINGS = {  # label: (policy, options) as the server serves them
     "sparsex[sparseq_boundary=5]": ("sparsex", {"sparseq_boundary": 5}),
     "sparsex[sparseq_boundary=1]": ("sparsex", {"sparseq_boundary": 1}),
 }
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def jaccard(a: list[int], b: list[int]) -> float:
@@ -231,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": "cpu",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
+        "commit": (git_commit()[0] or "unknown")[:7],
+        "git_dirty": git_commit()[1],
         "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
         "model": backends[runs[0]].model_name,
         "runs": list(runs),
