@@ -170,7 +170,7 @@ class RedknotConfig:
         default=5,
     )
     sparseq_k: int = _opt(
-        "Policy 'sparsex': the top-k rows by the attention mass of the non-reused queries.",
+        "Policy 'sparsex': the top-k reused rows by the attention mass of the non-reused queries.",
         default=512,
     )
     sparseq_block: int = _opt(
