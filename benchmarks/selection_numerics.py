@@ -63,17 +63,21 @@ def near_cut(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> int:
 
 
 class Recorder:
-    """Wraps ``TokenRecovery.restore_classes`` to keep each policy's selection (and SparseX's
-    scores) of the prefill it serves; one record per policy object."""
+    """Wraps ``TokenRecovery.restore_classes`` to keep the selection (and SparseX's scores) of
+    every token policy served inside it: ``records``, one per policy, in the order they ran."""
 
     def __init__(self) -> None:
-        self.last: dict | None = None
+        self.policies: list[TokenRecovery] = []
+        self.records: list[dict] = []
         self._orig = TokenRecovery.restore_classes
 
     def __enter__(self) -> Self:
         recorder = self
 
         def restore_classes(policy, ctx, q, keys, values):
+            if not any(p is policy for p in recorder.policies):  # its first layer
+                recorder.policies.append(policy)
+                recorder.records.append({"selected": []})
             had = policy.selected is not None
             out = recorder._orig(policy, ctx, q, keys, values)
             if not had and policy.selected is not None:
@@ -83,7 +87,7 @@ class Recorder:
                 if selection is not None:  # SparseX: its top-k ranks every row of the call
                     rows = torch.arange(selection.scores.numel())
                     rec["near_cut"] = near_cut(selection.scores, rows, policy.options.sparseq_k)
-                recorder.last = rec
+                recorder.records[-1] = rec
             return out
 
         TokenRecovery.restore_classes = restore_classes
@@ -112,14 +116,15 @@ COMPARISONS = {  # --compare: the two runs, (name, dtype, backend class)
 
 def run(backend: ReferenceBackend, case, labels: list[str]) -> dict[str, dict]:
     """Each setting of ``labels`` (and ``full``) on ``case``: generation and selection."""
-    out = {}
-    full = backend.run_case(case, [PolicySetting("full")])["full"]
-    out["full"] = {"output": full.text.strip()}
-    for label in labels:
-        policy, knobs = SETTINGS[label]
-        with Recorder() as rec:
-            got = backend.run_case(case, [PolicySetting(policy, RecoveryOptions(**knobs), label)])
-        out[label] = {"output": got[label].text.strip(), **(rec.last or {"selected": []})}
+    settings = [PolicySetting("full")] + [
+        PolicySetting(SETTINGS[label][0], RecoveryOptions(**SETTINGS[label][1]), label)
+        for label in labels
+    ]
+    with Recorder() as rec:  # one call: the case's segments are cached once for every setting
+        got = backend.run_case(case, settings)
+    out = {"full": {"output": got["full"].text.strip()}}
+    for label, record in zip(labels, rec.records, strict=True):  # full is no token policy
+        out[label] = {"output": got[label].text.strip(), **record}
     return out
 
 
