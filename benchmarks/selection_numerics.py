@@ -84,9 +84,9 @@ class Recorder:
                 # prompt positions (rows of the call start after a cached head)
                 rec = {"selected": (policy.selected + ctx.past_len).tolist()}
                 selection = getattr(policy, "selection", None)
-                if selection is not None:  # SparseX: its top-k ranks every row of the call
-                    rows = torch.arange(selection.scores.numel())
-                    rec["near_cut"] = near_cut(selection.scores, rows, policy.options.sparseq_k)
+                if selection is not None:  # SparseX: its top-k ranks the reused rows
+                    reused = torch.nonzero(policy._segment_mask(ctx)).flatten()
+                    rec["near_cut"] = near_cut(selection.scores, reused, policy.options.sparseq_k)
                 recorder.records[-1] = rec
             return out
 
