@@ -294,8 +294,9 @@ def lfps_decode_step(
     rows = state.state_rows()
     if kernels:
         tables = (state.vertical, state.slash, state.scale)
-    else:
-        tables = (state.vertical[rows.long()], state.slash[rows.long()], state.scale[rows.long()])
+    else:  # the reference reads each request's row, gathered once
+        idx = rows.long()
+        tables = (state.vertical[idx], state.slash[idx], state.scale[idx])
     tables = (*tables, seq_lens, params, budgets.candidates)
     if kernels:
         sparsity, bypass, bypass_out = lfps_sparsity(
