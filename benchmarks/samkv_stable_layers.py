@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -24,16 +23,9 @@ import torch
 
 from redknot.eval.cases import load_cases
 from redknot.eval.reference_backend import ReferenceBackend
+from redknot.headmap.provenance import git_commit
 from redknot.recovery import RecoveryOptions, create_policy, serve
 from redknot.recovery.samkv.calibrate import layer_votes, stable_window
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
+    code = git_commit()  # the code this run loads (REDKNOT_COMMIT on the GPU machine's copy)
     backend = ReferenceBackend.load(args.model, args.head_map, device=args.device)
     options = RecoveryOptions(samkv_block=args.block, samkv_stable_layers=args.width)
     cases = load_cases(args.cases)[: args.limit]
@@ -76,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
+        "commit": (code[0] or "unknown")[:7],
+        "git_dirty": code[1],
         "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
         "model": backend.model_name,
         "cases": args.cases,
