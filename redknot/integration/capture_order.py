@@ -14,6 +14,13 @@ The rule, applied each time the scheduler builds a prefill batch
 | no capture                       | as SGLang decides (unchanged)                            |
 | captures only                    | the first of them up to ``--redknot-capture-step-tokens`` prompt tokens (at least one) |
 | user requests and captures       | the user requests only; the captures keep their places at the end of the queue, for a later batch |
+| captures, a user prompt in flight | nothing from the queue: the next chunk of the user's prompt runs alone; the captures keep their places |
+
+A user prompt longer than SGLang's chunk size (``--chunked-prefill-size``) is prefilled over
+several batches; between them it is SGLang's ``chunked_req``, not in the waiting queue. Without
+the last row above, captures would fill the rest of its chunks' batches (SGLang adds waiting
+requests after the chunk, up to the chunk size) and delay the user's first token by that much
+(the replayed RAG prompts of ``benchmarks/trace_replay.py`` are 9-25K tokens, chunks of 8-16K).
 
 So a user request that arrives while captures run waits for one step of at most
 ``--redknot-capture-step-tokens`` (default 2,048) capture tokens (a 2K prompt takes 59 ms on the 8B shape, H100,
@@ -51,6 +58,7 @@ class OrderStats:
     batches_for_users: int = 0  # prefill batches built from user requests, captures held back
     capture_steps_cut: int = 0  # prefill batches of captures only, cut at the step's tokens
     captures_held: int = 0  # captures left waiting by those batches (summed over batches)
+    chunks_alone: int = 0  # of batches_for_users: a user prompt's next chunk, captures held
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -89,14 +97,16 @@ def split_queue(
     capture: Callable[[T], bool],
     size: Callable[[T], int],
     step_tokens: int,
+    user_in_flight: bool = False,
 ) -> tuple[list[T], list[T]]:
-    """``(schedulable now, held back)``, both in queue order: with a user request waiting, the
-    captures are held back; with captures only, those after the first ``step_tokens`` tokens
-    (the first capture always goes)."""
+    """``(schedulable now, held back)``, both in queue order: with a user request waiting or a
+    user prompt's chunks in flight (``user_in_flight``), the captures are held back; with
+    captures only, those after the first ``step_tokens`` tokens (the first capture always
+    goes)."""
     users = [item for item in queue if not capture(item)]
     if len(users) == len(queue):
         return list(queue), []
-    if users:
+    if users or user_in_flight:
         return users, [item for item in queue if capture(item)]
     now, total = [], 0
     for item in queue:
@@ -113,7 +123,9 @@ def around_get_new_batch_prefill(original, self, *args, **kwargs):
     queue = getattr(self, "waiting_queue", None)
     if not queue:
         return original(self, *args, **kwargs)
-    now, held = split_queue(queue, is_capture, prompt_tokens, step_tokens())
+    chunked = getattr(self, "chunked_req", None)
+    in_flight = chunked is not None and not is_capture(chunked)
+    now, held = split_queue(queue, is_capture, prompt_tokens, step_tokens(), in_flight)
     if not held:
         return original(self, *args, **kwargs)
     self.waiting_queue = now
@@ -122,9 +134,11 @@ def around_get_new_batch_prefill(original, self, *args, **kwargs):
     finally:
         self.waiting_queue = list(self.waiting_queue) + held
     if batch is not None:  # SGLang built a batch (None: nothing could be scheduled now)
-        if is_capture(now[0]):
+        if now and is_capture(now[0]):
             STATS.capture_steps_cut += 1
         else:
             STATS.batches_for_users += 1
+            if not now:
+                STATS.chunks_alone += 1
         STATS.captures_held += len(held)
     return batch

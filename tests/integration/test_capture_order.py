@@ -104,6 +104,29 @@ def test_captures_alone_start_a_step_of_a_bounded_size():
     assert seen[0] == ["c1"], "the held captures were not offered to the batch"
 
 
+def test_a_users_prompt_in_flight_holds_every_capture(monkeypatch):
+    """Between the chunks of a user's long prompt (SGLang's ``chunked_req``, out of the queue)
+    no capture joins its batches; once it is done, they run in steps again."""
+    monkeypatch.setattr(capture_order, "STATS", capture_order.OrderStats())
+    original, seen = _sglang_like(budget=10_000)
+    sched = SimpleNamespace(
+        waiting_queue=[_req("c1", 30, "capture"), _req("c2", 30, "capture")],
+        chunked_req=_req("u1", 20_000),
+    )
+    assert capture_order.around_get_new_batch_prefill(original, sched, None) == []
+    assert seen[-1] == [], "the captures were not offered beside the user's chunk"
+    assert [r.name for r in sched.waiting_queue] == ["c1", "c2"]
+    sched.waiting_queue.insert(1, _req("u2", 20))  # a user request arrives meanwhile
+    assert capture_order.around_get_new_batch_prefill(original, sched, None) == ["u2"]
+    assert capture_order.STATS.as_dict() == {
+        "batches_for_users": 2, "capture_steps_cut": 0, "captures_held": 4, "chunks_alone": 1}  # fmt: skip
+    sched.chunked_req = _req("c0", 500, "capture")  # a capture's own chunks do not hold others
+    assert capture_order.around_get_new_batch_prefill(original, sched, None) == ["c1", "c2"]
+    sched.chunked_req = None
+    assert capture_order.split_queue(["c"], lambda x: True, len, 8, user_in_flight=True) == (
+        [], ["c"])  # fmt: skip
+
+
 def test_the_hook_is_installed_on_sglangs_scheduler(sglang_plugins):
     from sglang.srt.managers.scheduler import Scheduler
 
@@ -143,14 +166,14 @@ def test_the_rule_counts_what_it_held_back(monkeypatch):
     sched = SimpleNamespace(waiting_queue=[_req("c1", 30, "capture"), _req("u1", 20)])
     capture_order.around_get_new_batch_prefill(original, sched, None)  # u1 only, c1 held
     assert capture_order.STATS.as_dict() == {
-        "batches_for_users": 1, "capture_steps_cut": 0, "captures_held": 1}  # fmt: skip
+        "batches_for_users": 1, "capture_steps_cut": 0, "captures_held": 1, "chunks_alone": 0}  # fmt: skip
     sched.waiting_queue += [_req("c2", step, "capture"), _req("c3", 10, "capture")]
     capture_order.around_get_new_batch_prefill(original, sched, None)  # c1 alone: c2 over step
     capture_order.around_get_new_batch_prefill(original, sched, None)  # c2 alone: c3 over step
     capture_order.around_get_new_batch_prefill(original, sched, None)  # c3: nothing held
     capture_order.around_get_new_batch_prefill(original, sched, None)  # empty queue
     assert capture_order.STATS.as_dict() == {
-        "batches_for_users": 1, "capture_steps_cut": 2, "captures_held": 4}  # fmt: skip
+        "batches_for_users": 1, "capture_steps_cut": 2, "captures_held": 4, "chunks_alone": 0}  # fmt: skip
     # a scheduling pass that builds no batch (SGLang returns None) counts nothing
     sched.waiting_queue = [_req("c4", 30, "capture"), _req("u2", 20)]
     capture_order.around_get_new_batch_prefill(lambda self, rb: None, sched, None)

@@ -176,7 +176,7 @@ def test_sparseq_selection_does_not_depend_on_a_cached_head(k, block):
     spans = [(6, 18), (18, 25), (29, 36)]  # the first segment right after the head
     q = torch.randn(2, n, d, generator=gen)
     keys = torch.randn(1, n, d, generator=gen)
-    common = dict(classes="G", window=64, sink=0, scale=0.9, k=k, block=block)
+    common = {"classes": "G", "window": 64, "sink": 0, "scale": 0.9, "k": k, "block": block}
     inside = select_tokens(q, keys, spans, past_len=0, **common)
     cached = select_tokens(q[:, head:], keys, [(s - head, e - head) for s, e in spans],
                            past_len=head, **common)  # fmt: skip
