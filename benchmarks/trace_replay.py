@@ -486,15 +486,24 @@ def fill_speedups(rows: list[dict]) -> None:
 
 def join(paths: Sequence[str], out: str) -> int:
     """One output of the rows of ``paths`` (later files replace rows of the same key), with
-    the speedups filled and each file's provenance under ``runs``."""
+    the speedups filled and each file's provenance under ``runs``. ``PATH=LABEL`` names the
+    system of that file's rows ``LABEL`` (runs of one server under other options, which would
+    otherwise share a key); the file's own name is kept as ``system_run``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import serving_common as common
 
     rows: list[dict] = []
     runs = []
-    for path in paths:
+    for item in paths:
+        path, _, label = item.partition("=")
         data = json.loads(Path(path).read_text())
-        rows = upsert(rows, data["rows"])
+        new = data["rows"]
+        if label:
+            new = [r | {"system": label, "system_run": r["system"]} for r in new]
+        rows = upsert(rows, new)
         runs.append({k: data.get(k) for k in ("device", "date", "commit", "commands", "sizes")})
+        if label:
+            runs[-1]["label"] = label
     fill_speedups(rows)
     record = common.record(runs=runs, rows=rows, note=data.get("note"))
     # where the figures came from: the runs' devices and commits, not this machine's
@@ -513,7 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--standin", action="store_true", help="the CPU server stand-in")
     where.add_argument("--url", help="a running server")
-    where.add_argument("--join", nargs="+", help="only join the rows of these outputs into --out")
+    where.add_argument("--join", nargs="+", help="only join the rows of these outputs (PATH or PATH=LABEL: the rows' "
+                       "system renamed) into --out")
     p.add_argument("--system", default=None, help=f"the server's label ({BASELINE}: baseline)")
     p.add_argument("--workloads", default="rag,chat")
     p.add_argument("--modes", default="marked,auto")

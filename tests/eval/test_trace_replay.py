@@ -3,6 +3,8 @@ server stand-in: what markup could reuse, what the server reused with markup and
 
 from __future__ import annotations
 
+import json
+
 from benchmarks.trace_replay import (
     CLOSED,
     Sent,
@@ -148,3 +150,27 @@ def test_speedups_pair_rows_of_the_same_workload_and_arrival_with_the_baseline()
     fill_speedups(rows)
     assert rows[1]["speedup_p50_vs_flashinfer"] == 3.0
     assert "speedup_p50_vs_flashinfer" not in rows[0] and "speedup_p50_vs_flashinfer" not in rows[2]
+
+
+def test_join_labels_runs_of_one_server_under_other_options(tmp_path):
+    """Two runs of the same server label (other server options) keep both rows under --join's
+    labels; without labels the later file's row replaces the earlier one."""
+    from benchmarks.trace_replay import join
+
+    row = {"workload": "rag", "mode": "auto", "arrival": CLOSED, "system": "redknot-cacheblend"}
+    paths = []
+    for step, overhead in ((2048, 1.13), (1024, 1.07)):
+        path = tmp_path / f"s{step}.json"
+        data = {"device": "GPU", "date": f"2026-01-0{step % 9}", "commit": "abc",
+                "commands": ["x"], "rows": [row | {"capture_overhead": overhead}]}  # fmt: skip
+        path.write_text(json.dumps(data))
+        paths.append(path)
+    out = tmp_path / "joined.json"
+    join([f"{paths[0]}=step-2048", f"{paths[1]}=step-1024"], str(out))
+    joined = json.loads(out.read_text())
+    got = {r["system"]: (r["capture_overhead"], r["system_run"]) for r in joined["rows"]}
+    assert got == {"step-2048": (1.13, "redknot-cacheblend"),
+                   "step-1024": (1.07, "redknot-cacheblend")}  # fmt: skip
+    assert [r["label"] for r in joined["runs"]] == ["step-2048", "step-1024"]
+    join([str(p) for p in paths], str(out))
+    assert [r["capture_overhead"] for r in json.loads(out.read_text())["rows"]] == [1.07]
