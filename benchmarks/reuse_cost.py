@@ -123,6 +123,29 @@ def predict(values: dict, models: dict, points) -> list[float]:
     return out
 
 
+def decisions(values: dict, models: dict, points, margin: float) -> list[dict]:
+    """What a server's reuse gate with these constants decides at each measured point of a
+    reusing variant (``redknot.costmodel.gate.ReuseGate.decide``: reuse when predicted at most
+    ``1 - margin`` of recomputing), next to the measured reuse TTFT and the flashinfer TTFT of
+    the same point (what recomputing costs where the engine recomputes on FlashInfer);
+    ``right``: the gate chose the faster of the two as measured."""
+    plain = {key: ms for name, key, _, ms in points if name == "flashinfer"}
+    record = to_record(values, "fit", margin, {})
+    out = []
+    for name, key, work, ms in points:
+        costs, recovery, reuse, _ = models[name]
+        if not reuse or key not in plain:
+            continue
+        model = ReuseCostModel(costs, recovery, record)
+        reuses = bool(
+            model.batch_ms([work], [True]) <= (1 - margin) * model.batch_ms([work], [False])
+        )
+        out.append({"variant": name, "point": key, "gate": "reuse" if reuses else "recompute",
+                    "reuse_ms": round(ms, 2), "flashinfer_ms": round(plain[key], 2),
+                    "right": reuses == bool(ms < plain[key])})  # fmt: skip
+    return out
+
+
 def fit(points, models: dict, fixed: dict) -> tuple[dict, list[str]]:
     """Least squares on log TTFT over the constants not in ``fixed``; returns every value and
     the names of the constants the data could not move (left at their start)."""
@@ -191,6 +214,12 @@ def main() -> None:
         )
     errors = [abs(math.log(r["predicted_ms"] / r["measured_ms"])) for r in rows]
     print(f"mean |log error| {statistics.mean(errors):.3f}, max {max(errors):.3f}")
+    chosen = decisions(values, models, points, args.margin)
+    for d in chosen:
+        print(
+            f"gate {d['variant']:45s} {d['point']:10s} {d['gate']:9s} reuse {d['reuse_ms']:7.2f} "
+            f"flashinfer {d['flashinfer_ms']:7.2f}{'' if d['right'] else '  (the slower)'}"
+        )
     if args.check or not args.out:
         return
     provenance = common.record(
@@ -202,6 +231,7 @@ def main() -> None:
         not_identified=unmoved,
         points=rows,
         mean_abs_log_error=round(statistics.mean(errors), 4),
+        decisions=chosen,
     )  # fmt: skip
     provenance.pop("device")
     device = devices.pop()

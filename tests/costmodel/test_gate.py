@@ -259,3 +259,29 @@ def test_the_gate_control_op_says_how_long_a_recomputed_prompt_can_be():
     assert state["recompute_up_to"] == gate.recomputed_up_to(32768) < 32768
     del scheduler.model_config  # a scheduler without a model config: nothing is claimed
     assert gate_state(scheduler)["recompute_up_to"] == 0
+
+
+def test_the_h200_record_is_shipped_and_its_gate_chose_the_faster_way_where_measured():
+    """The H200's record is found by its device name, and the server's gate with it takes, at
+    every point of the TTFTs it was fitted on, the decision the record's provenance lists, which
+    was the faster way there (reuse against flashinfer's recompute, measured side by side)."""
+    from benchmarks.reuse_cost import variant_model
+
+    record, why = record_for("NVIDIA H200")
+    assert record.device == "NVIDIA H200" and "shipped record of this device" in why
+    inputs = record.provenance["inputs"]
+    assert all((ROOT / i["path"]).is_file() for i in inputs), "the record's inputs are in git"
+    measured = {}
+    for i in inputs:
+        for name, var in json.loads((ROOT / i["path"]).read_text())["variants"].items():
+            measured |= {(name, key): row for key, row in var["points"].items()}
+    chosen = record.provenance["decisions"]
+    assert len(chosen) >= 12 and all(d["right"] for d in chosen)
+    for d in chosen:
+        costs, recovery, _, _ = variant_model(d["variant"], CFG_8B, None)
+        gate = ReuseGate(ReuseCostModel(costs, recovery, record))
+        row = measured[d["variant"], d["point"]]
+        per = row["length"] // row["segments"]
+        segs = tuple((1 + i * per, per) for i in range(row["segments"]))
+        work = PromptWork(row["prompt_tokens"], 0, segs)
+        assert gate.decide(work).reuse == (d["gate"] == "reuse"), d
