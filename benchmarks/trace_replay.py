@@ -522,8 +522,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--standin", action="store_true", help="the CPU server stand-in")
     where.add_argument("--url", help="a running server")
-    where.add_argument("--join", nargs="+", help="only join the rows of these outputs (PATH or PATH=LABEL: the rows' "
-                       "system renamed) into --out")
+    where.add_argument(
+        "--join",
+        nargs="+",
+        help="only join the rows of these outputs (PATH or PATH=LABEL: the rows' "
+        "system renamed) into --out",
+    )
     p.add_argument("--system", default=None, help=f"the server's label ({BASELINE}: baseline)")
     p.add_argument("--workloads", default="rag,chat")
     p.add_argument("--modes", default="marked,auto")
