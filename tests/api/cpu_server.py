@@ -247,8 +247,8 @@ class EngineClock:
 
     One forward step at a time, as SGLang's scheduler: a step continues the prompt whose prefill
     is under way (chunked prefill), then takes the waiting prompts in arrival order up to
-    ``chunk_tokens`` tokens, holding captures on miss back while a user prompt waits (and letting
-    only ``capture_step_tokens`` of captures start in a step) as redknot's
+    ``chunk_tokens`` tokens, holding captures on miss back while a user prompt waits or is
+    under way (and letting only ``capture_step_tokens`` of captures start in a step) as redknot's
     scheduler hook does (``redknot.integration.capture_order``; ``captures_yield=False``: plain
     arrival order, SGLang without the hook). A step lasts ``us_per_token`` microseconds per
     token it computes; a prompt is served (its store effects happen) when its last token is
@@ -291,9 +291,11 @@ class EngineClock:
         started = [item for item in self._waiting if item[3]]
         rest = [item for item in self._waiting if not item[3]]
         if self.captures_yield:
+            in_flight = any(not item[2] for item in started)  # a user prompt's next chunk
             rest, _ = split_queue(
-                rest, lambda item: item[2], lambda item: item[0], self.capture_step_tokens
-            )
+                rest, lambda item: item[2], lambda item: item[0], self.capture_step_tokens,
+                in_flight,
+            )  # fmt: skip
         return started + rest
 
     async def _run(self) -> None:

@@ -39,6 +39,33 @@ def test_a_user_prompt_goes_before_waiting_captures(captures_yield):
         assert done == ["capture-a", "capture-b", "user"]
 
 
+def test_no_capture_joins_the_steps_of_a_user_prompt_under_way():
+    """A user prompt longer than a step runs its chunks alone while captures wait (its last
+    chunk leaves room that captures would otherwise take), as the scheduler hook does."""
+
+    async def run() -> tuple[list[str], float]:
+        clock = EngineClock(us_per_token=2000, chunk_tokens=100)
+        done: list[str] = []
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def prompt(name: str, tokens: int, capture: bool) -> None:
+            await clock.prefill(tokens, capture=capture)
+            done.append(f"{name}@{round(loop.time() - start, 2)}")
+
+        user = asyncio.ensure_future(prompt("user", 150, False))  # steps of 100 + 50 tokens
+        for _ in range(3):  # its first step is under way
+            await asyncio.sleep(0)
+        capture = asyncio.ensure_future(prompt("capture", 50, True))
+        await asyncio.gather(user, capture)
+        return done
+
+    done = asyncio.run(run())
+    # user: 0.2 s + 0.1 s alone, not 0.2 + 0.2 with the capture in its last step
+    assert [d.split("@")[0] for d in done] == ["user", "capture"]
+    assert float(done[0].split("@")[1]) < 0.35, done
+
+
 def test_the_exact_prefix_model_hits_whole_blocks_of_served_prompts_only():
     """``exact_prefix``: an earlier served prompt's whole blocks are a later prompt's prefix hit
     (at least one token left to compute); a registration takes none, as on the server."""
