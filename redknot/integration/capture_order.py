@@ -20,11 +20,14 @@ A user prompt longer than SGLang's chunk size (``--chunked-prefill-size``) is pr
 several batches; between them it is SGLang's ``chunked_req``, not in the waiting queue. Without
 the last row above, captures would fill the rest of its chunks' batches (SGLang adds waiting
 requests after the chunk, up to the chunk size) and delay the user's first token by that much
-(the replayed RAG prompts of ``benchmarks/trace_replay.py`` are 9-25K tokens, chunks of 8-16K).
+(the replayed RAG prompts of ``benchmarks/trace_replay.py`` are 9-25K tokens, SGLang's chunks
+8,192 on the H100 and H200).
 
 So a user request that arrives while captures run waits for one step of at most
-``--redknot-capture-step-tokens`` (default 2,048) capture tokens (a 2K prompt takes 59 ms on the 8B shape, H100,
-``ttft_all_sizes.json``) instead of every capture queued before it. What it does not do: a
+``--redknot-capture-step-tokens`` (default 2,048) capture tokens (a 2K prompt takes 57 ms on
+the 8B shape, H200, ``ttft_all_sizes.json``) instead of every capture queued before it; measured
+on that shape, the captures of one replayed request delay the next one's first token 12.7% at
+the default step and 7.3% at 1,024 (``trace_replay_capture_step_h200.json``, docs/reuse.md). What it does not do: a
 capture already running is not stopped (SGLang continues a chunked prompt first, and a forward
 step under way is not interrupted), so a capture longer than the step still takes steps of
 SGLang's chunk size; and under load that never leaves the queue empty, captures
