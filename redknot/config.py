@@ -208,8 +208,9 @@ class RedknotConfig:
         "Captures on miss wait while user requests do; with none waiting, at most this many "
         "prompt tokens of captures start in one prefill batch, so a request that arrives then "
         "waits for one such step (redknot.integration.capture_order). Measured on the 8B shape "
-        "(H200): 2048 delays a first sighting 12.7% and reuses the most; 1024 delays it 7.3% "
-        "and reuses less (docs/reuse.md).",
+        "(H200): at 2048 the first token of a request that arrives behind captures takes 1.127x "
+        "as long (p50) and the most is reused; at 1024, 1.073x and less is reused "
+        "(docs/reuse.md).",
         default=2048,
     )
     auto_segments: str = _opt(
@@ -246,7 +247,7 @@ class RedknotConfig:
         "'topk' (the exact Top-k of every key's score at every step, the same budget). Needs "
         "every head global (--redknot-all-global or a token-level policy). Off by default: "
         "it kept SmolLM2's long-case answers and decodes 1.3-1.8x faster from 8 requests at "
-        "32-90K tokens (8B shape, H200), but its prefill is ~20% slower and one request "
+        "32-90K tokens (8B shape, H200), but its prefill is about a fifth slower and one request "
         "decodes slower (docs/lfps.md).",
         default="off",
     )

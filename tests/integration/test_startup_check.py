@@ -109,6 +109,22 @@ def test_skip_flag_is_documented_in_help(sglang_plugins):
     assert "--redknot-skip-startup-check" in help_text
 
 
+def test_every_redknot_option_renders_its_help_as_written(sglang_plugins):
+    """argparse formats help strings with ``%``: a bare ``%`` in an option's text breaks
+    ``launch_server --help`` or prints the option's internals in place of the text."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    formatter = parser._get_formatter()
+    ours = [a for a in parser._actions if any(o.startswith("--redknot") for o in a.option_strings)]
+    assert len(ours) > 20
+    for action in ours:
+        assert formatter._expand_help(action) == action.help.replace("%%", "%"), action.dest
+
+
 # ---- the backend runs the gate -----------------------------------------------------------
 
 
