@@ -8,14 +8,32 @@ shuffled under another head; prints the fraction of the second prompt's document
 in chunks the first prompt marked (what the second request could take from the store, before
 the reuse gate decides), averaged over three seeds. The loss is the chunks that straddle a
 document's edges; it does not depend on the tokenizer or the model (docs/auto_segments.md).
+
+    python benchmarks/auto_chunk_coverage.py --stream --chunk-tokens 256
+
+replays a stream of RAG prompts instead (``--pool`` documents of ``--doc-range`` tokens, each
+prompt ``--per-prompt`` of them in random order under a head of its own and before a question)
+through a store that keeps a chunk at its second miss, as ``--redknot-auto-capture-after 2``
+does, and prints the share of prompt tokens after ``--warmup`` prompts that lie in stored
+chunks; beside it, the same with what the server does not do (yet): learning documents' edges
+from repeats. A missed chunk that straddles two documents ends at the same content-defined cut
+of the second document wherever that document appears, so two such chunks ending in the same
+``WINDOW`` tokens (the chunker's hash window) share the second document's head as their longest
+common suffix; likewise their longest common prefix is the first document's tail when they
+start at the same cut. An edge of at least the chunker's minimum learned that way is stored
+and served to later missed chunks that end (start) with it. The figures bound what the store
+could serve: capture timing and the reuse gate are not modelled.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
+from pathlib import Path
 
 from redknot.api.auto import AutoSegments
+from redknot.api.chunking import WINDOW
 from redknot.api.options import AutoSegmentsOption
 
 VOCAB = (1000, 100_000)
@@ -44,11 +62,108 @@ def coverage(doc_tokens: int, chunk_tokens: int, seeds: int = 3, num_docs: int =
     return served / total
 
 
+def common_suffix(a: tuple, b: tuple) -> int:
+    n = 0
+    for x, y in zip(reversed(a), reversed(b)):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class EdgeStore:
+    """Document edges learned from missed chunks (the module docstring's ``--edges``): heads
+    keyed by a chunk's last ``window`` tokens, tails by its first ``window``, each at least
+    ``min_tokens`` long."""
+
+    def __init__(self, window: int, min_tokens: int):
+        self.window, self.min_tokens = window, min_tokens
+        self.seen: dict[tuple, list[tuple]] = {}  # (side, key) -> missed chunks (oriented)
+        self.edges: dict[tuple, set[tuple]] = {}  # (side, key) -> learned edges (oriented)
+
+    def _oriented(self, chunk: tuple) -> dict[str, tuple]:
+        # a head is a common suffix; a tail a common prefix, i.e. a common suffix reversed
+        return {"head": chunk, "tail": chunk[::-1]}
+
+    def serve(self, chunk: tuple) -> int:
+        """Tokens of ``chunk`` (a miss) served by learned edges (head and tail, not counted
+        twice); learns from it afterwards."""
+        served = {}
+        for side, seq in self._oriented(chunk).items():
+            key = (side, seq[-self.window :])
+            found = [e for e in self.edges.get(key, ()) if seq[len(seq) - len(e) :] == e]
+            served[side] = max(map(len, found), default=0)
+            for other in self.seen.get(key, ()):
+                n = common_suffix(seq, other)
+                if self.min_tokens <= n < min(len(seq), len(other)):
+                    self.edges.setdefault(key, set()).add(seq[len(seq) - n :])
+            self.seen.setdefault(key, []).append(seq)
+        return min(len(chunk), served["head"] + served["tail"])
+
+
+def stream_coverage(
+    doc_range: tuple[int, int], chunk_tokens: int, pool: int, per_prompt: int, prompts: int,
+    warmup: int, edges: bool, seed: int = 0,
+) -> float:  # fmt: skip
+    """Share of prompt tokens after ``warmup`` prompts served from the store (docstring)."""
+    auto = AutoSegments(AutoSegmentsOption(enabled=True, chunk_tokens=chunk_tokens))
+    rng = random.Random(seed)
+    docs = [[rng.randrange(*VOCAB) for _ in range(rng.randint(*doc_range))] for _ in range(pool)]
+    learned = EdgeStore(WINDOW, auto.min_store_tokens) if edges else None
+    misses: dict[tuple, int] = {}
+    stored: set[tuple] = set()
+    served = total = 0
+    for k in range(prompts):
+        order = rng.sample(range(pool), per_prompt)
+        question = [rng.randrange(*VOCAB) for _ in range(40)]
+        prompt = _prompt(rng, docs, order, question)
+        hit = 0
+        for a, b in auto.spans(prompt):
+            chunk = tuple(prompt[a:b])
+            if chunk in stored:
+                hit += b - a
+                continue
+            misses[chunk] = misses.get(chunk, 0) + 1
+            if misses[chunk] >= 2:
+                stored.add(chunk)
+            if learned is not None:
+                hit += learned.serve(chunk)
+        if k >= warmup:
+            served += hit
+            total += len(prompt)
+    return served / max(total, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--doc-tokens", type=int, nargs="+", default=[1000, 2000, 4000])
     parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--stream", action="store_true", help="a stream of prompts (docstring)")
+    parser.add_argument("--doc-range", type=int, nargs=2, default=[1000, 4000])
+    parser.add_argument("--pool", type=int, default=64)
+    parser.add_argument("--per-prompt", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=64)
+    parser.add_argument("--out", default=None, help="--stream: also write the rows as JSON")
     args = parser.parse_args()
+    if args.stream:
+        print("| chunk tokens | served, chunks | served, chunks and learned edges |")
+        print("| --- | --- | --- |")
+        rows = []
+        for n in args.chunk_tokens:
+            row = [stream_coverage(tuple(args.doc_range), n, args.pool, args.per_prompt,
+                                   args.prompts, args.warmup, e) for e in (False, True)]  # fmt: skip
+            print(f"| {n} | {row[0]:.3f} | {row[1]:.3f} |")
+            rows.append({"chunk_tokens": n, "served_chunks": round(row[0], 4),
+                         "served_chunks_and_edges": round(row[1], 4)})  # fmt: skip
+        if args.out:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            import serving_common as common
+
+            params = {k: getattr(args, k) for k in ("doc_range", "pool", "per_prompt", "prompts",
+                                                    "warmup")}  # fmt: skip
+            common.write_json(args.out, common.record(params=params, rows=rows))
+        return
     print("| document tokens | " + " | ".join(f"N = {n}" for n in args.chunk_tokens) + " |")
     print("| --- |" + " --- |" * len(args.chunk_tokens))
     for length in args.doc_tokens:
