@@ -15,14 +15,15 @@ replays a stream of RAG prompts instead (``--pool`` documents of ``--doc-range``
 prompt ``--per-prompt`` of them in random order under a head of its own and before a question)
 through a store that keeps a chunk at its second miss, as ``--redknot-auto-capture-after 2``
 does, and prints the share of prompt tokens after ``--warmup`` prompts that lie in stored
-chunks; beside it, the same with what the server does not do (yet): learning documents' edges
-from repeats. A missed chunk that straddles two documents ends at the same content-defined cut
-of the second document wherever that document appears, so two such chunks ending in the same
-``WINDOW`` tokens (the chunker's hash window) share the second document's head as their longest
+chunks; beside it, the same with ``--redknot-auto-segments cdc-edges``, which learns
+documents' edges from repeats (``redknot.api.edges``). A missed chunk that straddles two
+documents ends at the same content-defined cut of the second document wherever that document
+appears, so two such chunks ending in the same ``WINDOW`` tokens (the chunker's hash window) share the second document's head as their longest
 common suffix; likewise their longest common prefix is the first document's tail when they
 start at the same cut. An edge of at least the chunker's minimum learned that way is stored
-and served to later missed chunks that end (start) with it. The figures bound what the store
-could serve: capture timing and the reuse gate are not modelled.
+and later chunks that end (start) with it are cut so that it is a segment of its own. Both use
+the server's code (``AutoSegments``); the figures bound what the store could serve: capture
+timing and the reuse gate are not modelled.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import sys
 from pathlib import Path
 
 from redknot.api.auto import AutoSegments
-from redknot.api.chunking import WINDOW
 from redknot.api.options import AutoSegmentsOption
 
 VOCAB = (1000, 100_000)
@@ -62,54 +62,16 @@ def coverage(doc_tokens: int, chunk_tokens: int, seeds: int = 3, num_docs: int =
     return served / total
 
 
-def common_suffix(a: tuple, b: tuple) -> int:
-    n = 0
-    for x, y in zip(reversed(a), reversed(b)):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class EdgeStore:
-    """Document edges learned from missed chunks (the module docstring's ``--edges``): heads
-    keyed by a chunk's last ``window`` tokens, tails by its first ``window``, each at least
-    ``min_tokens`` long."""
-
-    def __init__(self, window: int, min_tokens: int):
-        self.window, self.min_tokens = window, min_tokens
-        self.seen: dict[tuple, list[tuple]] = {}  # (side, key) -> missed chunks (oriented)
-        self.edges: dict[tuple, set[tuple]] = {}  # (side, key) -> learned edges (oriented)
-
-    def _oriented(self, chunk: tuple) -> dict[str, tuple]:
-        # a head is a common suffix; a tail a common prefix, i.e. a common suffix reversed
-        return {"head": chunk, "tail": chunk[::-1]}
-
-    def serve(self, chunk: tuple) -> int:
-        """Tokens of ``chunk`` (a miss) served by learned edges (head and tail, not counted
-        twice); learns from it afterwards."""
-        served = {}
-        for side, seq in self._oriented(chunk).items():
-            key = (side, seq[-self.window :])
-            found = [e for e in self.edges.get(key, ()) if seq[len(seq) - len(e) :] == e]
-            served[side] = max(map(len, found), default=0)
-            for other in self.seen.get(key, ()):
-                n = common_suffix(seq, other)
-                if self.min_tokens <= n < min(len(seq), len(other)):
-                    self.edges.setdefault(key, set()).add(seq[len(seq) - n :])
-            self.seen.setdefault(key, []).append(seq)
-        return min(len(chunk), served["head"] + served["tail"])
-
-
 def stream_coverage(
     doc_range: tuple[int, int], chunk_tokens: int, pool: int, per_prompt: int, prompts: int,
     warmup: int, edges: bool, seed: int = 0,
 ) -> float:  # fmt: skip
-    """Share of prompt tokens after ``warmup`` prompts served from the store (docstring)."""
-    auto = AutoSegments(AutoSegmentsOption(enabled=True, chunk_tokens=chunk_tokens))
+    """Share of prompt tokens after ``warmup`` prompts served from the store (docstring), with
+    the server's chunking (``AutoSegments``, and its ``cdc-edges`` learning when ``edges``)."""
+    option = AutoSegmentsOption(enabled=True, chunk_tokens=chunk_tokens, edges=edges)
+    auto = AutoSegments(option)
     rng = random.Random(seed)
     docs = [[rng.randrange(*VOCAB) for _ in range(rng.randint(*doc_range))] for _ in range(pool)]
-    learned = EdgeStore(WINDOW, auto.min_store_tokens) if edges else None
     misses: dict[tuple, int] = {}
     stored: set[tuple] = set()
     served = total = 0
@@ -123,11 +85,10 @@ def stream_coverage(
             if chunk in stored:
                 hit += b - a
                 continue
+            stored.update(tuple(e) for e in auto.learn_edges(chunk))  # captured at once
             misses[chunk] = misses.get(chunk, 0) + 1
-            if misses[chunk] >= 2:
+            if misses[chunk] >= 2:  # --redknot-auto-capture-after 2
                 stored.add(chunk)
-            if learned is not None:
-                hit += learned.serve(chunk)
         if k >= warmup:
             served += hit
             total += len(prompt)

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from redknot.api.chunking import Chunker
+from redknot.api.edges import EdgeIndex
 from redknot.api.options import AUTO_NAMESPACE, AutoSegmentsOption
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class AutoSegments:
     def __init__(self, option: AutoSegmentsOption | None = None):
         self.option = option or AutoSegmentsOption(enabled=False)
         self.chunker = Chunker.of_average(self.option.chunk_tokens)
+        self.edges = EdgeIndex() if self.option.edges else None  # cdc-edges
         self.gate_min_tokens: int | None = None  # the reuse gate's break-even, once asked
         self.idle: str | None = None  # why no chunk is marked (the store off, nothing pays)
         self._asked = False
@@ -144,7 +146,17 @@ class AutoSegments:
         if self.idle is not None:
             return []
         chunks = self.chunker.spans(token_ids)[1:-1]  # not the first, not the last
-        return [(a, b) for a, b in chunks if b - a >= self.min_store_tokens]
+        least = self.min_store_tokens
+        if self.edges is not None:  # cut around the documents' edges learned so far
+            chunks = [p for a, b in chunks for p in self.edges.split(token_ids, a, b, least)]
+        return [(a, b) for a, b in chunks if b - a >= least]
+
+    def learn_edges(self, chunk: Sequence[int]) -> list[list[int]]:
+        """``cdc-edges``: the documents' edges newly learned from a chunk the store lacked
+        (``redknot.api.edges``); none without the option."""
+        if self.edges is None:
+            return []
+        return self.edges.learn(chunk, self.min_store_tokens)
 
     def message_spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """The token ranges of one chat message's content (its standalone tokens) to mark as

@@ -188,9 +188,21 @@ class Capturer:
         for seg, state in zip(segments, states, strict=True):
             if state["state"] in SKIP_STATES or state["status"] == 413:
                 self.api.counters.add(captures_skipped=1)
-            elif not seg[3] or self._admit(seg[2]):
+                continue
+            if seg[3]:  # a chunk the store lacks: edges it shares with earlier misses
+                send += self._edges(seg[0], seg[1])
+            if not seg[3] or self._admit(seg[2]):
                 send.append(seg)
         return send
+
+    def _edges(self, ns: str, ids: list[int]) -> list[tuple[str, list[int], str, bool]]:
+        """``--redknot-auto-segments cdc-edges``: the documents' edges newly learned from the
+        missed chunk ``ids``, captured now (seen twice already; ``redknot.api.edges``)."""
+        auto = getattr(self.api, "auto", None)
+        learned = auto.learn_edges(ids) if auto is not None else []
+        if learned:
+            self.api.counters.add(auto_edges_learned=len(learned))
+        return [(ns, edge, segment_id(ns, edge), True) for edge in learned]
 
     async def _capture_batch(self, batch: list[tuple[str, list[int], str, bool]]) -> None:
         """One registration request for the segments of ``batch``, then what the store holds

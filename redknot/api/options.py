@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 CHAT_MODES = ("off", "messages", "min-tokens:N")
-AUTO_MODES = ("off", "cdc")
+AUTO_MODES = ("off", "cdc", "cdc-edges")
 AUTO_NAMESPACE = "auto"  # the namespace of automatic chunks
 MIN_AUTO_CHUNK_TOKENS = 16  # smallest --redknot-auto-chunk-tokens (chunks of 4+ tokens)
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}")  # the whole name
@@ -54,6 +54,7 @@ class AutoSegmentsOption:
     enabled: bool
     chunk_tokens: int = 256
     capture_after: int = 2  # an automatic segment is captured at its N-th miss
+    edges: bool = False  # cdc-edges: documents' edges learned from repeats (redknot.api.edges)
 
     @classmethod
     def parse(cls, mode: str, chunk_tokens: int, capture_after: int = 2) -> AutoSegmentsOption:
@@ -80,7 +81,12 @@ class AutoSegmentsOption:
             raise ValueError(
                 f"--redknot-auto-capture-after must be an integer >= 1, got {capture_after!r}"
             )
-        return cls(enabled=mode == "cdc", chunk_tokens=chunk_tokens, capture_after=capture_after)
+        return cls(
+            enabled=mode != "off",
+            chunk_tokens=chunk_tokens,
+            capture_after=capture_after,
+            edges=mode == "cdc-edges",
+        )
 
 
 def check_namespace_name(name: object, *, where: str = "namespace") -> str:

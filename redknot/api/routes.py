@@ -180,6 +180,7 @@ async def _auto_stats(api: SegmentApi) -> dict[str, Any]:
         "idle": auto.idle,  # why no chunk is marked, or None
         "requests": api.counters.auto_requests,
         "chunks_marked": api.counters.auto_chunks_marked,
+        "edges_learned": api.counters.auto_edges_learned,
         "chunk_hits": store["hits"],
         "chunk_misses": store["misses"],
         "chunk_hit_tokens": store["hit_tokens"],

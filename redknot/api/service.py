@@ -50,6 +50,7 @@ class ApiCounters:
     # automatic segments (redknot.api.auto): unmarked requests given chunks, and the chunks
     auto_requests: int = 0
     auto_chunks_marked: int = 0
+    auto_edges_learned: int = 0  # cdc-edges: documents' edges learned (and captured)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas: int) -> None:

@@ -366,3 +366,34 @@ def test_a_miss_while_the_first_is_being_decided_counts_toward_capture(make_serv
     assert counters.captures_deduplicated == 1 and counters.captures_deferred == 0
     assert counters.captures_stored == 1
     assert server.store.registration_state("auto", segment_id("auto", ids))["state"] == "ready"
+
+
+def test_learned_document_edges_serve_what_straddling_chunks_lose(make_server, client):
+    """``cdc-edges``: the chunks that straddle two documents never hit, but the documents' heads
+    and tails they share with earlier misses are learned, captured and then served, so the
+    same stream of reordered prompts reuses more than under ``cdc``."""
+    orders = [[0, 1, 2, 3], [2, 0, 3, 1], [1, 3, 0, 2], [3, 2, 1, 0], [0, 2, 1, 3], [3, 1, 2, 0]]
+    served = {}
+    for mode in ("cdc", "cdc-edges"):
+        server = make_server(auto_segments=mode, region_tokens=16384)
+        cached = []
+        for k, order in enumerate(orders):
+            text = rag_prompt(f"System prompt {k}.", order, f"Question {k}?")
+            cached.append(generate(client, text)["meta_info"]["cached_tokens"])
+        stats = client.get("/redknot/stats").json()
+        served[mode] = sum(cached[-2:])
+        learned = stats["auto"]["edges_learned"]
+        assert (learned > 0) == (mode == "cdc-edges"), (mode, learned)
+        if mode == "cdc-edges":  # every learned edge was captured and stored
+            assert server.store.stats("auto")["captures"] >= learned
+    assert served["cdc-edges"] > served["cdc"] > 0, served
+
+
+def test_the_edge_mode_parses_and_unknown_modes_are_refused():
+    from redknot.api.options import AutoSegmentsOption
+
+    option = AutoSegmentsOption.parse("cdc-edges", 256)
+    assert option.enabled and option.edges
+    assert not AutoSegmentsOption.parse("cdc", 256).edges
+    with pytest.raises(ValueError, match="cdc-edges"):
+        AutoSegmentsOption.parse("edges", 256)

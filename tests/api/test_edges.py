@@ -1,0 +1,63 @@
+"""Documents' edges learned from missed chunks (``redknot.api.edges``), against the tokens
+written out."""
+
+from __future__ import annotations
+
+from redknot.api.edges import KEPT_PER_KEY, EdgeIndex, common_suffix
+
+
+def test_common_suffix_counts_equal_tokens_from_the_end():
+    assert common_suffix((1, 2, 3, 4), (9, 3, 4)) == 2
+    assert common_suffix((1, 2), (3,)) == 0
+    assert common_suffix((5, 6), (5, 6)) == 2
+
+
+def _run(start: int, n: int) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def test_a_head_is_learned_from_two_contexts_and_cut_out_of_a_third():
+    """Chunks [tail of X | head of B] with different X: the second miss teaches B's head (their
+    longest common suffix); a third such chunk is cut so that the head is a piece of its own."""
+    head_b = _run(1000, 100)
+    index = EdgeIndex()
+    assert index.learn(_run(10, 50) + head_b, 64) == []  # first sight: nothing to compare
+    assert index.learn(_run(20, 50) + head_b, 64) == [list(head_b)]
+    assert index.learn(_run(30, 50) + head_b, 64) == []  # known already
+    ids = _run(30, 50) + head_b
+    assert index.split(ids, 0, len(ids), 16) == [(0, 50), (50, 150)]
+    assert index.split(ids, 0, len(ids), 64) == [(50, 150)]  # the short rest is dropped
+
+
+def test_a_tail_is_learned_from_chunks_that_start_alike():
+    tail_a = _run(5000, 70)
+    index = EdgeIndex()
+    index.learn(tail_a + _run(7100, 40), 64)
+    assert index.learn(tail_a + _run(7200, 40), 64) == [list(tail_a)]
+    ids = (9, 9) + tail_a + _run(7300, 40)  # the chunk starts at offset 2 of the prompt
+    assert index.split(ids, 2, len(ids), 16) == [(2, 72), (72, 112)]
+
+
+def test_both_edges_and_overlap_and_nothing_below_the_minimum():
+    index = EdgeIndex()
+    head_b, tail_a = _run(1000, 100), _run(5000, 70)
+    for k in (1, 2):
+        index.learn(_run(100 * k, 50) + head_b, 64)
+        index.learn(tail_a + _run(3000 + 100 * k, 40), 64)
+    both = tail_a + _run(8000, 30) + head_b
+    assert index.split(both, 0, len(both), 16) == [(0, 70), (70, 100), (100, 200)]
+    # a chunk that starts with only part of the learned tail: the head alone is cut out
+    short = tail_a[:60] + head_b
+    assert index.split(short, 0, len(short), 16) == [(0, 60), (60, 160)]
+    # common runs shorter than the minimum are not edges
+    index2 = EdgeIndex()
+    for k in (1, 2, 3):
+        assert index2.learn(_run(100 * k, 80) + _run(1000, 30), 64) == []
+
+
+def test_memory_is_bounded_per_key():
+    index = EdgeIndex()
+    head = _run(1000, 40)
+    for k in range(3 * KEPT_PER_KEY):
+        index.learn(_run(10_000 + 100 * k, 50) + head, 64)  # common suffix 40 < 64: no edge
+    assert all(len(seen) <= KEPT_PER_KEY for seen in index.heads.seen.values())
