@@ -207,8 +207,9 @@ class StandIn:
         captures_yield: bool = True,
         capture_step_tokens: int | None = None,
         exact_prefix: bool = False,
+        auto_mode: str = "cdc",
     ):
-        self.exact_prefix = exact_prefix
+        self.exact_prefix, self.auto_mode = exact_prefix, auto_mode
         self.region_tokens, self.context_len = region_tokens, context_len
         self.capture_after, self.step_us = capture_after, step_us
         self.captures_yield, self.capture_step_tokens = captures_yield, capture_step_tokens
@@ -245,7 +246,7 @@ class StandIn:
         app = setup_http_app(server_args)
         CpuServer(
             app, tokenizer, server_args=server_args, context_len=self.context_len,
-            region_tokens=self.region_tokens, auto_segments="cdc" if mode == "auto" else "off",
+            region_tokens=self.region_tokens, auto_segments=self.auto_mode if mode == "auto" else "off",
             auto_capture_after=self.capture_after, step_us_per_token=self.step_us,
             captures_yield=self.captures_yield, capture_step_tokens=step,
             exact_prefix=self.exact_prefix,
@@ -561,6 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--standin-exact-prefix", action="store_true",
                    help="--standin models SGLang's radix cache: a prompt's exact-prefix hit on "
                    "an earlier prompt is not computed (tests/api/cpu_server.py CpuScheduler)")  # fmt: skip
+    p.add_argument("--standin-auto-mode", default="cdc", choices=("cdc", "cdc-edges"),
+                   help="--standin's --redknot-auto-segments in auto mode")  # fmt: skip
     p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
     args = p.parse_args(argv)
@@ -573,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.region_tokens, 1 << 16, args.auto_capture_after, args.standin_step_us,
             captures_yield=not args.standin_captures_fcfs,
             capture_step_tokens=args.standin_capture_step_tokens,
-            exact_prefix=args.standin_exact_prefix,
+            exact_prefix=args.standin_exact_prefix, auto_mode=args.standin_auto_mode,
         )  # fmt: skip
         system = args.system or "redknot-standin"
     else:
