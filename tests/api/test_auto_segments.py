@@ -302,9 +302,12 @@ def _adversarial_body(rng: random.Random, vocab: int) -> dict:
     return body
 
 
+@pytest.mark.parametrize("mode", ["cdc", "cdc-edges"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_adversarial_unmarked_prompts_get_no_5xx_and_lose_nothing(make_server, client, seed):
-    server = make_server(region_tokens=512, namespace_fraction=0.5, auto_capture_after=1)
+def test_adversarial_unmarked_prompts_get_no_5xx_and_lose_nothing(make_server, client, seed, mode):
+    server = make_server(
+        region_tokens=512, namespace_fraction=0.5, auto_capture_after=1, auto_segments=mode
+    )
     keep = client.post("/redknot/segments", json={"namespace": "kb", "input_ids": [9] * 40})
     assert keep.status_code == 200, keep.text
     rng = random.Random(seed)
