@@ -18,8 +18,9 @@ the capture stores it as a segment of namespace ``auto`` (``redknot.api.capture`
 is a segment of its own. The rest of such a chunk stays a chunk piece, captured at its second
 miss like any chunk.
 
-Bounded: at most ``KEPT_PER_KEY`` missed chunks per key and ``MAX_KEYS`` keys (the least
-recently used forgotten first), and the learned edges of ``MAX_KEYS`` keys.
+Bounded: at most ``KEPT_PER_KEY`` missed chunks per key and ``MAX_KEYS`` keys per side (the
+least recently used forgotten first), and the learned edges of ``MAX_KEYS`` keys; tokens are
+kept as int32 arrays.
 """
 
 from __future__ import annotations
@@ -28,20 +29,25 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+
 from redknot.api.chunking import WINDOW
 
-KEPT_PER_KEY = 4  # missed chunks remembered per key
-MAX_KEYS = 1 << 14  # keys remembered (missed chunks and learned edges, each)
+KEPT_PER_KEY = 2  # missed chunks remembered per key
+MAX_KEYS = 1 << 12  # keys remembered (missed chunks and learned edges, each side)
+# memory: at most 2 sides x MAX_KEYS x KEPT_PER_KEY chunks of at most 4 N int32 tokens
+# (about 16 MB at N = 256), plus the learned edges
 
 
-def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_suffix(a: np.ndarray, b: np.ndarray) -> int:
     """How many tokens ``a`` and ``b`` end with in common."""
-    n = 0
-    for x, y in zip(reversed(a), reversed(b)):
-        if x != y:
-            break
-        n += 1
-    return n
+    m = min(len(a), len(b))
+    differ = np.flatnonzero(a[len(a) - m :][::-1] != b[len(b) - m :][::-1])
+    return int(differ[0]) if len(differ) else m
+
+
+def _key(seq: np.ndarray) -> bytes:
+    return seq[-WINDOW:].tobytes()
 
 
 class _Side:
@@ -49,39 +55,40 @@ class _Side:
     chunks, tails (prefixes, keyed by the first)."""
 
     def __init__(self) -> None:
-        self.seen: OrderedDict[tuple[int, ...], list[tuple[int, ...]]] = OrderedDict()
-        self.edges: OrderedDict[tuple[int, ...], set[tuple[int, ...]]] = OrderedDict()
+        self.seen: OrderedDict[bytes, list[np.ndarray]] = OrderedDict()
+        self.edges: OrderedDict[bytes, set[bytes]] = OrderedDict()  # edges as int32 bytes
 
     @staticmethod
-    def _touch(table: OrderedDict, key: tuple[int, ...], default) -> object:
+    def _touch(table: OrderedDict, key: bytes, default) -> object:
         value = table.pop(key, None)
         table[key] = default if value is None else value
         if len(table) > MAX_KEYS:
             table.popitem(last=False)
         return table[key]
 
-    def learn(self, seq: tuple[int, ...], min_tokens: int) -> list[tuple[int, ...]]:
+    def learn(self, seq: np.ndarray, min_tokens: int) -> list[np.ndarray]:
         """Edges newly learned from the missed ``seq`` (oriented: its end is the edge's end)."""
-        key = seq[-WINDOW:]
+        key = _key(seq)
         seen = self._touch(self.seen, key, [])
-        known = self.edges.get(key, set())
+        known = set(self.edges.get(key, ()))
         new = []
         for other in seen:
             n = common_suffix(seq, other)
             edge = seq[len(seq) - n :]
-            if min_tokens <= n < min(len(seq), len(other)) and edge not in known:
+            if min_tokens <= n < min(len(seq), len(other)) and edge.tobytes() not in known:
                 new.append(edge)
-                known = known | {edge}
+                known.add(edge.tobytes())
         if new:
-            self._touch(self.edges, key, set()).update(new)
+            self._touch(self.edges, key, set()).update(e.tobytes() for e in new)
         seen.append(seq)
         del seen[:-KEPT_PER_KEY]
         return new
 
-    def longest(self, seq: tuple[int, ...]) -> int:
+    def longest(self, seq: np.ndarray) -> int:
         """The length of the longest learned edge ``seq`` ends with (0: none)."""
-        edges = self.edges.get(seq[-WINDOW:], ())
-        return max((len(e) for e in edges if seq[len(seq) - len(e) :] == e), default=0)
+        tail = seq.tobytes()
+        edges = self.edges.get(_key(seq), ())
+        return max((len(e) // 4 for e in edges if tail.endswith(e)), default=0)
 
 
 class EdgeIndex:
@@ -92,12 +99,12 @@ class EdgeIndex:
 
     def learn(self, chunk: Sequence[int], min_tokens: int) -> list[list[int]]:
         """The edges (token ids) newly learned from a missed chunk of an unmarked prompt."""
-        ids = tuple(chunk)
+        ids = np.asarray(chunk, dtype=np.int32)
         if len(ids) < WINDOW:
             return []
         heads = self.heads.learn(ids, min_tokens)
-        tails = [t[::-1] for t in self.tails.learn(ids[::-1], min_tokens)]
-        return [list(e) for e in heads + tails]
+        tails = [t[::-1] for t in self.tails.learn(ids[::-1].copy(), min_tokens)]
+        return [e.tolist() for e in heads + tails]
 
     def split(
         self, token_ids: Sequence[int], start: int, end: int, min_tokens: int
@@ -107,8 +114,8 @@ class EdgeIndex:
         overlap, the longer one."""
         if end - start < WINDOW:
             return [(start, end)]
-        ids = tuple(token_ids[start:end])
-        head, tail = self.heads.longest(ids), self.tails.longest(ids[::-1])
+        ids = np.asarray(token_ids[start:end], dtype=np.int32)
+        head, tail = self.heads.longest(ids), self.tails.longest(ids[::-1].copy())
         if not head and not tail:
             return [(start, end)]
         if head + tail > len(ids):
