@@ -4,7 +4,8 @@ Content-defined chunks (``chunking.py``) lose the text at every document edge of
 prompt: the chunk that holds the end of one document and the start of the next recurs only when
 the same two documents are adjacent again, so its tokens are never reused. Measured on a stream
 of reordered RAG prompts (``benchmarks/auto_chunk_coverage.py --stream``, chunks of 256 tokens)
-the store can serve 0.780 of the prompt tokens; with the edges below, 0.926.
+the store can serve 0.780 of the prompt tokens; with the edges below, 0.922 (and the replayed
+RAG traffic of ``benchmarks/trace_replay.py`` on the CPU stand-in reuses 0.927 instead of 0.800).
 
 The edges are learned, not marked. A chunk that straddles documents A and B ends at B's first
 content-defined cut wherever B appears, and that cut depends only on the ``WINDOW`` tokens
