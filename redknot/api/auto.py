@@ -21,6 +21,10 @@ Which chunks of a ``/generate`` prompt become segments:
 | shorter than ``min_store_tokens``       | no       | too short to pay for itself                |
 | every other one                         | yes      |                                           |
 
+Under ``cdc-edges`` a chunk that starts or ends with a document edge learned from earlier
+misses (``redknot.api.edges``: what chunks straddling two documents lose) is cut there, the
+edge a segment of its own.
+
 ``min_store_tokens`` is the larger of the chunker's minimum and the reuse gate's break-even:
 the shortest segment with which an 8K-token prompt made of such segments is served with reuse
 (``ReuseGate.min_segment_tokens``), asked once from the scheduler (control op ``gate``). When

@@ -24,7 +24,9 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
    chunks that straddle two documents are seen once, and capturing them would spend a prefill
    and region pages on nothing. Marked segments and chat messages are captured at their first
    miss. A request that misses a chunk while another request's capture is deciding about it
-   adds its miss to that decision;
+   adds its miss to that decision. Under ``--redknot-auto-segments cdc-edges`` every missing
+   chunk also teaches the documents' edges it shares with earlier misses
+   (``redknot.api.edges``), and those are sent now;
 4. sends the rest as **one batched registration** (``max_new_tokens=0``, each prompt marked
    ``redknot_capture``; at most ``MAX_BATCH_TOKENS`` tokens per batch): the scheduler computes
    their standalone K/V (positions from 0, no prefix) as ``POST /redknot/segments`` does, in as
