@@ -18,12 +18,12 @@ does, and prints the share of prompt tokens after ``--warmup`` prompts that lie 
 chunks; beside it, the same with ``--redknot-auto-segments cdc-edges``, which learns
 documents' edges from repeats (``redknot.api.edges``). A missed chunk that straddles two
 documents ends at the same content-defined cut of the second document wherever that document
-appears, so two such chunks ending in the same ``WINDOW`` tokens (the chunker's hash window) share the second document's head as their longest
-common suffix; likewise their longest common prefix is the first document's tail when they
-start at the same cut. An edge of at least the chunker's minimum learned that way is stored
-and later chunks that end (start) with it are cut so that it is a segment of its own. Both use
-the server's code (``AutoSegments``); the figures bound what the store could serve: capture
-timing and the reuse gate are not modelled.
+appears, so two such chunks ending in the same ``WINDOW`` tokens (the chunker's hash window)
+share the second document's head as their longest common suffix; likewise their longest common
+prefix is the first document's tail when they start at the same cut. An edge of at least the
+chunker's minimum learned that way is stored and later chunks that end (start) with it are cut
+so that it is a segment of its own. Both use the server's code (``AutoSegments``); the figures
+bound what the store could serve: capture timing and the reuse gate are not modelled.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def main() -> None:
         print("| --- | --- | --- |")
         rows = []
         for n in args.chunk_tokens:
-            row = [stream_coverage(tuple(args.doc_range), n, args.pool, args.per_prompt,
-                                   args.prompts, args.warmup, e) for e in (False, True)]  # fmt: skip
+            sizes = (tuple(args.doc_range), n, args.pool, args.per_prompt, args.prompts)
+            row = [stream_coverage(*sizes, args.warmup, e) for e in (False, True)]
             print(f"| {n} | {row[0]:.3f} | {row[1]:.3f} |")
             rows.append({"chunk_tokens": n, "served_chunks": round(row[0], 4),
                          "served_chunks_and_edges": round(row[1], 4)})  # fmt: skip

@@ -25,16 +25,16 @@ requests after the chunk, up to the chunk size) and delay the user's first token
 
 So a user request that arrives while captures run waits for one step of at most
 ``--redknot-capture-step-tokens`` (default 2,048) capture tokens (a 2K prompt takes 57 ms on
-the 8B shape, H200, ``ttft_all_sizes.json``) instead of every capture queued before it; measured
-on that shape, the captures of one replayed request delay the next one's first token 12.7% at
-the default step and 7.3% at 1,024 (``trace_replay_capture_step_h200.json``, docs/reuse.md). What it does not do: a
-capture already running is not stopped (SGLang continues a chunked prompt first, and a forward
-step under way is not interrupted), so a capture longer than the step still takes steps of
-SGLang's chunk size; and under load that never leaves the queue empty, captures
-wait (they hold no memory while queued; the HTTP side bounds how many are pending,
-``redknot.api.capture.MAX_PENDING``). Every rank of a tensor-parallel server sees the same
-queue and takes the same decision. Client registrations (``POST /redknot/segments``) are user
-requests here: the client asked for them.
+the 8B shape, H200, ``ttft_all_sizes.json``) instead of every capture queued before it;
+measured on that shape, the captures of one replayed request delay the next one's first token
+12.7% at the default step and 7.3% at 1,024 (``trace_replay_capture_step_h200.json``,
+docs/reuse.md). What it does not do: a capture already running is not stopped (SGLang
+continues a chunked prompt first, and a forward step under way is not interrupted), so a
+capture longer than the step still takes steps of SGLang's chunk size; and under load that
+never leaves the queue empty, captures wait (they hold no memory while queued; the HTTP side
+bounds how many are pending, ``redknot.api.capture.MAX_PENDING``). Every rank of a
+tensor-parallel server sees the same queue and takes the same decision. Client registrations
+(``POST /redknot/segments``) are user requests here: the client asked for them.
 """
 
 from __future__ import annotations
