@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    code = git_commit()  # the code this run loads (REDKNOT_COMMIT on the GPU machine's copy)
+    commit, dirty = git_commit()  # the code this run loads (REDKNOT_COMMIT on the GPU copy)
     backend = ReferenceBackend.load(args.model, args.head_map, device=args.device)
     options = RecoveryOptions(samkv_block=args.block, samkv_stable_layers=args.width)
     cases = load_cases(args.cases)[: args.limit]
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": (code[0] or "unknown")[:7],
-        "git_dirty": code[1],
+        "commit": (commit or "unknown")[:7],
+        "git_dirty": dirty,
         "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
         "model": backend.model_name,
         "cases": args.cases,

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         result["served"] = served_agreement(result["per_case"], args.served, runs)
         result["rescore_command"] = "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])])
         return write(result, args.out)
-    code = git_commit()  # the code this run loads now, not the HEAD of its end
+    commit, dirty = git_commit()  # the code this run loads now, not the HEAD of its end
     cases = load_cases(args.cases)[: args.limit]
     runs = tuple(name for name, _, _ in COMPARISONS[args.compare])
     backends = {
@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": "cpu",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": (code[0] or "unknown")[:7],
-        "git_dirty": code[1],
+        "commit": (commit or "unknown")[:7],
+        "git_dirty": dirty,
         "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
         "model": backends[runs[0]].model_name,
         "runs": list(runs),

@@ -246,7 +246,8 @@ class StandIn:
         app = setup_http_app(server_args)
         CpuServer(
             app, tokenizer, server_args=server_args, context_len=self.context_len,
-            region_tokens=self.region_tokens, auto_segments=self.auto_mode if mode == "auto" else "off",
+            region_tokens=self.region_tokens,
+            auto_segments=self.auto_mode if mode == "auto" else "off",
             auto_capture_after=self.capture_after, step_us_per_token=self.step_us,
             captures_yield=self.captures_yield, capture_step_tokens=step,
             exact_prefix=self.exact_prefix,
@@ -562,7 +563,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--standin-exact-prefix", action="store_true",
                    help="--standin models SGLang's radix cache: a prompt's exact-prefix hit on "
                    "an earlier prompt is not computed (tests/api/cpu_server.py CpuScheduler)")  # fmt: skip
-    p.add_argument("--standin-auto-mode", default="cdc", choices=("cdc", "cdc-edges"),
+    from redknot.api.options import AUTO_MODES
+
+    p.add_argument("--standin-auto-mode", default="cdc",
+                   choices=[m for m in AUTO_MODES if m != "off"],
                    help="--standin's --redknot-auto-segments in auto mode")  # fmt: skip
     p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
