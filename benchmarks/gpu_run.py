@@ -266,12 +266,12 @@ def job_replay(a, tree, env) -> int:
     for name, flags, modes in systems:
         if a.systems != "all" and name not in a.systems.split(","):
             continue
-        server = gm.start_server(common + flags, 30000, tree, env, f"server_{name}.log")
+        server = gm.start_server(common + flags, a.port, tree, env, f"server_{name}.log")
         try:
-            if not gm.wait_healthy(server, 30000, f"server_{name}.log", a.startup_s):
+            if not gm.wait_healthy(server, a.port, f"server_{name}.log", a.startup_s):
                 rc = 1
                 continue
-            cmd = py("benchmarks/trace_replay.py", "--url", "http://127.0.0.1:30000")
+            cmd = py("benchmarks/trace_replay.py", "--url", f"http://127.0.0.1:{a.port}")
             rc |= gm.run(cmd + ["--system", name, *modes, *replay], tree, env, f"replay_{name}.log")
         finally:
             gm.stop_server(server)
@@ -348,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-requests", type=int, default=16)
     p.add_argument("--replay-args", default="", help="more trace_replay.py flags")
     p.add_argument("--startup-s", type=float, default=420)
+    p.add_argument("--port", type=int, default=30000, help="another for a second GPU's runner")
     p.set_defaults(run=job_replay)
     return ap
 

@@ -208,10 +208,16 @@ class RedknotConfig:
         "Captures on miss wait while user requests do; with none waiting, at most this many "
         "prompt tokens of captures start in one prefill batch, so a request that arrives then "
         "waits for one such step (redknot.integration.capture_order). Measured on the 8B shape "
-        "(H200): at 2048 the first token of a request that arrives behind captures takes 1.127x "
-        "as long (p50) and the most is reused; at 1024, 1.073x and less is reused "
-        "(docs/reuse.md).",
+        "(H200) with a fixed step: at 2048 the first token of a request that arrives behind "
+        "captures takes 1.127x as long (p50) and the most is reused; at 1024, 1.073x and less "
+        "is reused (docs/reuse.md).",
         default=2048,
+    )
+    capture_step_fraction: float = _opt(
+        "A step of captures is also at most this fraction of the shortest of the last 8 user "
+        "prompts (and at least 256 tokens), so that short prompts wait little behind captures "
+        "(0: the fixed --redknot-capture-step-tokens only).",
+        default=0.1,
     )
     auto_segments: str = _opt(
         "Segments in unmarked prompts: 'off', or 'cdc' (a /generate prompt's tokens are cut "
@@ -318,6 +324,14 @@ class RedknotConfig:
         if self.kernel not in KERNEL_CHOICES:
             raise RedknotConfigError(
                 f"--redknot-kernel {self.kernel!r} is not one of {', '.join(KERNEL_CHOICES)}"
+            )
+        if isinstance(self.capture_step_fraction, bool) or not (
+            isinstance(self.capture_step_fraction, (int, float))
+            and 0 <= self.capture_step_fraction <= 1
+        ):
+            raise RedknotConfigError(
+                "--redknot-capture-step-fraction must be a number in [0, 1] (0: the fixed "
+                f"--redknot-capture-step-tokens only), got {self.capture_step_fraction!r}"
             )
         if isinstance(self.segment_fraction, bool) or not (
             isinstance(self.segment_fraction, (int, float)) and 0 <= self.segment_fraction <= 0.9

@@ -12,7 +12,7 @@ The rule, applied each time the scheduler builds a prefill batch
 | waiting                          | what the batch may take                                  |
 | -------------------------------- | -------------------------------------------------------- |
 | no capture                       | as SGLang decides (unchanged)                            |
-| captures only                    | the first of them up to ``--redknot-capture-step-tokens`` prompt tokens (at least one) |
+| captures only                    | the first of them up to one step of prompt tokens (at least one) |
 | user requests and captures       | the user requests only; the captures keep their places at the end of the queue, for a later batch |
 | captures, a user prompt in flight | nothing from the queue: the next chunk of the user's prompt runs alone; the captures keep their places |
 
@@ -23,12 +23,15 @@ requests after the chunk, up to the chunk size) and delay the user's first token
 (the replayed RAG prompts of ``benchmarks/trace_replay.py`` are 9-25K tokens, SGLang's chunks
 8,192 on the H100 and H200).
 
-So a user request that arrives while captures run waits for one step of at most
-``--redknot-capture-step-tokens`` (default 2,048) capture tokens (a 2K prompt takes 57 ms on
-the 8B shape, H200, ``ttft_all_sizes.json``) instead of every capture queued before it;
-measured on that shape, the captures of one replayed request delay the next one's first token
-12.7% at the default step and 7.3% at 1,024 (``trace_replay_capture_step_h200.json``,
-docs/reuse.md). What it does not do: a capture already running is not stopped (SGLang
+So a user request that arrives while captures run waits for one step of captures instead of
+every capture queued before it. The step is a fraction (``--redknot-capture-step-fraction``,
+default 0.1) of the shortest of the last 8 user prompts, at least 256 tokens and at most
+``--redknot-capture-step-tokens`` (default 2,048): a step costs about its tokens' prefill, so
+the wait stays a small part of the users' own prefill whatever their length (a 2K-token step,
+57 ms on the 8B shape, H200, ``ttft_all_sizes.json``, is most of a 2K chat prompt's first
+token, a ninth of a 16K RAG prompt's). Measured on that shape with a fixed step, the captures
+of one replayed request delayed the next one's first token 12.7% at 2,048 and 7.3% at 1,024
+(``trace_replay_capture_step_h200.json``, docs/reuse.md). What it does not do: a capture already running is not stopped (SGLang
 continues a chunked prompt first, and a forward step under way is not interrupted), so a
 capture longer than the step still takes steps of SGLang's chunk size; and under load that
 never leaves the queue empty, captures wait (they hold no memory while queued; the HTTP side
@@ -39,6 +42,7 @@ tensor-parallel server sees the same queue and takes the same decision. Client r
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -51,6 +55,9 @@ from redknot.config import RedknotConfig
 T = TypeVar("T")
 
 CAPTURE_STEP_TOKENS: int = RedknotConfig.__dataclass_fields__["capture_step_tokens"].default
+CAPTURE_STEP_FRACTION: float = RedknotConfig.__dataclass_fields__["capture_step_fraction"].default
+MIN_STEP_TOKENS = 256  # about one automatic chunk: a smaller step would cost more than it saves
+RECENT_USERS = 8  # the step follows the shortest of this many latest user prompts
 
 
 @dataclasses.dataclass
@@ -62,6 +69,7 @@ class OrderStats:
     capture_steps_cut: int = 0  # prefill batches of captures only, cut at the step's tokens
     captures_held: int = 0  # captures left waiting by those batches (summed over batches)
     chunks_alone: int = 0  # of batches_for_users: a user prompt's next chunk, captures held
+    step_tokens: int = CAPTURE_STEP_TOKENS  # the step the latest captures-only batch was cut at
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -70,15 +78,43 @@ class OrderStats:
 STATS = OrderStats()  # one per scheduler process
 
 
-def step_tokens() -> int:
-    """``--redknot-capture-step-tokens`` of this server (its default where none was resolved)."""
-    text = envs.REDKNOT_RESOLVED_CONFIG.get()
-    return CAPTURE_STEP_TOKENS if text is None else _step_tokens_of(text)
+class StepRule:
+    """How many prompt tokens of captures may start in one batch: ``fraction`` of the shortest
+    of the last :data:`RECENT_USERS` user prompts, at least :data:`MIN_STEP_TOKENS`, at most
+    ``max_tokens`` (``max_tokens`` alone while no user prompt was seen, or with ``fraction``
+    0)."""
+
+    def __init__(self, max_tokens: int, fraction: float):
+        self.max_tokens, self.fraction = max_tokens, fraction
+        self._recent: collections.OrderedDict[Any, int] = collections.OrderedDict()
+
+    def saw_user(self, key: Any, tokens: int) -> None:
+        """A user prompt of ``tokens`` tokens (``key`` identifies it: seen again, it counts
+        once)."""
+        self._recent[key] = tokens
+        self._recent.move_to_end(key)
+        while len(self._recent) > RECENT_USERS:
+            self._recent.popitem(last=False)
+
+    def tokens(self) -> int:
+        if not self.fraction or not self._recent:
+            return self.max_tokens
+        scaled = round(self.fraction * min(self._recent.values()))
+        return max(min(self.max_tokens, MIN_STEP_TOKENS), min(self.max_tokens, scaled))
+
+
+def step_rule() -> StepRule:
+    """This scheduler's :class:`StepRule`, from ``--redknot-capture-step-tokens`` and
+    ``--redknot-capture-step-fraction`` (their defaults where no configuration was resolved)."""
+    return _rule_of(envs.REDKNOT_RESOLVED_CONFIG.get())
 
 
 @functools.cache
-def _step_tokens_of(text: str) -> int:
-    return RedknotConfig.from_json(text).capture_step_tokens
+def _rule_of(text: str | None) -> StepRule:
+    if text is None:
+        return StepRule(CAPTURE_STEP_TOKENS, CAPTURE_STEP_FRACTION)
+    config = RedknotConfig.from_json(text)
+    return StepRule(config.capture_step_tokens, config.capture_step_fraction)
 
 
 def is_capture(req: Any) -> bool:
@@ -128,7 +164,12 @@ def around_get_new_batch_prefill(original, self, *args, **kwargs):
         return original(self, *args, **kwargs)
     chunked = getattr(self, "chunked_req", None)
     in_flight = chunked is not None and not is_capture(chunked)
-    now, held = split_queue(queue, is_capture, prompt_tokens, step_tokens(), in_flight)
+    rule = step_rule()
+    for req in queue:
+        if not is_capture(req):
+            rule.saw_user(getattr(req, "rid", None) or id(req), prompt_tokens(req))
+    step = rule.tokens()
+    now, held = split_queue(queue, is_capture, prompt_tokens, step, in_flight)
     if not held:
         return original(self, *args, **kwargs)
     self.waiting_queue = now
@@ -139,6 +180,7 @@ def around_get_new_batch_prefill(original, self, *args, **kwargs):
     if batch is not None:  # SGLang built a batch (None: nothing could be scheduled now)
         if now and is_capture(now[0]):
             STATS.capture_steps_cut += 1
+            STATS.step_tokens = step
         else:
             STATS.batches_for_users += 1
             if not now:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from redknot.integration.capture_order import CAPTURE_STEP_TOKENS
+from redknot.integration.capture_order import CAPTURE_STEP_FRACTION, CAPTURE_STEP_TOKENS
 from tests.api.conftest import FakeTokenizerManager
 
 TINY_LLAMA = {
@@ -248,7 +248,7 @@ class EngineClock:
     One forward step at a time, as SGLang's scheduler: a step continues the prompt whose prefill
     is under way (chunked prefill), then takes the waiting prompts in arrival order up to
     ``chunk_tokens`` tokens, holding captures on miss back while a user prompt waits or is
-    under way (and letting only ``capture_step_tokens`` of captures start in a step) as redknot's
+    under way (and letting only one step of captures start, ``StepRule``) as redknot's
     scheduler hook does (``redknot.integration.capture_order``; ``captures_yield=False``: plain
     arrival order, SGLang without the hook). A step lasts ``us_per_token`` microseconds per
     token it computes; a prompt is served (its store effects happen) when its last token is
@@ -262,17 +262,21 @@ class EngineClock:
         chunk_tokens: int = 8192,
         captures_yield: bool = True,
         capture_step_tokens: int = CAPTURE_STEP_TOKENS,
+        capture_step_fraction: float = CAPTURE_STEP_FRACTION,
     ):
+        from redknot.integration.capture_order import StepRule
+
         self.us_per_token, self.chunk_tokens = us_per_token, chunk_tokens
         self.captures_yield, self.capture_step_tokens = captures_yield, capture_step_tokens
-        self._waiting: deque[list] = deque()  # [tokens left, future, capture, started]
+        self.step_rule = StepRule(capture_step_tokens, capture_step_fraction)
+        self._waiting: deque[list] = deque()  # [tokens left, future, capture, started, tokens]
         self._boundary: list[asyncio.Future] = []
         self._task: asyncio.Task | None = None
 
     async def prefill(self, tokens: int, capture: bool = False) -> None:
         """Return once a prompt of ``tokens`` tokens has been computed."""
         done = asyncio.get_running_loop().create_future()
-        self._waiting.append([max(tokens, 1), done, capture, False])
+        self._waiting.append([max(tokens, 1), done, capture, False, max(tokens, 1)])
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
         await done
@@ -292,8 +296,11 @@ class EngineClock:
         rest = [item for item in self._waiting if not item[3]]
         if self.captures_yield:
             in_flight = any(not item[2] for item in started)  # a user prompt's next chunk
+            for item in rest:
+                if not item[2]:
+                    self.step_rule.saw_user(id(item), item[4])
             rest, _ = split_queue(
-                rest, lambda item: item[2], lambda item: item[0], self.capture_step_tokens,
+                rest, lambda item: item[2], lambda item: item[0], self.step_rule.tokens(),
                 in_flight,
             )  # fmt: skip
         return started + rest

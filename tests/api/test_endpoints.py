@@ -47,7 +47,7 @@ def test_register_list_delete_stats(make_api, client, bpe_tokenizer):
     assert stats["api"]["registrations"] == 1 and stats["api"]["segments_marked"] == 1
     assert stats["namespaces"] == ["default", "kb"]
     assert set(stats["capture_order"]) == {"batches_for_users", "capture_steps_cut",
-                                           "captures_held", "chunks_alone"}  # fmt: skip
+                                           "captures_held", "chunks_alone", "step_tokens"}  # fmt: skip
     assert "capture_order" not in stats["store"]
     one = client.get("/redknot/stats", params={"namespace": "kb"}).json()
     assert one["namespace"] == "kb" and "capture_order" not in one

@@ -12,6 +12,14 @@ from redknot.integration import capture_order
 from redknot.segcache.entry import segment_id
 
 
+@pytest.fixture(autouse=True)
+def _fresh_rule():
+    """Each test starts with a step rule that has seen no user prompt."""
+    capture_order._rule_of.cache_clear()
+    yield
+    capture_order._rule_of.cache_clear()
+
+
 def _req(name: str, tokens: int, kind: str = "user"):
     ids = list(range(tokens))
     mark = SegmentMark(0, tokens, "ns", segment_id("ns", ids))
@@ -90,8 +98,8 @@ def test_held_captures_come_back_when_scheduling_fails():
 
 
 def test_captures_alone_start_a_step_of_a_bounded_size():
-    step = capture_order.step_tokens()
-    assert step == capture_order.CAPTURE_STEP_TOKENS  # no server resolved here: the default
+    step = capture_order.step_rule().tokens()
+    assert step == capture_order.CAPTURE_STEP_TOKENS  # no user seen, no server: the default
     original, seen = _sglang_like(budget=8192)
     sched = SimpleNamespace(waiting_queue=[
         _req("c1", step - 500, "capture"), _req("c2", 1000, "capture"),
@@ -119,7 +127,8 @@ def test_a_users_prompt_in_flight_holds_every_capture(monkeypatch):
     sched.waiting_queue.insert(1, _req("u2", 20))  # a user request arrives meanwhile
     assert capture_order.around_get_new_batch_prefill(original, sched, None) == ["u2"]
     assert capture_order.STATS.as_dict() == {
-        "batches_for_users": 2, "capture_steps_cut": 0, "captures_held": 4, "chunks_alone": 1}  # fmt: skip
+        "batches_for_users": 2, "capture_steps_cut": 0, "captures_held": 4, "chunks_alone": 1,
+        "step_tokens": capture_order.CAPTURE_STEP_TOKENS}  # fmt: skip
     sched.chunked_req = _req("c0", 500, "capture")  # a capture's own chunks do not hold others
     assert capture_order.around_get_new_batch_prefill(original, sched, None) == ["c1", "c2"]
     sched.chunked_req = None
@@ -162,18 +171,21 @@ def test_sglangs_own_method_runs_through_the_hook(sglang_plugins):
 def test_the_rule_counts_what_it_held_back(monkeypatch):
     monkeypatch.setattr(capture_order, "STATS", capture_order.OrderStats())
     original, _ = _sglang_like(budget=10_000)
-    step = capture_order.step_tokens()
     sched = SimpleNamespace(waiting_queue=[_req("c1", 30, "capture"), _req("u1", 20)])
     capture_order.around_get_new_batch_prefill(original, sched, None)  # u1 only, c1 held
+    step = capture_order.step_rule().tokens()
+    assert step == capture_order.MIN_STEP_TOKENS  # a 20-token user prompt: the smallest step
     assert capture_order.STATS.as_dict() == {
-        "batches_for_users": 1, "capture_steps_cut": 0, "captures_held": 1, "chunks_alone": 0}  # fmt: skip
+        "batches_for_users": 1, "capture_steps_cut": 0, "captures_held": 1, "chunks_alone": 0,
+        "step_tokens": capture_order.CAPTURE_STEP_TOKENS}  # fmt: skip
     sched.waiting_queue += [_req("c2", step, "capture"), _req("c3", 10, "capture")]
     capture_order.around_get_new_batch_prefill(original, sched, None)  # c1 alone: c2 over step
     capture_order.around_get_new_batch_prefill(original, sched, None)  # c2 alone: c3 over step
     capture_order.around_get_new_batch_prefill(original, sched, None)  # c3: nothing held
     capture_order.around_get_new_batch_prefill(original, sched, None)  # empty queue
     assert capture_order.STATS.as_dict() == {
-        "batches_for_users": 1, "capture_steps_cut": 2, "captures_held": 4, "chunks_alone": 0}  # fmt: skip
+        "batches_for_users": 1, "capture_steps_cut": 2, "captures_held": 4, "chunks_alone": 0,
+        "step_tokens": step}  # fmt: skip
     # a scheduling pass that builds no batch (SGLang returns None) counts nothing
     sched.waiting_queue = [_req("c4", 30, "capture"), _req("u2", 20)]
     capture_order.around_get_new_batch_prefill(lambda self, rb: None, sched, None)
@@ -194,3 +206,46 @@ def test_server_wide_stats_carry_the_rules_counters(monkeypatch):
     assert payload["capture_order"]["batches_for_users"] == 3 and payload["hits"] == 1
     one = json.loads(control.handle(sched, RedknotSegmentsReq(op="stats", namespace="kb")).payload)
     assert "capture_order" not in one  # a namespace's stats are the store's alone
+
+
+def test_the_step_follows_the_shortest_recent_user_prompt():
+    rule = capture_order.StepRule(max_tokens=2048, fraction=0.1)
+    assert rule.tokens() == 2048, "before any user prompt: the fixed step"
+    rule.saw_user("a", 16_000)
+    assert rule.tokens() == 1600
+    rule.saw_user("b", 5_000)
+    assert rule.tokens() == 500, "the shortest recent prompt sets it"
+    rule.saw_user("b", 5_000)  # the same request seen again (still waiting) counts once
+    for k in range(capture_order.RECENT_USERS - 1):  # b and 7 more: b is still in the window
+        rule.saw_user(f"long{k}", 40_000)
+    assert rule.tokens() == 500
+    for k in range(capture_order.RECENT_USERS - 1, capture_order.RECENT_USERS):
+        rule.saw_user(f"long{k}", 40_000)
+    assert rule.tokens() == 2048, "b is out of the window; 10% of 40K is over the maximum"
+    rule.saw_user("chat", 300)
+    assert rule.tokens() == capture_order.MIN_STEP_TOKENS, "never under the smallest step"
+    assert capture_order.StepRule(100, 0.1).tokens() == 100
+    small = capture_order.StepRule(100, 0.1)
+    small.saw_user("chat", 300)
+    assert small.tokens() == 100, "a maximum under the smallest step is kept"
+    fixed = capture_order.StepRule(2048, 0.0)
+    fixed.saw_user("chat", 300)
+    assert fixed.tokens() == 2048, "fraction 0: the fixed step only"
+
+
+def test_a_short_user_prompt_makes_the_next_capture_steps_short(monkeypatch):
+    """After a 3,000-token user prompt the captures start 300 tokens at a time (10%), where
+    2,048 would have started together."""
+    monkeypatch.setattr(capture_order, "STATS", capture_order.OrderStats())
+    original, _ = _sglang_like(budget=8192)
+    sched = SimpleNamespace(waiting_queue=[_req("u1", 3000)] + [
+        _req(f"c{k}", 200, "capture") for k in range(6)])  # fmt: skip
+    batches = []
+    while sched.waiting_queue:
+        batches.append(capture_order.around_get_new_batch_prefill(original, sched, None))
+    assert batches == [["u1"], ["c0"], ["c1"], ["c2"], ["c3"], ["c4"], ["c5"]]
+    assert capture_order.STATS.step_tokens == 300
+    capture_order._rule_of.cache_clear()  # no user seen: the fixed step takes them together
+    sched.waiting_queue = [_req(f"c{k}", 200, "capture") for k in range(6)]
+    assert capture_order.around_get_new_batch_prefill(original, sched, None) == [
+        f"c{k}" for k in range(6)]  # fmt: skip
