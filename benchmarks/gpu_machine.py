@@ -11,6 +11,7 @@ Only the standard library is used: this runs before anything is installed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -57,13 +58,20 @@ def tree_commit(tree: Path) -> str:
 
 
 def unpack_tree(tar: Path, dest: Path) -> Path:
-    """A pristine copy of a ``git archive`` in ``dest``, with the commit it came from."""
+    """A pristine copy of a ``git archive`` in ``dest``, with the commit it came from; kept as
+    it is when it was unpacked from the same archive (a second runner on another GPU of the
+    machine must not remove the tree the first one's server runs from)."""
+    digest = hashlib.sha256(tar.read_bytes()).hexdigest()
+    stamp = dest / ".redknot-archive"
+    if stamp.is_file() and stamp.read_text().strip() == digest:
+        return dest
     subprocess.run(["rm", "-rf", str(dest)], check=True)
     dest.mkdir(parents=True)
     subprocess.run(["tar", "-C", str(dest), "-xf", str(tar)], check=True)
     (dest / ".redknot-commit").write_text((archive_commit(tar) or "unknown") + "\n")
     if (HERE / ".device").exists() and not (dest / ".device").exists():
         (dest / ".device").symlink_to(HERE / ".device")
+    stamp.write_text(digest + "\n")
     return dest
 
 
