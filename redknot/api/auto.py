@@ -40,11 +40,14 @@ SGLang would refuse (too long, invalid ids) are left as they are.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from redknot.api.chunking import Chunker
-from redknot.api.edges import EdgeIndex
+from redknot.api.edges import EdgeIndex, documents
 from redknot.api.options import AUTO_NAMESPACE, AutoSegmentsOption
 
 if TYPE_CHECKING:
@@ -54,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 AUTO_FIELD = "redknot_auto_segments"  # per request: false leaves the prompt unsegmented
 GATE_PROMPT_TOKENS = 8192  # the prompt length at which the gate's break-even is asked
+DOCUMENTS_KEPT = 1 << 12  # cdc-docs: assembled documents remembered for the capture path
 
 
 class AutoSegments:
@@ -62,7 +66,8 @@ class AutoSegments:
     def __init__(self, option: AutoSegmentsOption | None = None):
         self.option = option or AutoSegmentsOption(enabled=False)
         self.chunker = Chunker.of_average(self.option.chunk_tokens)
-        self.edges = EdgeIndex() if self.option.edges else None  # cdc-edges
+        self.edges = EdgeIndex() if self.option.edges else None  # cdc-edges, cdc-docs
+        self._documents: OrderedDict[int, None] = OrderedDict()  # cdc-docs: hashes of tokens
         self.gate_min_tokens: int | None = None  # the reuse gate's break-even, once asked
         self.idle: str | None = None  # why no chunk is marked (the store off, nothing pays)
         self._asked = False
@@ -152,8 +157,33 @@ class AutoSegments:
         chunks = self.chunker.spans(token_ids)[1:-1]  # not the first, not the last
         least = self.min_store_tokens
         if self.edges is not None:  # cut around the documents' edges learned so far
-            chunks = [p for a, b in chunks for p in self.edges.split(token_ids, a, b, least)]
+            pieces = [p for a, b in chunks for p in self.edges.pieces(token_ids, a, b, least)]
+            if self.option.documents:  # a document between two learned edges: one segment
+                pieces = documents(pieces, self.max_document_tokens)
+                for a, b, kind in pieces:
+                    if kind == "document":
+                        self._remember_document(token_ids[a:b])
+            chunks = [(a, b) for a, b, _ in pieces]
         return [(a, b) for a, b in chunks if b - a >= least]
+
+    @property
+    def max_document_tokens(self) -> int:
+        """``cdc-docs``: the longest document made one segment (16 of the longest chunks)."""
+        return 16 * self.chunker.max_tokens
+
+    def _remember_document(self, ids: Sequence[int]) -> None:
+        key = hash(np.asarray(ids, dtype=np.int32).tobytes())
+        self._documents.pop(key, None)
+        self._documents[key] = None
+        if len(self._documents) > DOCUMENTS_KEPT:
+            self._documents.popitem(last=False)
+
+    def is_document(self, ids: Sequence[int]) -> bool:
+        """``cdc-docs``: whether ``ids`` is a document this server assembled from its learned
+        edges (its capture is not deferred: its edges were learned from repeats)."""
+        return bool(self._documents) and (
+            hash(np.asarray(ids, dtype=np.int32).tobytes()) in self._documents
+        )
 
     def learn_edges(self, chunk: Sequence[int]) -> list[list[int]]:
         """``cdc-edges``: the documents' edges newly learned from a chunk the store lacked

@@ -36,7 +36,8 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
 
 Scheduling: the capture is sent after the request that missed has its first token, so it never
 delays that request; in the scheduler it waits while user requests do, and starts in steps of
-at most 2,048 prompt tokens (``redknot.integration.capture_order``), at the lowest priority
+a tenth of the shortest recent user prompt, 256 to 2,048 prompt tokens
+(``redknot.integration.capture_order``), at the lowest priority
 when the server schedules by priority (``--enable-priority-scheduling``).
 At most ``MAX_CONCURRENT`` batches run at once and ``MAX_PENDING`` segments wait; more are
 dropped (counted as ``captures_dropped``: the segment is captured by a later miss). One
@@ -191,11 +192,16 @@ class Capturer:
             if state["state"] in SKIP_STATES or state["status"] == 413:
                 self.api.counters.add(captures_skipped=1)
                 continue
-            if seg[3]:  # a chunk the store lacks: edges it shares with earlier misses
+            document = seg[3] and self._is_document(seg[1])  # cdc-docs: learned, not deferred
+            if seg[3] and not document:  # a chunk the store lacks: edges it shares with misses
                 send += self._edges(seg[0], seg[1])
-            if not seg[3] or self._admit(seg[2]):
+            if not seg[3] or document or self._admit(seg[2]):
                 send.append(seg)
         return send
+
+    def _is_document(self, ids: list[int]) -> bool:
+        auto = getattr(self.api, "auto", None)
+        return auto is not None and auto.is_document(ids)
 
     def _edges(self, ns: str, ids: list[int]) -> list[tuple[str, list[int], str, bool]]:
         """``--redknot-auto-segments cdc-edges``: the documents' edges newly learned from the

@@ -76,7 +76,10 @@ class _Side:
         for other in seen:
             n = common_suffix(seq, other)
             edge = seq[len(seq) - n :]
-            if min_tokens <= n < min(len(seq), len(other)) and edge.tobytes() not in known:
+            if (
+                max(min_tokens, WINDOW) <= n < min(len(seq), len(other))
+                and edge.tobytes() not in known
+            ):
                 new.append(edge)
                 known.add(edge.tobytes())
         if new:
@@ -113,13 +116,47 @@ class EdgeIndex:
         """The chunk ``[start, end)`` of ``token_ids`` cut around the learned edges it starts
         and ends with; pieces shorter than ``min_tokens`` are dropped. Where both edges would
         overlap, the longer one."""
+        return [(a, b) for a, b, _ in self.pieces(token_ids, start, end, min_tokens)]
+
+    def pieces(
+        self, token_ids: Sequence[int], start: int, end: int, min_tokens: int
+    ) -> list[tuple[int, int, str]]:
+        """:meth:`split` with each piece's kind: ``"tail"`` (a learned tail, the end of a
+        document, at the chunk's start), ``"head"`` (a learned head, the start of a document,
+        at its end) or ``"chunk"``."""
         if end - start < WINDOW:
-            return [(start, end)]
+            return [(start, end, "chunk")]
         ids = np.asarray(token_ids[start:end], dtype=np.int32)
         head, tail = self.heads.longest(ids), self.tails.longest(ids[::-1].copy())
         if not head and not tail:
-            return [(start, end)]
+            return [(start, end, "chunk")]
         if head + tail > len(ids):
             head, tail = (head, 0) if head >= tail else (0, tail)
         cuts = [start, start + tail, end - head, end]
-        return [(a, b) for a, b in itertools.pairwise(cuts) if b - a >= min_tokens]
+        kinds = ["tail" if tail else "chunk", "chunk", "head" if head else "chunk"]
+        return [
+            (a, b, kind)
+            for (a, b), kind in zip(itertools.pairwise(cuts), kinds, strict=True)
+            if b - a >= min_tokens
+        ]
+
+
+def documents(
+    pieces: Sequence[tuple[int, int, str]], max_tokens: int
+) -> list[tuple[int, int, str]]:
+    """``pieces`` (in prompt order, from :meth:`EdgeIndex.pieces`) with every run from a
+    learned head to the next learned tail, no other head between them, made one piece of kind
+    ``"document"``: the whole document its edges delimit (what a registration of it would
+    store), at most ``max_tokens`` long."""
+    out: list[tuple[int, int, str]] = []
+    opened: int | None = None  # index in out of the head of the document under way
+    for piece in pieces:
+        out.append(piece)
+        if piece[2] == "head":
+            opened = len(out) - 1
+        elif piece[2] == "tail" and opened is not None:
+            start, end = out[opened][0], piece[1]
+            if end - start <= max_tokens:
+                out[opened:] = [(start, end, "document")]
+            opened = None
+    return out

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 CHAT_MODES = ("off", "messages", "min-tokens:N")
-AUTO_MODES = ("off", "cdc", "cdc-edges")
+AUTO_MODES = ("off", "cdc", "cdc-edges", "cdc-docs")
 AUTO_NAMESPACE = "auto"  # the namespace of automatic chunks
 MIN_AUTO_CHUNK_TOKENS = 16  # smallest --redknot-auto-chunk-tokens (chunks of 4+ tokens)
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}")  # the whole name
@@ -55,10 +55,11 @@ class AutoSegmentsOption:
     chunk_tokens: int = 256
     capture_after: int = 2  # an automatic segment is captured at its N-th miss
     edges: bool = False  # cdc-edges: documents' edges learned from repeats (redknot.api.edges)
+    documents: bool = False  # cdc-docs: and a document between two learned edges one segment
 
     @classmethod
     def parse(cls, mode: str, chunk_tokens: int, capture_after: int = 2) -> AutoSegmentsOption:
-        """``mode``: ``off`` | ``cdc``; ``chunk_tokens``: an integer >= 16; ``capture_after``:
+        """``mode``: one of :data:`AUTO_MODES`; ``chunk_tokens``: an integer >= 16; ``capture_after``:
         an integer >= 1. ValueError else."""
         if mode not in AUTO_MODES:
             raise ValueError(
@@ -85,7 +86,8 @@ class AutoSegmentsOption:
             enabled=mode != "off",
             chunk_tokens=chunk_tokens,
             capture_after=capture_after,
-            edges=mode == "cdc-edges",
+            edges=mode in ("cdc-edges", "cdc-docs"),
+            documents=mode == "cdc-docs",
         )
 
 

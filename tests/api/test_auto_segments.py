@@ -10,6 +10,7 @@ import types
 import pytest
 
 from redknot.api.marks import decode_marks
+from redknot.segcache.entry import segment_id
 
 _WORDS = (
     "river stone market winter lantern copper harbor orchard signal thunder velvet garden "
@@ -400,3 +401,59 @@ def test_the_edge_mode_parses_and_unknown_modes_are_refused():
     assert not AutoSegmentsOption.parse("cdc", 256).edges
     with pytest.raises(ValueError, match="cdc-edges"):
         AutoSegmentsOption.parse("edges", 256)
+
+
+def test_documents_between_learned_edges_are_served_whole(make_server, client, smollm_tokenizer):
+    """``cdc-docs``: once a document's head and tail are learned, a later prompt marks the
+    document (with the separator tokens its learned edges share across prompts) as one segment,
+    captured at that first miss, and a prompt after that reuses it whole; ``cdc-edges`` marks
+    the same stream in more, smaller segments and never a whole document."""
+    orders = [[0, 1, 2, 3], [2, 0, 3, 1], [1, 3, 0, 2], [3, 2, 1, 0], [0, 2, 1, 3], [3, 1, 2, 0],
+              [1, 0, 3, 2], [2, 3, 0, 1]]  # fmt: skip
+    orders += [random.Random(k).sample(range(4), 4) for k in range(12)]
+    docs = [smollm_tokenizer.encode(d, add_special_tokens=False) for d in DOCS]
+
+    def whole_documents(last) -> list[tuple[int, int]]:
+        """``(start, tokens)`` of the marks of ``last`` that hold a whole document and at most
+        8 tokens more."""
+        ids, out = list(last.input_ids), []
+        for m in marks_of(last):
+            span = ids[m.start : m.end]
+            for doc in docs:
+                inside = any(span[i : i + len(doc)] == doc for i in range(len(span) - len(doc) + 1))
+                if inside and len(span) - len(doc) <= 8:
+                    out.append((m.start, m.end - m.start))
+        return out
+
+    marked = {}
+    for mode in ("cdc-edges", "cdc-docs"):
+        server = make_server(auto_segments=mode, region_tokens=65536)
+        counts, assembled, served_whole = [], 0, 0
+        for k, order in enumerate(orders):
+            out = generate(client, rag_prompt(f"System prompt {k}.", order, f"Question {k}?"))
+            counts.append(len(marks_of(server.tm.last)))
+            whole = whole_documents(server.tm.last)
+            (report,) = out["meta_info"]["redknot_reuse"]
+            hits = {(h["start"], h["tokens"]) for h in report["segments"]}
+            assembled += len(whole)
+            served_whole += len(hits & set(whole))
+        marked[mode] = sum(counts[-6:])
+        if mode == "cdc-edges":
+            assert assembled == 0, "cdc-edges never marks a whole document"
+        else:
+            assert assembled > served_whole > 0, (assembled, served_whole)
+    assert marked["cdc-docs"] < marked["cdc-edges"], marked
+
+
+def test_documents_join_a_learned_head_to_the_next_learned_tail():
+    from redknot.api.edges import documents
+
+    pieces = [(0, 10, "chunk"), (10, 20, "head"), (20, 30, "chunk"), (30, 35, "tail"),
+              (35, 40, "chunk"), (40, 50, "head"), (50, 60, "chunk"), (60, 70, "head"),
+              (70, 80, "tail"), (80, 90, "tail")]  # fmt: skip
+    assert documents(pieces, max_tokens=100) == [
+        (0, 10, "chunk"), (10, 35, "document"), (35, 40, "chunk"), (40, 50, "head"),
+        (50, 60, "chunk"), (60, 80, "document"), (80, 90, "tail")]  # fmt: skip
+    # a head whose next tail is farther than the longest document: the pieces stay
+    assert documents(pieces[:4], max_tokens=24) == pieces[:4]
+    assert documents([(0, 5, "tail"), (5, 9, "chunk")], 100) == [(0, 5, "tail"), (5, 9, "chunk")]
