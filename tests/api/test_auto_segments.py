@@ -10,7 +10,6 @@ import types
 import pytest
 
 from redknot.api.marks import decode_marks
-from redknot.segcache.entry import segment_id
 
 _WORDS = (
     "river stone market winter lantern copper harbor orchard signal thunder velvet garden "
