@@ -23,7 +23,11 @@ Which chunks of a ``/generate`` prompt become segments:
 
 Under ``cdc-edges`` a chunk that starts or ends with a document edge learned from earlier
 misses (``redknot.api.edges``: what chunks straddling two documents lose) is cut there, the
-edge a segment of its own.
+edge a segment of its own; so are a learned head at the end of the first chunk and a learned
+tail at the start of the last (the rest of those two chunks stays unmarked). Under ``cdc-docs``, also a run from a learned head (a document's
+start) to the next learned tail (its end) becomes one segment: the document, as registering it
+would store it (with the separator tokens its edges share across prompts), captured at its first
+miss (``redknot.api.edges.documents``).
 
 ``min_store_tokens`` is the larger of the chunker's minimum and the reuse gate's break-even:
 the shortest segment with which an 8K-token prompt made of such segments is served with reuse
@@ -39,6 +43,7 @@ SGLang would refuse (too long, invalid ids) are left as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -57,7 +62,18 @@ logger = logging.getLogger(__name__)
 
 AUTO_FIELD = "redknot_auto_segments"  # per request: false leaves the prompt unsegmented
 GATE_PROMPT_TOKENS = 8192  # the prompt length at which the gate's break-even is asked
-DOCUMENTS_KEPT = 1 << 12  # cdc-docs: assembled documents remembered for the capture path
+DOCUMENTS_KEPT = 1 << 12  # cdc-docs: assembled documents remembered
+DOCUMENTS_DUE = 64  # cdc-docs: documents waiting for the next capture, at most
+
+
+@dataclasses.dataclass
+class _Document:
+    """``cdc-docs``: a run from a learned head to the next learned tail, seen in prompts."""
+
+    pieces: tuple[tuple[int, int], ...]  # the chunks and edges it would replace (offsets in it)
+    sightings: int = 0  # prompts that held it while it was not stored
+    queued: bool = False  # waiting in the capture queue
+    stored: bool = False  # captured (the store may have evicted it since)
 
 
 class AutoSegments:
@@ -67,7 +83,8 @@ class AutoSegments:
         self.option = option or AutoSegmentsOption(enabled=False)
         self.chunker = Chunker.of_average(self.option.chunk_tokens)
         self.edges = EdgeIndex() if self.option.edges else None  # cdc-edges, cdc-docs
-        self._documents: OrderedDict[int, None] = OrderedDict()  # cdc-docs: hashes of tokens
+        self._documents: OrderedDict[int, _Document] = OrderedDict()  # cdc-docs, by token hash
+        self._due: OrderedDict[int, list[int]] = OrderedDict()  # cdc-docs: to capture next
         self.gate_min_tokens: int | None = None  # the reuse gate's break-even, once asked
         self.idle: str | None = None  # why no chunk is marked (the store off, nothing pays)
         self._asked = False
@@ -154,15 +171,19 @@ class AutoSegments:
         """The token ranges of ``token_ids`` to mark as segments of ``AUTO_NAMESPACE``."""
         if self.idle is not None:
             return []
-        chunks = self.chunker.spans(token_ids)[1:-1]  # not the first, not the last
+        every = self.chunker.spans(token_ids)
+        chunks = every[1:-1]  # not the first, not the last
         least = self.min_store_tokens
         if self.edges is not None:  # cut around the documents' edges learned so far
             pieces = [p for a, b in chunks for p in self.edges.pieces(token_ids, a, b, least)]
-            if self.option.documents:  # a document between two learned edges: one segment
-                pieces = documents(pieces, self.max_document_tokens)
-                for a, b, kind in pieces:
-                    if kind == "document":
-                        self._remember_document(token_ids[a:b])
+            if len(every) > 1:  # the first chunk's learned head, the last one's learned tail
+                first, last = every[0], every[-1]
+                heads = self.edges.pieces(token_ids, *first, least)
+                tails = self.edges.pieces(token_ids, *last, least)
+                pieces = [p for p in heads if p[2] == "head"] + pieces
+                pieces += [p for p in tails if p[2] == "tail"]
+            if self.option.documents:  # a stored document between two learned edges: one segment
+                pieces = self._with_documents(token_ids, pieces)
             chunks = [(a, b) for a, b, _ in pieces]
         return [(a, b) for a, b in chunks if b - a >= least]
 
@@ -171,19 +192,73 @@ class AutoSegments:
         """``cdc-docs``: the longest document made one segment (16 of the longest chunks)."""
         return 16 * self.chunker.max_tokens
 
-    def _remember_document(self, ids: Sequence[int]) -> None:
-        key = hash(np.asarray(ids, dtype=np.int32).tobytes())
-        self._documents.pop(key, None)
-        self._documents[key] = None
+    def _with_documents(
+        self, token_ids: Sequence[int], pieces: list[tuple[int, int, str]]
+    ) -> list[tuple[int, int, str]]:
+        """``pieces`` with each document run (:func:`redknot.api.edges.documents`) that was
+        captured made one piece; the others stay pieces, and a run seen in
+        ``--redknot-auto-capture-after`` prompts is queued for capture (a run is a document
+        when it recurs: where a head between was not learned yet, it holds two documents)."""
+        out: list[tuple[int, int, str]] = []
+        for a, b, kind in documents(pieces, self.max_document_tokens):
+            inside = [p for p in pieces if a <= p[0] and p[1] <= b]
+            if kind != "document" or self._document_sighted(token_ids[a:b], inside, a):
+                out.append((a, b, kind))
+            else:
+                out += inside
+        return out
+
+    def _document_sighted(
+        self, ids: Sequence[int], inside: list[tuple[int, int, str]], start: int
+    ) -> bool:
+        """Count a sighting of the run ``ids``; whether it is stored (served whole)."""
+        key = _hash(ids)
+        doc = self._documents.pop(key, None) or _Document(
+            tuple((x - start, y - start) for x, y, _ in inside)
+        )
+        self._documents[key] = doc
         if len(self._documents) > DOCUMENTS_KEPT:
-            self._documents.popitem(last=False)
+            self._due.pop(self._documents.popitem(last=False)[0], None)
+        if doc.stored:
+            return True
+        doc.sightings += 1
+        if doc.sightings >= self.option.capture_after and not doc.queued:
+            doc.queued = True
+            self._due[key] = list(ids)
+            if len(self._due) > DOCUMENTS_DUE:
+                dropped, _ = self._due.popitem(last=False)
+                if dropped in self._documents:
+                    self._documents[dropped].queued = False
+        return False
+
+    def documents_due(self) -> list[list[int]]:
+        """``cdc-docs``: the documents to capture now (taken off the queue)."""
+        due, self._due = list(self._due.values()), OrderedDict()
+        return due
+
+    def document_stored(self, ids: Sequence[int], stored: bool = True) -> None:
+        """``cdc-docs``: the capture of document ``ids`` ended (``stored``: in the store)."""
+        doc = self._documents.get(_hash(ids))
+        if doc is not None:
+            doc.queued, doc.stored = False, stored
+
+    def document_unqueued(self, ids: Sequence[int]) -> None:
+        """``cdc-docs``: document ``ids`` left the capture path (a later sighting queues it
+        again unless it was stored)."""
+        doc = self._documents.get(_hash(ids))
+        if doc is not None:
+            doc.queued = False
 
     def is_document(self, ids: Sequence[int]) -> bool:
-        """``cdc-docs``: whether ``ids`` is a document this server assembled from its learned
-        edges (its capture is not deferred: its edges were learned from repeats)."""
-        return bool(self._documents) and (
-            hash(np.asarray(ids, dtype=np.int32).tobytes()) in self._documents
-        )
+        """``cdc-docs``: whether ``ids`` is a document run this server assembled from its
+        learned edges (captured when due, whatever its misses)."""
+        return bool(self._documents) and _hash(ids) in self._documents
+
+    def document_pieces(self, ids: Sequence[int]) -> list[list[int]] | None:
+        """``cdc-docs``: the chunks and edges (token ids) that the document ``ids`` replaces;
+        None: not a document run."""
+        doc = self._documents.get(_hash(ids)) if self._documents else None
+        return None if doc is None else [list(ids[a:b]) for a, b in doc.pieces]
 
     def learn_edges(self, chunk: Sequence[int]) -> list[list[int]]:
         """``cdc-edges``: the documents' edges newly learned from a chunk the store lacked
@@ -203,6 +278,10 @@ class AutoSegments:
         n = len(token_ids)
         chunks = [(0, n)] if n <= self.chunker.max_tokens else self.chunker.spans(token_ids)
         return [(a, b) for a, b in chunks if b - a >= self.min_store_tokens]
+
+
+def _hash(ids: Sequence[int]) -> int:
+    return hash(np.asarray(ids, dtype=np.int32).tobytes())
 
 
 def gate_state(scheduler: Any) -> dict[str, Any]:

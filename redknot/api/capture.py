@@ -26,7 +26,10 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
    miss. A request that misses a chunk while another request's capture is deciding about it
    adds its miss to that decision. Under ``--redknot-auto-segments cdc-edges`` every missing
    chunk also teaches the documents' edges it shares with earlier misses
-   (``redknot.api.edges``), and those are sent now;
+   (``redknot.api.edges``), and those are sent now; under ``cdc-docs`` a document assembled
+   from its learned edges is captured at its first miss (its edges were learned from repeats),
+   and once it is stored the chunks and edges it replaces are deleted (one control request;
+   ``captures_superseded``): kept, they would hold the region twice;
 4. sends the rest as **one batched registration** (``max_new_tokens=0``, each prompt marked
    ``redknot_capture``; at most ``MAX_BATCH_TOKENS`` tokens per batch): the scheduler computes
    their standalone K/V (positions from 0, no prefix) as ``POST /redknot/segments`` does, in as
@@ -63,6 +66,7 @@ from typing import Any
 
 from redknot.api import control
 from redknot.api.marks import SegmentMark, encode_marks, segment_id
+from redknot.api.options import AUTO_NAMESPACE
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +131,9 @@ class Capturer:
         count = self.api.counters.add
         mine: list[tuple[str, list[int], str, bool]] = []
         taken: set[str] = set()
+        auto = getattr(self.api, "auto", None)
+        due = auto.documents_due() if auto is not None and segments else []
+        segments = [*segments, *((AUTO_NAMESPACE, ids, True) for ids in due)]
         try:
             for ns, ids, chunk in segments:
                 sid = segment_id(ns, ids)
@@ -151,6 +158,8 @@ class Capturer:
             logger.warning("redknot capture: failed: %s: %s", type(e).__name__, e)
         finally:
             self._release(taken, set(taken))
+            for ids in due:  # decided, dropped or failed: queued again at a later sighting
+                auto.document_unqueued(ids)
 
     def _release(self, held: set[str], done: set[str]) -> None:
         """The segments ``done`` of this capture's ``held`` are no longer under way here
@@ -191,6 +200,8 @@ class Capturer:
         for seg, state in zip(segments, states, strict=True):
             if state["state"] in SKIP_STATES or state["status"] == 413:
                 self.api.counters.add(captures_skipped=1)
+                if seg[3] and self._is_document(seg[1]):  # cdc-docs: stored, or never will be
+                    self.api.auto.document_stored(seg[1], state["state"] in SKIP_STATES)
                 continue
             document = seg[3] and self._is_document(seg[1])  # cdc-docs: learned, not deferred
             if seg[3] and not document:  # a chunk the store lacks: edges it shares with misses
@@ -220,8 +231,14 @@ class Capturer:
         await self._register([(ns, ids, sid) for ns, ids, sid, _ in batch])
         tm = self.api.tokenizer_manager
         states = await control.registrations(tm, [(ns, sid) for ns, _, sid, _ in batch])
-        for (ns, ids, sid, _), state in zip(batch, states, strict=True):
-            if state["state"] in SKIP_STATES:
+        superseded: list[tuple[str, str]] = []
+        for (ns, ids, sid, chunk), state in zip(batch, states, strict=True):
+            stored = state["state"] in SKIP_STATES
+            if chunk and self._is_document(ids):  # cdc-docs: served whole from now on
+                self.api.auto.document_stored(ids, stored)
+                if stored:  # and the chunks and edges it replaces are freed
+                    superseded += self._pieces_of(ns, ids)
+            if stored:
                 count(captures_stored=1)
             else:
                 count(captures_failed=1)
@@ -229,6 +246,16 @@ class Capturer:
                     "redknot capture: segment %s (%d tokens, namespace %r) not stored: %s",
                     sid, len(ids), ns, state["reason"],
                 )  # fmt: skip
+        if superseded:
+            freed = await control.deletes(tm, superseded)
+            count(captures_superseded=sum(freed))
+
+    def _pieces_of(self, ns: str, ids: list[int]) -> list[tuple[str, str]]:
+        """``cdc-docs``: the segments (namespace, id) that the assembled document ``ids``
+        replaces; none for any other segment."""
+        auto = getattr(self.api, "auto", None)
+        pieces = auto.document_pieces(ids) if auto is not None else None
+        return [(ns, segment_id(ns, piece)) for piece in pieces or ()]
 
     async def _register(self, segments: list[tuple[str, list[int], str]]) -> None:
         """Send ``segments`` as one batch of registrations (one scheduler request each, sent

@@ -30,7 +30,7 @@ from sglang.srt.managers.io_struct import BaseReq
 
 logger = logging.getLogger(__name__)
 
-OPS = ("list", "delete", "stats", "registration", "registrations", "gate")
+OPS = ("list", "delete", "deletes", "stats", "registration", "registrations", "gate")
 TIMEOUT_S = 60.0
 
 
@@ -94,6 +94,9 @@ def handle(scheduler: Any, req: RedknotSegmentsReq) -> RedknotSegmentsReqOutput:
                 "deleted": True,
                 "freed_now": bool(store.delete(req.namespace, req.segment_id)),
             }
+        elif req.op == "deletes":  # many at once; one not stored is skipped (False)
+            pairs = zip(req.namespaces or (), req.segment_ids or (), strict=True)
+            payload = [_delete_if_stored(store, ns, sid) for ns, sid in pairs]
         elif req.op == "stats":
             payload = store.stats(req.namespace)
             if req.namespace is None:  # server-wide: what the capture-order rule did
@@ -184,6 +187,23 @@ async def call(
     if out.status != 200:
         raise ControlError(out.status, out.message)
     return json.loads(out.payload)
+
+
+def _delete_if_stored(store: Any, namespace: str, segment_id: str) -> bool:
+    try:
+        store.delete(namespace, segment_id)
+    except LookupError:
+        return False
+    return True
+
+
+async def deletes(tokenizer_manager: Any, segments: list[tuple[str, str]]) -> list[bool]:
+    """Delete each ``(namespace, segment id)`` the store holds, in one round trip; whether it
+    was there, per segment."""
+    if not segments:
+        return []
+    namespaces, ids = (list(x) for x in zip(*segments, strict=True))
+    return await call(tokenizer_manager, "deletes", namespaces=namespaces, segment_ids=ids)
 
 
 async def registrations(tokenizer_manager: Any, segments: list[tuple[str, str]]) -> list[dict]:

@@ -19,6 +19,10 @@ the capture stores it as a segment of namespace ``auto`` (``redknot.api.capture`
 is a segment of its own. The rest of such a chunk stays a chunk piece, captured at its second
 miss like any chunk.
 
+An edge is at least ``WINDOW`` tokens long: a shorter one's key holds tokens before it, so it
+would be found again only after the same predecessor. Under ``cdc-docs`` :func:`documents`
+joins a learned head and the next learned tail into the document between them (one segment).
+
 Bounded: at most ``KEPT_PER_KEY`` missed chunks per key and ``MAX_KEYS`` keys per side (the
 least recently used forgotten first), and the learned edges of ``MAX_KEYS`` keys; tokens are
 kept as int32 arrays.

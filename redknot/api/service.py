@@ -51,6 +51,7 @@ class ApiCounters:
     auto_requests: int = 0
     auto_chunks_marked: int = 0
     auto_edges_learned: int = 0  # cdc-edges: documents' edges learned (and captured)
+    captures_superseded: int = 0  # cdc-docs: chunks deleted once their document was stored
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas: int) -> None:
