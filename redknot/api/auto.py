@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from redknot.api.chunking import Chunker
+from redknot.api.chunking import WINDOW, Chunker
 from redknot.api.edges import EdgeIndex, documents
 from redknot.api.options import AUTO_NAMESPACE, AutoSegmentsOption
 
@@ -265,7 +265,8 @@ class AutoSegments:
         (``redknot.api.edges``); none without the option."""
         if self.edges is None:
             return []
-        return self.edges.learn(chunk, self.min_store_tokens)
+        boundary = WINDOW if self.option.documents else None  # cdc-docs: shorter ones bound
+        return self.edges.learn(chunk, self.min_store_tokens, boundary)
 
     def message_spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """The token ranges of one chat message's content (its standalone tokens) to mark as

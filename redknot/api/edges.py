@@ -72,7 +72,8 @@ class _Side:
         return table[key]
 
     def learn(self, seq: np.ndarray, min_tokens: int) -> list[np.ndarray]:
-        """Edges newly learned from the missed ``seq`` (oriented: its end is the edge's end)."""
+        """Edges of ``min_tokens`` or more (and at least ``WINDOW``) newly learned from the
+        missed ``seq`` (oriented: its end is the edge's end)."""
         key = _key(seq)
         seen = self._touch(self.seen, key, [])
         known = set(self.edges.get(key, ()))
@@ -105,14 +106,20 @@ class EdgeIndex:
     def __init__(self) -> None:
         self.heads, self.tails = _Side(), _Side()
 
-    def learn(self, chunk: Sequence[int], min_tokens: int) -> list[list[int]]:
-        """The edges (token ids) newly learned from a missed chunk of an unmarked prompt."""
+    def learn(
+        self, chunk: Sequence[int], min_tokens: int, boundary_tokens: int | None = None
+    ) -> list[list[int]]:
+        """The edges (token ids) of ``min_tokens`` or more newly learned from a missed chunk of
+        an unmarked prompt. ``boundary_tokens`` (``cdc-docs``): edges from that length up are
+        learned too, as documents' boundaries for :func:`documents`; only those of
+        ``min_tokens`` or more are returned (to be stored as segments)."""
         ids = np.asarray(chunk, dtype=np.int32)
         if len(ids) < WINDOW:
             return []
-        heads = self.heads.learn(ids, min_tokens)
-        tails = [t[::-1] for t in self.tails.learn(ids[::-1].copy(), min_tokens)]
-        return [e.tolist() for e in heads + tails]
+        least = min(min_tokens, boundary_tokens or min_tokens)
+        heads = self.heads.learn(ids, least)
+        tails = [t[::-1] for t in self.tails.learn(ids[::-1].copy(), least)]
+        return [e.tolist() for e in heads + tails if len(e) >= min_tokens]
 
     def split(
         self, token_ids: Sequence[int], start: int, end: int, min_tokens: int
@@ -120,14 +127,16 @@ class EdgeIndex:
         """The chunk ``[start, end)`` of ``token_ids`` cut around the learned edges it starts
         and ends with; pieces shorter than ``min_tokens`` are dropped. Where both edges would
         overlap, the longer one."""
-        return [(a, b) for a, b, _ in self.pieces(token_ids, start, end, min_tokens)]
+        pieces = self.pieces(token_ids, start, end, min_tokens)
+        return [(a, b) for a, b, _ in pieces if b - a >= min_tokens]
 
     def pieces(
         self, token_ids: Sequence[int], start: int, end: int, min_tokens: int
     ) -> list[tuple[int, int, str]]:
         """:meth:`split` with each piece's kind: ``"tail"`` (a learned tail, the end of a
         document, at the chunk's start), ``"head"`` (a learned head, the start of a document,
-        at its end) or ``"chunk"``."""
+        at its end) or ``"chunk"``; learned edges are kept whatever their length (boundaries
+        for :func:`documents`), chunk pieces only from ``min_tokens``."""
         if end - start < WINDOW:
             return [(start, end, "chunk")]
         ids = np.asarray(token_ids[start:end], dtype=np.int32)
@@ -141,7 +150,7 @@ class EdgeIndex:
         return [
             (a, b, kind)
             for (a, b), kind in zip(itertools.pairwise(cuts), kinds, strict=True)
-            if b - a >= min_tokens
+            if b - a >= min_tokens or (kind != "chunk" and b > a)
         ]
 
 

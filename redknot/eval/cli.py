@@ -165,6 +165,14 @@ def build_parser(prog: str = "python -m redknot.eval") -> argparse.ArgumentParse
         help="reference backend: reuse what --redknot-auto-segments cdc would (its chunks of "
         "about N tokens that lie inside a case segment) instead of the case's segments",
     )
+    p.add_argument(
+        "--auto-mode",
+        choices=("cdc", "cdc-edges", "cdc-docs"),
+        default="cdc",
+        help="reference backend, with --auto-chunks: cdc reuses the chunks inside a case "
+        "segment; cdc-edges and cdc-docs what their store holds after serving 16 prompts of "
+        "the case's documents and two of another case in random orders",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N cases only")
     p.add_argument("--work-dir", default=None, help="keep finished cases here; a rerun resumes")
     p.add_argument("--out", required=True, help="result JSON")
@@ -286,6 +294,8 @@ def make_backend(args: argparse.Namespace) -> FidelityBackend:
         raise SystemExit("error: --head-map is required with --backend reference")
     from redknot.api.options import MIN_AUTO_CHUNK_TOKENS
 
+    if args.auto_mode != "cdc" and args.auto_chunks is None:
+        raise SystemExit(f"error: --auto-mode {args.auto_mode} needs --auto-chunks N")
     if args.auto_chunks is not None and args.auto_chunks < MIN_AUTO_CHUNK_TOKENS:
         raise SystemExit(
             f"error: --auto-chunks must be at least {MIN_AUTO_CHUNK_TOKENS} (the server's "
@@ -302,6 +312,12 @@ def make_backend(args: argparse.Namespace) -> FidelityBackend:
         dtype=getattr(torch, args.dtype),
         max_new_tokens=args.max_new_tokens,
         auto_chunk_tokens=args.auto_chunks,
+        auto_mode=args.auto_mode,
+        auto_pool=(
+            tuple(doc for case in load_cases(args.cases) for doc in case.segments)
+            if args.auto_mode != "cdc"
+            else ()
+        ),
     )
 
 

@@ -10,7 +10,8 @@ prompt are exactly its tokens when cached alone::
 
 ``head`` is the exact-prefix part: a server holds it from earlier requests.
 
-:func:`auto_chunked` serves the same prompt with the segments automatic segments would reuse
+:func:`auto_learned` serves it with what ``cdc-edges`` or ``cdc-docs`` would reuse after the same
+documents were seen in other orders. :func:`auto_chunked` serves the same prompt with the segments automatic segments would reuse
 instead of the case's: the content-defined chunks of the whole prompt that lie inside one of
 its segments (a chunk that straddles two of them, or a segment and new text, differs with the
 neighbour and is computed in full).
@@ -18,6 +19,7 @@ neighbour and is computed in full).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from redknot.eval.cases import Case
@@ -53,6 +55,63 @@ def auto_chunked(composed: ComposedCase, chunk_tokens: int = 256) -> ComposedCas
         if any(s <= a and b <= e for s, e in composed.segments)
     ]
     return ComposedCase(composed.ids, tuple(inside), composed.prefix_len)
+
+
+def auto_learned(
+    tokenizer,
+    case: Case,
+    chunk_tokens: int,
+    mode: str,
+    pool: tuple[str, ...] = (),
+    orders: int = 16,
+    seed: int = 0,
+) -> ComposedCase:
+    """The case's prompt with the segments a server under ``--redknot-auto-segments mode``
+    (``cdc-edges`` or ``cdc-docs``) would reuse after serving ``orders`` prompts of the same
+    documents with two others from ``pool`` (other cases' documents), in random orders (seeded
+    by the case), and then this one: the spans of the prompt that its store holds by then
+    (documents' edges are learned from the different neighbours a retrieval pool gives them).
+    What the store holds follows the capture path
+    (``redknot.api.capture``) with nothing evicted: a chunk is stored at its
+    ``--redknot-auto-capture-after``-th miss, a learned edge at once, a document run once it is
+    due, the pieces it replaces then dropped."""
+    import random
+
+    from redknot.api.auto import AutoSegments
+    from redknot.api.options import AutoSegmentsOption
+
+    auto = AutoSegments(AutoSegmentsOption.parse(mode, chunk_tokens))
+    stored: set[tuple[int, ...]] = set()
+    misses: dict[tuple[int, ...], int] = {}
+    rng = random.Random(f"{seed}:{case.id}")
+    others = [doc for doc in pool if doc not in case.segments]
+    for _ in range(orders):
+        docs = list(case.segments) + rng.sample(others, min(2, len(others)))
+        rng.shuffle(docs)
+        between = (case.between[0], *[case.between[-1]] * (len(docs) - 1))
+        other = dataclasses.replace(case, segments=tuple(docs), between=between)
+        _serve(auto, list(compose(tokenizer, other).ids), stored, misses)
+    composed = compose(tokenizer, case)
+    ids = list(composed.ids)
+    held = tuple((a, b) for a, b in auto.spans(ids) if tuple(ids[a:b]) in stored)
+    return ComposedCase(composed.ids, held, composed.prefix_len)
+
+
+def _serve(auto, ids: list[int], stored: set, misses: dict) -> None:
+    """One prompt through the capture path's decisions (see :func:`auto_learned`)."""
+    for a, b in auto.spans(ids):
+        key = tuple(ids[a:b])
+        if key in stored:
+            continue
+        for edge in auto.learn_edges(key):
+            stored.add(tuple(edge))
+        misses[key] = misses.get(key, 0) + 1
+        if misses[key] >= auto.option.capture_after:
+            stored.add(key)
+    for doc in auto.documents_due():
+        stored.add(tuple(doc))
+        stored.difference_update(tuple(p) for p in auto.document_pieces(doc) or ())
+        auto.document_stored(doc)
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -12,7 +12,7 @@ import torch
 
 from redknot.eval.base import FidelityBackend, PolicyOutput, PolicySetting
 from redknot.eval.cases import Case
-from redknot.eval.compose import ComposedCase, auto_chunked, compose
+from redknot.eval.compose import ComposedCase, auto_chunked, auto_learned, compose
 from redknot.headmap import HeadMap
 from redknot.recovery import (
     POLICIES,
@@ -43,9 +43,13 @@ class ReferenceBackend(FidelityBackend):
         device: str = "cpu",
         max_new_tokens: int = 16,
         auto_chunk_tokens: int | None = None,
+        auto_mode: str = "cdc",
+        auto_pool: tuple[str, ...] = (),
     ) -> None:
         self.runner = ReferenceRunner(hf_model)
         self.auto_chunk_tokens = auto_chunk_tokens  # None: the case's segments
+        self.auto_mode = auto_mode  # cdc: chunks inside segments; cdc-edges, cdc-docs: learned
+        self.auto_pool = auto_pool  # cdc-edges, cdc-docs: other documents, as neighbours
         self.dtype = next(hf_model.parameters()).dtype
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -67,6 +71,8 @@ class ReferenceBackend(FidelityBackend):
         dtype: torch.dtype = torch.float32,
         max_new_tokens: int = 16,
         auto_chunk_tokens: int | None = None,
+        auto_mode: str = "cdc",
+        auto_pool: tuple[str, ...] = (),
     ) -> ReferenceBackend:
         """Load ``model`` (a :func:`redknot.reference.resolve_source` spec, never downloaded)
         in ``dtype`` and the head map file ``head_map``."""
@@ -80,11 +86,19 @@ class ReferenceBackend(FidelityBackend):
             device=device,
             max_new_tokens=max_new_tokens,
             auto_chunk_tokens=auto_chunk_tokens,
+            auto_mode=auto_mode,
+            auto_pool=auto_pool,
         )
 
     def composed(self, case: Case) -> ComposedCase:
         """The case's prompt; its segments, or under ``auto_chunk_tokens`` the chunks of it
-        that automatic segments would reuse."""
+        that automatic segments would reuse (``auto_mode``: ``cdc``, those inside one segment;
+        ``cdc-edges`` / ``cdc-docs``, what the store holds after the documents were seen in
+        other orders, :func:`redknot.eval.compose.auto_learned`)."""
+        if self.auto_chunk_tokens is not None and self.auto_mode != "cdc":
+            return auto_learned(
+                self.tokenizer, case, self.auto_chunk_tokens, self.auto_mode, self.auto_pool
+            )
         composed = compose(self.tokenizer, case)
         if self.auto_chunk_tokens is not None:
             composed = auto_chunked(composed, self.auto_chunk_tokens)
@@ -115,7 +129,12 @@ class ReferenceBackend(FidelityBackend):
             "segments": (
                 "case"
                 if self.auto_chunk_tokens is None
-                else f"auto chunks of ~{self.auto_chunk_tokens} tokens inside the case's segments"
+                else (
+                    f"auto chunks of ~{self.auto_chunk_tokens} tokens inside the case's segments"
+                    if self.auto_mode == "cdc"
+                    else f"--redknot-auto-segments {self.auto_mode} of ~{self.auto_chunk_tokens} "
+                    "tokens after 16 prompts of the case's documents and two others in other orders"
+                )
             ),
         }
 
