@@ -65,3 +65,21 @@ def test_memory_is_bounded_per_key():
     for k in range(3 * KEPT_PER_KEY):
         index.learn(_run(10_000 + 100 * k, 50) + head, 64)  # common suffix 40 < 64: no edge
     assert all(len(seen) <= KEPT_PER_KEY for seen in index.heads.seen.values())
+
+
+def test_boundaries_shorter_than_a_segment_are_learned_but_not_returned():
+    """``cdc-docs``: an edge from the hash window up bounds documents; only those from the
+    shortest segment up are returned (stored)."""
+    from redknot.api.chunking import WINDOW
+
+    head_b = _run(1000, WINDOW + 8)  # longer than the window, shorter than a segment (64)
+    index = EdgeIndex()
+    index.learn(_run(10, 50) + head_b, 64, boundary_tokens=WINDOW)
+    assert index.learn(_run(20, 50) + head_b, 64, boundary_tokens=WINDOW) == []
+    ids = _run(30, 50) + head_b
+    assert index.pieces(ids, 0, len(ids), 64) == [(50, 50 + WINDOW + 8, "head")]
+    assert index.split(ids, 0, len(ids), 64) == []  # too short to be a segment alone
+    plain = EdgeIndex()  # without boundaries (cdc-edges) nothing under the minimum is learned
+    plain.learn(_run(10, 50) + head_b, 64)
+    plain.learn(_run(20, 50) + head_b, 64)
+    assert plain.pieces(ids, 0, len(ids), 64) == [(0, len(ids), "chunk")]

@@ -166,11 +166,18 @@ def test_control_path_through_sglang_dispatchers(sglang_plugins):
     tm._dispatch_to_scheduler = dispatch_to_scheduler
     control.after_tokenizer_dispatcher(None, tm)
 
+    store.segments[("kb", "s2")] = {"id": "s2"}
+
     async def run():
         listed = await control.call(tm, "list", "kb")
         deleted = await control.call(tm, "delete", "kb", "s1")
         with pytest.raises(control.ControlError) as e:
             await control.call(tm, "delete", "kb", "s1")
-        return listed, deleted, e.value.status
+        many = await control.deletes(tm, [("kb", "s2"), ("kb", "s1"), ("other", "s2")])
+        return listed, deleted, e.value.status, many
 
-    assert asyncio.run(run()) == ([{"id": "s1"}], {"deleted": True, "freed_now": True}, 404)
+    assert asyncio.run(run()) == (
+        [{"id": "s1"}, {"id": "s2"}], {"deleted": True, "freed_now": True}, 404,
+        [True, False, False],
+    )  # fmt: skip
+    assert store.segments == {}

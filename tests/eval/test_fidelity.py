@@ -134,6 +134,7 @@ def test_cli_builds_the_sweep():
         (["--mass-thresh", "2"], "mass_thresh must lie in"),
         (["--redknot-settings", "dense=3"], "not knob=value"),
         (["--dense-layers", "4,8", "--redknot-settings", "mass_thresh=0.5"], "several values"),
+        (["--auto-mode", "cdc-docs"], "--auto-mode cdc-docs needs --auto-chunks N"),
     ],
 )
 def test_cli_errors_are_clear(tmp_path, capsys, extra, match):
@@ -208,3 +209,41 @@ def test_auto_chunks_are_refused_where_they_mean_nothing(tmp_path):
                      "--auto-chunks", "64"])  # fmt: skip
     with pytest.raises(SystemExit, match="--auto-chunks must be at least 16"):
         main(argv + ["--head-map", "m.json", "--auto-chunks", "8"])
+
+
+class _CharTokenizer:
+    """One token per character (a stand-in tokenizer for composing cases)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(ch) for ch in text]}
+
+
+def _random_docs(n: int, chars: int, seed: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz ."
+    return [f"Doc {seed}-{k}: " + "".join(rng.choice(letters) for _ in range(chars))
+            for k in range(n)]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["cdc-edges", "cdc-docs"])
+def test_learned_modes_serve_what_their_store_holds_after_warm_up(mode):
+    """``auto_learned``: the same prompt, marked with the spans the mode's store holds after
+    the case's documents were served beside others; nothing before any warm-up; under
+    ``cdc-docs`` some document is one segment."""
+    from redknot.eval.compose import auto_learned, compose
+
+    tok = _CharTokenizer()
+    case = Case("c", tuple(_random_docs(3, 1500, 1)), "\n\nQuestion: which?", ("a",),
+                system="Read.\n\n", between=("", "\n\n", "\n\n"))  # fmt: skip
+    pool = tuple(_random_docs(6, 1500, 2))
+    plain = compose(tok, case)
+    got = auto_learned(tok, case, 64, mode, pool)
+    assert got.ids == plain.ids and got.prefix_len == plain.prefix_len
+    assert got.segments and got.segment_tokens > 0.5 * plain.segment_tokens
+    assert auto_learned(tok, case, 64, mode, pool, orders=0).segments == ()
+    # a whole document, with the separator characters its learned edges share across prompts
+    whole = [(a, b) for a, b in got.segments
+             if any(a <= s and e <= b and (b - a) - (e - s) <= 16 for s, e in plain.segments)]  # fmt: skip
+    assert bool(whole) == (mode == "cdc-docs"), whole
