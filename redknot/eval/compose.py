@@ -93,7 +93,13 @@ def auto_learned(
         _serve(auto, list(compose(tokenizer, other).ids), stored, misses)
     composed = compose(tokenizer, case)
     ids = list(composed.ids)
-    held = tuple((a, b) for a, b in auto.spans(ids) if tuple(ids[a:b]) in stored)
+    # (a span reaching into the prompt's head, which the radix cache serves, is left out: the
+    # reference path serves a prefix and segments apart)
+    held = tuple(
+        (a, b)
+        for a, b in auto.spans(ids)
+        if a >= composed.prefix_len and tuple(ids[a:b]) in stored
+    )
     return ComposedCase(composed.ids, held, composed.prefix_len)
 
 
