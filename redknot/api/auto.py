@@ -195,17 +195,26 @@ class AutoSegments:
     def _with_documents(
         self, token_ids: Sequence[int], pieces: list[tuple[int, int, str]]
     ) -> list[tuple[int, int, str]]:
-        """``pieces`` with each document run (:func:`redknot.api.edges.documents`) that was
-        captured made one piece; the others stay pieces, and a run seen in
+        """``pieces`` with each document run (a learned head's start to the next learned
+        tail's end, found by content: :meth:`redknot.api.edges.EdgeIndex.boundaries`) that
+        was captured made one piece, the pieces it overlaps cut back to what lies outside it;
+        a run not stored leaves the pieces as they are, and one seen in
         ``--redknot-auto-capture-after`` prompts is queued for capture (a run is a document
-        when it recurs: where a head between was not learned yet, it holds two documents)."""
-        out: list[tuple[int, int, str]] = []
-        for a, b, kind in documents(pieces, self.max_document_tokens):
+        when it recurs: where a head between was not learned yet, it holds two)."""
+        runs = documents(*self.edges.boundaries(token_ids), self.max_document_tokens)
+        out = list(pieces)
+        for a, b in runs:
             inside = [p for p in pieces if a <= p[0] and p[1] <= b]
-            if kind != "document" or self._document_sighted(token_ids[a:b], inside, a):
-                out.append((a, b, kind))
-            else:
-                out += inside
+            if not self._document_sighted(token_ids[a:b], inside, a):
+                continue
+            cut = [(a, b, "document")]
+            for x, y, kind in out:
+                if y <= a or b <= x:
+                    cut.append((x, y, kind))
+                else:  # what of it lies outside the document
+                    cut += [(x, a, kind)] if x < a else []
+                    cut += [(b, y, kind)] if b < y else []
+            out = sorted(cut)
         return out
 
     def _document_sighted(

@@ -20,8 +20,11 @@ is a segment of its own. The rest of such a chunk stays a chunk piece, captured 
 miss like any chunk.
 
 An edge is at least ``WINDOW`` tokens long: a shorter one's key holds tokens before it, so it
-would be found again only after the same predecessor. Under ``cdc-docs`` :func:`documents`
-joins a learned head and the next learned tail into the document between them (one segment).
+would be found again only after the same predecessor. Under ``cdc-docs`` the learned edges'
+first (heads) and last (tails) ``WINDOW`` tokens are also looked for anywhere in a prompt
+(:meth:`EdgeIndex.boundaries`: a document's first content-defined cut moves with what precedes
+it, so its head is not always a chunk's end), and :func:`documents` joins a head's start to the
+next tail's end: the document between them, one segment.
 
 Bounded: at most ``KEPT_PER_KEY`` missed chunks per key and ``MAX_KEYS`` keys per side (the
 least recently used forgotten first), and the learned edges of ``MAX_KEYS`` keys; tokens are
@@ -36,7 +39,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from redknot.api.chunking import WINDOW
+from redknot.api.chunking import WINDOW, rolling_hash
 
 KEPT_PER_KEY = 2  # missed chunks remembered per key
 MAX_KEYS = 1 << 12  # keys remembered (missed chunks and learned edges, each side)
@@ -105,6 +108,10 @@ class EdgeIndex:
 
     def __init__(self) -> None:
         self.heads, self.tails = _Side(), _Side()
+        # the first WINDOW tokens of learned heads and the last of learned tails, by their
+        # rolling hash: where documents start and end, found by content (cdc-docs)
+        self.starts: OrderedDict[int, set[bytes]] = OrderedDict()
+        self.ends: OrderedDict[int, set[bytes]] = OrderedDict()
 
     def learn(
         self, chunk: Sequence[int], min_tokens: int, boundary_tokens: int | None = None
@@ -119,7 +126,33 @@ class EdgeIndex:
         least = min(min_tokens, boundary_tokens or min_tokens)
         heads = self.heads.learn(ids, least)
         tails = [t[::-1] for t in self.tails.learn(ids[::-1].copy(), least)]
+        for head in heads:
+            _Side._touch(self.starts, int(rolling_hash(head[:WINDOW])[-1]), set()).add(
+                head[:WINDOW].tobytes()
+            )
+        for tail in tails:
+            _Side._touch(self.ends, int(rolling_hash(tail[-WINDOW:])[-1]), set()).add(
+                tail[-WINDOW:].tobytes()
+            )
         return [e.tolist() for e in heads + tails if len(e) >= min_tokens]
+
+    def boundaries(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Where learned heads start and learned tails end in ``token_ids`` (offsets,
+        ascending), found by content wherever the chunks fall: the rolling hash of every
+        ``WINDOW`` tokens against those of the learned edges' first (last) ``WINDOW`` tokens,
+        then the tokens compared."""
+        if not (self.starts or self.ends) or len(token_ids) < WINDOW:
+            return [], []
+        ids = np.asarray(token_ids, dtype=np.int32)
+        h = rolling_hash(ids)
+
+        def found(table: OrderedDict[int, set[bytes]]) -> list[int]:
+            keys = np.fromiter(table, dtype=np.uint64, count=len(table))
+            ends = np.flatnonzero(np.isin(h[WINDOW - 1 :], keys)) + WINDOW  # window [e-W, e)
+            return [int(e) for e in ends if ids[e - WINDOW : e].tobytes() in table[int(h[e - 1])]]
+
+        starts = [e - WINDOW for e in found(self.starts)] if self.starts else []
+        return starts, found(self.ends) if self.ends else []
 
     def split(
         self, token_ids: Sequence[int], start: int, end: int, min_tokens: int
@@ -154,22 +187,16 @@ class EdgeIndex:
         ]
 
 
-def documents(
-    pieces: Sequence[tuple[int, int, str]], max_tokens: int
-) -> list[tuple[int, int, str]]:
-    """``pieces`` (in prompt order, from :meth:`EdgeIndex.pieces`) with every run from a
-    learned head to the next learned tail, no other head between them, made one piece of kind
-    ``"document"``: the whole document its edges delimit (what a registration of it would
-    store), at most ``max_tokens`` long."""
-    out: list[tuple[int, int, str]] = []
-    opened: int | None = None  # index in out of the head of the document under way
-    for piece in pieces:
-        out.append(piece)
-        if piece[2] == "head":
-            opened = len(out) - 1
-        elif piece[2] == "tail" and opened is not None:
-            start, end = out[opened][0], piece[1]
-            if end - start <= max_tokens:
-                out[opened:] = [(start, end, "document")]
+def documents(starts: Sequence[int], ends: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Document runs ``[start, end)``: from each learned head's start to the first learned
+    tail's end after it, with no other head starting between, at most ``max_tokens`` long."""
+    events = sorted([(p, 1) for p in starts] + [(q, 0) for q in ends])
+    out, opened = [], None
+    for pos, is_start in events:
+        if is_start:
+            opened = pos
+        elif opened is not None and pos > opened:
+            if pos - opened <= max_tokens:
+                out.append((opened, pos))
             opened = None
     return out

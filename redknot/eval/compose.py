@@ -96,9 +96,7 @@ def auto_learned(
     # (a span reaching into the prompt's head, which the radix cache serves, is left out: the
     # reference path serves a prefix and segments apart)
     held = tuple(
-        (a, b)
-        for a, b in auto.spans(ids)
-        if a >= composed.prefix_len and tuple(ids[a:b]) in stored
+        (a, b) for a, b in auto.spans(ids) if a >= composed.prefix_len and tuple(ids[a:b]) in stored
     )
     return ComposedCase(composed.ids, held, composed.prefix_len)
 

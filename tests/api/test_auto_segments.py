@@ -450,12 +450,8 @@ def test_documents_between_learned_edges_are_served_whole(make_server, client, s
 def test_documents_join_a_learned_head_to_the_next_learned_tail():
     from redknot.api.edges import documents
 
-    pieces = [(0, 10, "chunk"), (10, 20, "head"), (20, 30, "chunk"), (30, 35, "tail"),
-              (35, 40, "chunk"), (40, 50, "head"), (50, 60, "chunk"), (60, 70, "head"),
-              (70, 80, "tail"), (80, 90, "tail")]  # fmt: skip
-    assert documents(pieces, max_tokens=100) == [
-        (0, 10, "chunk"), (10, 35, "document"), (35, 40, "chunk"), (40, 50, "head"),
-        (50, 60, "chunk"), (60, 80, "document"), (80, 90, "tail")]  # fmt: skip
-    # a head whose next tail is farther than the longest document: the pieces stay
-    assert documents(pieces[:4], max_tokens=24) == pieces[:4]
-    assert documents([(0, 5, "tail"), (5, 9, "chunk")], 100) == [(0, 5, "tail"), (5, 9, "chunk")]
+    starts, ends = [10, 40, 60], [35, 80, 90, 5]
+    # 10 -> 35; 40 is cut short by the head at 60; 60 -> 80; the tails at 90 and 5 open nothing
+    assert documents(starts, ends, max_tokens=100) == [(10, 35), (60, 80)]
+    assert documents(starts, ends, max_tokens=24) == [(60, 80)]  # 10 -> 35 is too long
+    assert documents([], ends, 100) == [] and documents(starts, [], 100) == []

@@ -229,9 +229,10 @@ def _random_docs(n: int, chars: int, seed: int) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["cdc-edges", "cdc-docs"])
 def test_learned_modes_serve_what_their_store_holds_after_warm_up(mode):
-    """``auto_learned``: the same prompt, marked with the spans the mode's store holds after
-    the case's documents were served beside others; nothing before any warm-up; under
-    ``cdc-docs`` some document is one segment."""
+    """``auto_learned``: the same prompt, marked with spans the mode's store holds after the
+    case's documents were served beside others (none reaching into the prompt's head, none
+    overlapping); nothing before any warm-up. (Whole documents under ``cdc-docs``:
+    ``tests/api/test_auto_segments.py``, through the server's capture path.)"""
     from redknot.eval.compose import auto_learned, compose
 
     tok = _CharTokenizer()
@@ -241,9 +242,7 @@ def test_learned_modes_serve_what_their_store_holds_after_warm_up(mode):
     plain = compose(tok, case)
     got = auto_learned(tok, case, 64, mode, pool)
     assert got.ids == plain.ids and got.prefix_len == plain.prefix_len
-    assert got.segments and got.segment_tokens > 0.5 * plain.segment_tokens
+    assert got.segment_tokens > 0.5 * plain.segment_tokens
+    assert all(a >= plain.prefix_len for a, _ in got.segments)
+    assert all(b <= c for (_, b), (c, _) in zip(got.segments, got.segments[1:]))
     assert auto_learned(tok, case, 64, mode, pool, orders=0).segments == ()
-    # a whole document, with the separator characters its learned edges share across prompts
-    whole = [(a, b) for a, b in got.segments
-             if any(a <= s and e <= b and (b - a) - (e - s) <= 16 for s, e in plain.segments)]  # fmt: skip
-    assert bool(whole) == (mode == "cdc-docs"), whole
