@@ -24,10 +24,12 @@ Which chunks of a ``/generate`` prompt become segments:
 Under ``cdc-edges`` a chunk that starts or ends with a document edge learned from earlier
 misses (``redknot.api.edges``: what chunks straddling two documents lose) is cut there, the
 edge a segment of its own; so are a learned head at the end of the first chunk and a learned
-tail at the start of the last (the rest of those two chunks stays unmarked). Under ``cdc-docs``, also a run from a learned head (a document's
-start) to the next learned tail (its end) becomes one segment: the document, as registering it
-would store it (with the separator tokens its edges share across prompts), captured at its first
-miss (``redknot.api.edges.documents``).
+tail at the start of the last (the rest of those two chunks stays unmarked). Under
+``cdc-docs``, a run from where a learned head starts to where the next learned tail ends (found
+by content, ``redknot.api.edges``) is a document: seen in ``--redknot-auto-capture-after``
+prompts it is captured whole, as registering it would store it (with the separator tokens its
+edges share across prompts), and from then on marked as one segment in place of its chunks,
+which are deleted.
 
 ``min_store_tokens`` is the larger of the chunker's minimum and the reuse gate's break-even:
 the shortest segment with which an 8K-token prompt made of such segments is served with reuse

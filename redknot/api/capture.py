@@ -26,9 +26,10 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
    miss. A request that misses a chunk while another request's capture is deciding about it
    adds its miss to that decision. Under ``--redknot-auto-segments cdc-edges`` every missing
    chunk also teaches the documents' edges it shares with earlier misses
-   (``redknot.api.edges``), and those are sent now; under ``cdc-docs`` a document assembled
-   from its learned edges is captured at its first miss (its edges were learned from repeats),
-   and once it is stored the chunks and edges it replaces are deleted (one control request;
+   (``redknot.api.edges``), and those are sent now; under ``cdc-docs`` the documents found
+   between learned edges that are due (``AutoSegments.documents_due``) are sent with the
+   request's segments, a marked document that misses is captured at once, and once a document
+   is stored the chunks and edges it replaces are deleted (one control request;
    ``captures_superseded``): kept, they would hold the region twice;
 4. sends the rest as **one batched registration** (``max_new_tokens=0``, each prompt marked
    ``redknot_capture``; at most ``MAX_BATCH_TOKENS`` tokens per batch): the scheduler computes
