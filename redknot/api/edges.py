@@ -188,14 +188,16 @@ class EdgeIndex:
 
 
 def documents(starts: Sequence[int], ends: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
-    """Document runs ``[start, end)``: from each learned head's start to the first learned
-    tail's end after it, with no other head starting between, at most ``max_tokens`` long."""
-    events = sorted([(p, 1) for p in starts] + [(q, 0) for q in ends])
+    """Document runs ``[start, end)``: a learned tail ending at ``end`` belongs to the latest
+    learned head that starts at or before its last ``WINDOW`` tokens (a tail's end and the next
+    head's start overlap by the separator tokens their edges both learned, shorter than a
+    window), with no other head starting between; at most ``max_tokens`` long."""
+    events = sorted([(p, 0, p) for p in starts] + [(q - WINDOW, 1, q) for q in ends])
     out, opened = [], None
-    for pos, is_start in events:
-        if is_start:
+    for _, is_end, pos in events:
+        if not is_end:
             opened = pos
-        elif opened is not None and pos > opened:
+        elif opened is not None:
             if pos - opened <= max_tokens:
                 out.append((opened, pos))
             opened = None

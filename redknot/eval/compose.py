@@ -93,10 +93,13 @@ def auto_learned(
         _serve(auto, list(compose(tokenizer, other).ids), stored, misses)
     composed = compose(tokenizer, case)
     ids = list(composed.ids)
-    # (a span reaching into the prompt's head, which the radix cache serves, is left out: the
-    # reference path serves a prefix and segments apart)
+    # a span reaching into the prompt's head (served by the radix cache in a server) starts
+    # where the head ends here: the reference path serves a prefix and segments apart
+    head = composed.prefix_len
     held = tuple(
-        (a, b) for a, b in auto.spans(ids) if a >= composed.prefix_len and tuple(ids[a:b]) in stored
+        (max(a, head), b)
+        for a, b in auto.spans(ids)
+        if b - max(a, head) >= auto.min_store_tokens and tuple(ids[a:b]) in stored
     )
     return ComposedCase(composed.ids, held, composed.prefix_len)
 

@@ -448,10 +448,16 @@ def test_documents_between_learned_edges_are_served_whole(make_server, client, s
 
 
 def test_documents_join_a_learned_head_to_the_next_learned_tail():
+    """A tail belongs to the latest head starting at or before its last window, even when the
+    next document's head starts before the tail ends (their edges share the separator)."""
+    from redknot.api.chunking import WINDOW
     from redknot.api.edges import documents
 
-    starts, ends = [10, 40, 60], [35, 80, 90, 5]
-    # 10 -> 35; 40 is cut short by the head at 60; 60 -> 80; the tails at 90 and 5 open nothing
-    assert documents(starts, ends, max_tokens=100) == [(10, 35), (60, 80)]
-    assert documents(starts, ends, max_tokens=24) == [(60, 80)]  # 10 -> 35 is too long
-    assert documents([], ends, 100) == [] and documents(starts, [], 100) == []
+    assert WINDOW == 32  # the positions below are written for it
+    starts, ends = [100, 300, 450], [290, 460, 40]
+    # 100 -> 290; 300 -> 460 although the head at 450 starts before 460; 450 is left open;
+    # the tail ending at 40 has no head before it
+    assert documents(starts, ends, max_tokens=500) == [(100, 290), (300, 460)]
+    assert documents(starts, ends, max_tokens=180) == [(300, 460)]  # 100 -> 290 is too long
+    assert documents([100, 200], [290], 500) == [(200, 290)]  # the latest head
+    assert documents([], ends, 500) == [] and documents(starts, [], 500) == []
