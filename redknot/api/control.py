@@ -94,7 +94,7 @@ def handle(scheduler: Any, req: RedknotSegmentsReq) -> RedknotSegmentsReqOutput:
                 "deleted": True,
                 "freed_now": bool(store.delete(req.namespace, req.segment_id)),
             }
-        elif req.op == "deletes":  # many at once; one not stored is skipped (False)
+        elif req.op == "deletes":  # many unpinned at once (False: absent or pinned, kept)
             pairs = zip(req.namespaces or (), req.segment_ids or (), strict=True)
             payload = [_delete_if_stored(store, ns, sid) for ns, sid in pairs]
         elif req.op == "stats":
@@ -191,6 +191,8 @@ async def call(
 
 def _delete_if_stored(store: Any, namespace: str, segment_id: str) -> bool:
     try:
+        if store.get(namespace, segment_id).pinned:  # only an explicit delete removes it
+            return False
         store.delete(namespace, segment_id)
     except LookupError:
         return False
@@ -198,8 +200,8 @@ def _delete_if_stored(store: Any, namespace: str, segment_id: str) -> bool:
 
 
 async def deletes(tokenizer_manager: Any, segments: list[tuple[str, str]]) -> list[bool]:
-    """Delete each ``(namespace, segment id)`` the store holds, in one round trip; whether it
-    was there, per segment."""
+    """Delete each ``(namespace, segment id)`` the store holds unpinned (what the server's own
+    captures may free), in one round trip; whether it was deleted, per segment."""
     if not segments:
         return []
     namespaces, ids = (list(x) for x in zip(*segments, strict=True))

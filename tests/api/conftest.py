@@ -76,9 +76,13 @@ class FakeStore:
     def list(self, namespace):
         return [dict(v) for (ns, _), v in self.segments.items() if ns == namespace]
 
-    def delete(self, namespace, segment_id):
+    def get(self, namespace, segment_id):
         if (namespace, segment_id) not in self.segments:
             raise LookupError(f"no segment {segment_id!r} in namespace {namespace!r}")
+        return types.SimpleNamespace(pinned=self.segments[(namespace, segment_id)].get("pinned"))
+
+    def delete(self, namespace, segment_id):
+        self.get(namespace, segment_id)
         del self.segments[(namespace, segment_id)]
         return True
 

@@ -167,17 +167,18 @@ def test_control_path_through_sglang_dispatchers(sglang_plugins):
     control.after_tokenizer_dispatcher(None, tm)
 
     store.segments[("kb", "s2")] = {"id": "s2"}
+    store.segments[("kb", "p")] = {"id": "p", "pinned": True}  # kept: only a delete removes it
 
     async def run():
         listed = await control.call(tm, "list", "kb")
         deleted = await control.call(tm, "delete", "kb", "s1")
         with pytest.raises(control.ControlError) as e:
             await control.call(tm, "delete", "kb", "s1")
-        many = await control.deletes(tm, [("kb", "s2"), ("kb", "s1"), ("other", "s2")])
+        many = await control.deletes(tm, [("kb", "s2"), ("kb", "s1"), ("other", "s2"), ("kb", "p")])
         return listed, deleted, e.value.status, many
 
     assert asyncio.run(run()) == (
-        [{"id": "s1"}, {"id": "s2"}], {"deleted": True, "freed_now": True}, 404,
-        [True, False, False],
+        [{"id": "s1"}, {"id": "s2"}, {"id": "p", "pinned": True}],
+        {"deleted": True, "freed_now": True}, 404, [True, False, False, False],
     )  # fmt: skip
-    assert store.segments == {}
+    assert list(store.segments) == [("kb", "p")]
