@@ -23,12 +23,13 @@ An edge is at least ``WINDOW`` tokens long: a shorter one's key holds tokens bef
 would be found again only after the same predecessor. Under ``cdc-docs`` the learned edges'
 first (heads) and last (tails) ``WINDOW`` tokens are also looked for anywhere in a prompt
 (:meth:`EdgeIndex.boundaries`: a document's first content-defined cut moves with what precedes
-it, so its head is not always a chunk's end), and :func:`documents` joins a head's start to the
-next tail's end: the document between them, one segment.
+it, so its head is not always a chunk's end), and :func:`documents` pairs a head's start with
+the end of the tail that follows it: the document between them, one segment. Such boundaries
+are learned from ``WINDOW`` tokens up, shorter than a stored segment may be.
 
 Bounded: at most ``KEPT_PER_KEY`` missed chunks per key and ``MAX_KEYS`` keys per side (the
-least recently used forgotten first), and the learned edges of ``MAX_KEYS`` keys; tokens are
-kept as int32 arrays.
+least recently used forgotten first), the learned edges of ``MAX_KEYS`` keys, and the windows of
+``MAX_KEYS`` boundary hashes per side; tokens are kept as int32 arrays.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class EdgeIndex:
     ) -> list[list[int]]:
         """The edges (token ids) of ``min_tokens`` or more newly learned from a missed chunk of
         an unmarked prompt. ``boundary_tokens`` (``cdc-docs``): edges from that length up are
-        learned too, as documents' boundaries for :func:`documents`; only those of
+        learned too, as documents' boundaries (:meth:`boundaries`); only those of
         ``min_tokens`` or more are returned (to be stored as segments)."""
         ids = np.asarray(chunk, dtype=np.int32)
         if len(ids) < WINDOW:
@@ -160,16 +161,14 @@ class EdgeIndex:
         """The chunk ``[start, end)`` of ``token_ids`` cut around the learned edges it starts
         and ends with; pieces shorter than ``min_tokens`` are dropped. Where both edges would
         overlap, the longer one."""
-        pieces = self.pieces(token_ids, start, end, min_tokens)
-        return [(a, b) for a, b, _ in pieces if b - a >= min_tokens]
+        return [(a, b) for a, b, _ in self.pieces(token_ids, start, end, min_tokens)]
 
     def pieces(
         self, token_ids: Sequence[int], start: int, end: int, min_tokens: int
     ) -> list[tuple[int, int, str]]:
         """:meth:`split` with each piece's kind: ``"tail"`` (a learned tail, the end of a
         document, at the chunk's start), ``"head"`` (a learned head, the start of a document,
-        at its end) or ``"chunk"``; learned edges are kept whatever their length (boundaries
-        for :func:`documents`), chunk pieces only from ``min_tokens``."""
+        at its end) or ``"chunk"``."""
         if end - start < WINDOW:
             return [(start, end, "chunk")]
         ids = np.asarray(token_ids[start:end], dtype=np.int32)
@@ -183,7 +182,7 @@ class EdgeIndex:
         return [
             (a, b, kind)
             for (a, b), kind in zip(itertools.pairwise(cuts), kinds, strict=True)
-            if b - a >= min_tokens or (kind != "chunk" and b > a)
+            if b - a >= min_tokens
         ]
 
 

@@ -68,18 +68,27 @@ def test_memory_is_bounded_per_key():
 
 
 def test_boundaries_shorter_than_a_segment_are_learned_but_not_returned():
-    """``cdc-docs``: an edge from the hash window up bounds documents; only those from the
-    shortest segment up are returned (stored)."""
+    """``cdc-docs``: an edge from the hash window up bounds documents, found by content
+    wherever it lies; only edges from the shortest segment up are returned (stored)."""
     from redknot.api.chunking import WINDOW
 
     head_b = _run(1000, WINDOW + 8)  # longer than the window, shorter than a segment (64)
     index = EdgeIndex()
     index.learn(_run(10, 50) + head_b, 64, boundary_tokens=WINDOW)
     assert index.learn(_run(20, 50) + head_b, 64, boundary_tokens=WINDOW) == []
-    ids = _run(30, 50) + head_b
-    assert index.pieces(ids, 0, len(ids), 64) == [(50, 50 + WINDOW + 8, "head")]
-    assert index.split(ids, 0, len(ids), 64) == []  # too short to be a segment alone
+    ids = _run(30, 50) + head_b + _run(9000, 20)  # B's head inside, not at a chunk's end
+    assert index.boundaries(ids) == ([50], [])
+    assert index.split(ids, 0, len(ids), 64) == [(0, len(ids))]  # no piece under a segment
     plain = EdgeIndex()  # without boundaries (cdc-edges) nothing under the minimum is learned
     plain.learn(_run(10, 50) + head_b, 64)
     plain.learn(_run(20, 50) + head_b, 64)
-    assert plain.pieces(ids, 0, len(ids), 64) == [(0, len(ids), "chunk")]
+    assert plain.boundaries(ids) == ([], [])
+
+
+def test_tails_are_found_by_their_last_window():
+    tail_a = _run(5000, 70)
+    index = EdgeIndex()
+    index.learn(tail_a + _run(7100, 40), 64)
+    index.learn(tail_a + _run(7200, 40), 64)
+    ids = _run(1, 10) + tail_a + _run(7300, 40)
+    assert index.boundaries(ids) == ([], [10 + 70])
