@@ -10,11 +10,11 @@ prompt are exactly its tokens when cached alone::
 
 ``head`` is the exact-prefix part: a server holds it from earlier requests.
 
-:func:`auto_learned` serves it with what ``cdc-edges`` or ``cdc-docs`` would reuse after the same
-documents were seen in other orders. :func:`auto_chunked` serves the same prompt with the segments automatic segments would reuse
+:func:`auto_chunked` serves the same prompt with the segments automatic segments would reuse
 instead of the case's: the content-defined chunks of the whole prompt that lie inside one of
 its segments (a chunk that straddles two of them, or a segment and new text, differs with the
-neighbour and is computed in full).
+neighbour and is computed in full). :func:`auto_learned` serves it with what ``cdc-edges`` or
+``cdc-docs`` would reuse after the same documents were seen in other orders.
 """
 
 from __future__ import annotations
@@ -109,6 +109,9 @@ def _serve(auto, ids: list[int], stored: set, misses: dict) -> None:
     for a, b in auto.spans(ids):
         key = tuple(ids[a:b])
         if key in stored:
+            continue
+        if auto.is_document(key):  # marked only once stored: evicted since, captured again
+            stored.add(key)
             continue
         for edge in auto.learn_edges(key):
             stored.add(tuple(edge))
