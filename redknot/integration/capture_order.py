@@ -165,11 +165,11 @@ def around_get_new_batch_prefill(original, self, *args, **kwargs):
     chunked = getattr(self, "chunked_req", None)
     in_flight = chunked is not None and not is_capture(chunked)
     rule = step_rule()
-    for req in queue:
-        if not is_capture(req):
-            rule.saw_user(getattr(req, "rid", None) or id(req), prompt_tokens(req))
-    step = rule.tokens()
+    step = rule.tokens()  # only a batch without users takes it: users of this pass change nothing
     now, held = split_queue(queue, is_capture, prompt_tokens, step, in_flight)
+    if now and not is_capture(now[0]):  # the user requests (split_queue never mixes the two)
+        for req in now:
+            rule.saw_user(getattr(req, "rid", None) or id(req), prompt_tokens(req))
     if not held:
         return original(self, *args, **kwargs)
     self.waiting_queue = now

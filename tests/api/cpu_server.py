@@ -296,13 +296,13 @@ class EngineClock:
         rest = [item for item in self._waiting if not item[3]]
         if self.captures_yield:
             in_flight = any(not item[2] for item in started)  # a user prompt's next chunk
-            for item in rest:
-                if not item[2]:
-                    self.step_rule.saw_user(id(item), item[4])
             rest, _ = split_queue(
                 rest, lambda item: item[2], lambda item: item[0], self.step_rule.tokens(),
                 in_flight,
             )  # fmt: skip
+            if rest and not rest[0][2]:  # the user prompts (split_queue never mixes the two)
+                for item in rest:
+                    self.step_rule.saw_user(id(item), item[4])
         return started + rest
 
     async def _run(self) -> None:
