@@ -33,12 +33,12 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from redknot.eval.base import REFERENCE_LABEL, FidelityBackend, PolicySetting
-from redknot.eval.cases import CaseFormatError, load_cases
+from redknot.eval.cases import Case, CaseFormatError, load_cases
 from redknot.recovery import KNOBS, POLICIES, RecoveryOptions, RecoveryOptionsError
 
 BACKENDS = ("reference", "server")
@@ -287,7 +287,9 @@ def settings_of(args: argparse.Namespace) -> list[PolicySetting]:
     return settings
 
 
-def make_backend(args: argparse.Namespace) -> FidelityBackend:
+def make_backend(args: argparse.Namespace, cases: Sequence[Case] = ()) -> FidelityBackend:
+    """The backend ``args`` ask for; ``cases``: the whole cases file (whose documents neighbour
+    a case's under ``--auto-mode cdc-edges`` / ``cdc-docs``)."""
     if args.backend == "server":
         return server_backend(args)
     if not args.head_map:
@@ -314,9 +316,7 @@ def make_backend(args: argparse.Namespace) -> FidelityBackend:
         auto_chunk_tokens=args.auto_chunks,
         auto_mode=args.auto_mode,
         auto_pool=(
-            tuple(doc for case in load_cases(args.cases) for doc in case.segments)
-            if args.auto_mode != "cdc"
-            else ()
+            tuple(doc for case in cases for doc in case.segments) if args.auto_mode != "cdc" else ()
         ),
     )
 
@@ -361,14 +361,14 @@ def fidelity(args: argparse.Namespace) -> int:
 
     try:
         settings = settings_of(args)
-        cases = load_cases(args.cases)
+        every = load_cases(args.cases)
     except (CaseFormatError, RecoveryOptionsError) as e:
         raise SystemExit(f"error: {e}") from None
-    cases = cases[: args.limit] if args.limit else cases
+    cases = every[: args.limit] if args.limit else every
     commit, dirty = git_commit()
     if args.backend == "server":  # the server's own options apply, recorded under "servers"
         settings = [dataclasses.replace(s, options=None) for s in settings]
-    backend = make_backend(args)
+    backend = make_backend(args, every)
     log = lambda line: print(line, file=sys.stderr, flush=True)
     result = evaluate(backend, cases, settings, work_dir=args.work_dir, log=log)
     info = backend.describe()
