@@ -35,6 +35,7 @@ from pathlib import Path
 
 from redknot.api.auto import AutoSegments
 from redknot.api.options import AutoSegmentsOption
+from redknot.eval.compose import serve_prompt
 
 VOCAB = (1000, 100_000)
 
@@ -79,16 +80,7 @@ def stream_coverage(
         order = rng.sample(range(pool), per_prompt)
         question = [rng.randrange(*VOCAB) for _ in range(40)]
         prompt = _prompt(rng, docs, order, question)
-        hit = 0
-        for a, b in auto.spans(prompt):
-            chunk = tuple(prompt[a:b])
-            if chunk in stored:
-                hit += b - a
-                continue
-            stored.update(tuple(e) for e in auto.learn_edges(chunk))  # captured at once
-            misses[chunk] = misses.get(chunk, 0) + 1
-            if misses[chunk] >= 2:  # --redknot-auto-capture-after 2
-                stored.add(chunk)
+        hit = serve_prompt(auto, prompt, stored, misses)  # the capture path's store, modelled
         if k >= warmup:
             served += hit
             total += len(prompt)

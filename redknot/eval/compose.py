@@ -90,7 +90,7 @@ def auto_learned(
         rng.shuffle(docs)
         between = (case.between[0], *[case.between[-1]] * (len(docs) - 1))
         other = dataclasses.replace(case, segments=tuple(docs), between=between)
-        _serve(auto, list(compose(tokenizer, other).ids), stored, misses)
+        serve_prompt(auto, list(compose(tokenizer, other).ids), stored, misses)
     composed = compose(tokenizer, case)
     ids = list(composed.ids)
     # a span reaching into the prompt's head (served by the radix cache in a server) starts
@@ -104,11 +104,15 @@ def auto_learned(
     return ComposedCase(composed.ids, held, composed.prefix_len)
 
 
-def _serve(auto, ids: list[int], stored: set, misses: dict) -> None:
-    """One prompt through the capture path's decisions (see :func:`auto_learned`)."""
+def serve_prompt(auto, ids: list[int], stored: set, misses: dict) -> int:
+    """One prompt through ``auto`` (``redknot.api.auto.AutoSegments``) and a model of the
+    capture path's store (``stored``: the spans it holds, ``misses``: per span; see
+    :func:`auto_learned`): the prompt tokens served from the store."""
+    served = 0
     for a, b in auto.spans(ids):
         key = tuple(ids[a:b])
         if key in stored:
+            served += b - a
             continue
         if auto.is_document(key):  # marked only once stored: evicted since, captured again
             stored.add(key)
@@ -122,6 +126,7 @@ def _serve(auto, ids: list[int], stored: set, misses: dict) -> None:
         stored.add(tuple(doc))
         stored.difference_update(tuple(p) for p in auto.document_pieces(doc) or ())
         auto.document_stored(doc)
+    return served
 
 
 def _encode(tokenizer, text: str) -> list[int]:
