@@ -132,7 +132,7 @@ class Capturer:
         count = self.api.counters.add
         mine: list[tuple[str, list[int], str, bool]] = []
         taken: set[str] = set()
-        auto = getattr(self.api, "auto", None)
+        auto = self._auto
         due = auto.documents_due() if auto is not None and segments else []
         segments = [*segments, *((AUTO_NAMESPACE, ids, True) for ids in due)]
         try:
@@ -202,7 +202,7 @@ class Capturer:
             if state["state"] in SKIP_STATES or state["status"] == 413:
                 self.api.counters.add(captures_skipped=1)
                 if seg[3] and self._is_document(seg[1]):  # cdc-docs: stored, or never will be
-                    self.api.auto.document_stored(seg[1], state["state"] in SKIP_STATES)
+                    self._auto.document_stored(seg[1], state["state"] in SKIP_STATES)
                 continue
             document = seg[3] and self._is_document(seg[1])  # cdc-docs: learned, not deferred
             if seg[3] and not document:  # a chunk the store lacks: edges it shares with misses
@@ -211,15 +211,18 @@ class Capturer:
                 send.append(seg)
         return send
 
+    @property
+    def _auto(self) -> Any:
+        """The server's automatic segments (``redknot.api.auto.AutoSegments``), or None."""
+        return getattr(self.api, "auto", None)
+
     def _is_document(self, ids: list[int]) -> bool:
-        auto = getattr(self.api, "auto", None)
-        return auto is not None and auto.is_document(ids)
+        return self._auto is not None and self._auto.is_document(ids)
 
     def _edges(self, ns: str, ids: list[int]) -> list[tuple[str, list[int], str, bool]]:
         """``--redknot-auto-segments cdc-edges``: the documents' edges newly learned from the
         missed chunk ``ids``, captured now (seen twice already; ``redknot.api.edges``)."""
-        auto = getattr(self.api, "auto", None)
-        learned = auto.learn_edges(ids) if auto is not None else []
+        learned = self._auto.learn_edges(ids) if self._auto is not None else []
         if learned:
             self.api.counters.add(auto_edges_learned=len(learned))
         return [(ns, edge, segment_id(ns, edge), True) for edge in learned]
@@ -235,10 +238,11 @@ class Capturer:
         superseded: list[tuple[str, str]] = []
         for (ns, ids, sid, chunk), state in zip(batch, states, strict=True):
             stored = state["state"] in SKIP_STATES
-            if chunk and self._is_document(ids):  # cdc-docs: served whole from now on
-                self.api.auto.document_stored(ids, stored)
+            pieces = self._auto.document_pieces(ids) if chunk and self._auto is not None else None
+            if pieces is not None:  # cdc-docs: a document, served whole from now on
+                self._auto.document_stored(ids, stored)
                 if stored:  # and the chunks and edges it replaces are freed
-                    superseded += self._pieces_of(ns, ids)
+                    superseded += [(ns, segment_id(ns, piece)) for piece in pieces]
             if stored:
                 count(captures_stored=1)
             else:
@@ -250,13 +254,6 @@ class Capturer:
         if superseded:
             freed = await control.deletes(tm, superseded)
             count(captures_superseded=sum(freed))
-
-    def _pieces_of(self, ns: str, ids: list[int]) -> list[tuple[str, str]]:
-        """``cdc-docs``: the segments (namespace, id) that the assembled document ``ids``
-        replaces; none for any other segment."""
-        auto = getattr(self.api, "auto", None)
-        pieces = auto.document_pieces(ids) if auto is not None else None
-        return [(ns, segment_id(ns, piece)) for piece in pieces or ()]
 
     async def _register(self, segments: list[tuple[str, list[int], str]]) -> None:
         """Send ``segments`` as one batch of registrations (one scheduler request each, sent

@@ -55,6 +55,16 @@ def common_suffix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else m
 
 
+def _touch(table: OrderedDict, key, default) -> object:
+    """``table[key]`` (``default`` when absent) made the most recent; the least recently used
+    entry forgotten beyond ``MAX_KEYS``."""
+    value = table.pop(key, None)
+    table[key] = default if value is None else value
+    if len(table) > MAX_KEYS:
+        table.popitem(last=False)
+    return table[key]
+
+
 def _key(seq: np.ndarray) -> bytes:
     return seq[-WINDOW:].tobytes()
 
@@ -67,19 +77,11 @@ class _Side:
         self.seen: OrderedDict[bytes, list[np.ndarray]] = OrderedDict()
         self.edges: OrderedDict[bytes, set[bytes]] = OrderedDict()  # edges as int32 bytes
 
-    @staticmethod
-    def _touch(table: OrderedDict, key: bytes, default) -> object:
-        value = table.pop(key, None)
-        table[key] = default if value is None else value
-        if len(table) > MAX_KEYS:
-            table.popitem(last=False)
-        return table[key]
-
     def learn(self, seq: np.ndarray, min_tokens: int) -> list[np.ndarray]:
         """Edges of ``min_tokens`` or more (and at least ``WINDOW``) newly learned from the
         missed ``seq`` (oriented: its end is the edge's end)."""
         key = _key(seq)
-        seen = self._touch(self.seen, key, [])
+        seen = _touch(self.seen, key, [])
         known = set(self.edges.get(key, ()))
         new = []
         for other in seen:
@@ -92,7 +94,7 @@ class _Side:
                 new.append(edge)
                 known.add(edge.tobytes())
         if new:
-            self._touch(self.edges, key, set()).update(e.tobytes() for e in new)
+            _touch(self.edges, key, set()).update(e.tobytes() for e in new)
         seen.append(seq)
         del seen[:-KEPT_PER_KEY]
         return new
@@ -128,11 +130,11 @@ class EdgeIndex:
         heads = self.heads.learn(ids, least)
         tails = [t[::-1] for t in self.tails.learn(ids[::-1].copy(), least)]
         for head in heads:
-            _Side._touch(self.starts, int(rolling_hash(head[:WINDOW])[-1]), set()).add(
+            _touch(self.starts, int(rolling_hash(head[:WINDOW])[-1]), set()).add(
                 head[:WINDOW].tobytes()
             )
         for tail in tails:
-            _Side._touch(self.ends, int(rolling_hash(tail[-WINDOW:])[-1]), set()).add(
+            _touch(self.ends, int(rolling_hash(tail[-WINDOW:])[-1]), set()).add(
                 tail[-WINDOW:].tobytes()
             )
         return [e.tolist() for e in heads + tails if len(e) >= min_tokens]
