@@ -173,6 +173,15 @@ def build_parser(prog: str = "python -m redknot.eval") -> argparse.ArgumentParse
         "segment; cdc-edges and cdc-docs what their store holds after serving 16 prompts of "
         "the case's documents and two of another case in random orders",
     )
+    p.add_argument(
+        "--capture-context",
+        type=int,
+        default=0,
+        metavar="K",
+        help="reference backend, with --auto-mode cdc-edges / cdc-docs: a segment is captured "
+        "after the K tokens that preceded it in the prompt that stored it (0: alone, from "
+        "position 0)",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N cases only")
     p.add_argument("--work-dir", default=None, help="keep finished cases here; a rerun resumes")
     p.add_argument("--out", required=True, help="result JSON")
@@ -315,6 +324,7 @@ def make_backend(args: argparse.Namespace, cases: Sequence[Case] = ()) -> Fideli
         max_new_tokens=args.max_new_tokens,
         auto_chunk_tokens=args.auto_chunks,
         auto_mode=args.auto_mode,
+        capture_context=args.capture_context,
         auto_pool=(
             tuple(doc for case in cases for doc in case.segments) if args.auto_mode != "cdc" else ()
         ),

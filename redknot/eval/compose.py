@@ -35,6 +35,7 @@ class ComposedCase:
     ids: tuple[int, ...]
     segments: tuple[tuple[int, int], ...]
     prefix_len: int
+    contexts: tuple[tuple[int, ...], ...] | None = None  # per segment: computed after these
 
     @property
     def segment_tokens(self) -> int:
@@ -65,6 +66,7 @@ def auto_learned(
     pool: tuple[str, ...] = (),
     orders: int = 16,
     seed: int = 0,
+    context_tokens: int = 0,
 ) -> ComposedCase:
     """The case's prompt with the segments a server under ``--redknot-auto-segments mode``
     (``cdc-edges`` or ``cdc-docs``) would reuse after serving ``orders`` prompts of the same
@@ -83,6 +85,7 @@ def auto_learned(
     auto = AutoSegments(AutoSegmentsOption.parse(mode, chunk_tokens))
     stored: set[tuple[int, ...]] = set()
     misses: dict[tuple[int, ...], int] = {}
+    contexts: dict[tuple[int, ...], tuple[int, ...]] | None = {} if context_tokens else None
     rng = random.Random(f"{seed}:{case.id}")
     others = [doc for doc in pool if doc not in case.segments]
     for _ in range(orders):
@@ -90,43 +93,75 @@ def auto_learned(
         rng.shuffle(docs)
         between = (case.between[0], *[case.between[-1]] * (len(docs) - 1))
         other = dataclasses.replace(case, segments=tuple(docs), between=between)
-        serve_prompt(auto, list(compose(tokenizer, other).ids), stored, misses)
+        serve_prompt(
+            auto, list(compose(tokenizer, other).ids), stored, misses, contexts, context_tokens
+        )
     composed = compose(tokenizer, case)
     ids = list(composed.ids)
     # a span reaching into the prompt's head (served by the radix cache in a server) starts
     # where the head ends here: the reference path serves a prefix and segments apart
     head = composed.prefix_len
-    held = tuple(
-        (max(a, head), b)
+    kept = [
+        (a, b)
         for a, b in auto.spans(ids)
         if b - max(a, head) >= auto.min_store_tokens and tuple(ids[a:b]) in stored
+    ]
+    held = tuple((max(a, head), b) for a, b in kept)
+    if contexts is None:
+        return ComposedCase(composed.ids, held, composed.prefix_len)
+    # a clipped span's rows are computed after its own clipped-off tokens and its context
+    held_contexts = tuple(
+        (*contexts[tuple(ids[a:b])], *ids[a : max(a, head)])[-context_tokens:] for a, b in kept
     )
-    return ComposedCase(composed.ids, held, composed.prefix_len)
+    return ComposedCase(composed.ids, held, composed.prefix_len, held_contexts)
 
 
-def serve_prompt(auto, ids: list[int], stored: set, misses: dict) -> int:
+def serve_prompt(
+    auto,
+    ids: list[int],
+    stored: set,
+    misses: dict,
+    contexts: dict | None = None,
+    context_tokens: int = 0,
+) -> int:
     """One prompt through ``auto`` (``redknot.api.auto.AutoSegments``) and a model of the
     capture path's store (``stored``: the spans it holds, ``misses``: per span; see
     :func:`auto_learned`): the prompt tokens served from the store."""
     served = 0
+
+    def store(key: tuple[int, ...], start: int | None = None) -> None:
+        stored.add(key)
+        if contexts is not None and key not in contexts:
+            start = _find(ids, key) if start is None else start
+            contexts[key] = tuple(ids[max(0, start - context_tokens) : start])
+
     for a, b in auto.spans(ids):
         key = tuple(ids[a:b])
         if key in stored:
             served += b - a
             continue
         if auto.is_document(key):  # marked only once stored: evicted since, captured again
-            stored.add(key)
+            store(key, a)
             continue
         for edge in auto.learn_edges(key):
-            stored.add(tuple(edge))
+            store(tuple(edge))
         misses[key] = misses.get(key, 0) + 1
         if misses[key] >= auto.option.capture_after:
-            stored.add(key)
+            store(key, a)
     for doc in auto.documents_due():
-        stored.add(tuple(doc))
+        store(tuple(doc))
         stored.difference_update(tuple(p) for p in auto.document_pieces(doc) or ())
         auto.document_stored(doc)
     return served
+
+
+def _find(ids: list[int], piece: tuple[int, ...]) -> int:
+    """Where ``piece`` first starts in ``ids``."""
+    n = len(piece)
+    for i in range(len(ids) - n + 1):
+        if ids[i] == piece[0] and tuple(ids[i : i + n]) == piece:
+            return i
+    raise ValueError("a stored piece is not in the prompt that stored it")
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -45,7 +45,9 @@ class ReferenceBackend(FidelityBackend):
         auto_chunk_tokens: int | None = None,
         auto_mode: str = "cdc",
         auto_pool: tuple[str, ...] = (),
+        capture_context: int = 0,
     ) -> None:
+        self.capture_context = capture_context  # learned modes: captured after that many tokens
         self.runner = ReferenceRunner(hf_model)
         self.auto_chunk_tokens = auto_chunk_tokens  # None: the case's segments
         self.auto_mode = auto_mode  # cdc: chunks inside segments; cdc-edges, cdc-docs: learned
@@ -73,6 +75,7 @@ class ReferenceBackend(FidelityBackend):
         auto_chunk_tokens: int | None = None,
         auto_mode: str = "cdc",
         auto_pool: tuple[str, ...] = (),
+        capture_context: int = 0,
     ) -> ReferenceBackend:
         """Load ``model`` (a :func:`redknot.reference.resolve_source` spec, never downloaded)
         in ``dtype`` and the head map file ``head_map``."""
@@ -88,6 +91,7 @@ class ReferenceBackend(FidelityBackend):
             auto_chunk_tokens=auto_chunk_tokens,
             auto_mode=auto_mode,
             auto_pool=auto_pool,
+            capture_context=capture_context,
         )
 
     def composed(self, case: Case) -> ComposedCase:
@@ -97,7 +101,12 @@ class ReferenceBackend(FidelityBackend):
         other orders, :func:`redknot.eval.compose.auto_learned`)."""
         if self.auto_chunk_tokens is not None and self.auto_mode != "cdc":
             return auto_learned(
-                self.tokenizer, case, self.auto_chunk_tokens, self.auto_mode, self.auto_pool
+                self.tokenizer,
+                case,
+                self.auto_chunk_tokens,
+                self.auto_mode,
+                self.auto_pool,
+                context_tokens=self.capture_context,
             )
         composed = compose(self.tokenizer, case)
         if self.auto_chunk_tokens is not None:
@@ -144,8 +153,10 @@ class ReferenceBackend(FidelityBackend):
         prefix = None
         if composed.prefix_len:
             prefix = cache_kv(self.runner, ids[: composed.prefix_len], head_map)
+        contexts = composed.contexts or ((),) * len(composed.segments)
         segments = tuple(
-            Segment(s, e, cache_kv(self.runner, ids[s:e], head_map)) for s, e in composed.segments
+            Segment(s, e, cache_kv(self.runner, ids[s:e], head_map, context))
+            for (s, e), context in zip(composed.segments, contexts)
         )
         return ReusePrompt(ids, segments, prefix)
 

@@ -115,11 +115,20 @@ class ReusePrompt:
 
 
 def cache_kv(
-    runner: ReferenceRunner, ids: Sequence[int], head_map: HeadMap | None = None
+    runner: ReferenceRunner,
+    ids: Sequence[int],
+    head_map: HeadMap | None = None,
+    context: Sequence[int] = (),
 ) -> ReferenceKV:
     """KV of ``ids`` computed alone from position 0 (a segment's or a prefix's cache entry),
-    under ``head_map`` as the serving policy computes every prefill (``None``: dense)."""
-    return runner.forward(list(ids), head_map=head_map, logits_rows="none").kv
+    under ``head_map`` as the serving policy computes every prefill (``None``: dense). With a
+    ``context``, ``ids`` are computed after it and only their rows are kept, their keys moved
+    to positions from 0 (a segment captured after the tokens that preceded it)."""
+    if not context:
+        return runner.forward(list(ids), head_map=head_map, logits_rows="none").kv
+    kv = runner.forward([*context, *ids], head_map=head_map, logits_rows="none").kv
+    n = len(context)
+    return kv.rows(n, n + len(ids)).realigned(runner.model.rope, n, 0)
 
 
 def reused_mask(spans: Sequence[tuple[int, int]], num_rows: int, device=None) -> Tensor:

@@ -246,3 +246,27 @@ def test_learned_modes_serve_what_their_store_holds_after_warm_up(mode):
     assert all(a >= plain.prefix_len for a, _ in got.segments)
     assert all(b <= c for (_, b), (c, _) in zip(got.segments, got.segments[1:]))
     assert auto_learned(tok, case, 64, mode, pool, orders=0).segments == ()
+    assert got.contexts is None
+
+
+@pytest.mark.parametrize("mode", ["cdc-edges", "cdc-docs"])
+def test_learned_modes_record_what_preceded_a_span_where_it_was_stored(mode):
+    """``context_tokens``: the same spans, each with the (up to) K tokens that preceded it in
+    the warm-up prompt that stored it, which are not always this prompt's (documents change
+    neighbours)."""
+    from redknot.eval.compose import auto_learned
+
+    tok = _CharTokenizer()
+    case = Case("c", tuple(_random_docs(3, 1500, 1)), "\n\nQuestion: which?", ("a",),
+                system="Read.\n\n", between=("", "\n\n", "\n\n"))  # fmt: skip
+    pool = tuple(_random_docs(6, 1500, 2))
+    alone = auto_learned(tok, case, 64, mode, pool)
+    got = auto_learned(tok, case, 64, mode, pool, context_tokens=48)
+    assert got.segments == alone.segments
+    assert len(got.contexts) == len(got.segments)
+    assert all(len(c) == 48 for c in got.contexts)
+    ids = got.ids
+    here = [tuple(ids[max(0, a - 48) : a]) for a, _ in got.segments]
+    assert any(c == h for c, h in zip(got.contexts, here))  # a chunk inside its document
+    if mode == "cdc-edges":  # a piece stored where another document preceded it
+        assert any(c != h for c, h in zip(got.contexts, here))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from redknot.headmap import HeadMap, synthetic_map
-from redknot.recovery import ReusePrompt, cache_kv, serve
+from redknot.recovery import ReusePrompt, Segment, cache_kv, serve
 from redknot.reference import LayerContext, ReferenceKV
 
 from .conftest import compose, random_ids, serve_policy
@@ -59,6 +59,38 @@ def test_with_a_prefix_hit_full_and_all_global_agree(runner, pieces):
     dense = runner.generate(list(prompt.ids), max_new_tokens=6)
     torch.testing.assert_close(out.generation.first_logits, dense.first_logits)
     assert out.generation.tokens == dense.tokens
+
+
+def test_segments_captured_after_all_that_precedes_them_are_the_prompts_own_kv(runner, pieces):
+    """``cache_kv`` with a ``context``: a segment computed after every token before it in the
+    prompt (its keys moved back to positions from 0) is what dense prefill computes there, so
+    naive reuse of such segments is dense prefill; an empty context is the standalone KV."""
+    plain = compose(runner, pieces)
+    ids = plain.ids
+    assert all(
+        torch.equal(a, b)
+        for seg in plain.segments
+        for a, b in zip(cache_kv(runner, ids[seg.start : seg.end], context=()).keys, seg.cache.keys)
+    )
+    in_place = ReusePrompt(
+        ids,
+        tuple(
+            Segment(
+                seg.start,
+                seg.end,
+                cache_kv(runner, ids[seg.start : seg.end], None, ids[: seg.start]),
+            )
+            for seg in plain.segments
+        ),
+    )
+    dense = runner.generate(list(ids), max_new_tokens=6)
+    _, out = serve_policy(runner, "naive", in_place)
+    torch.testing.assert_close(
+        out.generation.first_logits, dense.first_logits, atol=1e-4, rtol=1e-4
+    )
+    assert out.generation.tokens == dense.tokens
+    _, alone = serve_policy(runner, "naive", plain)
+    assert not torch.allclose(alone.generation.first_logits, dense.first_logits, atol=1e-3)
 
 
 def _naive_by_hand(runner, pieces):
