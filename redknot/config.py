@@ -249,6 +249,16 @@ class RedknotConfig:
         "sight).",
         default=2,
     )
+    auto_capture_context: int = _opt(
+        "--redknot-auto-segments: an automatic segment is captured after the K tokens that "
+        "preceded it in the prompt that missed it (computed and not stored; its keys rotated "
+        "back to positions from 0), so that a chunk cut inside a document keeps what its "
+        "document's text before it means to it; 0 captures it alone. Measured on SmolLM2's "
+        "RAG cases under cdc-docs (reference path): 64 keeps 15 and 14 of 16 dense-correct "
+        "answers with CacheBlend and EPIC, as registered documents do (15, 13), where alone "
+        "kept 12 and 11 (docs/auto_segments.md).",
+        default=64,
+    )
     namespace_fraction: float = _opt(
         "Largest fraction of the segment region one namespace may hold; beyond it a new segment "
         "evicts that namespace's own least recently used ones, never another namespace's.",
@@ -388,7 +398,10 @@ class RedknotConfig:
             lambda: ChatSegments.parse(self.chat_segments),
             lambda: parse_namespaces(self.namespaces),
             lambda: AutoSegmentsOption.parse(
-                self.auto_segments, self.auto_chunk_tokens, self.auto_capture_after
+                self.auto_segments,
+                self.auto_chunk_tokens,
+                self.auto_capture_after,
+                self.auto_capture_context,
             ),
         ):
             try:

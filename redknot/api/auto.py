@@ -73,6 +73,7 @@ class _Document:
     """``cdc-docs``: a run from a learned head to the next learned tail, seen in prompts."""
 
     pieces: tuple[tuple[int, int], ...]  # the chunks and edges it would replace (offsets in it)
+    context: tuple[int, ...] = ()  # the tokens before it where it was last sighted
     sightings: int = 0  # prompts that held it while it was not stored
     queued: bool = False  # waiting in the capture queue
     stored: bool = False  # captured (the store may have evicted it since)
@@ -207,7 +208,8 @@ class AutoSegments:
         out = list(pieces)
         for a, b in runs:
             inside = [p for p in pieces if a <= p[0] and p[1] <= b]
-            if not self._document_sighted(token_ids[a:b], inside, a):
+            before = token_ids[max(0, a - self.option.capture_context) : a]
+            if not self._document_sighted(token_ids[a:b], inside, a, before):
                 continue
             cut = [(a, b, "document")]
             for x, y, kind in out:
@@ -220,13 +222,19 @@ class AutoSegments:
         return out
 
     def _document_sighted(
-        self, ids: Sequence[int], inside: list[tuple[int, int, str]], start: int
+        self,
+        ids: Sequence[int],
+        inside: list[tuple[int, int, str]],
+        start: int,
+        before: Sequence[int] = (),
     ) -> bool:
-        """Count a sighting of the run ``ids``; whether it is stored (served whole)."""
+        """Count a sighting of the run ``ids`` (after the tokens ``before``); whether it is
+        stored (served whole)."""
         key = _hash(ids)
         doc = self._documents.pop(key, None) or _Document(
             tuple((x - start, y - start) for x, y, _ in inside)
         )
+        doc.context = tuple(before) if self.option.capture_context else ()
         self._documents[key] = doc
         if len(self._documents) > DOCUMENTS_KEPT:
             self._due.pop(self._documents.popitem(last=False)[0], None)
@@ -278,6 +286,30 @@ class AutoSegments:
             return []
         boundary = WINDOW if self.option.documents else None  # cdc-docs: shorter ones bound
         return self.edges.learn(chunk, self.min_store_tokens, boundary)
+
+    def contexts(self, token_ids: Sequence[int], marks: Sequence[Any]) -> list[list[int]]:
+        """Per mark (``start``, ``end`` in ``token_ids``): the tokens its capture is computed
+        after (``--redknot-auto-capture-context``: up to that many of those before it)."""
+        k = self.option.capture_context
+        return [list(token_ids[max(0, m.start - k) : m.start]) if k else [] for m in marks]
+
+    def document_context(self, ids: Sequence[int]) -> list[int]:
+        """``cdc-docs``: the tokens before the document ``ids`` where it was last sighted (its
+        capture is computed after them)."""
+        doc = self._documents.get(_hash(ids)) if self._documents else None
+        return [] if doc is None else list(doc.context)
+
+    def edge_context(
+        self, chunk: Sequence[int], context: Sequence[int], edge: Sequence[int]
+    ) -> list[int]:
+        """The tokens a learned ``edge`` of the missed ``chunk`` (computed after ``context``)
+        is captured after: a head ends the chunk and follows the chunk's tokens before it; a
+        tail starts the chunk and follows what the chunk followed."""
+        k = self.option.capture_context
+        n = len(edge)
+        if not k or n >= len(chunk) or list(chunk[-n:]) != list(edge):
+            return list(context)
+        return [*context, *chunk[: len(chunk) - n]][-k:]
 
     def message_spans(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """The token ranges of one chat message's content (its standalone tokens) to mark as

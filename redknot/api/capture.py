@@ -78,11 +78,15 @@ SEEN_LIMIT = 1 << 16  # automatic chunks remembered as seen once (the oldest for
 CAPTURE_FIELD = "redknot_capture"  # per request: false turns capture off for it
 SKIP_STATES = ("ready", "writing")  # stored, or being written by another writer
 
-# Segments (namespace, token ids, whether they are chunks of an unmarked prompt) a request
-# marked, collected while it is served: the middleware sets a fresh list per request, the chat
-# hook appends to it.
-PENDING: contextvars.ContextVar[list[tuple[str, list[int], bool]] | None] = contextvars.ContextVar(
-    "redknot_capture_pending", default=None
+# a capture under way: namespace, token ids, segment id, whether it is automatic (a chunk,
+# edge or document of an unmarked prompt, or a chat message), the tokens it is computed after
+_Capture = tuple[str, list[int], str, bool, list[int]]
+
+# Segments (namespace, token ids, whether they are chunks of an unmarked prompt, the tokens
+# their capture is computed after) a request marked, collected while it is served: the
+# middleware sets a fresh list per request, the chat hook appends to it.
+PENDING: contextvars.ContextVar[list[tuple[str, list[int], bool, list[int]]] | None] = (
+    contextvars.ContextVar("redknot_capture_pending", default=None)
 )
 
 
@@ -95,12 +99,21 @@ def check_flag(value: Any, where: str) -> bool:
     return value
 
 
-def note(segments: Sequence[tuple[str, Sequence[int]]], *, chunks: bool = False) -> None:
+def note(
+    segments: Sequence[tuple[str, Sequence[int]]],
+    *,
+    chunks: bool = False,
+    contexts: Sequence[Sequence[int]] | None = None,
+) -> None:
     """Add a request's marked segments to the current request's pending captures (``chunks``:
-    content-defined chunks of an unmarked prompt, captured at their N-th miss)."""
+    content-defined chunks of an unmarked prompt, captured at their N-th miss; ``contexts``:
+    per segment, the tokens its capture is computed after, none when not given)."""
     pending = PENDING.get()
     if pending is not None:
-        pending.extend((ns, list(ids), chunks) for ns, ids in segments)
+        contexts = contexts or [()] * len(segments)
+        pending.extend(
+            (ns, list(ids), chunks, list(ctx)) for (ns, ids), ctx in zip(segments, contexts)
+        )
 
 
 class Capturer:
@@ -124,19 +137,22 @@ class Capturer:
             sem = self._limits[loop] = asyncio.Semaphore(MAX_CONCURRENT)
         return sem
 
-    async def capture(self, segments: Sequence[tuple[str, list[int], bool]]) -> None:
+    async def capture(self, segments: Sequence[tuple[str, list[int], bool, list[int]]]) -> None:
         """Capture those of ``segments`` (what :func:`note` collected) the store lacks; never
         raises."""
         if not (self.enabled and segments):
             return
         count = self.api.counters.add
-        mine: list[tuple[str, list[int], str, bool]] = []
+        mine: list[_Capture] = []
         taken: set[str] = set()
         auto = self._auto
         due = auto.documents_due() if auto is not None and segments else []
-        segments = [*segments, *((AUTO_NAMESPACE, ids, True) for ids in due)]
+        segments = [
+            *segments,
+            *((AUTO_NAMESPACE, ids, True, auto.document_context(ids)) for ids in due),
+        ]
         try:
-            for ns, ids, chunk in segments:
+            for ns, ids, chunk, context in segments:
                 sid = segment_id(ns, ids)
                 if sid in self._inflight or sid in taken:
                     count(captures_deduplicated=1)
@@ -145,12 +161,12 @@ class Capturer:
                 elif self._pending + len(mine) >= MAX_PENDING:
                     count(captures_dropped=1)
                 else:
-                    mine.append((ns, ids, sid, chunk))
+                    mine.append((ns, ids, sid, chunk, context))
                     taken.add(sid)
             self._inflight.update(taken)
             self._pending += len(mine)
             send = await self._to_send(mine)
-            self._release(taken, taken - {sid for _, _, sid, _ in send})
+            self._release(taken, taken - {seg[2] for seg in send})
             for batch in _batches(send, MAX_BATCH_TOKENS):
                 async with self._limit():
                     await self._capture_batch(batch)
@@ -190,13 +206,11 @@ class Capturer:
         self.api.counters.add(captures_deferred=1)
         return False
 
-    async def _to_send(
-        self, segments: list[tuple[str, list[int], str, bool]]
-    ) -> list[tuple[str, list[int], str, bool]]:
+    async def _to_send(self, segments: list[_Capture]) -> list[_Capture]:
         """Those of ``segments`` the store lacks (asked in one control request) and, for a
         chunk of an unmarked prompt, that :meth:`_admit` lets through."""
         tm = self.api.tokenizer_manager
-        states = await control.registrations(tm, [(ns, sid) for ns, _, sid, _ in segments])
+        states = await control.registrations(tm, [(seg[0], seg[2]) for seg in segments])
         send = []
         for seg, state in zip(segments, states, strict=True):
             if state["state"] in SKIP_STATES or state["status"] == 413:
@@ -206,7 +220,7 @@ class Capturer:
                 continue
             document = seg[3] and self._is_document(seg[1])  # cdc-docs: learned, not deferred
             if seg[3] and not document:  # a chunk the store lacks: edges it shares with misses
-                send += self._edges(seg[0], seg[1])
+                send += self._edges(seg[0], seg[1], seg[4])
             if not seg[3] or document or self._admit(seg[2]):
                 send.append(seg)
         return send
@@ -219,24 +233,29 @@ class Capturer:
     def _is_document(self, ids: list[int]) -> bool:
         return self._auto is not None and self._auto.is_document(ids)
 
-    def _edges(self, ns: str, ids: list[int]) -> list[tuple[str, list[int], str, bool]]:
+    def _edges(self, ns: str, ids: list[int], context: list[int]) -> list[_Capture]:
         """``--redknot-auto-segments cdc-edges``: the documents' edges newly learned from the
-        missed chunk ``ids``, captured now (seen twice already; ``redknot.api.edges``)."""
-        learned = self._auto.learn_edges(ids) if self._auto is not None else []
+        missed chunk ``ids`` (computed after ``context``), captured now (seen twice already;
+        ``redknot.api.edges``)."""
+        auto = self._auto
+        learned = auto.learn_edges(ids) if auto is not None else []
         if learned:
             self.api.counters.add(auto_edges_learned=len(learned))
-        return [(ns, edge, segment_id(ns, edge), True) for edge in learned]
+        return [
+            (ns, edge, segment_id(ns, edge), True, auto.edge_context(ids, context, edge))
+            for edge in learned
+        ]
 
-    async def _capture_batch(self, batch: list[tuple[str, list[int], str, bool]]) -> None:
+    async def _capture_batch(self, batch: list[_Capture]) -> None:
         """One registration request for the segments of ``batch``, then what the store holds
         of them (asked in one control request)."""
         count = self.api.counters.add
         count(captures_sent=len(batch))
-        await self._register([(ns, ids, sid) for ns, ids, sid, _ in batch])
+        await self._register([(ns, ids, sid, context) for ns, ids, sid, _, context in batch])
         tm = self.api.tokenizer_manager
-        states = await control.registrations(tm, [(ns, sid) for ns, _, sid, _ in batch])
+        states = await control.registrations(tm, [(seg[0], seg[2]) for seg in batch])
         superseded: list[tuple[str, str]] = []
-        for (ns, ids, sid, chunk), state in zip(batch, states, strict=True):
+        for (ns, ids, sid, chunk, _), state in zip(batch, states, strict=True):
             stored = state["state"] in SKIP_STATES
             pieces = self._auto.document_pieces(ids) if chunk and self._auto is not None else None
             if pieces is not None:  # cdc-docs: a document, served whole from now on
@@ -255,23 +274,27 @@ class Capturer:
             freed = await control.deletes(tm, superseded)
             count(captures_superseded=sum(freed))
 
-    async def _register(self, segments: list[tuple[str, list[int], str]]) -> None:
+    async def _register(self, segments: list[tuple[str, list[int], str, list[int]]]) -> None:
         """Send ``segments`` as one batch of registrations (one scheduler request each, sent
-        together so that the scheduler prefills them in as few batches as its limits allow)."""
+        together so that the scheduler prefills them in as few batches as its limits allow),
+        each prompt its context then its segment, marked as the segment."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         params = [
             {
                 "max_new_tokens": 0,
                 "custom_params": encode_marks(
-                    [SegmentMark(0, len(ids), ns, sid)], register=True, capture=True
+                    [SegmentMark(len(ctx), len(ctx) + len(ids), ns, sid)],
+                    register=True,
+                    capture=True,
                 ),
             }
-            for ns, ids, sid in segments
+            for ns, ids, sid, ctx in segments
         ]
+        prompts = [[*ctx, *ids] for _, ids, _, ctx in segments]
         single = len(segments) == 1
         obj = GenerateReqInput(
-            input_ids=segments[0][1] if single else [ids for _, ids, _ in segments],
+            input_ids=prompts[0] if single else prompts,
             sampling_params=params[0] if single else params,
             priority=self._lowest_priority(),
         )
@@ -287,15 +310,16 @@ class Capturer:
         return sys.maxsize if low_first else -sys.maxsize - 1
 
 
-def _batches(segments: list[tuple], max_tokens: int) -> list[list[tuple]]:
-    """``segments`` in order, cut into batches of at most ``max_tokens`` tokens (a longer
-    segment alone)."""
-    out: list[list[tuple]] = []
+def _batches(segments: list[_Capture], max_tokens: int) -> list[list[_Capture]]:
+    """``segments`` in order, cut into batches of at most ``max_tokens`` prompt tokens (context
+    and segment; a longer one alone)."""
+    out: list[list[_Capture]] = []
     size = max_tokens
     for seg in segments:
-        if size + len(seg[1]) > max_tokens:
+        n = len(seg[1]) + len(seg[4])
+        if size + n > max_tokens:
             out.append([])
             size = 0
         out[-1].append(seg)
-        size += len(seg[1])
+        size += n
     return out

@@ -226,7 +226,11 @@ def _attach(
     custom.update(api.encode(marks))
     params["custom_params"] = custom
     if capture and api.inert is None:
-        note([(m.namespace, input_ids[m.start : m.end]) for m in marks], chunks=chunks)
+        note(
+            [(m.namespace, input_ids[m.start : m.end]) for m in marks],
+            chunks=chunks,
+            contexts=api.auto.contexts(input_ids, marks) if chunks else None,
+        )
     return len(marks)
 
 

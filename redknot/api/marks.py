@@ -16,7 +16,9 @@ so the marks are parallel flat lists):
 |                            | prompt is exactly one segment, prefilled standalone            |
 | ``redknot_pin``            | with ``redknot_register``: keep it until deleted               |
 | ``redknot_capture``        | with ``redknot_register``: a capture on miss                   |
-|                            | (``redknot.api.capture``), never pinned                        |
+|                            | (``redknot.api.capture``), never pinned; its one segment may   |
+|                            | start after a context (the tokens that preceded it in the      |
+|                            | prompt that missed it), which is computed and not stored       |
 
 The HTTP side (``redknot.api.generate``, ``chat``, ``routes``) is the only writer (clients
 setting these keys themselves get a 400 on every endpoint); the scheduler reads them with
@@ -76,7 +78,8 @@ class SegmentMark:
 
 @dataclass(frozen=True)
 class Registration:
-    """A request that registers its whole prompt as one segment ahead of use."""
+    """A request that registers its whole prompt as one segment ahead of use (a capture: the
+    prompt's tokens from ``mark.start`` on, computed after the ones before them)."""
 
     mark: SegmentMark
     pin: bool
@@ -239,7 +242,12 @@ def registration_of(req: Any) -> Registration | None:
     if not params.get(KEY_REGISTER):
         return None
     marks = segments_of(req)
-    if len(marks) != 1 or (marks[0].start, marks[0].end) != (0, len(req.origin_input_ids)):
-        raise SegmentMarkError("a registration's prompt must be exactly one segment")
     capture = bool(params.get(KEY_CAPTURE, False))
+    # a capture's segment may follow its context; a client's registration is the whole prompt
+    first = marks[0].start if capture and len(marks) == 1 else 0
+    if len(marks) != 1 or (marks[0].start, marks[0].end) != (first, len(req.origin_input_ids)):
+        raise SegmentMarkError(
+            "a registration's prompt must be exactly one segment (a capture's: one segment "
+            "ending the prompt)"
+        )
     return Registration(marks[0], bool(params.get(KEY_PIN, False)) and not capture, capture)

@@ -54,13 +54,16 @@ class AutoSegmentsOption:
     enabled: bool
     chunk_tokens: int = 256
     capture_after: int = 2  # an automatic segment is captured at its N-th miss
+    capture_context: int = 64  # ... after the tokens that preceded it (kept: 0 .. this many)
     edges: bool = False  # cdc-edges: documents' edges learned from repeats (redknot.api.edges)
     documents: bool = False  # cdc-docs: and a document between two learned edges one segment
 
     @classmethod
-    def parse(cls, mode: str, chunk_tokens: int, capture_after: int = 2) -> AutoSegmentsOption:
+    def parse(
+        cls, mode: str, chunk_tokens: int, capture_after: int = 2, capture_context: int = 64
+    ) -> AutoSegmentsOption:
         """``mode``: one of :data:`AUTO_MODES`; ``chunk_tokens``: an integer >= 16; ``capture_after``:
-        an integer >= 1. ValueError else."""
+        an integer >= 1; ``capture_context``: an integer >= 0. ValueError else."""
         if mode not in AUTO_MODES:
             raise ValueError(
                 f"--redknot-auto-segments {mode!r} is not one of {', '.join(AUTO_MODES)}"
@@ -82,10 +85,20 @@ class AutoSegmentsOption:
             raise ValueError(
                 f"--redknot-auto-capture-after must be an integer >= 1, got {capture_after!r}"
             )
+        if (
+            isinstance(capture_context, bool)
+            or not isinstance(capture_context, int)
+            or capture_context < 0
+        ):
+            raise ValueError(
+                "--redknot-auto-capture-context must be an integer >= 0, got "
+                f"{capture_context!r}"
+            )
         return cls(
             enabled=mode != "off",
             chunk_tokens=chunk_tokens,
             capture_after=capture_after,
+            capture_context=capture_context,
             edges=mode in ("cdc-edges", "cdc-docs"),
             documents=mode == "cdc-docs",
         )

@@ -100,7 +100,10 @@ class SegmentApi:
             rows_leave=config.rows_leave,
             capture=config.capture == "on",
             auto=AutoSegmentsOption.parse(
-                config.auto_segments, config.auto_chunk_tokens, config.auto_capture_after
+                config.auto_segments,
+                config.auto_chunk_tokens,
+                config.auto_capture_after,
+                config.auto_capture_context,
             ),
         )
 

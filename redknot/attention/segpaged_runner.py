@@ -460,9 +460,17 @@ class SegPagedRunner:
         if state.keep_rows_gpu is not None:
             idx = state.keep_tokens_gpu
             self.pool.write_local(lid, state.keep_rows_gpu, k[idx], v[idx])
-        if state.segment_writes is not None:
-            idx = state.segment_writes.tokens_gpu
-            self.pool.segments.write(lid, state.segment_writes.rows_gpu, k[idx], v[idx])
+        writes = state.segment_writes
+        if writes is not None:
+            idx = writes.tokens_gpu
+            keys = k[idx]
+            if writes.pos_gpu is not None:  # captured after a context: back to positions from 0
+                rope_align(
+                    k, idx, keys, self._arange[: idx.numel()], writes.pos_gpu[0],
+                    writes.pos_gpu[1], self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
+                    rotary_dim=self.rope.rotary_dim,
+                )  # fmt: skip
+            self.pool.segments.write(lid, writes.rows_gpu, keys, v[idx])
 
     @staticmethod
     def _held_rows(state: ExtendState) -> HeldRows | None:

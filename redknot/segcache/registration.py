@@ -1,7 +1,10 @@
 """Filling a registered segment's K/V: the registration request's own prefill writes it.
 
 A registration (``redknot.api.marks.registration_of``) is a request whose whole prompt is one
-segment, served standalone (positions from 0). Its life in the scheduler:
+segment, served standalone (positions from 0). A capture's prompt may start with a context (the
+tokens that preceded the segment in the prompt that missed it): the context is computed and not
+stored, and the segment's keys are written re-rotated from their positions after it to positions
+from 0, as a standalone segment's are. Its life in the scheduler:
 
 | when                                   | what                                                   |
 | -------------------------------------- | ------------------------------------------------------ |
@@ -31,16 +34,20 @@ logger = logging.getLogger(__name__)
 @dataclass
 class WriteJob:
     entry: SegmentEntry
-    written: int = 0  # tokens 0 .. written - 1 have their writes issued
+    context: int = 0  # prompt tokens before the segment (computed, not stored)
+    written: int = 0  # prompt tokens 0 .. written - 1 have their writes issued
 
 
 @dataclass(frozen=True)
 class SegmentWrites:
     """One extend's segment writes: token ``tokens_gpu[i]`` of the batch goes to region row
-    ``rows_gpu[i]`` (int64 [W] each, on the device)."""
+    ``rows_gpu[i]`` (int64 [W] each, on the device). ``pos_gpu`` (None: every write is at its
+    stored position): ``[2, W]``, each write's position in its prompt and in the segment, from
+    which and to which its key is rotated."""
 
     tokens_gpu: torch.Tensor
     rows_gpu: torch.Tensor
+    pos_gpu: torch.Tensor | None = None
 
 
 def is_registration(req: Any) -> bool:
@@ -62,18 +69,17 @@ def start(cache: Any, req: Any) -> None:
         return
     reg = registration_of(req)
     store = cache.segments
+    ids = list(req.origin_input_ids[reg.mark.start :])
     try:
-        entry = store.register(
-            reg.mark.namespace, list(req.origin_input_ids), pin=reg.pin, capture=reg.capture
-        )
+        entry = store.register(reg.mark.namespace, ids, pin=reg.pin, capture=reg.capture)
     except SegmentError as e:
         store.note_failure(reg.mark.segment_id, e)
         logger.warning("redknot: segment registration not stored: %s", e)
         return
-    if entry.num_tokens != len(req.origin_input_ids) or not store.claim_write(entry):
+    if entry.num_tokens != len(ids) or not store.claim_write(entry):
         store.release(entry)  # already stored, or being written by another registration
         return
-    cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(entry)
+    cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(entry, context=reg.mark.start)
 
 
 def plan_writes(
@@ -82,28 +88,40 @@ def plan_writes(
     """The segment writes of one extend batch; completes the jobs whose last token it computes."""
     tokens: list[int] = []
     rows: list[torch.Tensor] = []
+    shifts: list[int] = []  # prompt position - segment position
+    positions: list[int] = []  # prompt position
     offset = 0
     for rpi, p, e in zip(req_pool_indices, list(prefix_cpu), list(lens_cpu)):
         p, e = int(p), int(e)
         job = pool.segment_jobs.get(rpi)
         if job is not None:
-            end = min(p + e, job.entry.num_tokens)
+            c = job.context
+            end = min(p + e, c + job.entry.num_tokens)  # prompt positions
+            first = max(p, c)  # the first segment token this extend computes
             if p != job.written:  # a prefix was reused after all: the segment cannot be filled
                 _drop(pool, rpi)
             elif end > p:
-                tokens.extend(range(offset, offset + end - p))
-                rows.append(job.entry.rows()[p:end])
+                if end > first:
+                    tokens.extend(range(offset + first - p, offset + end - p))
+                    rows.append(job.entry.rows()[first - c : end - c])
+                    shifts.extend([c] * (end - first))
+                    positions.extend(range(first, end))
                 job.written = end
-                if end == job.entry.num_tokens:
+                if end == c + job.entry.num_tokens:
                     pool.cache.segments.mark_ready(job.entry)
                     pool.cache.segments.release(job.entry)
                     del pool.segment_jobs[rpi]
         offset += e
     if not tokens:
         return None
+    pos = None
+    if any(shifts):  # a capture after its context: keys rotated back to positions from 0
+        on = [q - c for q, c in zip(positions, shifts)]
+        pos = torch.tensor([positions, on], dtype=torch.int64).to(device, non_blocking=True)
     return SegmentWrites(
         torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True),
         torch.cat(rows).to(device, non_blocking=True),
+        pos,
     )
 
 
@@ -123,7 +141,8 @@ def _drop(pool: Any, rpi: int) -> None:
         pass  # deleted through the API meanwhile
     store.release(entry)
     reason = (
-        f"its registration ended after {job.written} of {entry.num_tokens} tokens (aborted, or "
+        f"its registration ended after {max(0, job.written - job.context)} of {entry.num_tokens} "
+        "tokens (aborted, or "
         "its prompt was served from a cached prefix)"
     )
     store.note_failure(entry.id, reason)

@@ -508,6 +508,7 @@ class CpuServer:
         auto_segments: str = "off",
         auto_chunk_tokens: int = 256,
         auto_capture_after: int = 2,
+        auto_capture_context: int = 64,
         step_us_per_token: float = 0.0,
         captures_yield: bool = True,
         capture_step_tokens: int = CAPTURE_STEP_TOKENS,
@@ -541,7 +542,9 @@ class CpuServer:
             chat=ChatSegments.parse(chat),
             namespaces=NamespaceRegistry.from_option(namespaces),
             capture=capture == "on",
-            auto=AutoSegmentsOption.parse(auto_segments, auto_chunk_tokens, auto_capture_after),
+            auto=AutoSegmentsOption.parse(
+                auto_segments, auto_chunk_tokens, auto_capture_after, auto_capture_context
+            ),
         )
         install(app, self.api)
         http_server._global_state.tokenizer_manager = self.tm

@@ -94,6 +94,31 @@ def test_rag_documents_in_another_order_under_another_prefix_hit(
     assert "auto" in stats["namespaces"]
 
 
+@pytest.mark.parametrize("context", [64, 0])
+def test_a_chunk_is_captured_after_the_tokens_that_preceded_it(make_server, client, context):
+    """``--redknot-auto-capture-context K``: each capture's prompt is the (up to) K tokens
+    before its chunk in the prompt that missed it, then the chunk, marked as the segment; the
+    store holds the chunk's tokens only, and a prompt with the documents in another order hits
+    them as before."""
+    server = make_server(auto_capture_after=1, auto_capture_context=context)
+    generate(client, rag_prompt("You are a helpful assistant.", [0, 1, 2, 3], "Which river?"))
+    sent = server.tm.last
+    where = {m.segment_id: m.start for m in marks_of(sent)}
+    assert captures(server) and len(captures(server)) == len(where)
+    for capture in captures(server):
+        (mark,) = marks_of(capture)
+        start = where[mark.segment_id]
+        assert mark.start == min(start, context) and mark.end == len(capture.input_ids)
+        assert (
+            capture.input_ids == sent.input_ids[start - mark.start : mark.end - mark.start + start]
+        )
+        assert server.store.registration_state("auto", mark.segment_id)["state"] == "ready"
+        stored = server.store.lookup("auto", capture.input_ids[mark.start :])
+        assert stored is not None and stored.num_tokens == mark.end - mark.start
+    out = generate(client, rag_prompt("Be brief.", [2, 0, 3, 1], "Which harbor?"))
+    assert out["meta_info"]["cached_tokens"] > 0
+
+
 def test_chunks_are_captured_at_their_second_miss_by_default(make_server, client):
     server = make_server()
     docs = [rag_prompt("You are a helpful assistant.", [0, 1, 2, 3], "Which river?"),
@@ -347,7 +372,7 @@ def test_a_miss_while_the_first_is_being_decided_counts_toward_capture(make_serv
     server = make_server()  # chunks captured at their second miss
     capturer, ask = server.api.capture, server.tm.redknot_segments_communicator
     ids = list(range(10, 90))
-    chunk = [("auto", ids, True)]
+    chunk = [("auto", ids, True, [])]
 
     async def two_overlapping_requests():
         held = asyncio.Event()

@@ -196,10 +196,13 @@ def test_the_misses_of_one_request_are_captured_in_one_batch(make_server, client
 def test_capture_batches_hold_at_most_their_token_limit():
     from redknot.api.capture import _batches
 
-    segs = [("ns", [0] * n, str(k)) for k, n in enumerate([5, 4, 2, 9, 1, 12])]
+    segs = [("ns", [0] * n, str(k), False, []) for k, n in enumerate([5, 4, 2, 9, 1, 12])]
     cut = _batches(segs, 10)
     assert [[s[2] for s in b] for b in cut] == [["0", "1"], ["2"], ["3", "4"], ["5"]]
     assert _batches([], 10) == []
+    # a capture's context counts: it is computed with its segment
+    with_context = [("ns", [0] * 4, "a", True, [1] * 4), ("ns", [0] * 4, "b", True, [1] * 3)]
+    assert [[s[2] for s in b] for b in _batches(with_context, 10)] == [["a"], ["b"]]
 
 
 def test_a_request_whose_segments_all_hit_does_not_ask_the_store(make_server, client):

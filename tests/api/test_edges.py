@@ -92,3 +92,29 @@ def test_tails_are_found_by_their_last_window():
     index.learn(tail_a + _run(7200, 40), 64)
     ids = _run(1, 10) + tail_a + _run(7300, 40)
     assert index.boundaries(ids) == ([], [10 + 70])
+
+
+def test_what_a_capture_is_computed_after():
+    """``--redknot-auto-capture-context K``: a chunk's capture follows the K tokens before it;
+    a learned head (the end of a missed chunk) follows the chunk's tokens before it, a tail
+    (its start) what the chunk followed; a document what preceded it at its last sighting."""
+    from types import SimpleNamespace
+
+    from redknot.api.auto import AutoSegments
+    from redknot.api.options import AutoSegmentsOption
+
+    auto = AutoSegments(AutoSegmentsOption.parse("cdc-docs", 64, capture_context=8))
+    ids = list(range(100, 140))
+    marks = [SimpleNamespace(start=3), SimpleNamespace(start=20)]
+    assert auto.contexts(ids, marks) == [ids[:3], ids[12:20]]
+    chunk, context = list(range(50)), list(range(900, 908))
+    assert auto.edge_context(chunk, context, chunk[30:]) == chunk[22:30]
+    assert auto.edge_context(chunk, context, chunk[:20]) == context
+    assert auto.edge_context(chunk, context, chunk) == context
+    doc = list(range(300, 340))
+    auto._document_sighted(doc, [], 0, list(range(7)))
+    assert auto.document_context(doc) == list(range(7))
+    assert auto.document_context(list(range(5))) == []
+    alone = AutoSegments(AutoSegmentsOption.parse("cdc-docs", 64, capture_context=0))
+    assert alone.contexts(ids, marks) == [[], []]
+    assert alone.edge_context(chunk, [], chunk[30:]) == []

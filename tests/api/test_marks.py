@@ -101,6 +101,21 @@ def test_scheduler_side_validation(custom, message):
 def test_registration_must_cover_the_prompt():
     with pytest.raises(SegmentMarkError, match="exactly one segment"):
         registration_of(_req(encode_marks([_mark(0, 5)]) | {"redknot_register": True}))
+    n = len(IDS)
+    with pytest.raises(SegmentMarkError, match="exactly one segment"):  # a client's: from 0
+        registration_of(_req(encode_marks([_mark(4, n)], register=True)))
+
+
+def test_a_capture_may_follow_its_context():
+    """A capture's prompt is its context then its segment, which must end the prompt."""
+    n = len(IDS)
+    reg = registration_of(_req(encode_marks([_mark(4, n)], register=True, capture=True)))
+    assert reg is not None and reg.capture and not reg.pin and reg.mark.start == 4
+    with pytest.raises(SegmentMarkError, match="ending the prompt"):
+        registration_of(_req(encode_marks([_mark(4, n - 1)], register=True, capture=True)))
+    with pytest.raises(SegmentMarkError, match="exactly one segment"):
+        two = [_mark(0, 4), _mark(4, n)]
+        registration_of(_req(encode_marks(two, register=True, capture=True)))
 
 
 def test_markers_roundtrip_and_strip():

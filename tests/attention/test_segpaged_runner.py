@@ -195,6 +195,41 @@ def test_extend_fills_a_segment_being_registered():
         assert torch.equal(got_k, keys[:, local]) and torch.equal(got_v, values[:, local])
 
 
+def test_a_capture_after_its_context_stores_its_keys_rotated_back_to_positions_from_0():
+    """A capture whose prompt is 6 tokens of context then its 30-token segment, prefilled in
+    three chunks (4 context tokens beside another request; 2 context and 16 segment tokens; 14
+    segment tokens): the segment's rows hold its values as computed and its keys re-rotated
+    from prompt positions 6..35 to 0..29; the context is not stored."""
+    from redknot.kernels.rope_align import alignable_rope
+    from redknot.kernels.rope_reference import alignment_tolerance, delta_rotate, sglang_rope
+    from redknot.segcache.registration import WriteJob
+    from redknot.segcache.store import SegmentStore
+
+    w = World(("GLLL", "LLGL"), 2, torch.bfloat16, segment_fraction=0.1)
+    store = SegmentStore.for_pool(w.pool)
+    w.pool.cache = SimpleNamespace(segments=store)
+    w.runner.rope = alignable_rope(sglang_rope(D, D, 512, 10000.0, True))
+    entry = store.register("kb", list(range(30)), pin=False)
+    w.pool.segment_jobs[4] = WriteJob(entry, context=6)
+    w.step(w.FM.EXTEND, [1, 4], [7, 4])
+    assert w.pool.segment_jobs[4].written == 4
+    w.step(w.FM.EXTEND, [4], [18])
+    assert w.pool.segment_jobs[4].written == 22
+    w.step(w.FM.EXTEND, [4], [14])
+    assert not w.pool.segment_jobs and store.lookup("kb", list(range(30))) is not None
+    cache = w.runner.rope.cos_sin_cache
+    for layer in range(2):
+        keys, values = (x[6:] for x in w.hist[(4, layer)])  # prompt rows 6..35
+        local = w.layout.local_heads(layer)
+        want = delta_rotate(
+            keys[:, local], torch.arange(6, 36), torch.arange(30), cache, is_neox=True
+        ).to(torch.bfloat16)
+        got_k, got_v = w.pool.segments.read(layer, entry.rows())
+        assert ((got_k.float() - want.float()).abs() <= alignment_tolerance(want, D, True)).all()
+        assert not torch.equal(got_k, keys[:, local])  # rotated, not copied
+        assert torch.equal(got_v, values[:, local])
+
+
 def test_extend_reuses_a_stored_segment_at_a_new_position():
     """A request holding a stored segment at tokens 5..14, prefilled in two chunks: local heads
     of those tokens attend the cached K/V re-rotated from positions 0..9 to 5..14; global heads

@@ -157,6 +157,11 @@ def test_engine_keywords_reach_server_args(sglang_plugins, llama_dir):
             + ["--redknot-auto-segments", "cdc", "--redknot-auto-chunk-tokens", "8"],
             "--redknot-auto-chunk-tokens must be an integer >= 16, got 8",
         ),
+        (
+            ["--attention-backend", "redknot", "--redknot-all-global"]
+            + ["--redknot-auto-segments", "cdc", "--redknot-auto-capture-context", "-1"],
+            "--redknot-auto-capture-context must be an integer >= 0, got -1",
+        ),
     ],
 )
 def test_bad_options_fail_at_startup_with_a_fix(sglang_plugins, llama_dir, extra, message):

@@ -83,6 +83,43 @@ def test_chunked_registration_fills_the_segment_then_makes_it_ready():
     store.check()
 
 
+def test_a_capture_after_its_context_writes_only_its_segment_with_its_positions():
+    """A capture's prompt: 6 context tokens, then its 13-token segment, in two chunks (the
+    first ends 2 tokens into the segment): the store holds the segment's tokens; each write
+    says the position its key was computed at and the segment position it goes to."""
+    layout, pool, cache = make_world()
+    store = cache.segments
+    context, ids = [1, 2, 3, 4, 5, 6], list(range(100, 113))
+    mark = SegmentMark(6, 19, "auto", segment_id("auto", ids))
+    req = SimpleNamespace(
+        origin_input_ids=context + ids,
+        sampling_params=SimpleNamespace(
+            custom_params=encode_marks([mark], register=True, capture=True)
+        ),
+        req_pool_idx=2,
+    )
+    registration.start(cache, req)
+    assert pool.segment_jobs[2].context == 6
+    k = [torch.randn(10, 4, 8) for _ in range(3)]
+    w = write_extend(pool, [1, 2], [0, 0], [2, 8], k, k)  # another request, then 0..7
+    assert w.tokens_gpu.tolist() == [8, 9] and w.pos_gpu.tolist() == [[6, 7], [0, 1]]
+    k2 = [torch.randn(11, 4, 8) for _ in range(3)]
+    w = write_extend(pool, [2], [8], [11], k2, k2)
+    assert w.tokens_gpu.tolist() == list(range(11))
+    assert w.pos_gpu.tolist() == [list(range(8, 19)), list(range(2, 13))]
+    assert not pool.segment_jobs
+    entry = store.lookup("auto", ids)
+    assert entry is not None and entry.num_tokens == 13 and not entry.pinned
+    assert store.lookup("auto", context + ids) is None
+    got_k, _ = pool.segments.read(0, entry.rows())
+    local = layout.local_heads(0)
+    assert torch.equal(got_k, torch.cat([k[0][8:10], k2[0]])[:, local])  # rotated by the backend
+    # a registration without a context says no positions
+    registration.start(cache, registration_req([7, 8, 9], rpi=3))
+    assert write_extend(pool, [3], [0], [3], k, k).pos_gpu is None
+    store.check()
+
+
 def test_registering_a_stored_segment_writes_nothing():
     _, pool, cache = make_world()
     ids = [5, 6, 7, 8, 9]
