@@ -66,7 +66,6 @@ AUTO_FIELD = "redknot_auto_segments"  # per request: false leaves the prompt uns
 GATE_PROMPT_TOKENS = 8192  # the prompt length at which the gate's break-even is asked
 DOCUMENTS_KEPT = 1 << 12  # cdc-docs: assembled documents remembered
 DOCUMENTS_DUE = 64  # cdc-docs: documents waiting for the next capture, at most
-PIECES_KEPT = 1 << 16  # cdc-docs: pieces of documents being captured or stored remembered
 
 
 @dataclasses.dataclass
@@ -89,7 +88,6 @@ class AutoSegments:
         self.edges = EdgeIndex() if self.option.edges else None  # cdc-edges, cdc-docs
         self._documents: OrderedDict[int, _Document] = OrderedDict()  # cdc-docs, by token hash
         self._due: OrderedDict[int, list[int]] = OrderedDict()  # cdc-docs: to capture next
-        self._inside: OrderedDict[int, int] = OrderedDict()  # cdc-docs: piece -> its document
         self.gate_min_tokens: int | None = None  # the reuse gate's break-even, once asked
         self.idle: str | None = None  # why no chunk is marked (the store off, nothing pays)
         self._asked = False
@@ -246,11 +244,6 @@ class AutoSegments:
         if doc.sightings >= self.option.capture_after and not doc.queued:
             doc.queued = True
             self._due[key] = list(ids)
-            for a, b in doc.pieces:  # its pieces are not captured while it is (see covered)
-                self._inside[_hash(ids[a:b])] = key
-                self._inside.move_to_end(_hash(ids[a:b]))
-            while len(self._inside) > PIECES_KEPT:
-                self._inside.popitem(last=False)
             if len(self._due) > DOCUMENTS_DUE:
                 dropped, _ = self._due.popitem(last=False)
                 if dropped in self._documents:
@@ -274,14 +267,6 @@ class AutoSegments:
         doc = self._documents.get(_hash(ids))
         if doc is not None:
             doc.queued = False
-
-    def covered(self, ids: Sequence[int]) -> bool:
-        """``cdc-docs``: whether the chunk or edge ``ids`` lies inside a document that is being
-        captured or is stored, which replaces it (capturing it would be deleted work)."""
-        if not self._inside:
-            return False
-        doc = self._documents.get(self._inside.get(_hash(ids), 0))
-        return doc is not None and (doc.queued or doc.stored)
 
     def is_document(self, ids: Sequence[int]) -> bool:
         """``cdc-docs``: whether ``ids`` is a document run this server assembled from its

@@ -30,9 +30,7 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
    between learned edges that are due (``AutoSegments.documents_due``) are sent with the
    request's segments, a marked document that misses is captured at once, and once a document
    is stored the chunks and edges it replaces are deleted (one control request;
-   ``captures_superseded``): kept, they would hold the region twice; and a missing chunk inside
-   a document that is being captured or is stored is not captured (``captures_covered``): it
-   would be deleted when the document is stored;
+   ``captures_superseded``): kept, they would hold the region twice;
 4. sends the rest as **one batched registration** (``max_new_tokens=0``, each prompt marked
    ``redknot_capture``; at most ``MAX_BATCH_TOKENS`` tokens per batch): the scheduler computes
    their standalone K/V (positions from 0, no prefix) as ``POST /redknot/segments`` does, in as
@@ -223,9 +221,6 @@ class Capturer:
             document = seg[3] and self._is_document(seg[1])  # cdc-docs: learned, not deferred
             if seg[3] and not document:  # a chunk the store lacks: edges it shares with misses
                 send += self._edges(seg[0], seg[1], seg[4])
-                if self._auto is not None and self._auto.covered(seg[1]):  # cdc-docs: see covered
-                    self.api.counters.add(captures_covered=1)
-                    continue
             if not seg[3] or document or self._admit(seg[2]):
                 send.append(seg)
         return send

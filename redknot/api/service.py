@@ -52,7 +52,6 @@ class ApiCounters:
     auto_chunks_marked: int = 0
     auto_edges_learned: int = 0  # cdc-edges: documents' edges learned (and captured)
     captures_superseded: int = 0  # cdc-docs: chunks deleted once their document was stored
-    captures_covered: int = 0  # cdc-docs: missing chunks not captured: their document is
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas: int) -> None:

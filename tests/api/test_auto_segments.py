@@ -469,8 +469,6 @@ def test_documents_between_learned_edges_are_served_whole(make_server, client, s
             assert assembled == 0, "cdc-edges never marks a whole document"
         else:
             assert assembled == served_whole > 0, "a document is marked whole once stored"
-            # chunks missed inside a document being captured are not captured too
-            assert server.api.counters.captures_covered > 0
     assert marked["cdc-docs"] < marked["cdc-edges"], marked
 
 

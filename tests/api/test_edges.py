@@ -118,25 +118,3 @@ def test_what_a_capture_is_computed_after():
     alone = AutoSegments(AutoSegmentsOption.parse("cdc-docs", 64, capture_context=0))
     assert alone.contexts(ids, marks) == [[], []]
     assert alone.edge_context(chunk, [], chunk[30:]) == []
-
-
-def test_pieces_of_a_document_being_captured_or_stored_are_covered():
-    """``cdc-docs``: once a run is due (its ``capture_after``-th sighting) its pieces are
-    covered (not captured: the document replaces them); a failed capture uncovers them, a
-    stored document covers them again."""
-    from redknot.api.auto import AutoSegments
-    from redknot.api.options import AutoSegmentsOption
-
-    auto = AutoSegments(AutoSegmentsOption.parse("cdc-docs", 64, capture_after=2))
-    doc = list(range(300, 420))
-    pieces = [(0, 40, "head"), (40, 90, "chunk"), (90, 120, "tail")]
-    assert not auto._document_sighted(doc, pieces, 0)
-    assert not auto.covered(doc[40:90])  # seen once: not due
-    assert not auto._document_sighted(doc, pieces, 0)
-    assert auto.documents_due() == [doc]
-    assert all(auto.covered(doc[a:b]) for a, b, _ in pieces)
-    assert not auto.covered(doc[40:91]) and not auto.covered(list(range(5)))
-    auto.document_stored(doc, stored=False)
-    assert not auto.covered(doc[40:90])
-    auto.document_stored(doc, stored=True)
-    assert auto.covered(doc[40:90])
