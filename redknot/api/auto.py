@@ -293,6 +293,12 @@ class AutoSegments:
         k = self.option.capture_context
         return [list(token_ids[max(0, m.start - k) : m.start]) if k else [] for m in marks]
 
+    def starts(self, marks: Sequence[Any]) -> list[int] | None:
+        """Where the marks start in their prompt, for capture to join those that follow one
+        another into one prompt (each computed after the ones before it); None under
+        ``--redknot-auto-capture-context 0`` (every segment captured alone)."""
+        return [m.start for m in marks] if self.option.capture_context else None
+
     def document_context(self, ids: Sequence[int]) -> list[int]:
         """``cdc-docs``: the tokens before the document ``ids`` where it was last sighted (its
         capture is computed after them)."""

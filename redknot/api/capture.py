@@ -79,14 +79,17 @@ CAPTURE_FIELD = "redknot_capture"  # per request: false turns capture off for it
 SKIP_STATES = ("ready", "writing")  # stored, or being written by another writer
 
 # a capture under way: namespace, token ids, segment id, whether it is automatic (a chunk,
-# edge or document of an unmarked prompt, or a chat message), the tokens it is computed after
-_Capture = tuple[str, list[int], str, bool, list[int]]
+# edge or document of an unmarked prompt, or a chat message), the tokens it is computed after,
+# where it starts in the prompt that missed it (None: not known)
+_Capture = tuple[str, list[int], str, bool, list[int], int | None]
 
 # Segments (namespace, token ids, whether they are chunks of an unmarked prompt, the tokens
-# their capture is computed after) a request marked, collected while it is served: the
-# middleware sets a fresh list per request, the chat hook appends to it.
-PENDING: contextvars.ContextVar[list[tuple[str, list[int], bool, list[int]]] | None] = (
-    contextvars.ContextVar("redknot_capture_pending", default=None)
+# their capture is computed after, where they start in the request's prompt) a request marked,
+# collected while it is served: the middleware sets a fresh list per request, the chat hook
+# appends to it.
+_Pending = tuple[str, list[int], bool, list[int], int | None]
+PENDING: contextvars.ContextVar[list[_Pending] | None] = contextvars.ContextVar(
+    "redknot_capture_pending", default=None
 )
 
 
@@ -104,15 +107,19 @@ def note(
     *,
     chunks: bool = False,
     contexts: Sequence[Sequence[int]] | None = None,
+    starts: Sequence[int] | None = None,
 ) -> None:
     """Add a request's marked segments to the current request's pending captures (``chunks``:
     content-defined chunks of an unmarked prompt, captured at their N-th miss; ``contexts``:
-    per segment, the tokens its capture is computed after, none when not given)."""
+    per segment, the tokens its capture is computed after, none when not given; ``starts``:
+    where each starts in the prompt, so that consecutive ones are captured in one prompt)."""
     pending = PENDING.get()
     if pending is not None:
         contexts = contexts or [()] * len(segments)
+        starts = starts or [None] * len(segments)
         pending.extend(
-            (ns, list(ids), chunks, list(ctx)) for (ns, ids), ctx in zip(segments, contexts)
+            (ns, list(ids), chunks, list(ctx), start)
+            for (ns, ids), ctx, start in zip(segments, contexts, starts, strict=True)
         )
 
 
@@ -137,7 +144,7 @@ class Capturer:
             sem = self._limits[loop] = asyncio.Semaphore(MAX_CONCURRENT)
         return sem
 
-    async def capture(self, segments: Sequence[tuple[str, list[int], bool, list[int]]]) -> None:
+    async def capture(self, segments: Sequence[_Pending]) -> None:
         """Capture those of ``segments`` (what :func:`note` collected) the store lacks; never
         raises."""
         if not (self.enabled and segments):
@@ -149,10 +156,10 @@ class Capturer:
         due = auto.documents_due() if auto is not None and segments else []
         segments = [
             *segments,
-            *((AUTO_NAMESPACE, ids, True, auto.document_context(ids)) for ids in due),
+            *((AUTO_NAMESPACE, ids, True, auto.document_context(ids), None) for ids in due),
         ]
         try:
-            for ns, ids, chunk, context in segments:
+            for ns, ids, chunk, context, start in segments:
                 sid = segment_id(ns, ids)
                 if sid in self._inflight or sid in taken:
                     count(captures_deduplicated=1)
@@ -161,13 +168,13 @@ class Capturer:
                 elif self._pending + len(mine) >= MAX_PENDING:
                     count(captures_dropped=1)
                 else:
-                    mine.append((ns, ids, sid, chunk, context))
+                    mine.append((ns, ids, sid, chunk, context, start))
                     taken.add(sid)
             self._inflight.update(taken)
             self._pending += len(mine)
             send = await self._to_send(mine)
             self._release(taken, taken - {seg[2] for seg in send})
-            for batch in _batches(send, MAX_BATCH_TOKENS):
+            for batch in _batches(_runs(send), MAX_BATCH_TOKENS):
                 async with self._limit():
                     await self._capture_batch(batch)
         except Exception as e:  # noqa: BLE001 (a capture must never disturb serving)
@@ -242,20 +249,21 @@ class Capturer:
         if learned:
             self.api.counters.add(auto_edges_learned=len(learned))
         return [
-            (ns, edge, segment_id(ns, edge), True, auto.edge_context(ids, context, edge))
+            (ns, edge, segment_id(ns, edge), True, auto.edge_context(ids, context, edge), None)
             for edge in learned
         ]
 
-    async def _capture_batch(self, batch: list[_Capture]) -> None:
-        """One registration request for the segments of ``batch``, then what the store holds
-        of them (asked in one control request)."""
+    async def _capture_batch(self, batch: list[list[_Capture]]) -> None:
+        """One registration request for the runs of segments of ``batch`` (a prompt each), then
+        what the store holds of them (asked in one control request)."""
         count = self.api.counters.add
-        count(captures_sent=len(batch))
-        await self._register([(ns, ids, sid, context) for ns, ids, sid, _, context in batch])
+        segments = [seg for run in batch for seg in run]
+        count(captures_sent=len(segments))
+        await self._register(batch)
         tm = self.api.tokenizer_manager
-        states = await control.registrations(tm, [(seg[0], seg[2]) for seg in batch])
+        states = await control.registrations(tm, [(seg[0], seg[2]) for seg in segments])
         superseded: list[tuple[str, str]] = []
-        for (ns, ids, sid, chunk, _), state in zip(batch, states, strict=True):
+        for (ns, ids, sid, chunk, _, _), state in zip(segments, states, strict=True):
             stored = state["state"] in SKIP_STATES
             pieces = self._auto.document_pieces(ids) if chunk and self._auto is not None else None
             if pieces is not None:  # cdc-docs: a document, served whole from now on
@@ -274,25 +282,26 @@ class Capturer:
             freed = await control.deletes(tm, superseded)
             count(captures_superseded=sum(freed))
 
-    async def _register(self, segments: list[tuple[str, list[int], str, list[int]]]) -> None:
-        """Send ``segments`` as one batch of registrations (one scheduler request each, sent
+    async def _register(self, runs: list[list[_Capture]]) -> None:
+        """Send ``runs`` as one batch of registrations (one scheduler request each, sent
         together so that the scheduler prefills them in as few batches as its limits allow),
-        each prompt its context then its segment, marked as the segment."""
+        each prompt the first segment's context then the run's segments, each marked."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        params = [
-            {
-                "max_new_tokens": 0,
-                "custom_params": encode_marks(
-                    [SegmentMark(len(ctx), len(ctx) + len(ids), ns, sid)],
-                    register=True,
-                    capture=True,
-                ),
-            }
-            for ns, ids, sid, ctx in segments
-        ]
-        prompts = [[*ctx, *ids] for _, ids, _, ctx in segments]
-        single = len(segments) == 1
+        prompts, params = [], []
+        for run in runs:
+            prompt, marks = list(run[0][4]), []
+            for ns, ids, sid, *_ in run:
+                marks.append(SegmentMark(len(prompt), len(prompt) + len(ids), ns, sid))
+                prompt += ids
+            prompts.append(prompt)
+            params.append(
+                {
+                    "max_new_tokens": 0,
+                    "custom_params": encode_marks(marks, register=True, capture=True),
+                }
+            )
+        single = len(runs) == 1
         obj = GenerateReqInput(
             input_ids=prompts[0] if single else prompts,
             sampling_params=params[0] if single else params,
@@ -310,16 +319,37 @@ class Capturer:
         return sys.maxsize if low_first else -sys.maxsize - 1
 
 
-def _batches(segments: list[_Capture], max_tokens: int) -> list[list[_Capture]]:
-    """``segments`` in order, cut into batches of at most ``max_tokens`` prompt tokens (context
-    and segment; a longer one alone)."""
+def _runs(segments: list[_Capture]) -> list[list[_Capture]]:
+    """``segments`` in order, those that follow one another in the prompt that missed them
+    (the same namespace, one starting where the previous ends) joined into runs: a run is
+    captured in one prompt, each segment after the ones before it, so that only the first
+    one's context is computed in addition."""
     out: list[list[_Capture]] = []
-    size = max_tokens
     for seg in segments:
-        n = len(seg[1]) + len(seg[4])
+        last = out[-1][-1] if out else None
+        if (
+            last is not None
+            and seg[5] is not None
+            and last[5] is not None
+            and seg[0] == last[0]
+            and last[5] + len(last[1]) == seg[5]
+        ):
+            out[-1].append(seg)
+        else:
+            out.append([seg])
+    return out
+
+
+def _batches(runs: list[list[_Capture]], max_tokens: int) -> list[list[list[_Capture]]]:
+    """``runs`` in order, cut into batches of at most ``max_tokens`` prompt tokens (context and
+    segments; a longer run alone)."""
+    out: list[list[list[_Capture]]] = []
+    size = max_tokens
+    for run in runs:
+        n = len(run[0][4]) + sum(len(seg[1]) for seg in run)
         if size + n > max_tokens:
             out.append([])
             size = 0
-        out[-1].append(seg)
+        out[-1].append(run)
         size += n
     return out

@@ -295,6 +295,10 @@ def around_apply_jinja_template(
     else:
         api.counters.add(requests_with_segments=1, segments_marked=len(marks))
     if capture and api.inert is None:
-        contexts = api.auto.contexts(ids, marks) if scheme.auto else None
-        note([(m.namespace, ids[m.start : m.end]) for m in marks], contexts=contexts)
+        auto = scheme.auto
+        note(
+            [(m.namespace, ids[m.start : m.end]) for m in marks],
+            contexts=api.auto.contexts(ids, marks) if auto else None,
+            starts=api.auto.starts(marks) if auto else None,
+        )
     return result

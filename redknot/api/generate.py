@@ -230,6 +230,7 @@ def _attach(
             [(m.namespace, input_ids[m.start : m.end]) for m in marks],
             chunks=chunks,
             contexts=api.auto.contexts(input_ids, marks) if chunks else None,
+            starts=api.auto.starts(marks) if chunks else None,
         )
     return len(marks)
 

@@ -16,9 +16,10 @@ so the marks are parallel flat lists):
 |                            | prompt is exactly one segment, prefilled standalone            |
 | ``redknot_pin``            | with ``redknot_register``: keep it until deleted               |
 | ``redknot_capture``        | with ``redknot_register``: a capture on miss                   |
-|                            | (``redknot.api.capture``), never pinned; its one segment may   |
-|                            | start after a context (the tokens that preceded it in the      |
-|                            | prompt that missed it), which is computed and not stored       |
+|                            | (``redknot.api.capture``), never pinned; its segments, one or  |
+|                            | more, consecutive, end the prompt and may follow a context (the|
+|                            | tokens before them in the prompt that missed them), which is   |
+|                            | computed and not stored                                        |
 
 The HTTP side (``redknot.api.generate``, ``chat``, ``routes``) is the only writer (clients
 setting these keys themselves get a 400 on every endpoint); the scheduler reads them with
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 KEY_BOUNDS = "redknot_seg_bounds"
@@ -79,9 +81,9 @@ class SegmentMark:
 @dataclass(frozen=True)
 class Registration:
     """A request that registers its whole prompt as one segment ahead of use (a capture: the
-    prompt's tokens from ``mark.start`` on, computed after the ones before them)."""
+    consecutive segments ``marks`` that end its prompt, each computed after what precedes it)."""
 
-    mark: SegmentMark
+    marks: tuple[SegmentMark, ...]
     pin: bool
     capture: bool = False  # stored on a miss (redknot.api.capture), not registered by a client
 
@@ -143,7 +145,7 @@ def encode_marks(
     """
     if not marks:
         return {}
-    if register and len(marks) != 1:
+    if register and not capture and len(marks) != 1:
         raise SegmentMarkError("a registration carries exactly one segment")
     out: dict[str, Any] = {
         KEY_BOUNDS: [x for m in marks for x in (m.start, m.end)],
@@ -243,11 +245,13 @@ def registration_of(req: Any) -> Registration | None:
         return None
     marks = segments_of(req)
     capture = bool(params.get(KEY_CAPTURE, False))
-    # a capture's segment may follow its context; a client's registration is the whole prompt
-    first = marks[0].start if capture and len(marks) == 1 else 0
-    if len(marks) != 1 or (marks[0].start, marks[0].end) != (first, len(req.origin_input_ids)):
-        raise SegmentMarkError(
-            "a registration's prompt must be exactly one segment (a capture's: one segment "
-            "ending the prompt)"
-        )
-    return Registration(marks[0], bool(params.get(KEY_PIN, False)) and not capture, capture)
+    n = len(req.origin_input_ids)
+    if capture:  # after its context, one or more consecutive segments ending the prompt
+        joined = all(a.end == b.start for a, b in pairwise(marks))
+        if not (marks and joined and marks[-1].end == n):
+            raise SegmentMarkError(
+                "a capture's prompt must be its context, then consecutive segments ending it"
+            )
+    elif len(marks) != 1 or (marks[0].start, marks[0].end) != (0, n):
+        raise SegmentMarkError("a registration's prompt must be exactly one segment")
+    return Registration(tuple(marks), bool(params.get(KEY_PIN, False)) and not capture, capture)

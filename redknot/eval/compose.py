@@ -109,10 +109,8 @@ def auto_learned(
     held = tuple((max(a, head), b) for a, b in kept)
     if contexts is None:
         return ComposedCase(composed.ids, held, composed.prefix_len)
-    # a clipped span's rows are computed after its own clipped-off tokens and its context
-    held_contexts = tuple(
-        (*contexts[tuple(ids[a:b])], *ids[a : max(a, head)])[-context_tokens:] for a, b in kept
-    )
+    # a clipped span's rows are computed after its context and its own clipped-off tokens
+    held_contexts = tuple((*contexts[tuple(ids[a:b])], *ids[a : max(a, head)]) for a, b in kept)
     return ComposedCase(composed.ids, held, composed.prefix_len, held_contexts)
 
 
@@ -128,12 +126,22 @@ def serve_prompt(
     capture path's store (``stored``: the spans it holds, ``misses``: per span; see
     :func:`auto_learned`): the prompt tokens served from the store."""
     served = 0
+    run: list = [None, ()]  # where the last span captured from this prompt ends, its context
 
     def store(key: tuple[int, ...], start: int | None = None) -> None:
+        """Store ``key`` (``start``: where the prompt marks it; None: an edge or a document,
+        captured apart); a span that starts where the previous one captured from this prompt
+        ends is captured in its prompt, after it (``redknot.api.capture._runs``)."""
         stored.add(key)
-        if contexts is not None and key not in contexts:
-            start = _find(ids, key) if start is None else start
-            contexts[key] = tuple(ids[max(0, start - context_tokens) : start])
+        if contexts is None or key in contexts:
+            return
+        at = _find(ids, key) if start is None else start
+        if start is not None and run[0] == start:
+            context = run[1]
+        else:
+            context = tuple(ids[max(0, at - context_tokens) : at])
+        contexts[key] = context
+        run[:] = [at + len(key), context + key] if start is not None else [None, ()]
 
     for a, b in auto.spans(ids):
         key = tuple(ids[a:b])

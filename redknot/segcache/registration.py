@@ -2,9 +2,11 @@
 
 A registration (``redknot.api.marks.registration_of``) is a request whose whole prompt is one
 segment, served standalone (positions from 0). A capture's prompt may start with a context (the
-tokens that preceded the segment in the prompt that missed it): the context is computed and not
-stored, and the segment's keys are written re-rotated from their positions after it to positions
-from 0, as a standalone segment's are. Its life in the scheduler:
+tokens that preceded its segment in the prompt that missed it) and hold several consecutive
+segments (those that missed one after the other in that prompt): each is computed after what
+precedes it, the context is not stored, and each segment's keys are written re-rotated from
+their prompt positions to positions from 0, as a standalone segment's are. Its life in the
+scheduler:
 
 | when                                   | what                                                   |
 | -------------------------------------- | ------------------------------------------------------ |
@@ -33,8 +35,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class WriteJob:
-    entry: SegmentEntry
-    context: int = 0  # prompt tokens before the segment (computed, not stored)
+    """The segments one registration's prefill fills: ``parts``, each a segment and the prompt
+    position it starts at (ascending, consecutive; a client's registration: one, at 0)."""
+
+    parts: list[tuple[SegmentEntry, int]]  # those not written in full yet
     written: int = 0  # prompt tokens 0 .. written - 1 have their writes issued
 
 
@@ -62,24 +66,30 @@ def is_registration(req: Any) -> bool:
 
 
 def start(cache: Any, req: Any) -> None:
-    """``req`` got its request slot: allocate its segment and, if new, plan the writes."""
+    """``req`` got its request slot: allocate its segments and plan the writes of the new
+    ones (a segment stored already, or being written by another registration, is computed as
+    its successors' context and not written)."""
     from redknot.api.marks import registration_of
 
     if not is_registration(req):
         return
     reg = registration_of(req)
     store = cache.segments
-    ids = list(req.origin_input_ids[reg.mark.start :])
-    try:
-        entry = store.register(reg.mark.namespace, ids, pin=reg.pin, capture=reg.capture)
-    except SegmentError as e:
-        store.note_failure(reg.mark.segment_id, e)
-        logger.warning("redknot: segment registration not stored: %s", e)
-        return
-    if entry.num_tokens != len(ids) or not store.claim_write(entry):
-        store.release(entry)  # already stored, or being written by another registration
-        return
-    cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(entry, context=reg.mark.start)
+    parts: list[tuple[SegmentEntry, int]] = []
+    for mark in reg.marks:
+        ids = list(req.origin_input_ids[mark.start : mark.end])
+        try:
+            entry = store.register(mark.namespace, ids, pin=reg.pin, capture=reg.capture)
+        except SegmentError as e:
+            store.note_failure(mark.segment_id, e)
+            logger.warning("redknot: segment registration not stored: %s", e)
+            continue
+        if entry.num_tokens != len(ids) or not store.claim_write(entry):
+            store.release(entry)  # already stored, or being written by another registration
+            continue
+        parts.append((entry, mark.start))
+    if parts:
+        cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(parts)
 
 
 def plan_writes(
@@ -95,21 +105,23 @@ def plan_writes(
         p, e = int(p), int(e)
         job = pool.segment_jobs.get(rpi)
         if job is not None:
-            c = job.context
-            end = min(p + e, c + job.entry.num_tokens)  # prompt positions
-            first = max(p, c)  # the first segment token this extend computes
-            if p != job.written:  # a prefix was reused after all: the segment cannot be filled
+            if p != job.written:  # a prefix was reused after all: the segments cannot be filled
                 _drop(pool, rpi)
-            elif end > p:
-                if end > first:
+            else:
+                for entry, s in list(job.parts):
+                    first, end = max(p, s), min(p + e, s + entry.num_tokens)  # prompt positions
+                    if end <= first:
+                        continue
                     tokens.extend(range(offset + first - p, offset + end - p))
-                    rows.append(job.entry.rows()[first - c : end - c])
-                    shifts.extend([c] * (end - first))
+                    rows.append(entry.rows()[first - s : end - s])
+                    shifts.extend([s] * (end - first))
                     positions.extend(range(first, end))
-                job.written = end
-                if end == c + job.entry.num_tokens:
-                    pool.cache.segments.mark_ready(job.entry)
-                    pool.cache.segments.release(job.entry)
+                    if end == s + entry.num_tokens:  # its last token: ready
+                        pool.cache.segments.mark_ready(entry)
+                        pool.cache.segments.release(entry)
+                        job.parts.remove((entry, s))
+                job.written = p + e
+                if not job.parts:
                     del pool.segment_jobs[rpi]
         offset += e
     if not tokens:
@@ -134,18 +146,19 @@ def finish(pool: Any, req_pool_idx: int | None) -> None:
 def _drop(pool: Any, rpi: int) -> None:
     job = pool.segment_jobs.pop(rpi)
     store = pool.cache.segments
-    entry = job.entry
-    try:
-        store.delete(entry.namespace, entry.id)
-    except SegmentNotFound:
-        pass  # deleted through the API meanwhile
-    store.release(entry)
-    reason = (
-        f"its registration ended after {max(0, job.written - job.context)} of {entry.num_tokens} "
-        "tokens (aborted, or "
-        "its prompt was served from a cached prefix)"
-    )
-    store.note_failure(entry.id, reason)
-    logger.warning(
-        "redknot: segment %s of namespace %r was not stored: %s", entry.id, entry.namespace, reason
-    )
+    for entry, start in job.parts:
+        try:
+            store.delete(entry.namespace, entry.id)
+        except SegmentNotFound:
+            pass  # deleted through the API meanwhile
+        store.release(entry)
+        done = max(0, job.written - start)
+        reason = (
+            f"its registration ended after {done} of {entry.num_tokens} tokens (aborted, or its "
+            "prompt was served from a cached prefix)"
+        )
+        store.note_failure(entry.id, reason)
+        logger.warning(
+            "redknot: segment %s of namespace %r was not stored: %s",
+            entry.id, entry.namespace, reason,
+        )  # fmt: skip

@@ -411,16 +411,22 @@ class CpuTokenizerManager(FakeTokenizerManager):
     @property
     def captures(self) -> list:
         """Every captured segment's registration (``input_ids``, ``sampling_params``), one
-        per segment: a capture batch (one request of several prompts) is split."""
-        out = []
+        per segment: a capture batch (one request of several prompts) is split, and so is a
+        prompt of several consecutive segments (each then the prompt up to its end: what it is
+        computed after, then it, with its one mark)."""
+        from redknot.api.marks import decode_marks, encode_marks
+
+        prompts = []
         for obj in filter(_is_capture, self.received):
             if isinstance(obj.sampling_params, list):
-                out += [
-                    types.SimpleNamespace(input_ids=ids, sampling_params=sp)
-                    for ids, sp in zip(obj.input_ids, obj.sampling_params, strict=True)
-                ]
+                prompts += zip(obj.input_ids, obj.sampling_params, strict=True)
             else:
-                out.append(obj)
+                prompts.append((obj.input_ids, obj.sampling_params))
+        out = []
+        for ids, sp in prompts:
+            for mark in decode_marks(sp["custom_params"], ids):
+                one = {**sp, "custom_params": encode_marks([mark], register=True, capture=True)}
+                out.append(types.SimpleNamespace(input_ids=ids[: mark.end], sampling_params=one))
         return out
 
     async def generate_request(self, obj: Any, request: Any = None):

@@ -96,25 +96,32 @@ def test_rag_documents_in_another_order_under_another_prefix_hit(
 
 @pytest.mark.parametrize("context", [64, 0])
 def test_a_chunk_is_captured_after_the_tokens_that_preceded_it(make_server, client, context):
-    """``--redknot-auto-capture-context K``: each capture's prompt is the (up to) K tokens
-    before its chunk in the prompt that missed it, then the chunk, marked as the segment; the
-    store holds the chunk's tokens only, and a prompt with the documents in another order hits
-    them as before."""
+    """``--redknot-auto-capture-context K``: each chunk is captured after the tokens before it
+    in the prompt that missed it: the (up to) K before the first of a run of consecutive missed
+    chunks, which are captured in one prompt, each after the ones before it (alone, from
+    position 0, under K = 0); the store holds each chunk's tokens only, and a prompt with the
+    documents in another order hits them as before."""
     server = make_server(auto_capture_after=1, auto_capture_context=context)
     generate(client, rag_prompt("You are a helpful assistant.", [0, 1, 2, 3], "Which river?"))
     sent = server.tm.last
     where = {m.segment_id: m.start for m in marks_of(sent)}
     assert captures(server) and len(captures(server)) == len(where)
-    for capture in captures(server):
+    for capture in captures(server):  # one per chunk: what it was computed after, then it
         (mark,) = marks_of(capture)
         start = where[mark.segment_id]
-        assert mark.start == min(start, context) and mark.end == len(capture.input_ids)
+        assert mark.end == len(capture.input_ids)
+        assert mark.start == 0 if context == 0 else mark.start >= min(start, context)
         assert (
             capture.input_ids == sent.input_ids[start - mark.start : mark.end - mark.start + start]
         )
         assert server.store.registration_state("auto", mark.segment_id)["state"] == "ready"
         stored = server.store.lookup("auto", capture.input_ids[mark.start :])
         assert stored is not None and stored.num_tokens == mark.end - mark.start
+    prompts = [
+        obj for obj in server.tm.received if obj is not sent and obj.input_ids != sent.input_ids
+    ]
+    sent_prompts = sum(len(p.input_ids) if isinstance(p.input_ids[0], list) else 1 for p in prompts)
+    assert (sent_prompts == len(where)) == (context == 0)  # runs share a prompt
     out = generate(client, rag_prompt("Be brief.", [2, 0, 3, 1], "Which harbor?"))
     assert out["meta_info"]["cached_tokens"] > 0
 
@@ -372,7 +379,7 @@ def test_a_miss_while_the_first_is_being_decided_counts_toward_capture(make_serv
     server = make_server()  # chunks captured at their second miss
     capturer, ask = server.api.capture, server.tm.redknot_segments_communicator
     ids = list(range(10, 90))
-    chunk = [("auto", ids, True, [])]
+    chunk = [("auto", ids, True, [], None)]
 
     async def two_overlapping_requests():
         held = asyncio.Event()

@@ -69,7 +69,7 @@ def test_request_without_marks():
 def test_registration_roundtrip():
     mark = _mark(0, len(IDS), "kb")
     reg = registration_of(_req(encode_marks([mark], register=True, pin=True)))
-    assert reg is not None and reg.pin and reg.mark == mark
+    assert reg is not None and reg.pin and reg.marks == (mark,)
 
 
 def test_segment_id_is_the_store_s():
@@ -110,12 +110,16 @@ def test_a_capture_may_follow_its_context():
     """A capture's prompt is its context then its segment, which must end the prompt."""
     n = len(IDS)
     reg = registration_of(_req(encode_marks([_mark(4, n)], register=True, capture=True)))
-    assert reg is not None and reg.capture and not reg.pin and reg.mark.start == 4
-    with pytest.raises(SegmentMarkError, match="ending the prompt"):
-        registration_of(_req(encode_marks([_mark(4, n - 1)], register=True, capture=True)))
+    assert reg is not None and reg.capture and not reg.pin and reg.marks[0].start == 4
+    two = [_mark(2, 9), _mark(9, n)]  # consecutive segments after a context of 2
+    assert registration_of(_req(encode_marks(two, register=True, capture=True))).marks == tuple(two)
+    for bad in ([_mark(4, n - 1)], [_mark(2, 8), _mark(9, n)]):  # not ending it; a gap
+        with pytest.raises(SegmentMarkError, match="consecutive segments ending it"):
+            registration_of(_req(encode_marks(bad, register=True, capture=True)))
+    with pytest.raises(SegmentMarkError, match="exactly one segment"):  # a client's: one
+        encode_marks(two, register=True)
     with pytest.raises(SegmentMarkError, match="exactly one segment"):
-        two = [_mark(0, 4), _mark(4, n)]
-        registration_of(_req(encode_marks(two, register=True, capture=True)))
+        registration_of(_req(encode_marks(two) | {"redknot_register": True}))
 
 
 def test_markers_roundtrip_and_strip():

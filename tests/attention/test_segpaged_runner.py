@@ -184,7 +184,7 @@ def test_extend_fills_a_segment_being_registered():
     store = SegmentStore.for_pool(w.pool)
     w.pool.cache = SimpleNamespace(segments=store)
     entry = store.register("kb", list(range(30)), pin=False)
-    w.pool.segment_jobs[4] = WriteJob(entry)
+    w.pool.segment_jobs[4] = WriteJob([(entry, 0)])
     w.step(w.FM.EXTEND, [1, 4], [7, 18])
     w.step(w.FM.EXTEND, [4], [12])
     assert not w.pool.segment_jobs and store.lookup("kb", list(range(30))) is not None
@@ -210,7 +210,7 @@ def test_a_capture_after_its_context_stores_its_keys_rotated_back_to_positions_f
     w.pool.cache = SimpleNamespace(segments=store)
     w.runner.rope = alignable_rope(sglang_rope(D, D, 512, 10000.0, True))
     entry = store.register("kb", list(range(30)), pin=False)
-    w.pool.segment_jobs[4] = WriteJob(entry, context=6)
+    w.pool.segment_jobs[4] = WriteJob([(entry, 6)])
     w.step(w.FM.EXTEND, [1, 4], [7, 4])
     assert w.pool.segment_jobs[4].written == 4
     w.step(w.FM.EXTEND, [4], [18])
@@ -247,7 +247,7 @@ def test_extend_reuses_a_stored_segment_at_a_new_position():
     w.runner.rope = alignable_rope(sglang_rope(D, D, 512, 10000.0, True))
     ids = list(range(50, 60))
     entry = store.register("kb", ids, pin=False)
-    w.pool.segment_jobs[4] = WriteJob(entry)
+    w.pool.segment_jobs[4] = WriteJob([(entry, 0)])
     w.step(w.FM.EXTEND, [4], [10])  # the segment alone, positions 0..9
     cached = [w.hist[(4, layer)] for layer in range(2)]
     store.acquire(entry)
@@ -288,7 +288,7 @@ def test_extend_completing_a_reusing_prompt_schedules_the_deep_layers_ffn(dense_
     w.runner.dense_layers, w.runner.mass_thresh, w.runner.recent_n = dense_layers, thresh, 4
     w.runner.skipped = "residual"  # rows are chosen per layer; none leaves (no decoder hook)
     entry = store.register("kb", list(range(10)), pin=False)
-    w.pool.segment_jobs[4] = WriteJob(entry)
+    w.pool.segment_jobs[4] = WriteJob([(entry, 0)])
     w.step(w.FM.EXTEND, [4], [10])
     store.acquire(entry)
     w.pool.segment_reads[2] = [SegmentUse(3, entry, prompt_len=18)]

@@ -223,7 +223,7 @@ def world_with_stored_segment(classes, seed, num_tokens, segment_fraction=0.1, r
     w.pool.cache = SimpleNamespace(segments=store)
     tokens = torch.randn(num_tokens, HIDDEN, generator=g)
     entry = store.register("kb", list(range(SEG)), pin=False)
-    w.pool.segment_jobs[4] = WriteJob(entry)
+    w.pool.segment_jobs[4] = WriteJob([(entry, 0)])
     served(w, layers, 4, tokens[NEW : NEW + SEG], hooked=False)  # the segment alone
     w.pool.segment_jobs.clear()
     seg_kv = [w.pool.segments.read(i, entry.rows()) for i in range(len(classes))]

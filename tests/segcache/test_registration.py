@@ -99,7 +99,8 @@ def test_a_capture_after_its_context_writes_only_its_segment_with_its_positions(
         req_pool_idx=2,
     )
     registration.start(cache, req)
-    assert pool.segment_jobs[2].context == 6
+    ((part, at),) = pool.segment_jobs[2].parts
+    assert at == 6 and part.num_tokens == 13
     k = [torch.randn(10, 4, 8) for _ in range(3)]
     w = write_extend(pool, [1, 2], [0, 0], [2, 8], k, k)  # another request, then 0..7
     assert w.tokens_gpu.tolist() == [8, 9] and w.pos_gpu.tolist() == [[6, 7], [0, 1]]
@@ -117,6 +118,42 @@ def test_a_capture_after_its_context_writes_only_its_segment_with_its_positions(
     # a registration without a context says no positions
     registration.start(cache, registration_req([7, 8, 9], rpi=3))
     assert write_extend(pool, [3], [0], [3], k, k).pos_gpu is None
+    store.check()
+
+
+def test_a_capture_of_consecutive_segments_writes_each_one_a_stored_one_not():
+    """A capture's prompt: 3 context tokens, then segments A (5), B (4, stored already) and C
+    (6), in two extends: A and C are written, each with its own shift back to position 0, B is
+    only computed (the context of C); A is ready as soon as its last token is computed."""
+    _, pool, cache = make_world()
+    store = cache.segments
+    a, b, c = [40, 41, 42, 43, 44], [50, 51, 52, 53], [60, 61, 62, 63, 64, 65]
+    registration.start(cache, registration_req(b, rpi=1))
+    kb = [torch.randn(4, 4, 8) for _ in range(3)]
+    write_extend(pool, [1], [0], [4], kb, kb)
+    prompt = [1, 2, 3] + a + b + c
+    marks = [SegmentMark(3, 8, "kb", segment_id("kb", a)), SegmentMark(8, 12, "kb", segment_id("kb", b)),
+             SegmentMark(12, 18, "kb", segment_id("kb", c))]  # fmt: skip
+    req = SimpleNamespace(
+        origin_input_ids=prompt,
+        sampling_params=SimpleNamespace(
+            custom_params=encode_marks(marks, register=True, capture=True)
+        ),
+        req_pool_idx=2,
+    )
+    registration.start(cache, req)
+    assert [(e.num_tokens, at) for e, at in pool.segment_jobs[2].parts] == [(5, 3), (6, 12)]
+    k = [torch.randn(18, 4, 8) for _ in range(3)]
+    w = write_extend(pool, [2], [0], [10], k, k)  # context, A, half of B
+    assert w.tokens_gpu.tolist() == [3, 4, 5, 6, 7]
+    assert w.pos_gpu.tolist() == [[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]]
+    assert store.lookup("kb", a) is not None and store.lookup("kb", c) is None
+    k2 = [torch.randn(8, 4, 8) for _ in range(3)]
+    w = write_extend(pool, [2], [10], [8], k2, k2)  # the rest of B, C
+    assert w.tokens_gpu.tolist() == [2, 3, 4, 5, 6, 7]
+    assert w.pos_gpu.tolist() == [list(range(12, 18)), list(range(6))]
+    assert not pool.segment_jobs and store.lookup("kb", c) is not None
+    assert store.stats()["referenced"] == 0
     store.check()
 
 
