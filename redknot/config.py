@@ -226,14 +226,12 @@ class RedknotConfig:
         "docs/auto_segments.md), or 'cdc-edges' (cdc, and the documents' heads and tails that "
         "straddling chunks lose are learned from repeated misses and made segments: on the "
         "8B shape's replayed RAG traffic 0.87 of prompt tokens reused instead of 0.78, EPIC "
-        "3.8x flashinfer's TTFT; the mode for RAG traffic), or 'cdc-docs' (cdc-edges, and a "
-        "document between a learned head and tail is one segment, as registered: fewer "
-        "segments, no chunk cut inside it; not measured on a GPU). Off by default: measured "
-        "faster on "
-        "unmarked RAG traffic but slower on chat traffic (H100, 8B shape), its captures delay "
-        "the requests behind them, "
-        "chunk-level reuse keeps fewer answers than registered documents (SmolLM2), and on the "
-        "shipped model nothing is reused.",
+        "3.8x flashinfer's TTFT), or 'cdc-docs' (cdc-edges, and a document between a learned "
+        "head and tail is one segment, as registered: with --redknot-policy epic 0.93 of the "
+        "replayed RAG prompt tokens reused, 4.1x flashinfer's TTFT, capture overhead 1.08, and "
+        "SmolLM2's answers kept as with registered documents; the mode for RAG traffic). Off "
+        "by default: measured slower than flashinfer on chat traffic (H100, 8B shape), and on "
+        "the shipped model nothing is reused.",
         default="off",
     )
     auto_chunk_tokens: int = _opt(
@@ -252,11 +250,12 @@ class RedknotConfig:
     auto_capture_context: int = _opt(
         "--redknot-auto-segments: an automatic segment is captured after the K tokens that "
         "preceded it in the prompt that missed it (computed and not stored; its keys rotated "
-        "back to positions from 0), so that a chunk cut inside a document keeps what its "
-        "document's text before it means to it; 0 captures it alone. Measured on SmolLM2's "
-        "RAG cases under cdc-docs (reference path): 64 keeps 15 and 14 of 16 dense-correct "
-        "answers with CacheBlend and EPIC, as registered documents do (15, 13), where alone "
-        "kept 12 and 11 (docs/auto_segments.md).",
+        "back to positions from 0; segments that missed one after the other are captured in "
+        "one prompt, each after the ones before it), so that a chunk cut inside a document "
+        "keeps what its document's text before it means to it; 0 captures each alone. Measured "
+        "on SmolLM2's RAG cases under cdc-docs (reference path): 64 keeps 15 of 16 "
+        "dense-correct answers with CacheBlend and with EPIC (registered documents: 15, 13), "
+        "alone 12 and 11, 32 and 128 fewer than 64 (docs/auto_segments.md).",
         default=64,
     )
     namespace_fraction: float = _opt(
