@@ -33,10 +33,15 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
    ``captures_superseded``): kept, they would hold the region twice;
 4. sends the rest as **one batched registration** (``max_new_tokens=0``, each prompt marked
    ``redknot_capture``; at most ``MAX_BATCH_TOKENS`` tokens per batch): the scheduler computes
-   their standalone K/V (positions from 0, no prefix) as ``POST /redknot/segments`` does, in as
-   few prefill batches as its limits allow, and stores them unpinned, under the store's
-   eviction and per-namespace cap; two writers of one segment are resolved there
-   (``claim_write``).
+   client-marked segments' standalone K/V (positions from 0, no prefix) as ``POST
+   /redknot/segments`` does, in as few prefill batches as its limits allow, and stores them
+   unpinned, under the store's eviction and per-namespace cap; two writers of one segment are
+   resolved there (``claim_write``). An automatic segment (namespace ``auto``) is computed
+   after the ``--redknot-auto-capture-context`` tokens that preceded it in the prompt that
+   missed it, and those that missed one after the other go in one prompt, each computed after
+   the ones before it (:func:`_runs`; only the first one's context is computed in addition):
+   the scheduler stores each one's rows alone, its keys rotated back to positions from 0
+   (``redknot.segcache.registration``).
 
 Scheduling: the capture is sent after the request that missed has its first token, so it never
 delays that request; in the scheduler it waits while user requests do, and starts in steps of
