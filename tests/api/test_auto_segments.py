@@ -334,7 +334,7 @@ def _adversarial_body(rng: random.Random, vocab: int) -> dict:
     return body
 
 
-@pytest.mark.parametrize("mode", ["cdc", "cdc-edges"])
+@pytest.mark.parametrize("mode", ["cdc", "cdc-edges", "cdc-docs"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_adversarial_unmarked_prompts_get_no_5xx_and_lose_nothing(make_server, client, seed, mode):
     server = make_server(
