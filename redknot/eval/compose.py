@@ -123,8 +123,9 @@ def serve_prompt(
     context_tokens: int = 0,
 ) -> int:
     """One prompt through ``auto`` (``redknot.api.auto.AutoSegments``) and a model of the
-    capture path's store (``stored``: the spans it holds, ``misses``: per span; see
-    :func:`auto_learned`): the prompt tokens served from the store."""
+    capture path's store (``stored``: the spans it holds, ``misses``: per span; ``contexts``,
+    when given: per span, the tokens it was captured after, up to ``context_tokens`` before it
+    or its run; see :func:`auto_learned`): the prompt tokens served from the store."""
     served = 0
     run: list = [None, ()]  # where the last span captured from this prompt ends, its context
 
