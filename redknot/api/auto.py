@@ -208,7 +208,7 @@ class AutoSegments:
         out = list(pieces)
         for a, b in runs:
             inside = [p for p in pieces if a <= p[0] and p[1] <= b]
-            before = token_ids[max(0, a - self.option.capture_context) : a]
+            before = self.context_before(token_ids, a)
             if not self._document_sighted(token_ids[a:b], inside, a, before):
                 continue
             cut = [(a, b, "document")]
@@ -234,7 +234,7 @@ class AutoSegments:
         doc = self._documents.pop(key, None) or _Document(
             tuple((x - start, y - start) for x, y, _ in inside)
         )
-        doc.context = tuple(before) if self.option.capture_context else ()
+        doc.context = tuple(before)
         self._documents[key] = doc
         if len(self._documents) > DOCUMENTS_KEPT:
             self._due.pop(self._documents.popitem(last=False)[0], None)
@@ -287,11 +287,15 @@ class AutoSegments:
         boundary = WINDOW if self.option.documents else None  # cdc-docs: shorter ones bound
         return self.edges.learn(chunk, self.min_store_tokens, boundary)
 
-    def contexts(self, token_ids: Sequence[int], marks: Sequence[Any]) -> list[list[int]]:
-        """Per mark (``start``, ``end`` in ``token_ids``): the tokens its capture is computed
-        after (``--redknot-auto-capture-context``: up to that many of those before it)."""
+    def context_before(self, token_ids: Sequence[int], start: int) -> list[int]:
+        """The tokens a segment starting at ``start`` in ``token_ids`` is captured after
+        (``--redknot-auto-capture-context``: up to that many of those before it)."""
         k = self.option.capture_context
-        return [list(token_ids[max(0, m.start - k) : m.start]) if k else [] for m in marks]
+        return list(token_ids[max(0, start - k) : start]) if k else []
+
+    def contexts(self, token_ids: Sequence[int], marks: Sequence[Any]) -> list[list[int]]:
+        """Per mark (``start``, ``end`` in ``token_ids``): :meth:`context_before` it."""
+        return [self.context_before(token_ids, m.start) for m in marks]
 
     def starts(self, marks: Sequence[Any]) -> list[int] | None:
         """Where the marks start in their prompt, for capture to join those that follow one

@@ -20,6 +20,7 @@ neighbour and is computed in full). :func:`auto_learned` serves it with what ``c
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redknot.eval.cases import Case
@@ -82,7 +83,8 @@ def auto_learned(
     from redknot.api.auto import AutoSegments
     from redknot.api.options import AutoSegmentsOption
 
-    auto = AutoSegments(AutoSegmentsOption.parse(mode, chunk_tokens))
+    option = AutoSegmentsOption.parse(mode, chunk_tokens, capture_context=context_tokens)
+    auto = AutoSegments(option)
     stored: set[tuple[int, ...]] = set()
     misses: dict[tuple[int, ...], int] = {}
     contexts: dict[tuple[int, ...], tuple[int, ...]] | None = {} if context_tokens else None
@@ -93,9 +95,7 @@ def auto_learned(
         rng.shuffle(docs)
         between = (case.between[0], *[case.between[-1]] * (len(docs) - 1))
         other = dataclasses.replace(case, segments=tuple(docs), between=between)
-        serve_prompt(
-            auto, list(compose(tokenizer, other).ids), stored, misses, contexts, context_tokens
-        )
+        serve_prompt(auto, list(compose(tokenizer, other).ids), stored, misses, contexts)
     composed = compose(tokenizer, case)
     ids = list(composed.ids)
     # a span reaching into the prompt's head (served by the radix cache in a server) starts
@@ -115,62 +115,47 @@ def auto_learned(
 
 
 def serve_prompt(
-    auto,
-    ids: list[int],
-    stored: set,
-    misses: dict,
-    contexts: dict | None = None,
-    context_tokens: int = 0,
+    auto, ids: list[int], stored: set, misses: dict, contexts: dict | None = None
 ) -> int:
     """One prompt through ``auto`` (``redknot.api.auto.AutoSegments``) and a model of the
     capture path's store (``stored``: the spans it holds, ``misses``: per span; ``contexts``,
-    when given: per span, the tokens it was captured after, up to ``context_tokens`` before it
-    or its run; see :func:`auto_learned`): the prompt tokens served from the store."""
+    when given: per span, the tokens it was captured after, by the server's rules for its
+    ``--redknot-auto-capture-context``; see :func:`auto_learned`): the prompt tokens served
+    from the store."""
     served = 0
     run: list = [None, ()]  # where the last span captured from this prompt ends, its context
 
-    def store(key: tuple[int, ...], start: int | None = None) -> None:
-        """Store ``key`` (``start``: where the prompt marks it; None: an edge or a document,
-        captured apart); a span that starts where the previous one captured from this prompt
-        ends is captured in its prompt, after it (``redknot.api.capture._runs``)."""
+    def store(key: tuple[int, ...], context: Sequence[int], start: int | None = None) -> None:
+        """Store ``key``, captured after ``context`` (``start``: where the prompt marks it;
+        None: an edge or a document, captured apart); a span that starts where the previous
+        one captured from this prompt ends is captured in its prompt, after it
+        (``redknot.api.capture._runs``)."""
         stored.add(key)
         if contexts is None or key in contexts:
             return
-        at = _find(ids, key) if start is None else start
-        if start is not None and run[0] == start:
-            context = run[1]
-        else:
-            context = tuple(ids[max(0, at - context_tokens) : at])
+        context = run[1] if start is not None and run[0] == start else tuple(context)
         contexts[key] = context
-        run[:] = [at + len(key), context + key] if start is not None else [None, ()]
+        run[:] = [start + len(key), context + key] if start is not None else [None, ()]
 
     for a, b in auto.spans(ids):
         key = tuple(ids[a:b])
         if key in stored:
             served += b - a
             continue
+        before = auto.context_before(ids, a)
         if auto.is_document(key):  # marked only once stored: evicted since, captured again
-            store(key, a)
+            store(key, before, a)
             continue
         for edge in auto.learn_edges(key):
-            store(tuple(edge))
+            store(tuple(edge), auto.edge_context(key, before, edge))
         misses[key] = misses.get(key, 0) + 1
         if misses[key] >= auto.option.capture_after:
-            store(key, a)
+            store(key, before, a)
     for doc in auto.documents_due():
-        store(tuple(doc))
+        store(tuple(doc), auto.document_context(doc))
         stored.difference_update(tuple(p) for p in auto.document_pieces(doc) or ())
         auto.document_stored(doc)
     return served
-
-
-def _find(ids: list[int], piece: tuple[int, ...]) -> int:
-    """Where ``piece`` first starts in ``ids``."""
-    n = len(piece)
-    for i in range(len(ids) - n + 1):
-        if ids[i] == piece[0] and tuple(ids[i : i + n]) == piece:
-            return i
-    raise ValueError("a stored piece is not in the prompt that stored it")
 
 
 def _encode(tokenizer, text: str) -> list[int]:
