@@ -255,28 +255,32 @@ class AutoSegments:
         due, self._due = list(self._due.values()), OrderedDict()
         return due
 
+    def _document(self, ids: Sequence[int]) -> _Document | None:
+        """``cdc-docs``: the document run ``ids`` (None: not one this server assembled)."""
+        return self._documents.get(_hash(ids)) if self._documents else None
+
     def document_stored(self, ids: Sequence[int], stored: bool = True) -> None:
         """``cdc-docs``: the capture of document ``ids`` ended (``stored``: in the store)."""
-        doc = self._documents.get(_hash(ids))
+        doc = self._document(ids)
         if doc is not None:
             doc.queued, doc.stored = False, stored
 
     def document_unqueued(self, ids: Sequence[int]) -> None:
         """``cdc-docs``: document ``ids`` left the capture path (a later sighting queues it
         again unless it was stored)."""
-        doc = self._documents.get(_hash(ids))
+        doc = self._document(ids)
         if doc is not None:
             doc.queued = False
 
     def is_document(self, ids: Sequence[int]) -> bool:
         """``cdc-docs``: whether ``ids`` is a document run this server assembled from its
         learned edges (captured when due, whatever its misses)."""
-        return bool(self._documents) and _hash(ids) in self._documents
+        return self._document(ids) is not None
 
     def document_pieces(self, ids: Sequence[int]) -> list[list[int]] | None:
         """``cdc-docs``: the chunks and edges (token ids) that the document ``ids`` replaces;
         None: not a document run."""
-        doc = self._documents.get(_hash(ids)) if self._documents else None
+        doc = self._document(ids)
         return None if doc is None else [list(ids[a:b]) for a, b in doc.pieces]
 
     def learn_edges(self, chunk: Sequence[int]) -> list[list[int]]:
@@ -306,7 +310,7 @@ class AutoSegments:
     def document_context(self, ids: Sequence[int]) -> list[int]:
         """``cdc-docs``: the tokens before the document ``ids`` where it was last sighted (its
         capture is computed after them)."""
-        doc = self._documents.get(_hash(ids)) if self._documents else None
+        doc = self._document(ids)
         return [] if doc is None else list(doc.context)
 
     def edge_context(

@@ -157,20 +157,14 @@ class EdgeIndex:
         starts = [e - WINDOW for e in found(self.starts)] if self.starts else []
         return starts, found(self.ends) if self.ends else []
 
-    def split(
-        self, token_ids: Sequence[int], start: int, end: int, min_tokens: int
-    ) -> list[tuple[int, int]]:
-        """The chunk ``[start, end)`` of ``token_ids`` cut around the learned edges it starts
-        and ends with; pieces shorter than ``min_tokens`` are dropped. Where both edges would
-        overlap, the longer one."""
-        return [(a, b) for a, b, _ in self.pieces(token_ids, start, end, min_tokens)]
-
     def pieces(
         self, token_ids: Sequence[int], start: int, end: int, min_tokens: int
     ) -> list[tuple[int, int, str]]:
-        """:meth:`split` with each piece's kind: ``"tail"`` (a learned tail, the end of a
+        """The chunk ``[start, end)`` of ``token_ids`` cut around the learned edges it starts
+        and ends with, each piece with its kind: ``"tail"`` (a learned tail, the end of a
         document, at the chunk's start), ``"head"`` (a learned head, the start of a document,
-        at its end) or ``"chunk"``."""
+        at its end) or ``"chunk"``; pieces shorter than ``min_tokens`` are dropped. Where both
+        edges would overlap, the longer one."""
         if end - start < WINDOW:
             return [(start, end, "chunk")]
         ids = np.asarray(token_ids[start:end], dtype=np.int32)

@@ -16,6 +16,11 @@ def test_common_suffix_counts_equal_tokens_from_the_end():
     assert common_suffix(a([7, 5, 6]), a([5, 6])) == 2
 
 
+def _split(index: EdgeIndex, ids, start: int, end: int, min_tokens: int) -> list[tuple[int, int]]:
+    """The pieces' ranges."""
+    return [(a, b) for a, b, _ in index.pieces(ids, start, end, min_tokens)]
+
+
 def _run(start: int, n: int) -> tuple[int, ...]:
     return tuple(range(start, start + n))
 
@@ -29,8 +34,8 @@ def test_a_head_is_learned_from_two_contexts_and_cut_out_of_a_third():
     assert index.learn(_run(20, 50) + head_b, 64) == [list(head_b)]
     assert index.learn(_run(30, 50) + head_b, 64) == []  # known already
     ids = _run(30, 50) + head_b
-    assert index.split(ids, 0, len(ids), 16) == [(0, 50), (50, 150)]
-    assert index.split(ids, 0, len(ids), 64) == [(50, 150)]  # the short rest is dropped
+    assert _split(index, ids, 0, len(ids), 16) == [(0, 50), (50, 150)]
+    assert _split(index, ids, 0, len(ids), 64) == [(50, 150)]  # the short rest is dropped
 
 
 def test_a_tail_is_learned_from_chunks_that_start_alike():
@@ -39,7 +44,7 @@ def test_a_tail_is_learned_from_chunks_that_start_alike():
     index.learn(tail_a + _run(7100, 40), 64)
     assert index.learn(tail_a + _run(7200, 40), 64) == [list(tail_a)]
     ids = (9, 9) + tail_a + _run(7300, 40)  # the chunk starts at offset 2 of the prompt
-    assert index.split(ids, 2, len(ids), 16) == [(2, 72), (72, 112)]
+    assert _split(index, ids, 2, len(ids), 16) == [(2, 72), (72, 112)]
 
 
 def test_both_edges_and_overlap_and_nothing_below_the_minimum():
@@ -49,10 +54,10 @@ def test_both_edges_and_overlap_and_nothing_below_the_minimum():
         index.learn(_run(100 * k, 50) + head_b, 64)
         index.learn(tail_a + _run(3000 + 100 * k, 40), 64)
     both = tail_a + _run(8000, 30) + head_b
-    assert index.split(both, 0, len(both), 16) == [(0, 70), (70, 100), (100, 200)]
+    assert _split(index, both, 0, len(both), 16) == [(0, 70), (70, 100), (100, 200)]
     # a chunk that starts with only part of the learned tail: the head alone is cut out
     short = tail_a[:60] + head_b
-    assert index.split(short, 0, len(short), 16) == [(0, 60), (60, 160)]
+    assert _split(index, short, 0, len(short), 16) == [(0, 60), (60, 160)]
     # common runs shorter than the minimum are not edges
     index2 = EdgeIndex()
     for k in (1, 2, 3):
@@ -78,7 +83,7 @@ def test_boundaries_shorter_than_a_segment_are_learned_but_not_returned():
     assert index.learn(_run(20, 50) + head_b, 64, boundary_tokens=WINDOW) == []
     ids = _run(30, 50) + head_b + _run(9000, 20)  # B's head inside, not at a chunk's end
     assert index.boundaries(ids) == ([50], [])
-    assert index.split(ids, 0, len(ids), 64) == [(0, len(ids))]  # no piece under a segment
+    assert _split(index, ids, 0, len(ids), 64) == [(0, len(ids))]  # no piece under a segment
     plain = EdgeIndex()  # without boundaries (cdc-edges) nothing under the minimum is learned
     plain.learn(_run(10, 50) + head_b, 64)
     plain.learn(_run(20, 50) + head_b, 64)
