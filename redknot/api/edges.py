@@ -15,7 +15,7 @@ the same cut of A share A's tail as their longest common prefix. :class:`EdgeInd
 recent missed chunks of each such key and, when a new miss shares a suffix (prefix) of at least
 the shortest stored segment with one of them, and shorter than both, learns it as an *edge*:
 the capture stores it as a segment of namespace ``auto`` (``redknot.api.capture``), and
-:meth:`EdgeIndex.split` cuts later chunks that end (start) with a learned edge so that the edge
+:meth:`EdgeIndex.pieces` cuts later chunks that end (start) with a learned edge so that the edge
 is a segment of its own. The rest of such a chunk stays a chunk piece, captured at its second
 miss like any chunk.
 
