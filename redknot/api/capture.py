@@ -68,7 +68,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from redknot.api import control
 from redknot.api.marks import SegmentMark, encode_marks, segment_id
@@ -83,10 +83,17 @@ SEEN_LIMIT = 1 << 16  # automatic chunks remembered as seen once (the oldest for
 CAPTURE_FIELD = "redknot_capture"  # per request: false turns capture off for it
 SKIP_STATES = ("ready", "writing")  # stored, or being written by another writer
 
-# a capture under way: namespace, token ids, segment id, whether it is automatic (a chunk,
-# edge or document of an unmarked prompt, or a chat message), the tokens it is computed after,
-# where it starts in the prompt that missed it (None: not known)
-_Capture = tuple[str, list[int], str, bool, list[int], int | None]
+
+class _Capture(NamedTuple):
+    """A segment on the capture path."""
+
+    ns: str
+    ids: list[int]
+    sid: str  # its content address
+    chunk: bool  # automatic: a chunk, edge or document of an unmarked prompt
+    context: list[int]  # the tokens it is computed after
+    start: int | None = None  # where it starts in the prompt that missed it (None: not known)
+
 
 # Segments (namespace, token ids, whether they are chunks of an unmarked prompt, the tokens
 # their capture is computed after, where they start in the request's prompt) a request marked,
@@ -173,12 +180,12 @@ class Capturer:
                 elif self._pending + len(mine) >= MAX_PENDING:
                     count(captures_dropped=1)
                 else:
-                    mine.append((ns, ids, sid, chunk, context, start))
+                    mine.append(_Capture(ns, ids, sid, chunk, context, start))
                     taken.add(sid)
             self._inflight.update(taken)
             self._pending += len(mine)
             send = await self._to_send(mine)
-            self._release(taken, taken - {seg[2] for seg in send})
+            self._release(taken, taken - {seg.sid for seg in send})
             for batch in _batches(_runs(send), MAX_BATCH_TOKENS):
                 async with self._limit():
                     await self._capture_batch(batch)
@@ -222,18 +229,18 @@ class Capturer:
         """Those of ``segments`` the store lacks (asked in one control request) and, for a
         chunk of an unmarked prompt, that :meth:`_admit` lets through."""
         tm = self.api.tokenizer_manager
-        states = await control.registrations(tm, [(seg[0], seg[2]) for seg in segments])
+        states = await control.registrations(tm, [(seg.ns, seg.sid) for seg in segments])
         send = []
         for seg, state in zip(segments, states, strict=True):
             if state["state"] in SKIP_STATES or state["status"] == 413:
                 self.api.counters.add(captures_skipped=1)
-                if seg[3] and self._is_document(seg[1]):  # cdc-docs: stored, or never will be
-                    self._auto.document_stored(seg[1], state["state"] in SKIP_STATES)
+                if seg.chunk and self._is_document(seg.ids):  # cdc-docs: stored, or never will be
+                    self._auto.document_stored(seg.ids, state["state"] in SKIP_STATES)
                 continue
-            document = seg[3] and self._is_document(seg[1])  # cdc-docs: learned, not deferred
-            if seg[3] and not document:  # a chunk the store lacks: edges it shares with misses
-                send += self._edges(seg[0], seg[1], seg[4])
-            if not seg[3] or document or self._admit(seg[2]):
+            document = seg.chunk and self._is_document(seg.ids)  # cdc-docs: not deferred
+            if seg.chunk and not document:  # a chunk the store lacks: edges it shares with misses
+                send += self._edges(seg.ns, seg.ids, seg.context)
+            if not seg.chunk or document or self._admit(seg.sid):
                 send.append(seg)
         return send
 
@@ -254,7 +261,7 @@ class Capturer:
         if learned:
             self.api.counters.add(auto_edges_learned=len(learned))
         return [
-            (ns, edge, segment_id(ns, edge), True, auto.edge_context(ids, context, edge), None)
+            _Capture(ns, edge, segment_id(ns, edge), True, auto.edge_context(ids, context, edge))
             for edge in learned
         ]
 
@@ -266,7 +273,7 @@ class Capturer:
         count(captures_sent=len(segments))
         await self._register(batch)
         tm = self.api.tokenizer_manager
-        states = await control.registrations(tm, [(seg[0], seg[2]) for seg in segments])
+        states = await control.registrations(tm, [(seg.ns, seg.sid) for seg in segments])
         superseded: list[tuple[str, str]] = []
         for (ns, ids, sid, chunk, _, _), state in zip(segments, states, strict=True):
             stored = state["state"] in SKIP_STATES
@@ -295,10 +302,10 @@ class Capturer:
 
         prompts, params = [], []
         for run in runs:
-            prompt, marks = list(run[0][4]), []
-            for ns, ids, sid, *_ in run:
-                marks.append(SegmentMark(len(prompt), len(prompt) + len(ids), ns, sid))
-                prompt += ids
+            prompt, marks = list(run[0].context), []
+            for seg in run:
+                marks.append(SegmentMark(len(prompt), len(prompt) + len(seg.ids), seg.ns, seg.sid))
+                prompt += seg.ids
             prompts.append(prompt)
             params.append(
                 {
@@ -334,10 +341,10 @@ def _runs(segments: list[_Capture]) -> list[list[_Capture]]:
         last = out[-1][-1] if out else None
         if (
             last is not None
-            and seg[5] is not None
-            and last[5] is not None
-            and seg[0] == last[0]
-            and last[5] + len(last[1]) == seg[5]
+            and seg.start is not None
+            and last.start is not None
+            and seg.ns == last.ns
+            and last.start + len(last.ids) == seg.start
         ):
             out[-1].append(seg)
         else:
@@ -351,7 +358,7 @@ def _batches(runs: list[list[_Capture]], max_tokens: int) -> list[list[list[_Cap
     out: list[list[list[_Capture]]] = []
     size = max_tokens
     for run in runs:
-        n = len(run[0][4]) + sum(len(seg[1]) for seg in run)
+        n = len(run[0].context) + sum(len(seg.ids) for seg in run)
         if size + n > max_tokens:
             out.append([])
             size = 0

@@ -194,16 +194,16 @@ def test_the_misses_of_one_request_are_captured_in_one_batch(make_server, client
 
 
 def test_capture_batches_hold_at_most_their_token_limit():
-    from redknot.api.capture import _batches, _runs
+    from redknot.api.capture import _batches, _Capture, _runs
 
-    segs = [("ns", [0] * n, str(k), False, [], None) for k, n in enumerate([5, 4, 2, 9, 1, 12])]
+    segs = [_Capture("ns", [0] * n, str(k), False, []) for k, n in enumerate([5, 4, 2, 9, 1, 12])]
     cut = _batches(_runs(segs), 10)
     assert [[run[0][2] for run in b] for b in cut] == [["0", "1"], ["2"], ["3", "4"], ["5"]]
     assert _batches([], 10) == []
     # a capture's context counts: it is computed with its segment
     with_context = [
-        ("ns", [0] * 4, "a", True, [1] * 4, None),
-        ("ns", [0] * 4, "b", True, [1] * 3, None),
+        _Capture("ns", [0] * 4, "a", True, [1] * 4),
+        _Capture("ns", [0] * 4, "b", True, [1] * 3),
     ]
     assert [[run[0][2] for run in b] for b in _batches(_runs(with_context), 10)] == [["a"], ["b"]]
 
@@ -212,10 +212,10 @@ def test_segments_that_follow_one_another_are_captured_in_one_prompt():
     """``_runs``: automatic segments of one namespace that start where the previous one ends in
     the prompt that missed them form a run (one prompt, only the first one's context); a gap,
     another namespace or an unknown start (a document, an edge, a client's segment) ends it."""
-    from redknot.api.capture import _runs
+    from redknot.api.capture import _Capture, _runs
 
     def seg(name, start, n=4, ns="auto"):
-        return (ns, [0] * n, name, True, [9] * 3, start)
+        return _Capture(ns, [0] * n, name, True, [9] * 3, start)
 
     segs = [seg("a", 10), seg("b", 14), seg("c", 18, 2), seg("d", 30), seg("e", 34, ns="kb"),
             seg("f", None), seg("g", 38), seg("h", 42)]  # fmt: skip
