@@ -188,7 +188,7 @@ def runs_attention_reference(
     kf = k.float().repeat_interleave(hq // hk, dim=1)  # [L, Hq, D]
     vf = v.float().repeat_interleave(hq // hk, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * sm_scale
-    pos_q = torch.arange(length - n, length)[:, None]
-    mask = torch.arange(length)[None, :] > pos_q  # [n, L]
+    pos_q = torch.arange(length - n, length, device=q.device)[:, None]
+    mask = torch.arange(length, device=q.device)[None, :] > pos_q  # [n, L]
     scores = scores.masked_fill(mask[None], -math.inf)
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), vf).to(q.dtype)
