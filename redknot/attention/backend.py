@@ -131,17 +131,6 @@ def _flashinfer(model_runner: ModelRunner) -> AttentionBackend:
     return FlashInferAttnBackend(model_runner, init_new_workspace=model_runner.init_new_workspace)
 
 
-def _row_attention(layout, dense: AttentionBackend):
-    """A token policy's computed rows in runs through FlashInfer (every head global, so the
-    global store is every head, column = head), on the dense backend's workspace: in one batch
-    only one of the two runs."""
-    from redknot.kernels.flashinfer_runs import FlashInferRuns
-
-    return FlashInferRuns(
-        layout.num_q_heads, layout.num_kv_heads, layout.head_dim, dense.workspace_buffer
-    )
-
-
 def _on_cuda(model_runner: ModelRunner) -> bool:
     return torch.device(model_runner.device).type == "cuda"
 
@@ -188,8 +177,6 @@ class RedknotAttnBackend(AttentionBackend):
             # no restore columns (they would widen the global buffers FlashInfer reads)
             if dense_exact and not self.layout.restore and _on_cuda(model_runner):
                 self.dense = _flashinfer(model_runner)
-                if self.segpaged.policy is not None and self.segpaged.rope is not None:
-                    self.segpaged.row_attention = _row_attention(self.layout, self.dense)
         self.dense_batch = self.segpaged is None  # the batch being run goes to FlashInfer
         self.lfps_pool = model_runner.token_to_kv_pool
         self.lfps = (

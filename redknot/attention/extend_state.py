@@ -34,12 +34,6 @@ class ExtendState:
     # the pool has restore columns) and the probes of the requests this extend completes
     row_req: torch.Tensor | None = None
     restore: object | None = None  # redknot.attention.restore.RestorePlan
-    # Token policies, every head global: the computed rows' runs when they are attended through
-    # the runner's row_attention (None: the SegPaged kernel), the softmax scale it was planned
-    # with, and (computed rows' slots, reads that left, their slots) once per row set
-    runs: object | None = None  # redknot.kernels.flashinfer_runs.RowRuns
-    runs_scale: float | None = None
-    runs_loc: tuple | None = None
 
 
 @dataclass(frozen=True)

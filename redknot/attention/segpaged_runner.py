@@ -33,7 +33,6 @@ from redknot.attention.trace import phase
 from redknot.kernels.choose import choose_rows
 from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_decode, run_decode
 from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_device
-from redknot.kernels.flashinfer_runs import row_runs, worth_runs
 from redknot.kernels.geometry import LayerHeads, SegGeometry, num_sms
 from redknot.kernels.key_mass import key_mass, query_heads
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
@@ -125,10 +124,6 @@ class SegPagedRunner:
             for i in range(layout.num_layers)
         ] if layout.restore else []  # fmt: skip
         self.policy: TokenPolicy | None = None  # a token-level policy (token_policy); None: redknot
-        # Under a token policy with every head global: the computed rows' attention through
-        # FlashInfer when they form few runs (redknot.kernels.flashinfer_runs; set by the
-        # backend; None: the SegPaged kernel computes every row)
-        self.row_attention = None
         self.tp_size = 1
         self._arange = torch.arange(max_context_len, device=device)
         self.decode_plan = None
@@ -289,8 +284,6 @@ class SegPagedRunner:
             )  # fmt: skip
         if reads is not None and self.policy is not None and self.policy.chooses_at_plan:
             self._keep(self.policy.planned_kept(reads.pos_off_cpu))
-        if self.extend_state.held is None:
-            self._use_runs(None)
 
     def _plan_captures(self, fb: ForwardBatch, prefix_cpu, lens_cpu):
         """Rows of the snapshot captures whose branch point this extend computes."""
@@ -364,11 +357,6 @@ class SegPagedRunner:
         SCHEDULE.layer = lid
         with phase("redknot.held_rows"):
             held = self._held_rows(state)  # None: every row
-        if state.runs is not None and save_kv_cache:
-            with phase("redknot.runs"):
-                out = self._extend_runs(lid, q, k, v, layer, fb, held)
-            self._policy_step(lid, q, k, v, layer, held, save_kv_cache)
-            return out.flatten(1)
         if held is not None:  # q stays as it is: the gathered plan reads and writes held rows
             with phase("redknot.spread"):
                 k, v = self._spread(k, held), self._spread(v, held)
@@ -411,77 +399,17 @@ class SegPagedRunner:
                 self._schedule_ffn(lid, q, lse, layer.scaling, reads)
         if state.restore is not None and lid == self.layout.num_layers - 1:
             self._log_restore(state.restore)
-        self._policy_step(lid, q, k, v, layer, held, save_kv_cache)
+        if reads is not None and self.policy is not None:
+            if lid == self.policy.select_layer and save_kv_cache:
+                assert held is None, "a policy chooses before any row leaves"
+                with phase("redknot.policy_choice"):
+                    if self.policy.name == "cacheblend":
+                        self._blend(lid, k, v, reads)
+                    else:
+                        self._sparsex(lid, q, layer.scaling, reads)
+            if lid == self.layout.num_layers - 1:
+                self._log_policy(reads)
         return out.flatten(1)
-
-    def _policy_step(self, lid: int, q, k, v, layer, held, save_kv_cache: bool) -> None:
-        """A token policy's choice in its layer (``k``/``v``: every row's), its log line after
-        the last layer."""
-        reads = self.extend_state.segment_reads
-        if reads is None or self.policy is None:
-            return
-        if lid == self.policy.select_layer and save_kv_cache:
-            assert held is None, "a policy chooses before any row leaves"
-            with phase("redknot.policy_choice"):
-                if self.policy.name == "cacheblend":
-                    self._blend(lid, k, v, reads)
-                else:
-                    self._sparsex(lid, q, layer.scaling, reads)
-        if lid == self.layout.num_layers - 1:
-            self._log_policy(reads)
-
-    # ---- the computed rows in runs, through FlashInfer (token policies, every head global) ----
-
-    def _use_runs(self, computed_cpu: torch.Tensor | None) -> None:
-        """From the next layer on, attend the computed rows (``computed_cpu``: ``[T]`` bool on
-        the host; None: every row) through :attr:`row_attention` when they form few enough
-        runs (:func:`redknot.kernels.flashinfer_runs.worth_runs`), else on the SegPaged
-        kernel. Only a batch whose extend writes nothing but the global store qualifies: no
-        segment registered or captured, no ring, no restore."""
-        state = self.extend_state
-        state.runs = None
-        if (
-            self.row_attention is None
-            or self.policy is None
-            or state.segment_reads is None
-            or state.segment_writes is not None
-            or state.capture is not None
-            or state.keep_rows_gpu is not None
-            or state.restore is not None
-        ):
-            return
-        plan = state.plan
-        runs = row_runs(
-            computed_cpu, plan.qo_indptr_cpu, plan.prefix_lens_cpu, state.req_pool_indices
-        )
-        if worth_runs(runs):
-            state.runs, state.runs_scale, state.runs_loc = runs, None, None
-
-    def _extend_runs(self, lid: int, q, k, v, layer, fb: ForwardBatch, held) -> torch.Tensor:
-        """One layer of a batch in runs: the K/V of every position the runs attend goes to the
-        global store first (the computed rows' own; the cached, re-aligned K/V of the reused
-        tokens that left recovery, straight from the segment region), then one FlashInfer
-        launch attends the computed rows (``q``, ``k``, ``v``: theirs only)."""
-        state, pool = self.extend_state, self.pool
-        if state.runs_scale != layer.scaling:  # planned at the first layer (its softmax scale)
-            self.row_attention.plan(state.runs, self.req_to_token, q.dtype, layer.scaling)
-            state.runs_scale = layer.scaling
-        if state.runs_loc is None:
-            rows_loc = fb.out_cache_loc if held is None else fb.out_cache_loc[held.rows]
-            left = None if held is None or not held.left.tokens_gpu.numel() else held.left
-            left_loc = None if left is None else fb.out_cache_loc[left.tokens_gpu]
-            state.runs_loc = (rows_loc, left, left_loc)
-        rows_loc, left, left_loc = state.runs_loc
-        k_buf, v_buf = pool.k_global[lid], pool.v_global[lid]
-        if left is not None and len(self.left_heads(lid)):
-            with phase("redknot.reuse_kv"):
-                self._align(lid, k_buf, v_buf, self.left_heads(lid), left, dst_rows=left_loc)
-        with phase("redknot.write_global"):
-            pool.write_global(lid, rows_loc, k, v)
-        out = q.new_empty(q.shape)
-        with phase("redknot.extend_kernel"):
-            self.row_attention.run(q, k_buf, v_buf, out)
-        return out
 
     def _restore(self, lid: int, q, k, v, fresh, held: HeldRows | None, scale: float) -> None:
         """Adaptive restore in layer ``lid`` (:mod:`redknot.attention.restore`): probe each
@@ -666,7 +594,6 @@ class SegPagedRunner:
             leaving = ~keep_cpu[reads.tokens_cpu]  # not ~kept: each request's last row stays
             self._hold(to_device(keep_cpu, device), counts, to_device(leaving, device),
                        int(leaving.sum()))  # fmt: skip
-            self._use_runs(keep_cpu)
 
     def _blend(self, lid: int, k, v, reads: SegmentReads) -> None:
         """CacheBlend's choice in its check layer: the KV deviation of every reused token's
@@ -755,16 +682,13 @@ class SegPagedRunner:
         consts = self.consts[lid]
         return consts.stored if self.local_kv == "fresh" else consts.stored_global
 
-    def _align(
-        self, lid: int, k, v, heads: AlignedHeads, reads: SegmentReads, dst_rows=None
-    ) -> None:
-        """``k``/``v`` rows ``dst_rows`` (default ``reads.tokens_gpu``) of KV heads
-        ``heads.heads`` from the segment region's columns ``heads.cols`` (re-rotated keys,
-        copied values; the region has the model's dtype, see :meth:`check_segment_dtype`)."""
+    def _align(self, lid: int, k, v, heads: AlignedHeads, reads: SegmentReads) -> None:
+        """``k``/``v`` rows ``reads.tokens_gpu`` of KV heads ``heads.heads`` from the segment
+        region's columns ``heads.cols`` (re-rotated keys, copied values; the region has the
+        model's dtype, see :meth:`check_segment_dtype`)."""
         region = self.pool.segments
-        dst_rows = reads.tokens_gpu if dst_rows is None else dst_rows
         rope_align(
-            region.k[lid], reads.rows_gpu, k, dst_rows, reads.pos_off_gpu,
+            region.k[lid], reads.rows_gpu, k, reads.tokens_gpu, reads.pos_off_gpu,
             reads.pos_on_gpu, self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
             rotary_dim=self.rope.rotary_dim, v_src=region.v[lid], v_dst=v,
             src_heads=heads.cols, dst_heads=heads.heads,

@@ -425,8 +425,6 @@ def check_backend(backend: Any, model_runner: Any, skip: bool) -> None:
             check_choice(served.device, check_votes=segpaged.tp_size > 1)
         if segpaged is not None and segpaged.rope is not None:
             check_reuse_kernels(segpaged, served)
-        if segpaged is not None and segpaged.row_attention is not None:
-            check_row_runs(segpaged, served)
         _passed.add(key)
         if served.device.type == "cuda":
             torch.cuda.empty_cache()  # the check's tensors, before CUDA-graph capture sizes memory
@@ -613,58 +611,6 @@ def _check_align(runner, served: ServedAttention, name: str, lid: int, g) -> Non
     tol = TOLERANCE.get(served.dtype, TOLERANCE[torch.bfloat16])
     _reuse_failure(served, name, lid, "keys", compare(k_dst, want_k.float(), tol), tol)
     _reuse_failure(served, name, lid, "values", compare(v_dst, want_v.float(), 0.0), 0.0)
-
-
-def check_row_runs(runner: Any, served: ServedAttention, seed: int = 0) -> None:
-    """A token policy's rows in runs (``runner.row_attention``, FlashInfer) against the PyTorch
-    reference on a synthetic batch shaped as a reusing one: two requests, one with a cached
-    prefix, computed rows in runs of 1-16 positions, slots scattered in a store of the served
-    heads and dtype. Raises ``StartupCheckError``."""
-    from redknot.kernels.flashinfer_runs import ReferenceRuns, row_runs
-
-    lay, dev = served.layout, served.device
-    g = torch.Generator().manual_seed(seed)
-    lens, prefix = [300, 120], [200, 0]
-    keep = torch.zeros(sum(lens), dtype=torch.bool)
-    for start in range(0, sum(lens), 37):
-        keep[start : start + 1 + start % 16] = True
-    keep[lens[0] - 1] = keep[-1] = True
-    total = sum(p + n for p, n in zip(prefix, lens))
-    slots = (torch.randperm(total + 64, generator=g)[:total] + 1).to(torch.int32)
-    table = torch.zeros((3, 512), dtype=torch.int32)
-    table[1, :500], table[2, :120] = slots[:500], slots[500:]
-    k_buf, v_buf = (torch.randn((total + 65, lay.num_kv_heads, lay.head_dim), generator=g)
-                    .to(served.dtype).to(dev) for _ in range(2))  # fmt: skip
-    runs = row_runs(keep, torch.tensor([0, 300, 420]), torch.tensor(prefix), [1, 2])
-    q, _, _ = _layer_kv(served, runs.num_rows, g)
-    scale, table = served.layer(0).scaling, table.to(dev)
-    ref = ReferenceRuns()
-    ref.plan(runs, table, served.dtype, scale)
-    want = ref.run(q, k_buf, v_buf, torch.empty_like(q))
-    try:
-        runner.row_attention.plan(runs, table, served.dtype, scale)
-        got = runner.row_attention.run(q, k_buf, v_buf, torch.empty_like(q))
-    except Exception as e:
-        raise StartupCheckError(
-            f"redknot startup check could not run the token policy's rows in runs "
-            f"(FlashInfer, redknot/kernels/flashinfer_runs.py) for {served.describe()}: "
-            f"{type(e).__name__}: {e}. {_RUNS_HINT} {SKIP_HINT}"
-        ) from e
-    tol = TOLERANCE.get(served.dtype, TOLERANCE[torch.bfloat16])
-    max_err, _, bad, _ = compare(got, want.float(), tol)
-    if bad:
-        raise StartupCheckError(
-            f"redknot startup check failed for {served.describe()}: the token policy's rows in "
-            f"runs (FlashInfer) differ from the reference: max |out - ref| {max_err:.3g}, {bad} "
-            f"values beyond {tol:g} + {tol:g} * |ref|. {_RUNS_HINT} {SKIP_HINT}"
-        )
-    logger.info("redknot startup check passed: a token policy's rows in runs on %s", dev)
-
-
-_RUNS_HINT = (
-    "Reusing requests would attend wrong keys: serve with --redknot-kernel triton (every reusing "
-    "extend on redknot's own kernels)."
-)
 
 
 def _check_mass(runner, served: ServedAttention, lid: int, g) -> None:

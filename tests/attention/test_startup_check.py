@@ -353,27 +353,3 @@ def test_reuse_kernels_pass_the_gate_at_llama_shape_on_gpu():
     launches = reuse_launches(runner)
     assert {name for name, _ in launches} == {"local", "left", "mass"}
     assert check_reuse_kernels(runner, served) == len(launches)
-
-
-def test_rows_in_runs_pass_and_a_run_that_sees_a_later_key_stops_startup(gate_log):
-    """The token policies' rows in runs: the reference itself passes; a runs attention whose
-    runs each attend one slot past their last position (causality broken) fails."""
-    from types import SimpleNamespace
-
-    from redknot.attention.startup_check import check_row_runs
-    from redknot.kernels.flashinfer_runs import ReferenceRuns, RowRuns
-
-    layout = HeadLayout(classes=("GG", "GG"), num_q_heads=4, head_dim=64, window=WINDOW,
-                        sink=SINK)  # fmt: skip
-    served = dataclasses.replace(_served(), layout=layout)
-    check_row_runs(SimpleNamespace(row_attention=ReferenceRuns()), served)
-    assert any("rows in runs" in m for m in gate_log)
-
-    class OneTooMany(ReferenceRuns):
-        def plan(self, runs, req_to_token, dtype, sm_scale):
-            longer = RowRuns(runs.qo_indptr, runs.kv_lens + 1, runs.req_pool_indices)
-            super().plan(longer, req_to_token, dtype, sm_scale)
-
-    with pytest.raises(StartupCheckError, match=r"rows in runs \(FlashInfer\) differ") as e:
-        check_row_runs(SimpleNamespace(row_attention=OneTooMany()), served)
-    assert "--redknot-kernel triton" in str(e.value)

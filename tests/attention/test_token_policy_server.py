@@ -14,7 +14,6 @@ import torch
 
 from redknot.attention.ffn_schedule import SCHEDULE
 from redknot.attention.token_policy import TokenPolicy, kept_rows
-from redknot.kernels.flashinfer_runs import ReferenceRuns
 from redknot.recovery.cacheblend import blend_count
 
 from .test_segpaged_runner import D
@@ -127,24 +126,9 @@ POLICIES = [
 ]
 
 
-class CountedRuns(ReferenceRuns):
-    """The runs path's PyTorch stand-in for FlashInfer, counting the layers it attends."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = 0
-
-    def run(self, q, k_buf, v_buf, out):
-        self.layers += 1
-        return super().run(q, k_buf, v_buf, out)
-
-
 @pytest.mark.parametrize("name, knobs", POLICIES)
 @pytest.mark.parametrize("question", [5, 0])  # 0: the prompt ends inside the segment
-@pytest.mark.parametrize("runs", [False, True], ids=["tiles", "runs"])
-def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, runs, caplog):
-    """``runs``: the computed rows attended in runs (the FlashInfer path, its PyTorch stand-in
-    here) wherever they qualify; else every layer on the SegPaged kernel."""
+def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, caplog):
     from redknot.kernels.rope_reference import delta_rotate
     from redknot.segcache.reuse import SegmentUse
 
@@ -153,8 +137,6 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, runs
     w, rope, layers, tokens, entry, seg_kv = world_with_stored_segment(CLASSES, 5, n)
 
     w.runner.policy = policy
-    if runs:
-        w.runner.row_attention = CountedRuns()
     w.pool.cache.segments.acquire(entry)
     w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
     with caplog.at_level("INFO", logger="redknot.attention.segpaged_runner"):
@@ -164,8 +146,6 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, runs
 
     (logged,) = [m for m in map(POLICY_LOG.search, caplog.messages) if m]
     assert int(logged.group(1)) == SCHEDULE.left
-    if runs:  # this small prompt's rows form few runs in every layer
-        assert w.runner.row_attention.layers == len(CLASSES)
 
     dense = {  # the policy keeps every row
         "naive": False,
