@@ -198,13 +198,15 @@ def child(args) -> None:
     points = parse_points(args.points)
     extra = {
         "mem_fraction_static": args.mem_fraction_static,
-        "disable_prefill_cuda_graph": True,
+        "disable_prefill_cuda_graph": not args.prefill_graph_tokens,
         # Decode graphs for small batches only (quicker startup). Not none: SGLang's overlap
         # scheduler launches the next (decode) step of a one-token prompt before it returns
         # the prompt's token, so an eager decode step would count in the TTFT.
         "cuda_graph_max_bs_decode": DECODE_GRAPH_MAX_BS,
         "chunked_prefill_size": args.chunked_prefill_size,
     }
+    if args.prefill_graph_tokens:  # SGLang's default prefill graph, captured up to this size
+        extra["cuda_graph_max_bs_prefill"] = args.prefill_graph_tokens
     if fraction is None:
         extra["attention_backend"] = "flashinfer"
     else:
@@ -361,6 +363,14 @@ def main() -> None:
         help="SGLang's prefill chunk (-1: one chunk per prompt; the sparse FFN acts on the chunk "
         "that ends the prompt, so chunking limits it to that chunk)",
     )
+    ap.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=0,
+        help="serve with SGLang's prefill CUDA graph (its default backend, on by default in a "
+        "server) captured for prompts of up to this many tokens; 0: prefill graphs off, every "
+        "extend eager",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument(
         "--profile-dir",
@@ -419,6 +429,7 @@ def main() -> None:
         "mem_fraction_static",
         "segment_fraction",
         "chunked_prefill_size",
+        "prefill_graph_tokens",
         "profile_dir",
     ) + [
         f"--{flag}"
@@ -451,7 +462,7 @@ def main() -> None:
         common.write_json(args.out, common.record(
             model=args.model, load_format="dummy", points=args.points, question=args.question,
             reps=args.reps, chunked_prefill_size=args.chunked_prefill_size,
-            decode_cuda_graph_max_bs=DECODE_GRAPH_MAX_BS, sink=SINK,
+            prefill_graph_tokens=args.prefill_graph_tokens, decode_cuda_graph_max_bs=DECODE_GRAPH_MAX_BS, sink=SINK,
             window=WINDOW, mem_fraction_static=args.mem_fraction_static,
             segment_fraction=args.segment_fraction, dense_layers_of_sparse_variant=DENSE_LAYERS,
             note="reuse: cached, re-aligned local-head K/V for segment tokens, every FFN run; "
@@ -471,7 +482,7 @@ def main() -> None:
 
 # What must be equal for runs to be compared as one (the device and commit above all).
 MERGE_KEYS = ("device", "commit", "model", "load_format", "question", "reps",
-              "chunked_prefill_size", "decode_cuda_graph_max_bs", "sink", "window",
+              "chunked_prefill_size", "prefill_graph_tokens", "decode_cuda_graph_max_bs", "sink", "window",
               "mem_fraction_static", "segment_fraction",
               "dense_layers_of_sparse_variant")  # fmt: skip
 
