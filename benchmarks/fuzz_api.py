@@ -158,7 +158,7 @@ class Generator:
                 server.scheduler.hold(1)
 
         def served(server, r):
-            cached, want = r.json()["meta_info"]["cached_tokens"], n if seen["hit"] else 0
+            cached, want = r.json()["meta_info"]["standin_read_tokens"], n if seen["hit"] else 0
             return exact(server, r) or (None if cached == want else f"cached {cached} != {want}")
 
         body = {"text": text, SPANS: [{"start": 5, "end": len(text), "namespace": ns}]}

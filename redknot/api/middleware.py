@@ -139,10 +139,17 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
         if message["type"] == "http.response.start":
             status = message.get("status")
         elif message["type"] == "http.response.body" and task is None and status == 200 and pending:
-            if _all_hit(message.get("body", b"")):
+            first = message.get("body", b"")
+            answer = _first_answer(first)
+            served = _in_prefix_hit(pending, answer)
+            if served:
+                api.counters.add(captures_prefix_cached=len(served))
+                gone = {id(p) for p in served}
+                pending[:] = [p for p in pending if id(p) not in gone]
+            if _all_hit(answer):
                 api.counters.add(captures_skipped=len(pending))
                 pending.clear()
-            else:
+            elif pending:
                 task = asyncio.ensure_future(api.capture.capture(list(pending)))
 
     try:
@@ -152,18 +159,39 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
             await task
 
 
-def _all_hit(first: bytes) -> bool:
-    """Whether an answer's first bytes (a JSON answer, or a stream's first ``data:`` event)
-    report every segment of the request a hit (``redknot.segcache.reuse``'s report). Anything
-    else (a batch, a chat answer without ``meta_info``, bytes cut mid-event): False."""
+def _first_answer(first: bytes) -> dict | None:
+    """The ``meta_info`` of an answer's first bytes (a JSON answer, or a stream's first
+    ``data:`` event); None for anything else (a batch, a chat answer without ``meta_info``,
+    bytes cut mid-event)."""
     if first.startswith(b"data:"):
         first = first[5:].split(b"\n\n", 1)[0]
     try:
         answer = orjson.loads(first)
     except orjson.JSONDecodeError:
-        return False
+        return None
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
-    report = meta.get(REPORT_KEY) if isinstance(meta, dict) else None
+    return meta if isinstance(meta, dict) else None
+
+
+def _in_prefix_hit(pending: list, meta: dict | None) -> list:
+    """The automatic segments of ``pending`` (those with a place in the prompt) that lie inside
+    the prompt's prefix that SGLang's prefix cache served (``meta_info.cached_tokens``). They
+    are not captured: a request that continues this prompt (a chat's next turn, a prompt with
+    the same head) is served the same K/V by the prefix cache, so a capture would prefill them
+    again for reuse that cache already gives, and on chat traffic such captures were most of the
+    GPU's work (``trace_replay_capture_context.json``: 1,385 captures of ~320 tokens against
+    133K tokens the users' own prompts computed). A segment a later prompt holds elsewhere misses
+    there, and is captured from that miss."""
+    cached = meta.get("cached_tokens") if meta is not None else None
+    if not isinstance(cached, int) or cached <= 0:
+        return []
+    return [p for p in pending if p[4] is not None and p[4] + len(p[1]) <= cached]
+
+
+def _all_hit(meta: dict | None) -> bool:
+    """Whether an answer's ``meta_info`` (:func:`_first_answer`) reports every segment of the
+    request a hit (``redknot.segcache.reuse``'s report). Anything else: False."""
+    report = meta.get(REPORT_KEY) if meta is not None else None
     if not (isinstance(report, list) and report and isinstance(report[0], dict)):
         return False
     marked, hit = report[0].get("segments_marked"), report[0].get("segments_hit")

@@ -47,6 +47,7 @@ class ApiCounters:
     captures_deduplicated: int = 0  # the same segment was being captured already
     captures_dropped: int = 0  # too many captures pending
     captures_deferred: int = 0  # automatic chunks missed for the first time: not captured yet
+    captures_prefix_cached: int = 0  # automatic segments inside the prefix-cache hit: not captured
     # automatic segments (redknot.api.auto): unmarked requests given chunks, and the chunks
     auto_requests: int = 0
     auto_chunks_marked: int = 0

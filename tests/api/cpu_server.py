@@ -150,6 +150,7 @@ class CpuScheduler:
         self.pool.cache = self.tree_cache
         self._free_slots = list(range(slots - 1, 0, -1))
         self._hold = 0
+        self.last_prefix = 0  # the last prompt's exact-prefix hit (SGLang's cached_tokens)
         self.running: dict[int, tuple[int, int]] = {}  # slot -> (tokens computed, prompt tokens)
         self._gen = torch.Generator().manual_seed(0)
         # rid -> the request's customized_info (SGLang puts each key into meta_info)
@@ -205,6 +206,7 @@ class CpuScheduler:
         else:
             self._finish(rpi)
         self._remember(ids)
+        self.last_prefix = prefix
         return prefix + cached
 
     def finish_running(self, *, complete: bool = True) -> None:
@@ -477,7 +479,8 @@ class CpuTokenizerManager(FakeTokenizerManager):
         # what the scheduler decodes (SGLang sends sampling params inside its typed IPC messages)
         params = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
         rid = obj.rid or f"r{next(self._rids)}"
-        cached = self.scheduler.serve(rid, ids, params)
+        read = self.scheduler.serve(rid, ids, params)  # exact-prefix hit + segment tokens read
+        prefix = self.scheduler.last_prefix
         meta = {k: list(v) for k, v in self.scheduler.customized_info.pop(rid, {}).items()}
         return {
             "text": " ok",
@@ -487,7 +490,8 @@ class CpuTokenizerManager(FakeTokenizerManager):
                 "finish_reason": {"type": "length", "length": 1},
                 "prompt_tokens": len(ids),
                 "completion_tokens": 1,
-                "cached_tokens": cached,
+                "cached_tokens": prefix,  # SGLang's: the exact-prefix hit only
+                "standin_read_tokens": read,  # the stand-in's: that and the segment tokens read
                 "weight_version": "default",
                 **meta,  # as SGLang's tokenizer manager: one value per output token
             },

@@ -86,8 +86,8 @@ def check_prompt(ids: list[int], marks: list, cached: int | None = None) -> Call
         if got != (ids, marks):
             return f"reached the tokenizer manager: {got}, want {(ids, marks)}"
         meta = r.json().get("meta_info", {})
-        if cached is not None and meta.get("cached_tokens") != cached:
-            return f"cached_tokens {meta.get('cached_tokens')}, want {cached} (store hits)"
+        if cached is not None and meta.get("standin_read_tokens") != cached:
+            return f"read {meta.get('standin_read_tokens')} tokens, want {cached} (store hits)"
         return None
 
     return check

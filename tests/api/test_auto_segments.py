@@ -73,7 +73,7 @@ def test_rag_documents_in_another_order_under_another_prefix_hit(
     server = make_server(auto_capture_after=1)  # every chunk captured at its first miss
     first = rag_prompt("You are a helpful assistant.", [0, 1, 2, 3], "Which river?")
     out = generate(client, first)
-    assert out["meta_info"]["cached_tokens"] == 0
+    assert out["meta_info"]["standin_read_tokens"] == 0
     sent = server.tm.last
     assert sent.input_ids == smollm_tokenizer.encode(first)  # SGLang's own tokens, unchanged
     marks = marks_of(sent)
@@ -85,12 +85,12 @@ def test_rag_documents_in_another_order_under_another_prefix_hit(
     second = rag_prompt("Answer from these documents only.", [2, 0, 3, 1], "Which harbor?")
     out = generate(client, second)
     doc_tokens = sum(len(smollm_tokenizer.encode(d, add_special_tokens=False)) for d in DOCS)
-    assert out["meta_info"]["cached_tokens"] >= 0.7 * doc_tokens
+    assert out["meta_info"]["standin_read_tokens"] >= 0.7 * doc_tokens
     stats = client.get("/redknot/stats").json()
     auto = stats["auto"]
     assert auto["chunk_hits"] >= 0.6 * len(marks_of(server.tm.last))
     assert auto["requests"] == 2 and auto["chunk_captures"] == len(captures(server))
-    assert auto["chunk_hit_tokens"] == out["meta_info"]["cached_tokens"]
+    assert auto["chunk_hit_tokens"] == out["meta_info"]["standin_read_tokens"]
     assert "auto" in stats["namespaces"]
 
 
@@ -123,7 +123,7 @@ def test_a_chunk_is_captured_after_the_tokens_that_preceded_it(make_server, clie
     sent_prompts = sum(len(p.input_ids) if isinstance(p.input_ids[0], list) else 1 for p in prompts)
     assert (sent_prompts == len(where)) == (context == 0)  # runs share a prompt
     out = generate(client, rag_prompt("Be brief.", [2, 0, 3, 1], "Which harbor?"))
-    assert out["meta_info"]["cached_tokens"] > 0
+    assert out["meta_info"]["standin_read_tokens"] > 0
 
 
 def test_chunks_are_captured_at_their_second_miss_by_default(make_server, client):
@@ -142,8 +142,46 @@ def test_chunks_are_captured_at_their_second_miss_by_default(make_server, client
     captured = {m.segment_id for c in captures(server) for m in marks_of(c)}
     assert captured == again  # only what missed twice
     out = generate(client, docs[2])
-    assert out["meta_info"]["cached_tokens"] > 0
+    assert out["meta_info"]["standin_read_tokens"] > 0
     assert client.get("/redknot/stats").json()["auto"]["chunk_hits"] > 0
+
+
+@pytest.mark.parametrize("exact_prefix", [True, False])
+def test_chunks_the_prefix_cache_served_are_not_captured(make_server, client, exact_prefix):
+    """A conversation through ``/generate`` (each turn the previous prompt and more): the
+    chunks of a turn that lie inside its exact-prefix hit (``cached_tokens``, the stand-in's
+    model of SGLang's radix cache) are not captured, the prefix cache serving them to the next
+    turn, so the conversation captures nothing; a chunk that then misses outside a prefix hit
+    (a document of the conversation in another prompt) is captured at that second miss.
+    Without a prefix hit every chunk seen twice is captured, as before."""
+    server = make_server(exact_prefix=exact_prefix)
+    turns, text = [], "You are a helpful assistant."
+    for k in range(3):
+        text += f"\n\nUser: {DOCS[k]}\nAssistant: noted {k}."
+        turns.append(text)
+    seen: dict[str, tuple[int, int]] = {}  # chunk -> (first turn, start)
+    cached = []
+    for k, prompt in enumerate(turns):
+        out = generate(client, prompt)
+        cached.append(out["meta_info"]["cached_tokens"])
+        for m in marks_of(server.tm.last):
+            seen.setdefault(m.segment_id, (k, m.start, m.end))
+    captured = {m.segment_id for c in captures(server) for m in marks_of(c)}
+    counters = server.api.counters
+    if not exact_prefix:
+        assert cached == [0, 0, 0] and counters.captures_prefix_cached == 0
+        twice = {sid for sid, (k, _, _) in seen.items() if k < 2}
+        assert captured and captured <= twice
+        return
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+    assert captured == set() and counters.captures_prefix_cached > 0
+    # turn 1's chunks beyond its prefix hit missed once there (deferred); in another prompt
+    # they miss outside any prefix hit and are captured
+    beyond = {sid for sid, (k, start, _) in seen.items() if k == 1 and start >= cached[1]}
+    out = generate(client, f"Another assistant.\n\nUser: {DOCS[1]}\nAssistant: noted.")
+    assert out["meta_info"]["cached_tokens"] == 0
+    captured = {m.segment_id for c in captures(server) for m in marks_of(c)}
+    assert captured & beyond and captured <= {m.segment_id for m in marks_of(server.tm.last)}
 
 
 def test_a_stored_chunk_is_never_counted_as_a_miss_to_defer(make_server, client):
@@ -414,7 +452,7 @@ def test_learned_document_edges_serve_what_straddling_chunks_lose(make_server, c
         cached = []
         for k, order in enumerate(orders):
             text = rag_prompt(f"System prompt {k}.", order, f"Question {k}?")
-            cached.append(generate(client, text)["meta_info"]["cached_tokens"])
+            cached.append(generate(client, text)["meta_info"]["standin_read_tokens"])
         stats = client.get("/redknot/stats").json()
         served[mode] = sum(cached[-2:])
         learned = stats["auto"]["edges_learned"]

@@ -53,7 +53,7 @@ def test_fresh_server_new_namespace_miss_then_capture_then_hit(
     n = _doc_tokens(smollm_tokenizer)
     r = _generate(client)  # "kb" was never registered: created on first use
     assert r.status_code == 200, r.text
-    assert r.json()["meta_info"]["cached_tokens"] == 0
+    assert r.json()["meta_info"]["standin_read_tokens"] == 0
     assert server.store.stats("kb")["misses"] == 1
     (cap,) = _captures(server)  # the standalone segment: its tokens only, positions from 0
     (mark,) = decode_marks(cap.sampling_params["custom_params"], cap.input_ids)
@@ -64,7 +64,7 @@ def test_fresh_server_new_namespace_miss_then_capture_then_hit(
     (seg,) = server.store.list("kb")
     assert seg.ready and not seg.pinned and seg.num_tokens == n
     r = _generate(client, "Capital of Germany?")  # another question, same document
-    assert r.json()["meta_info"]["cached_tokens"] == n
+    assert r.json()["meta_info"]["standin_read_tokens"] == n
     stats = client.get("/redknot/stats", params={"namespace": "kb"}).json()
     assert stats["store"]["hits"] == 1 and stats["store"]["captures"] == 1
     assert stats["api"]["captures_stored"] == 1 and stats["api"]["captures_skipped"] == 1
@@ -154,7 +154,7 @@ def test_capture_longer_than_the_region_stores_nothing_and_loses_nothing(make_se
     assert pinned.status_code == 200, pinned.text
     for _ in range(2):
         r = _generate(client)
-        assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == 0
+        assert r.status_code == 200 and r.json()["meta_info"]["standin_read_tokens"] == 0
     api = server.api.counters
     assert api.captures_failed == 1 and api.captures_skipped == 1  # 413 is not retried
     assert [e.num_tokens for e in server.store.list("default")] == [3]  # the pin stays
@@ -188,7 +188,7 @@ def test_the_misses_of_one_request_are_captured_in_one_batch(make_server, client
     assert len(batches) == 1 and len(batches[0].input_ids) == 3  # one request, three prompts
     assert len(_captures(server)) == 3 and server.store.stats("kb")["segments"] == 3
     r = client.post("/generate", json=body)
-    assert r.json()["meta_info"]["cached_tokens"] == sum(
+    assert r.json()["meta_info"]["standin_read_tokens"] == sum(
         len(c.input_ids) for c in _captures(server)
     )
 

@@ -131,7 +131,7 @@ def test_registration_example(fresh, smollm_tokenizer):
     lang, code = examples()[3]
     out = run_example(lang, code, port)
     n = len(_doc_ids(smollm_tokenizer))
-    assert f"prompt tokens read from cache: {n}" in out, out  # the registered segment was hit
+    assert f"tokens reused: {n}" in out, out  # the registered segment was hit
     assert "'namespace': 'kb'" in out and "'deleted': True" in out, out
     stats = server.store.stats("kb")
     assert stats["hits"] == 1 and stats["segments"] == 0  # used once, then deleted
