@@ -43,6 +43,12 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
    the scheduler stores each one's rows alone, its keys rotated back to positions from 0
    (``redknot.segcache.registration``).
 
+Before any of this, the middleware drops the automatic segments that start inside the request's
+exact-prefix hit (the answer's ``meta_info.cached_tokens``; counted as
+``captures_prefix_cached``): SGLang's prefix cache serves them to the prompts that continue
+this one, and capturing a conversation's earlier turns was most of the GPU's work on chat
+traffic (``redknot.api.middleware._in_prefix_hit``).
+
 Scheduling: the capture is sent after the request that missed has its first token, so it never
 delays that request; in the scheduler it waits while user requests do, and starts in steps of
 a tenth of the shortest recent user prompt, 256 to 2,048 prompt tokens

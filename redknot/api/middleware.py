@@ -174,18 +174,20 @@ def _first_answer(first: bytes) -> dict | None:
 
 
 def _in_prefix_hit(pending: list, meta: dict | None) -> list:
-    """The automatic segments of ``pending`` (those with a place in the prompt) that lie inside
-    the prompt's prefix that SGLang's prefix cache served (``meta_info.cached_tokens``). They
-    are not captured: a request that continues this prompt (a chat's next turn, a prompt with
-    the same head) is served the same K/V by the prefix cache, so a capture would prefill them
-    again for reuse that cache already gives, and on chat traffic such captures were most of the
-    GPU's work (``trace_replay_capture_context.json``: 1,385 captures of ~320 tokens against
-    133K tokens the users' own prompts computed). A segment a later prompt holds elsewhere misses
-    there, and is captured from that miss."""
+    """The automatic segments of ``pending`` (those with a place in the prompt) that start
+    inside the prompt's prefix that SGLang's prefix cache served (``meta_info.cached_tokens``).
+    They are not captured: a request that continues this prompt (a chat's next turn, a prompt
+    with the same head) is served the same K/V by the prefix cache, so a capture would prefill
+    them again for reuse that cache already gives, and on chat traffic such captures were most
+    of the GPU's work (``trace_replay_capture_context.json``: 1,385 captures of ~320 tokens
+    against 133K tokens the users' own prompts computed). The segment that straddles the hit's
+    end is one of them: in a conversation it holds the end of the previous turn, inside the next
+    turn's hit. A segment a later prompt holds elsewhere misses there, and is captured from that
+    miss."""
     cached = meta.get("cached_tokens") if meta is not None else None
     if not isinstance(cached, int) or cached <= 0:
         return []
-    return [p for p in pending if p[4] is not None and p[4] + len(p[1]) <= cached]
+    return [p for p in pending if p[4] is not None and p[4] < cached]
 
 
 def _all_hit(meta: dict | None) -> bool:

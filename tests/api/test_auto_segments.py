@@ -149,7 +149,7 @@ def test_chunks_are_captured_at_their_second_miss_by_default(make_server, client
 @pytest.mark.parametrize("exact_prefix", [True, False])
 def test_chunks_the_prefix_cache_served_are_not_captured(make_server, client, exact_prefix):
     """A conversation through ``/generate`` (each turn the previous prompt and more): the
-    chunks of a turn that lie inside its exact-prefix hit (``cached_tokens``, the stand-in's
+    chunks of a turn that start inside its exact-prefix hit (``cached_tokens``, the stand-in's
     model of SGLang's radix cache) are not captured, the prefix cache serving them to the next
     turn, so the conversation captures nothing; a chunk that then misses outside a prefix hit
     (a document of the conversation in another prompt) is captured at that second miss.
