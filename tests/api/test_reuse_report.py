@@ -39,7 +39,9 @@ def test_a_miss_then_a_hit_are_reported_with_their_segment(server, client, smoll
     meta = _generate(client, "Capital of Germany?")  # captured after the miss: a hit
     (report,) = meta[REPORT_KEY]
     start = len(smollm_tokenizer.encode("Context: "))  # the prompt's text before DOC
-    assert report["segments_hit"] == 1 and report["reused_tokens"] == n == meta["standin_read_tokens"]
+    assert (
+        report["segments_hit"] == 1 and report["reused_tokens"] == n == meta["standin_read_tokens"]
+    )
     assert report["segments"] == [{"namespace": "kb", "start": start, "tokens": n}]
     assert report["policy"] == "redknot"  # the stand-in pool's
     assert "gate" not in report  # the stand-in has no reuse gate
