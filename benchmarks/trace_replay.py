@@ -31,8 +31,9 @@ their salt: they send identical requests). Rows, one per (workload, mode, system
   ``"redknot_capture": false`` and again (another salt, still all misses) with capture on; the
   ratio of the two passes' TTFT p50 (the captures of one request run while the next arrives, so
   the ratio includes their cost to later requests). In ``auto`` mode each request is sent
-  ``--auto-capture-after`` times in a row (its chunks are captured at that miss; the repeats are
-  exact-prefix hits) and the figures are the first sends'. Run after the workload's open-loop
+  ``--auto-capture-after`` times in a row (its chunks are captured at that miss; each repeat
+  has another first token, so that the prefix cache does not serve it: a chunk served from an
+  exact-prefix hit is no miss and is not captured) and the figures are the first sends'. Run after the workload's open-loop
   passes (its new documents would evict the pool they share with the closed pass), with the
   counters after it in ``stats_after_capture_overhead``;
 * ``speedup_p50_vs_flashinfer``: the flashinfer row of the same workload and arrival over this
@@ -400,8 +401,24 @@ def replay(
     first sends after the first ``warmup`` requests."""
     target.start(mode)
     started = time.perf_counter()
-    sent = [target.send(body(req, mode, extra)) for req in requests for _ in range(sightings)]
+    sent = [
+        target.send(body(another_head(req, j), mode, extra))
+        for req in requests
+        for j in range(sightings)
+    ]
     return summarize(sent[::sightings], time.perf_counter() - started, warmup)
+
+
+def another_head(req: Request, j: int) -> Request:
+    """``req`` for its ``j``-th repeat: token ``j - 1`` changed (its lowest bit; vocabularies
+    have an even size), so the repeat is no exact-prefix hit of the sends before it and its
+    chunks are computed again, a miss (a chunk the prefix cache serves is no miss, and is not
+    captured: ``redknot.api.middleware._in_prefix_hit``). ``j = 0``: ``req`` itself."""
+    if j == 0:
+        return req
+    ids = list(req.ids)
+    ids[j - 1] ^= 1
+    return Request(ids, list(req.spans))
 
 
 def replay_open(target: Any, requests: list[Request], mode: str, rate: float, seed: int) -> dict:

@@ -116,14 +116,16 @@ def test_capture_overhead_compares_all_miss_passes_with_capture_off_and_on():
 
 def test_capture_overhead_in_auto_mode_sends_each_request_until_its_chunks_are_captured():
     """Automatic chunks are captured at their second miss: one send each would capture nothing
-    and measure no capture at all."""
+    and measure no capture at all. The repeat has another first token: an exact-prefix hit
+    (the stand-in's model of SGLang's radix cache is on) would serve its chunks, no miss."""
     target = Clock()
     row = capture_overhead(target, "auto", 0, 3, sightings=2)
     assert row["capture_sightings"] == 2 and len(target.bodies) == 12
-    assert target.bodies[0]["input_ids"] == target.bodies[1]["input_ids"]
+    first, repeat = target.bodies[0]["input_ids"], target.bodies[1]["input_ids"]
+    assert first[1:] == repeat[1:] and first[0] != repeat[0]
     assert target.bodies[1]["input_ids"] != target.bodies[2]["input_ids"]
     for sightings, captured in ((1, False), (2, True)):
-        standin = StandIn(region_tokens=1 << 16, context_len=1 << 15)
+        standin = StandIn(region_tokens=1 << 16, context_len=1 << 15, exact_prefix=True)
         try:
             capture_overhead(standin, "auto", 0, 2, sightings=sightings)
             sent = standin.stats()["api"]["captures_sent"]
