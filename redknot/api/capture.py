@@ -43,11 +43,13 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
    the scheduler stores each one's rows alone, its keys rotated back to positions from 0
    (``redknot.segcache.registration``).
 
-Before any of this, the middleware drops the automatic segments that start inside the request's
-exact-prefix hit (the answer's ``meta_info.cached_tokens``; counted as
+Before any of this, the middleware takes out the automatic segments that start inside the
+request's exact-prefix hit (the answer's ``meta_info.cached_tokens``; counted as
 ``captures_prefix_cached``): SGLang's prefix cache serves them to the prompts that continue
 this one, and capturing a conversation's earlier turns was most of the GPU's work on chat
-traffic (``redknot.api.middleware._in_prefix_hit``).
+traffic (``redknot.api.middleware._in_prefix_hit``). Such a sighting still counts toward the
+chunk's capture threshold (:meth:`Capturer.served`): a chunk is captured by the next request
+that computes it, as a document of a RAG prompt that another prompt holds elsewhere is.
 
 Scheduling: the capture is sent after the request that missed has its first token, so it never
 delays that request; in the scheduler it waits while user requests do, and starts in steps of
@@ -209,6 +211,17 @@ class Capturer:
         held -= done
         self._inflight -= done
         self._pending -= len(done)
+
+    def served(self, segments: Sequence[_Pending]) -> None:
+        """Automatic chunks of a request that its exact-prefix hit served: not captured from
+        that request (it computed none of them), but each sighting counts toward the chunk's
+        ``--redknot-auto-capture-after``, so the next request that computes it while the store
+        lacks it captures it."""
+        if not self.enabled:
+            return
+        for ns, ids, chunk, _, _ in segments:
+            if chunk:
+                self._sighted(segment_id(ns, ids))
 
     def _sighted(self, sid: str, misses: int = 1) -> int:
         """Count ``misses`` more misses of the automatic chunk ``sid``; its misses so far."""

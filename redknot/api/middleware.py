@@ -144,6 +144,7 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
             served = _in_prefix_hit(pending, answer)
             if served:
                 api.counters.add(captures_prefix_cached=len(served))
+                api.capture.served(served)
                 gone = {id(p) for p in served}
                 pending[:] = [p for p in pending if id(p) not in gone]
             if _all_hit(answer):
@@ -182,8 +183,9 @@ def _in_prefix_hit(pending: list, meta: dict | None) -> list:
     of the GPU's work (``trace_replay_capture_context.json``: 1,385 captures of ~320 tokens
     against 133K tokens the users' own prompts computed). The segment that straddles the hit's
     end is one of them: in a conversation it holds the end of the previous turn, inside the next
-    turn's hit. A segment a later prompt holds elsewhere misses there, and is captured from that
-    miss."""
+    turn's hit. Their sightings still count toward the capture threshold
+    (``Capturer.served``): a segment a later prompt holds elsewhere is captured from the first
+    request that computes it once it has been seen often enough."""
     cached = meta.get("cached_tokens") if meta is not None else None
     if not isinstance(cached, int) or cached <= 0:
         return []

@@ -148,40 +148,40 @@ def test_chunks_are_captured_at_their_second_miss_by_default(make_server, client
 
 @pytest.mark.parametrize("exact_prefix", [True, False])
 def test_chunks_the_prefix_cache_served_are_not_captured(make_server, client, exact_prefix):
-    """A conversation through ``/generate`` (each turn the previous prompt and more): the
-    chunks of a turn that start inside its exact-prefix hit (``cached_tokens``, the stand-in's
-    model of SGLang's radix cache) are not captured, the prefix cache serving them to the next
-    turn, so the conversation captures nothing; a chunk that then misses outside a prefix hit
-    (a document of the conversation in another prompt) is captured at that second miss.
-    Without a prefix hit every chunk seen twice is captured, as before."""
-    server = make_server(exact_prefix=exact_prefix)
+    """A conversation through ``/generate`` (each turn the previous prompt and more), chunks
+    captured at their third sighting: the chunks of a turn that start inside its exact-prefix
+    hit (``cached_tokens``, the stand-in's model of SGLang's radix cache) are not captured,
+    the prefix cache serving them to the next turn, so the conversation captures nothing; their
+    sightings count, so a prompt that computes the first turn's document elsewhere captures
+    its chunks at once. Without a prefix hit every chunk seen three times is captured."""
+    server = make_server(exact_prefix=exact_prefix, auto_capture_after=3)
     turns, text = [], "You are a helpful assistant."
     for k in range(3):
         text += f"\n\nUser: {DOCS[k]}\nAssistant: noted {k}."
         turns.append(text)
-    seen: dict[str, tuple[int, int]] = {}  # chunk -> (first turn, start)
+    first_seen: dict[str, int] = {}
     cached = []
     for k, prompt in enumerate(turns):
         out = generate(client, prompt)
         cached.append(out["meta_info"]["cached_tokens"])
         for m in marks_of(server.tm.last):
-            seen.setdefault(m.segment_id, (k, m.start, m.end))
+            first_seen.setdefault(m.segment_id, k)
     captured = {m.segment_id for c in captures(server) for m in marks_of(c)}
     counters = server.api.counters
     if not exact_prefix:
         assert cached == [0, 0, 0] and counters.captures_prefix_cached == 0
-        twice = {sid for sid, (k, _, _) in seen.items() if k < 2}
-        assert captured and captured <= twice
+        thrice = {sid for sid, k in first_seen.items() if k == 0}
+        assert captured and captured <= thrice
         return
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
     assert captured == set() and counters.captures_prefix_cached > 0
-    # turn 1's chunks beyond its prefix hit missed once there (deferred); in another prompt
-    # they miss outside any prefix hit and are captured
-    beyond = {sid for sid, (k, start, _) in seen.items() if k == 1 and start >= cached[1]}
-    out = generate(client, f"Another assistant.\n\nUser: {DOCS[1]}\nAssistant: noted.")
+    # the first turn's chunks: computed once, then served twice from the prefix hit; another
+    # prompt computes them (no prefix hit) and, seen three times, they are captured now
+    out = generate(client, f"Another assistant.\n\nUser: {DOCS[0]}\nAssistant: noted.")
     assert out["meta_info"]["cached_tokens"] == 0
     captured = {m.segment_id for c in captures(server) for m in marks_of(c)}
-    assert captured & beyond and captured <= {m.segment_id for m in marks_of(server.tm.last)}
+    turn0 = {sid for sid, k in first_seen.items() if k == 0}
+    assert captured & turn0 and captured <= {m.segment_id for m in marks_of(server.tm.last)}
 
 
 def test_a_stored_chunk_is_never_counted_as_a_miss_to_defer(make_server, client):
