@@ -139,15 +139,14 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
         if message["type"] == "http.response.start":
             status = message.get("status")
         elif message["type"] == "http.response.body" and task is None and status == 200 and pending:
-            first = message.get("body", b"")
-            answer = _first_answer(first)
-            served = _in_prefix_hit(pending, answer)
+            meta = _first_answer(message.get("body", b""))
+            served = _in_prefix_hit(pending, meta)
             if served:
                 api.counters.add(captures_prefix_cached=len(served))
                 api.capture.served(served)
                 gone = {id(p) for p in served}
                 pending[:] = [p for p in pending if id(p) not in gone]
-            if _all_hit(answer):
+            if _all_hit(meta):
                 api.counters.add(captures_skipped=len(pending))
                 pending.clear()
             elif pending:
@@ -189,6 +188,7 @@ def _in_prefix_hit(pending: list, meta: dict | None) -> list:
     cached = meta.get("cached_tokens") if meta is not None else None
     if not isinstance(cached, int) or cached <= 0:
         return []
+    # p: (namespace, ids, chunk, context, start in the prompt: None for client-marked ones)
     return [p for p in pending if p[4] is not None and p[4] < cached]
 
 
