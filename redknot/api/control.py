@@ -80,6 +80,10 @@ def _plain(value: Any) -> Any:
 def handle(scheduler: Any, req: RedknotSegmentsReq) -> RedknotSegmentsReqOutput:
     """Run ``req`` on ``scheduler.tree_cache.segments``; never raises."""
     store = getattr(getattr(scheduler, "tree_cache", None), "segments", None)
+    # --redknot-lfps: the decode's state rows (its request-slot pool holds the serving)
+    lfps = getattr(getattr(scheduler, "req_to_token_pool", None), "redknot_lfps", None)
+    if store is None and req.op == "stats" and req.namespace is None and lfps is not None:
+        return RedknotSegmentsReqOutput(status=200, payload=json.dumps({"lfps": lfps.stats()}))
     if store is None:
         return RedknotSegmentsReqOutput(
             status=503,
@@ -103,6 +107,8 @@ def handle(scheduler: Any, req: RedknotSegmentsReq) -> RedknotSegmentsReqOutput:
                 from redknot.integration.capture_order import STATS
 
                 payload["capture_order"] = STATS.as_dict()
+                if lfps is not None:
+                    payload["lfps"] = lfps.stats()
         elif req.op == "registration":
             payload = store.registration_state(req.namespace, req.segment_id)
         elif req.op == "registrations":

@@ -152,9 +152,13 @@ def build_router(get_api: Callable[[], SegmentApi]) -> APIRouter:
         out = await _control(api, "stats", namespace, None, key="store")
         if out.status_code == 200:
             body = orjson.loads(out.body)
-            order = body["store"].pop("capture_order", None)  # the scheduler's, not the store's
-            if order is not None:
-                body["capture_order"] = order
+            store = body["store"]
+            for key in ("capture_order", "lfps"):  # the scheduler's, not the store's
+                value = store.pop(key, None)
+                if value is not None:
+                    body[key] = value
+            if not store:  # an LFPS server without a segment store
+                body["store"] = None
             body.update(api=api.counters.as_dict(), namespaces=api.namespaces.known())
             if api.auto.enabled:
                 body["auto"] = await _auto_stats(api)

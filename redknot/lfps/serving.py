@@ -234,6 +234,15 @@ class LfpsServing:
     def count(self) -> int:
         return len(self.row_of)
 
+    def stats(self) -> dict:
+        """What ``GET /redknot/stats`` reports under ``"lfps"``: the mode, the state rows, those
+        in use, and the requests long enough for LFPS that found every row taken (they decode
+        on FlashInfer: raise ``--redknot-lfps-max-requests`` when this grows)."""
+        return {
+            "mode": self.mode, "rows": self.store.slots, "in_use": self.count,
+            "refused": self.refused, "min_tokens": self.min_tokens,
+        }  # fmt: skip
+
     def acquire(self, rid: str) -> int | None:
         """The row of ``rid`` (a new one if it has none), or None when every row is taken."""
         row = self.row_of.get(rid)

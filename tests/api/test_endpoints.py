@@ -121,6 +121,45 @@ def test_store_absent_is_503(make_api, client, bpe_tokenizer):
     assert "no segment store" in r.json()["error"]["message"]
 
 
+def test_lfps_rows_are_reported_with_or_without_a_segment_store(make_api, client, bpe_tokenizer):
+    """``--redknot-lfps``: its state rows and refusals under ``"lfps"`` in ``/redknot/stats``,
+    also on a server without a segment store (``store`` null there); a namespace's stats and a
+    server with neither still answer as before."""
+    api = make_api(bpe_tokenizer)
+    rows = {"mode": "lfps", "rows": 8, "in_use": 3, "refused": 2, "min_tokens": 2048}
+    lfps = types.SimpleNamespace(stats=lambda: dict(rows))
+    scheduler = types.SimpleNamespace(
+        tree_cache=types.SimpleNamespace(),
+        req_to_token_pool=types.SimpleNamespace(redknot_lfps=lfps),
+    )
+
+    async def communicator(req):
+        return [control.handle(scheduler, req)]
+
+    api.tokenizer_manager.redknot_segments_communicator = communicator
+    r = client.get("/redknot/stats")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["lfps"] == rows and body["store"] is None and "api" in body
+    assert client.get("/redknot/stats", params={"namespace": "default"}).status_code == 503
+    scheduler.req_to_token_pool = types.SimpleNamespace()
+    assert client.get("/redknot/stats").status_code == 503
+
+
+def test_lfps_rows_sit_beside_the_store_stats(http_app, client, bpe_tokenizer):
+    """A server with a segment store and LFPS: ``lfps`` at the top, not inside ``store``."""
+    from tests.api.cpu_server import CpuServer
+
+    server = CpuServer(http_app, bpe_tokenizer)
+    rows = {"mode": "topk", "rows": 4, "in_use": 0, "refused": 0, "min_tokens": 2048}
+    server.scheduler.req_to_token_pool = types.SimpleNamespace(
+        redknot_lfps=types.SimpleNamespace(stats=lambda: dict(rows))
+    )
+    stats = client.get("/redknot/stats").json()
+    assert stats["lfps"] == rows and "lfps" not in stats["store"]
+    assert stats["store"]["segments"] == 0
+
+
 def test_dp_size_above_one_is_refused(make_api, client, bpe_tokenizer):
     api = make_api(bpe_tokenizer)
     api.tokenizer_manager.server_args.dp_size = 2

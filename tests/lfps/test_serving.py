@@ -188,6 +188,9 @@ def test_when_every_row_is_taken_a_request_decodes_densely():
     srv = Server([40, 30], steps=1, slots=1, min_tokens=20)
     srv.prefill([0, 1])
     assert srv.serving.row_of == {"r0": 0} and srv.serving.refused == 1
+    assert srv.serving.stats() == {  # what GET /redknot/stats reports under "lfps"
+        "mode": srv.serving.mode, "rows": 1, "in_use": 1, "refused": 1, "min_tokens": 20,
+    }  # fmt: skip
     fb, _ = srv.decode_batch([0, 1], 0)
     plan = srv.serving.plan_decode(fb)
     assert plan.lfps_rows.tolist() == [0] and plan.dense_rows_list == [1]
