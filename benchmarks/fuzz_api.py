@@ -29,6 +29,7 @@ import json
 import random
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,21 +85,48 @@ def hold_one(server: Any) -> None:
     server.scheduler.hold(1)
 
 
+def auto_marked(ids: list[int]) -> Callable:
+    """Check of an unmarked prompt on a server with automatic segments: SGLang's own tokens
+    reached the tokenizer manager, unmarked or with marks of namespace ``auto`` only, in order
+    and inside the prompt (their ids checked against the tokens by ``decode_marks``)."""
+
+    def check(server, r):
+        obj = server.tm.last
+        if obj.input_ids is None:  # served as sent: nothing worth a segment
+            return None if obj.text is not None else "neither text nor input_ids"
+        if list(obj.input_ids) != ids:
+            return "the prompt's tokens changed"
+        _, marks = received_marks(server)
+        if any(ns != "auto" for _, _, ns, _ in marks):
+            return f"marks outside namespace auto: {marks}"
+        ends = [0] + [e for s, e, _, _ in marks]
+        if any(s < prev for (s, _, _, _), prev in zip(marks, ends)):
+            return f"marks overlap: {marks}"
+        return None
+
+    return check
+
+
 class Generator:
     """Seeded cases: ``cases(n)`` is the same list for the same seed and tokenizer. Every
     ``f_*`` method is a category and returns one case or a short sequence."""
 
-    def __init__(self, seed: int, tokenizer: Any, *, chat: bool = True):
+    def __init__(self, seed: int, tokenizer: Any, *, chat: bool = True, auto: bool = False):
         self.rng = random.Random(seed)
         self.o = Oracle(tokenizer)
         self.chat = chat
+        self.auto = auto  # the server cuts unmarked prompts into automatic segments
         self._good = 0
 
     def cases(self, n: int) -> list[Case]:
         """At least ``n`` fuzz cases, with good requests every ``GOOD_EVERY`` of them; the first
         good requests create the fuzz namespaces."""
         out = [self.register("good", ns, DOCS[i]) for i, ns in enumerate(NAMESPACES)]
-        makers = [getattr(self, name) for name in sorted(dir(self)) if name.startswith("f_")]
+        makers = [
+            getattr(self, name)
+            for name in sorted(dir(self))
+            if name.startswith("f_") and (self.auto or name != "f_auto_segments")
+        ]
         fuzz = 0
         while fuzz < n:
             batch = self.rng.choice(makers)()
@@ -176,14 +204,15 @@ class Generator:
         kind = k % 6
         if kind == 0:
             return [reg]
-        if kind == 4:
-            plain = "a plain request " + doc
+        if kind == 4:  # (long enough for automatic chunks when they are on)
+            plain = "a plain request " + (" ".join(DOCS * 3) + " " if self.auto else "") + doc
 
             def untouched(server, r):
                 obj = server.tm.last
                 return None if (obj.text, obj.input_ids) == (plain, None) else "rewritten"
 
-            return [self.post("good", {"text": plain}, expect=200, check=untouched)]
+            check = auto_marked(self.o.tok.encode(plain)) if self.auto else untouched
+            return [self.post("good", {"text": plain}, expect=200, check=check)]
         if kind == 5:
             listing = self.get("good", "/redknot/segments", GOOD_NS, check=check_listing(GOOD_NS))
             return [reg, listing] + ([self.chat_good(doc)] if self.chat else [])
@@ -354,6 +383,36 @@ class Generator:
         raw = f'{{"text": "ab{esc}cd", "{SPANS}": {self.pick(["[]", "[{}]"])}}}'.encode()
         names = ("marker",) if esc == "\\udb80\\udc01" else ("JSON", "surrogate")  # a pair: OPEN
         return [self.post("surrogates", NO_BODY, names, raw=raw)]
+
+    def f_auto_segments(self) -> list[Case]:
+        """(Automatic segments on only.) Unmarked prompts long enough for chunks: documents
+        repeated and reordered (chunks recur, are captured, then hit), as text or token ids,
+        streamed or not, with the per-request capture and automatic-segment flags: a 200 that
+        reaches the tokenizer manager as SGLang's own tokens, marked in namespace ``auto`` only
+        (or untouched where the request opts out)."""
+        docs = [self.rng.choice(DOCS) for _ in range(self.rng.randint(3, 9))]
+        text = "Answer from these: " + " ".join(docs) + f" Question {self.rng.randint(0, 9)}?"
+        ids = self.o.tok.encode(text)
+        body: dict[str, Any] = {"sampling_params": {"max_new_tokens": 2}}
+        if self.rng.random() < 0.5:
+            body["text"] = text
+        else:
+            body["input_ids"] = ids
+        if self.rng.random() < 0.3:
+            body["stream"] = True
+        if self.rng.random() < 0.3:
+            body["redknot_capture"] = self.rng.random() < 0.5
+        opted_out = self.rng.random() < 0.2
+        if opted_out:
+            body["redknot_auto_segments"] = False
+
+        def untouched(server, r):
+            obj = server.tm.last
+            sent = (obj.text, obj.input_ids)
+            return None if sent in ((text, None), (None, ids)) else f"rewritten: {sent}"
+
+        check = untouched if opted_out else auto_marked(ids)
+        return [self.post("auto_segments", body, expect=200, check=check)]
 
     def f_batches(self) -> list[Case]:
         """A batch with one bad element (one time in eight, a valid batch marked in-band)."""
@@ -720,10 +779,12 @@ class Generator:
         return [Case("other_endpoints", "POST", path, body, names=names)]
 
 
-def fuzz(app: Any, tokenizer: Any, server_args: Any, *, seed: int, cases: int) -> dict:
+def fuzz(
+    app: Any, tokenizer: Any, server_args: Any, *, seed: int, cases: int, auto: str = "off"
+) -> dict:
     """Run at least ``cases`` fuzz cases (and the good requests) against a fresh CPU server in
     ``app`` (``tests.api.cpu_server.setup_http_app``); :func:`tests.api.fuzz_support.run`'s
-    report plus the seed."""
+    report plus the seed. ``auto``: the server's ``--redknot-auto-segments``."""
     from fastapi.testclient import TestClient
 
     from tests.api.cpu_server import CpuServer
@@ -737,10 +798,16 @@ def fuzz(app: Any, tokenizer: Any, server_args: Any, *, seed: int, cases: int) -
         region_tokens=REGION_TOKENS,
         chat="messages" if chat else "off",
         server_args=server_args,
-        namespaces=",".join((*NAMESPACES, GOOD_NS)),  # a fixed set, so unknown names stay 400s
+        # a fixed set, so unknown names stay 400s (with "auto" when automatic segments are on)
+        namespaces=",".join((*NAMESPACES, GOOD_NS, *(["auto"] if auto != "off" else []))),
+        auto_segments=auto,  # no prefix-cache model: the store checks count segment reads only
+        auto_chunk_tokens=32,  # the fuzz prompts are short: chunks of them
     )
-    plan = Generator(seed, tokenizer, chat=chat).cases(cases)
-    return {"seed": seed, "chat": chat, **run(server, TestClient(app), plan)}
+    plan = Generator(seed, tokenizer, chat=chat, auto=auto != "off").cases(cases)
+    report = run(server, TestClient(app), plan)
+    counters = server.api.counters
+    marked = {"auto_requests": counters.auto_requests, "auto_chunks": counters.auto_chunks_marked}
+    return {"seed": seed, "chat": chat, "auto": auto, **marked, **report}
 
 
 def main() -> None:
@@ -760,6 +827,13 @@ def main() -> None:
         help="a fuzz.json of another commit (the code before a fix, say), quoted in the output",
     )
     p.add_argument("--baseline-note", default="", help="what the baseline run was")
+    p.add_argument(
+        "--auto-segments",
+        default="off",
+        choices=("off", "cdc", "cdc-edges", "cdc-docs"),
+        help="the server's --redknot-auto-segments (on: unmarked prompts get automatic "
+        "segments, and the category auto_segments sends long unmarked prompts)",
+    )
     args = p.parse_args()
     source = smollm2_source()
     if source is None:
@@ -768,8 +842,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server_args = make_server_args(write_model_dir(Path(tmp) / "tiny-llama"))
         report = fuzz(
-            setup_http_app(server_args), tokenizer, server_args, seed=args.seed, cases=args.cases
-        )
+            setup_http_app(server_args), tokenizer, server_args, seed=args.seed,
+            cases=args.cases, auto=args.auto_segments,
+        )  # fmt: skip
     record = common.record(**report)
     if args.baseline:
         base = json.loads(Path(args.baseline).read_text())

@@ -9,11 +9,14 @@ import json
 import pytest
 
 
-@pytest.mark.parametrize("seed", [7, 11])
-def test_fuzz_slice(http_app, smollm_tokenizer, server_args, seed):
+@pytest.mark.parametrize("seed, auto", [(7, "off"), (11, "off"), (7, "cdc-docs")])
+def test_fuzz_slice(http_app, smollm_tokenizer, server_args, seed, auto):
+    """``auto``: the server's automatic segments (unmarked prompts chunked, looked up and
+    captured, long unmarked prompts among the cases)."""
     from benchmarks.fuzz_api import fuzz
 
-    report = fuzz(http_app, smollm_tokenizer, server_args, seed=seed, cases=100)
+    report = fuzz(http_app, smollm_tokenizer, server_args, seed=seed, cases=100, auto=auto)
+    assert (report["auto_chunks"] > 0) == (auto != "off")
     examples = json.dumps(report["examples"], indent=1, ensure_ascii=True)[:4000]
     assert report["cases"] >= 100 and report["chat"]
     assert report["count_5xx"] == 0 and report["crashes"] == 0, examples
