@@ -33,9 +33,9 @@ their salt: they send identical requests). Rows, one per (workload, mode, system
   the ratio includes their cost to later requests). In ``auto`` mode each request is sent
   ``--auto-capture-after`` times in a row (its chunks are captured at that miss; each repeat
   has another first token, so that the prefix cache does not serve it: a chunk served from an
-  exact-prefix hit is no miss and is not captured) and the figures are the first sends'. Run after the workload's open-loop
-  passes (its new documents would evict the pool they share with the closed pass), with the
-  counters after it in ``stats_after_capture_overhead``;
+  exact-prefix hit is no miss and is not captured) and the figures are the first sends'. Run
+  after the workload's open-loop passes (its new documents would evict the pool they share
+  with the closed pass), with the counters after it in ``stats_after_capture_overhead``;
 * ``speedup_p50_vs_flashinfer``: the flashinfer row of the same workload and arrival over this
   row's TTFT p50 (filled whenever the output holds both, e.g. after ``--merge``).
 

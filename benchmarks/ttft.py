@@ -462,8 +462,9 @@ def main() -> None:
         common.write_json(args.out, common.record(
             model=args.model, load_format="dummy", points=args.points, question=args.question,
             reps=args.reps, chunked_prefill_size=args.chunked_prefill_size,
-            prefill_graph_tokens=args.prefill_graph_tokens, decode_cuda_graph_max_bs=DECODE_GRAPH_MAX_BS, sink=SINK,
-            window=WINDOW, mem_fraction_static=args.mem_fraction_static,
+            prefill_graph_tokens=args.prefill_graph_tokens,
+            decode_cuda_graph_max_bs=DECODE_GRAPH_MAX_BS, sink=SINK, window=WINDOW,
+            mem_fraction_static=args.mem_fraction_static,
             segment_fraction=args.segment_fraction, dense_layers_of_sparse_variant=DENSE_LAYERS,
             note="reuse: cached, re-aligned local-head K/V for segment tokens, every FFN run; "
             "reuse-sparse-ffn: also FFN only on important segment tokens above the dense "
@@ -482,8 +483,8 @@ def main() -> None:
 
 # What must be equal for runs to be compared as one (the device and commit above all).
 MERGE_KEYS = ("device", "commit", "model", "load_format", "question", "reps",
-              "chunked_prefill_size", "prefill_graph_tokens", "decode_cuda_graph_max_bs", "sink", "window",
-              "mem_fraction_static", "segment_fraction",
+              "chunked_prefill_size", "prefill_graph_tokens", "decode_cuda_graph_max_bs",
+              "sink", "window", "mem_fraction_static", "segment_fraction",
               "dense_layers_of_sparse_variant")  # fmt: skip
 
 
