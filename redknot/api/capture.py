@@ -103,12 +103,19 @@ class _Capture(NamedTuple):
     start: int | None = None  # where it starts in the prompt that missed it (None: not known)
 
 
-# Segments (namespace, token ids, whether they are chunks of an unmarked prompt, the tokens
-# their capture is computed after, where they start in the request's prompt) a request marked,
-# collected while it is served: the middleware sets a fresh list per request, the chat hook
-# appends to it.
-_Pending = tuple[str, list[int], bool, list[int], int | None]
-PENDING: contextvars.ContextVar[list[_Pending] | None] = contextvars.ContextVar(
+class Pending(NamedTuple):
+    """A segment a request marked, waiting for the request's answer to be captured."""
+
+    ns: str
+    ids: list[int]
+    chunk: bool  # a chunk of an unmarked prompt (captured at its N-th miss)
+    context: list[int]  # the tokens its capture is computed after
+    start: int | None  # where it starts in the request's prompt (None: client-marked)
+
+
+# The segments a request marked, collected while it is served: the middleware sets a fresh list
+# per request, the chat hook appends to it.
+PENDING: contextvars.ContextVar[list[Pending] | None] = contextvars.ContextVar(
     "redknot_capture_pending", default=None
 )
 
@@ -138,7 +145,7 @@ def note(
         contexts = contexts or [()] * len(segments)
         starts = starts or [None] * len(segments)
         pending.extend(
-            (ns, list(ids), chunks, list(ctx), start)
+            Pending(ns, list(ids), chunks, list(ctx), start)
             for (ns, ids), ctx, start in zip(segments, contexts, starts, strict=True)
         )
 
@@ -164,7 +171,7 @@ class Capturer:
             sem = self._limits[loop] = asyncio.Semaphore(MAX_CONCURRENT)
         return sem
 
-    async def capture(self, segments: Sequence[_Pending]) -> None:
+    async def capture(self, segments: Sequence[Pending]) -> None:
         """Capture those of ``segments`` (what :func:`note` collected) the store lacks; never
         raises."""
         if not (self.enabled and segments):
@@ -176,7 +183,7 @@ class Capturer:
         due = auto.documents_due() if auto is not None and segments else []
         segments = [
             *segments,
-            *((AUTO_NAMESPACE, ids, True, auto.document_context(ids), None) for ids in due),
+            *(Pending(AUTO_NAMESPACE, ids, True, auto.document_context(ids), None) for ids in due),
         ]
         try:
             for ns, ids, chunk, context, start in segments:
@@ -212,16 +219,16 @@ class Capturer:
         self._inflight -= done
         self._pending -= len(done)
 
-    def served(self, segments: Sequence[_Pending]) -> None:
+    def served(self, segments: Sequence[Pending]) -> None:
         """Automatic chunks of a request that its exact-prefix hit served: not captured from
         that request (it computed none of them), but each sighting counts toward the chunk's
         ``--redknot-auto-capture-after``, so the next request that computes it while the store
         lacks it captures it."""
         if not self.enabled:
             return
-        for ns, ids, chunk, _, _ in segments:
-            if chunk:
-                self._sighted(segment_id(ns, ids))
+        for seg in segments:
+            if seg.chunk:
+                self._sighted(segment_id(seg.ns, seg.ids))
 
     def _sighted(self, sid: str, misses: int = 1) -> int:
         """Count ``misses`` more misses of the automatic chunk ``sid``; its misses so far."""

@@ -35,7 +35,7 @@ import orjson
 
 from redknot.api import capture
 from redknot.api.auto import AUTO_FIELD
-from redknot.api.capture import CAPTURE_FIELD
+from redknot.api.capture import CAPTURE_FIELD, Pending
 from redknot.api.chat import NAMESPACE_KEY
 from redknot.api.generate import reject_reserved, rewrite_generate
 from redknot.api.markers import RESERVED
@@ -173,7 +173,7 @@ def _first_answer(first: bytes) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def _in_prefix_hit(pending: list, meta: dict | None) -> list:
+def _in_prefix_hit(pending: list[Pending], meta: dict | None) -> list[Pending]:
     """The automatic segments of ``pending`` (those with a place in the prompt) that start
     inside the prompt's prefix that SGLang's prefix cache served (``meta_info.cached_tokens``).
     They are not captured: a request that continues this prompt (a chat's next turn, a prompt
@@ -188,8 +188,7 @@ def _in_prefix_hit(pending: list, meta: dict | None) -> list:
     cached = meta.get("cached_tokens") if meta is not None else None
     if not isinstance(cached, int) or cached <= 0:
         return []
-    # p: (namespace, ids, chunk, context, start in the prompt: None for client-marked ones)
-    return [p for p in pending if p[4] is not None and p[4] < cached]
+    return [p for p in pending if p.start is not None and p.start < cached]
 
 
 def _all_hit(meta: dict | None) -> bool:
