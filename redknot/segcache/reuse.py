@@ -5,7 +5,8 @@ ready reuses them: for every segment token the extend computes, each local head 
 segment's cached K/V, re-rotated from its standalone position ``t - start`` to its position
 ``t`` in this prompt (RedKnot's head-aware recovery); global heads keep their fresh K/V,
 recomputed under the new prefix. Tokens an exact-prefix hit already covers are not computed and
-need nothing.
+need nothing; a segment wholly inside that hit is not held at all (counted a hit, reusing
+nothing), so its request's extend runs as one that reuses nothing.
 
 | when                                 | what                                                      |
 | ------------------------------------ | --------------------------------------------------------- |
@@ -124,8 +125,15 @@ def start(cache: Any, req: Any) -> None:
         (mark, store.lookup_id(mark.namespace, mark.segment_id, mark.num_tokens))
         for mark in marks
     ]  # fmt: skip
-    uses = [SegmentUse(mark.start, entry, prompt_len) for mark, entry in found if entry]
-    hits = len(uses)
+    hits = sum(1 for _, entry in found if entry)
+    # a hit inside the exact-prefix hit reads nothing (SGLang's prefix cache serves those
+    # tokens): not held, and the extend stays off the reuse kernels
+    prefix = _prefix_len(req)
+    uses = [
+        SegmentUse(mark.start, entry, prompt_len)
+        for mark, entry in found
+        if entry and mark.start + entry.num_tokens > prefix
+    ]  # fmt: skip
     if hopeless is not None:
         if uses:
             gate.count_recomputed()
@@ -149,8 +157,7 @@ REPORT_KEY = "redknot_reuse"  # meta_info key of the report (module docstring)
 def _report(req: Any, pool: Any, marked: int, hits: int | None, uses: list[SegmentUse]) -> None:
     """Attach what ``start`` decided to ``req`` for its answer's ``meta_info`` (``hits`` None:
     the marks were not looked up)."""
-    indices = getattr(req, "prefix_indices", None)  # a tensor in the scheduler
-    prefix = 0 if indices is None else len(indices)
+    prefix = _prefix_len(req)
     report: dict[str, Any] = {
         "segments_marked": marked,
         "segments_hit": hits,
@@ -175,6 +182,12 @@ def _report(req: Any, pool: Any, marked: int, hits: int | None, uses: list[Segme
     info = dict(info) if isinstance(info, dict) else {}
     info[REPORT_KEY] = [report]  # one value per output token: the first one's
     req.customized_info = info
+
+
+def _prefix_len(req: Any) -> int:
+    """Tokens of ``req``'s exact-prefix hit (``prefix_indices``: a tensor in the scheduler)."""
+    indices = getattr(req, "prefix_indices", None)
+    return 0 if indices is None else len(indices)
 
 
 def _pays(cache: Any, req: Any, uses: list[SegmentUse]) -> bool:

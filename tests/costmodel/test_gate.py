@@ -135,9 +135,10 @@ class _Gate:
         return Decision(self.reuse, 1.0, 2.0, "test")
 
 
-def _start(monkeypatch, gate, hit: bool = True):
-    """``reuse.start`` of one request marking tokens [10, 110) against a fake store; what it
-    did: (cache, req, store calls, segments_of's verify argument)."""
+def _start(monkeypatch, gate, hit: bool = True, prefix: int = 0):
+    """``reuse.start`` of one request marking tokens [10, 110) against a fake store, after an
+    exact-prefix hit of ``prefix`` tokens; what it did: (cache, req, store calls, segments_of's
+    verify argument)."""
     from redknot.api import marks
     from redknot.segcache import reuse
 
@@ -158,7 +159,7 @@ def _start(monkeypatch, gate, hit: bool = True):
         marks, "segments_of", lambda req, verify=True: verified.append(verify) or [mark]
     )
     req = SimpleNamespace(sampling_params=object(), origin_input_ids=list(range(300)), rid="r",
-                          req_pool_idx=3, prefix_indices=[])  # fmt: skip
+                          req_pool_idx=3, prefix_indices=range(prefix))  # fmt: skip
     reuse.start(cache, req)
     (report,) = req.customized_info[reuse.REPORT_KEY]  # what the answer's meta_info says
     return cache, report, calls, verified, entry
@@ -176,6 +177,21 @@ def test_start_applies_the_gate(monkeypatch, pays):
     assert calls[2:] == ([] if pays else [("release", entry)])
     assert report["gate"]["decision"] == ("reuse" if pays else "recompute")
     assert report["reused_tokens"] == (100 if pays else 0)
+
+
+@pytest.mark.parametrize("prefix, held", [(110, False), (200, False), (109, True)])
+def test_a_segment_inside_the_exact_prefix_hit_is_not_held(monkeypatch, prefix, held):
+    """A hit that lies wholly inside the request's exact-prefix hit reads nothing: it is
+    counted a hit but not held, asks the gate nothing, and leaves the request without reads
+    (its extend then runs as one that reuses nothing); one token past the hit is reused."""
+    gate = _Gate(True)
+    cache, report, calls, _, entry = _start(monkeypatch, gate, prefix=prefix)
+    assert report["segments_hit"] == 1
+    assert (3 in cache.pool.segment_reads) == held
+    assert calls == [("lookup", "n", "0" * 32, 100)] + ([("acquire", entry)] if held else [])
+    assert len(gate.seen) == int(held)
+    assert report["reused_tokens"] == (110 - prefix if held else 0)
+    assert report["segments"] == ([{"namespace": "n", "start": 10, "tokens": 100}] if held else [])
 
 
 @pytest.mark.parametrize("hit", [True, False])
