@@ -11,13 +11,16 @@ its recent window), as the head map says. Two execution paths, chosen once at st
   for all maps under ``--redknot-kernel triton``.
 
 Every head global under a token-level policy (``--redknot-policy cacheblend|epic|...``, the
-all-global maps of small models) takes both, per batch: an extend in which some request reuses,
-registers or captures a segment runs on the SegPaged kernels (they read and fill the segment
-cache); every other extend and every decode step is exactly dense attention over the same pool
-(the global K/V buffers are laid out as SGLang's) and runs on FlashInfer, so the requests a
-reusing server does not reuse for run a dense server's kernels. (Before, such a server ran every
-batch on the SegPaged kernels and answered SmolLM2's unmarked 512-2K-token prompts 1.1-1.7x
-slower than a dense server, H100; docs/performance.md.)
+all-global maps of small models) takes both, per batch: an extend in which some request reads
+cached segment K/V runs on the SegPaged kernels; every other extend and every decode step is
+exactly dense attention over the same pool (the global K/V buffers are laid out as SGLang's) and
+runs on FlashInfer, so the requests a reusing server does not reuse for run a dense server's
+kernels. An extend that fills segments (a registration, a capture) is one of those: after each
+layer FlashInfer ran, the segments' rows of the layer's new K/V are written to the region (their
+keys rotated back to positions from 0 when captured after a context), as the SegPaged path
+writes them. (Before, such a server ran every batch on the SegPaged kernels and answered
+SmolLM2's unmarked 512-2K-token prompts 1.1-1.7x slower than a dense server, H100;
+docs/performance.md.)
 
 Under ``--redknot-lfps`` (every head global) long requests decode on LFPS's sparse step
 (``redknot.lfps.serving``): an extend builds their state after each layer, SGLang's decode
@@ -307,7 +310,7 @@ class RedknotAttnBackend(AttentionBackend):
         if mode.is_decode():
             return True
         if mode in (mode.EXTEND, mode.MIXED):
-            return not self.segpaged.touches_segments(forward_batch)
+            return not self.segpaged.needs_kernels(forward_batch)
         return False  # idle: nothing runs
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
@@ -318,7 +321,7 @@ class RedknotAttnBackend(AttentionBackend):
         if not self.dense_batch:
             return self.segpaged.plan(forward_batch)
         if self.segpaged is not None:
-            self.segpaged.begin_forward()
+            self.segpaged.plan_dense(forward_batch)
         return self.dense.init_forward_metadata(forward_batch)
 
     def _plan_lfps(self, forward_batch: ForwardBatch) -> bool:
@@ -423,6 +426,9 @@ class RedknotAttnBackend(AttentionBackend):
             out = self.dense.forward_extend(
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )
+            writes = self.segpaged is not None and self.segpaged.dense_writes is not None
+            if writes and save_kv_cache:  # registrations in a FlashInfer batch
+                self.segpaged.write_segments(layer, k, v)
         else:
             out = self.segpaged.extend(q, k, v, layer, forward_batch, save_kv_cache)
         if self.lfps is not None and self.lfps.extend_rows:

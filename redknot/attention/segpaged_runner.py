@@ -41,6 +41,7 @@ from redknot.pool.layout import HeadLayout
 from redknot.recovery.cacheblend import kv_deviation
 from redknot.recovery.sparseq import select_tokens
 from redknot.segcache import registration, reuse
+from redknot.segcache.registration import SegmentWrites
 from redknot.segcache.reuse import SegmentReads
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class SegPagedRunner:
         self.graph_plans: dict[int, object] = {}
         self.graph_rows: torch.Tensor | None = None
         self.extend_state: ExtendState | None = None
+        self.dense_writes: SegmentWrites | None = None  # a FlashInfer batch's (plan_dense)
 
     @classmethod
     def from_model_runner(cls, model_runner, layout: HeadLayout) -> SegPagedRunner:
@@ -173,16 +175,37 @@ class SegPagedRunner:
         self.pool.reset_promoted()
         SCHEDULE.reset()
         SCHEDULE.last_layer = self.layout.num_layers - 1
+        self.dense_writes = None
 
-    def touches_segments(self, fb: ForwardBatch) -> bool:
-        """Whether a request of this batch reuses, registers or captures a segment: only such
-        an extend needs these kernels when every head is global (the others are dense
-        attention). No device sync while no request of the server has segment work."""
+    def needs_kernels(self, fb: ForwardBatch) -> bool:
+        """Whether a request of this batch reads cached segments or captures a ring snapshot:
+        only such an extend needs these kernels when every head is global. The others are
+        dense attention, those that fill segments (registrations, captures) included: they run
+        on FlashInfer and write their segments after each layer (:meth:`plan_dense`). No device
+        sync while no request of the server has such work."""
         pool = self.pool
-        work = (pool.segment_reads, pool.segment_jobs, pool.capture_jobs)
+        work = (pool.segment_reads, pool.capture_jobs)
         if not any(work):
             return False
         return any(rpi in w for rpi in fb.req_pool_indices.tolist() for w in work)
+
+    def plan_dense(self, fb: ForwardBatch) -> None:
+        """A batch that FlashInfer runs: the forward's start, and the segment writes of the
+        registrations it computes (``dense_writes``; :meth:`write_segments` after each layer)."""
+        self.begin_forward()
+        mode = fb.forward_mode
+        if not self.pool.segment_jobs or mode not in (mode.EXTEND, mode.MIXED):
+            return
+        rpis = fb.req_pool_indices.tolist()
+        if any(rpi in self.pool.segment_jobs for rpi in rpis):
+            self.dense_writes = registration.plan_writes(
+                self.pool, rpis, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, self.device
+            )
+
+    def write_segments(self, layer: RadixAttention, k, v) -> None:
+        """A FlashInfer batch's segment writes of one layer (``k``, ``v``: the layer's new K/V)."""
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        self._write_segments(layer.layer_id, k.view(-1, H, D), v.view(-1, H, D), self.dense_writes)
 
     def plan(self, fb: ForwardBatch, for_graph: bool = False, in_capture: bool = False) -> None:
         self.begin_forward()
@@ -460,17 +483,20 @@ class SegPagedRunner:
         if state.keep_rows_gpu is not None:
             idx = state.keep_tokens_gpu
             self.pool.write_local(lid, state.keep_rows_gpu, k[idx], v[idx])
-        writes = state.segment_writes
-        if writes is not None:
-            idx = writes.tokens_gpu
-            keys = k[idx]
-            if writes.pos_gpu is not None:  # captured after a context: back to positions from 0
-                rope_align(
-                    k, idx, keys, self._arange[: idx.numel()], writes.pos_gpu[0],
-                    writes.pos_gpu[1], self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
-                    rotary_dim=self.rope.rotary_dim,
-                )  # fmt: skip
-            self.pool.segments.write(lid, writes.rows_gpu, keys, v[idx])
+        if state.segment_writes is not None:
+            self._write_segments(lid, k, v, state.segment_writes)
+
+    def _write_segments(self, lid: int, k, v, writes: SegmentWrites) -> None:
+        """Registered segments' K/V of one layer into the region (``k``, ``v``: [T, H_kv, D])."""
+        idx = writes.tokens_gpu
+        keys = k[idx]
+        if writes.pos_gpu is not None:  # captured after a context: back to positions from 0
+            rope_align(
+                k, idx, keys, self._arange[: idx.numel()], writes.pos_gpu[0],
+                writes.pos_gpu[1], self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
+                rotary_dim=self.rope.rotary_dim,
+            )  # fmt: skip
+        self.pool.segments.write(lid, writes.rows_gpu, keys, v[idx])
 
     @staticmethod
     def _held_rows(state: ExtendState) -> HeldRows | None:
