@@ -211,8 +211,10 @@ class StandIn:
         capture_step_tokens: int | None = None,
         exact_prefix: bool = False,
         auto_mode: str = "cdc",
+        in_place: str | None = None,
     ):
         self.exact_prefix, self.auto_mode = exact_prefix, auto_mode
+        self.in_place = in_place  # --redknot-auto-capture-in-place (None: the server's default)
         self.region_tokens, self.context_len = region_tokens, context_len
         self.capture_after, self.step_us = capture_after, step_us
         self.captures_yield, self.capture_step_tokens = captures_yield, capture_step_tokens
@@ -254,6 +256,7 @@ class StandIn:
             auto_capture_after=self.capture_after, step_us_per_token=self.step_us,
             captures_yield=self.captures_yield, capture_step_tokens=step,
             exact_prefix=self.exact_prefix,
+            **({} if self.in_place is None else {"auto_capture_in_place": self.in_place}),
         )  # fmt: skip
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
         if self.step_us > 0:
@@ -587,6 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--standin-auto-mode", default="cdc",
                    choices=[m for m in AUTO_MODES if m != "off"],
                    help="--standin's --redknot-auto-segments in auto mode")  # fmt: skip
+    p.add_argument("--standin-auto-in-place", choices=["on", "off"], default=None,
+                   help="--standin's --redknot-auto-capture-in-place (default: the server's)")  # fmt: skip
     p.add_argument("--merge", action="store_true", help="add to --out's rows (same key: replaced)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/trace_replay.json"))
     args = p.parse_args(argv)
@@ -600,6 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             captures_yield=not args.standin_captures_fcfs,
             capture_step_tokens=args.standin_capture_step_tokens,
             exact_prefix=args.standin_exact_prefix, auto_mode=args.standin_auto_mode,
+            in_place=args.standin_auto_in_place,
         )  # fmt: skip
         system = args.system or "redknot-standin"
     else:

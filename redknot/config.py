@@ -247,6 +247,14 @@ class RedknotConfig:
         "sight).",
         default=2,
     )
+    auto_capture_in_place: str = _opt(
+        "--redknot-auto-segments: 'on' makes the request that misses an automatic chunk due for "
+        "capture store it from its own prefill (its K/V computed after everything before it in "
+        "that prompt, keys rotated back to positions from 0): no capture prefill is sent for it. "
+        "'off' captures it apart after --redknot-auto-capture-context tokens. Learned edges and "
+        "cdc-docs documents are captured apart either way.",
+        default="on",
+    )
     auto_capture_context: int = _opt(
         "--redknot-auto-segments: an automatic segment is captured after the K tokens that "
         "preceded it in the prompt that missed it (computed and not stored; its keys rotated "
@@ -385,6 +393,11 @@ class RedknotConfig:
         if self.capture not in CAPTURE_CHOICES:
             raise RedknotConfigError(
                 f"--redknot-capture {self.capture!r} is not one of {', '.join(CAPTURE_CHOICES)}"
+            )
+        if self.auto_capture_in_place not in CAPTURE_CHOICES:
+            raise RedknotConfigError(
+                f"--redknot-auto-capture-in-place {self.auto_capture_in_place!r} is not one of "
+                f"{', '.join(CAPTURE_CHOICES)}"
             )
         if isinstance(self.namespace_fraction, bool) or not (
             isinstance(self.namespace_fraction, (int, float)) and 0 < self.namespace_fraction <= 1

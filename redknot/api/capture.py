@@ -153,10 +153,13 @@ def note(
 class Capturer:
     """Captures of the HTTP server process (see the module docstring)."""
 
-    def __init__(self, api: Any, *, enabled: bool, auto_capture_after: int = 2):
+    def __init__(
+        self, api: Any, *, enabled: bool, auto_capture_after: int = 2, in_place: bool = False
+    ):
         self.api = api
         self.enabled = enabled
         self.auto_capture_after = auto_capture_after
+        self.in_place = in_place  # --redknot-auto-capture-in-place on
         self._inflight: set[str] = set()
         self._pending = 0
         self._seen: OrderedDict[str, int] = OrderedDict()  # automatic chunks: misses so far
@@ -171,21 +174,38 @@ class Capturer:
             sem = self._limits[loop] = asyncio.Semaphore(MAX_CONCURRENT)
         return sem
 
-    async def capture(self, segments: Sequence[Pending]) -> None:
-        """Capture those of ``segments`` (what :func:`note` collected) the store lacks; never
-        raises."""
-        if not (self.enabled and segments):
+    def due_in_place(self, sid: str) -> bool:
+        """Whether the request about to be sent stores the automatic chunk ``sid`` itself if it
+        misses it (``--redknot-auto-capture-in-place on``): this miss would be the chunk's
+        ``auto_capture_after``-th (:meth:`_admit`'s rule, this one counted), and no capture of
+        it is under way here."""
+        if not (self.enabled and self.in_place) or sid in self._inflight:
+            return False
+        return self.auto_capture_after <= 1 or self._seen.get(sid, 0) + 1 >= self.auto_capture_after
+
+    async def capture(self, segments: Sequence[Pending], stored: Sequence[Pending] = ()) -> None:
+        """Capture those of ``segments`` (what :func:`note` collected) the store lacks;
+        ``stored``: the automatic chunks the request's own prefill stored (its reuse report's
+        ``stored``), counted and learned from (edges) but not sent. Never raises."""
+        if not (self.enabled and (segments or stored)):
             return
         count = self.api.counters.add
         mine: list[_Capture] = []
         taken: set[str] = set()
         auto = self._auto
-        due = auto.documents_due() if auto is not None and segments else []
+        due = auto.documents_due() if auto is not None else []
+        edges: list[_Capture] = []
         segments = [
             *segments,
             *(Pending(AUTO_NAMESPACE, ids, True, auto.document_context(ids), None) for ids in due),
         ]
         try:
+            for seg in stored:
+                self._seen.pop(segment_id(seg.ns, seg.ids), None)
+                if not self._is_document(seg.ids):  # it missed: the edges it shares with misses
+                    edges += self._edges(seg.ns, seg.ids, seg.context)
+            if stored:
+                count(captures_in_place=len(stored))
             for ns, ids, chunk, context, start in segments:
                 sid = segment_id(ns, ids)
                 if sid in self._inflight or sid in taken:
@@ -199,7 +219,7 @@ class Capturer:
                     taken.add(sid)
             self._inflight.update(taken)
             self._pending += len(mine)
-            send = await self._to_send(mine)
+            send = (await self._to_send(mine) if mine else []) + edges
             self._release(taken, taken - {seg.sid for seg in send})
             for batch in _batches(_runs(send), MAX_BATCH_TOKENS):
                 async with self._limit():

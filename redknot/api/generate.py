@@ -219,11 +219,21 @@ def _attach(
 ) -> int:  # fmt: skip
     """Put ``marks`` into one prompt's sampling ``params`` (its ``custom_params``), hand them
     to capture on miss when ``capture`` and the server's markup is not inert (``chunks``: they
-    are content-defined chunks of an unmarked prompt); the number of marks."""
+    are content-defined chunks of an unmarked prompt, of which those due for capture are
+    stored by this request itself if it misses them, under
+    ``--redknot-auto-capture-in-place on``); the number of marks."""
     if not marks:
         return 0
+    store: list[int] = []
+    if chunks and capture and api.inert is None:
+        store = [
+            i for i, m in enumerate(marks)
+            if api.capture.due_in_place(m.segment_id) and not api.auto.is_document(
+                input_ids[m.start : m.end]
+            )
+        ]  # fmt: skip
     custom = dict(params.get("custom_params") or {})
-    custom.update(api.encode(marks))
+    custom.update(api.encode(marks, store))
     params["custom_params"] = custom
     if capture and api.inert is None:
         note(

@@ -20,6 +20,10 @@ so the marks are parallel flat lists):
 |                            | more, consecutive, end the prompt and may follow a context (the|
 |                            | tokens before them in the prompt that missed them), which is   |
 |                            | computed and not stored                                        |
+| ``redknot_seg_store``      | on an ordinary request: the indices of the marks it stores     |
+|                            | itself when it misses them (automatic chunks due for capture,  |
+|                            | ``--redknot-auto-capture-in-place``): its own prefill writes   |
+|                            | their K/V, computed after everything before them in its prompt |
 
 The HTTP side (``redknot.api.generate``, ``chat``, ``routes``) is the only writer (clients
 setting these keys themselves get a 400 on every endpoint); the scheduler reads them with
@@ -40,6 +44,7 @@ KEY_IDS = "redknot_seg_ids"
 KEY_REGISTER = "redknot_register"
 KEY_PIN = "redknot_pin"
 KEY_CAPTURE = "redknot_capture"
+KEY_STORE = "redknot_seg_store"  # marks the request stores itself on a miss (their indices)
 # marks an inert server (no hit can pay: SegmentApi.learn_gate) does not look up: their number
 KEY_RECOMPUTED = "redknot_seg_recomputed"
 RESERVED_PREFIX = "redknot_"
@@ -133,8 +138,10 @@ def encode_marks(
     register: bool = False,
     pin: bool = False,
     capture: bool = False,
+    store: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """The ``custom_params`` entries that carry ``marks`` (empty when there are none).
+    """The ``custom_params`` entries that carry ``marks`` (empty when there are none);
+    ``store``: the indices of the marks an ordinary request stores itself on a miss.
 
     For ``sgl.Engine`` users, who build sampling params themselves::
 
@@ -157,7 +164,26 @@ def encode_marks(
         out[KEY_PIN] = bool(pin) and not capture
         if capture:
             out[KEY_CAPTURE] = True
+    elif store:
+        out[KEY_STORE] = list(store)
     return out
+
+
+def stored_marks(req: Any, marks: Sequence[SegmentMark]) -> list[SegmentMark]:
+    """Those of a scheduler ``Req``'s ``marks`` that it stores itself on a miss
+    (``redknot_seg_store``). Raises :class:`SegmentMarkError` for indices that name no mark."""
+    params = getattr(req.sampling_params, "custom_params", None) or {}
+    index = params.get(KEY_STORE)
+    if index is None:
+        return []
+    ok = isinstance(index, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(marks) for i in index
+    )
+    if not ok:
+        raise SegmentMarkError(
+            f"{KEY_STORE} must list indices of the request's {len(marks)} segment marks"
+        )
+    return [marks[i] for i in sorted(set(index))]
 
 
 def reserved_keys(custom_params: Any) -> list[str]:

@@ -146,11 +146,15 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
                 api.capture.served(served)
                 gone = {id(p) for p in served}
                 pending[:] = [p for p in pending if id(p) not in gone]
-            if _all_hit(meta):
+            stored = _stored_here(pending, meta)
+            if stored:
+                gone = {id(p) for p in stored}
+                pending[:] = [p for p in pending if id(p) not in gone]
+            if _all_hit(meta, len(stored)):
                 api.counters.add(captures_skipped=len(pending))
                 pending.clear()
-            elif pending:
-                task = asyncio.ensure_future(api.capture.capture(list(pending)))
+            if pending or stored:
+                task = asyncio.ensure_future(api.capture.capture(list(pending), stored))
 
     try:
         await app(scope, receive, sending)
@@ -191,14 +195,36 @@ def _in_prefix_hit(pending: list[Pending], meta: dict | None) -> list[Pending]:
     return [p for p in pending if p.start is not None and p.start < cached]
 
 
-def _all_hit(meta: dict | None) -> bool:
-    """Whether an answer's ``meta_info`` (:func:`_first_answer`) reports every segment of the
-    request a hit (``redknot.segcache.reuse``'s report). Anything else: False."""
+def _report_of(meta: dict | None) -> dict | None:
+    """The reuse report (``redknot.segcache.reuse``) in an answer's ``meta_info``, or None."""
     report = meta.get(REPORT_KEY) if meta is not None else None
     if not (isinstance(report, list) and report and isinstance(report[0], dict)):
+        return None
+    return report[0]
+
+
+def _stored_here(pending: list[Pending], meta: dict | None) -> list[Pending]:
+    """The automatic segments of ``pending`` that the request's own prefill stored (its
+    report's ``stored``, by namespace and place in the prompt): nothing to capture for them."""
+    report = _report_of(meta)
+    stored = report.get("stored") if report is not None else None
+    if not isinstance(stored, list):
+        return []
+    where = {(s.get("namespace"), s.get("start")) for s in stored if isinstance(s, dict)}
+    return [p for p in pending if p.chunk and (p.ns, p.start) in where]
+
+
+def _all_hit(meta: dict | None, stored: int = 0) -> bool:
+    """Whether an answer's ``meta_info`` (:func:`_first_answer`) reports every segment of the
+    request a hit (``redknot.segcache.reuse``'s report), but the ``stored`` ones its own
+    prefill stored. Anything else: False."""
+    report = _report_of(meta)
+    if report is None:
         return False
-    marked, hit = report[0].get("segments_marked"), report[0].get("segments_hit")
-    return isinstance(marked, int) and marked > 0 and hit == marked
+    marked, hit = report.get("segments_marked"), report.get("segments_hit")
+    return (
+        isinstance(marked, int) and isinstance(hit, int) and marked > 0 and hit + stored == marked
+    )
 
 
 def _check_other(body, path) -> None:

@@ -48,6 +48,7 @@ class ApiCounters:
     captures_dropped: int = 0  # too many captures pending
     captures_deferred: int = 0  # automatic chunks missed for the first time: not captured yet
     captures_prefix_cached: int = 0  # automatic segments inside the prefix-cache hit: not captured
+    captures_in_place: int = 0  # automatic chunks the missing request's own prefill stored
     # automatic segments (redknot.api.auto): unmarked requests given chunks, and the chunks
     auto_requests: int = 0
     auto_chunks_marked: int = 0
@@ -74,6 +75,7 @@ class SegmentApi:
         rows_leave: str | None = None,
         capture: bool = False,
         auto: AutoSegmentsOption | None = None,
+        in_place: bool = False,
     ):
         self.tokenizer_manager = tokenizer_manager
         self.chat = chat or ChatSegments(enabled=False)
@@ -82,7 +84,10 @@ class SegmentApi:
         self.rows_leave = rows_leave
         self.counters = ApiCounters()
         self.capture = Capturer(
-            self, enabled=capture, auto_capture_after=auto.capture_after if auto else 2
+            self,
+            enabled=capture,
+            auto_capture_after=auto.capture_after if auto else 2,
+            in_place=in_place,
         )
         self.auto = AutoSegments(auto)
         self._piecewise: PiecewiseTokenizer | None = None
@@ -100,6 +105,7 @@ class SegmentApi:
             namespaces=NamespaceRegistry.from_option(config.namespaces),
             rows_leave=config.rows_leave,
             capture=config.capture == "on",
+            in_place=config.auto_capture_in_place == "on",
             auto=AutoSegmentsOption.parse(
                 config.auto_segments,
                 config.auto_chunk_tokens,
@@ -147,12 +153,13 @@ class SegmentApi:
         ids = segment_ids(input_ids, marks)  # the prompt packed once for all its segments
         return [replace(m, segment_id=sid) for m, sid in zip(marks, ids, strict=True)]
 
-    def encode(self, marks: Sequence[SegmentMark]) -> dict[str, Any]:
-        """The ``custom_params`` entries that carry one prompt's ``marks`` to the scheduler;
-        on an inert server only their number, which its answer reports."""
+    def encode(self, marks: Sequence[SegmentMark], store: Sequence[int] = ()) -> dict[str, Any]:
+        """The ``custom_params`` entries that carry one prompt's ``marks`` to the scheduler
+        (``store``: the indices of those the request stores itself on a miss); on an inert
+        server only their number, which its answer reports."""
         if self.inert is not None:
             return {KEY_RECOMPUTED: len(marks)} if marks else {}
-        return encode_marks(marks)
+        return encode_marks(marks, store=store)
 
     async def learn_gate(self) -> None:
         """Ask the scheduler's reuse gate once (control op ``gate``; never raises). When it

@@ -18,6 +18,12 @@ scheduler:
 
 Writes are issued on the forward stream before any later forward can read the segment, so a
 segment is ready as soon as the extend that completes it is planned.
+
+An ordinary request may store segments too (:func:`store_in_place`): the automatic chunks it
+marks as due for capture (``redknot_seg_store``) that the store lacks and that it computes
+(beyond its exact-prefix hit) become a write job of its own prefill, written as a capture's
+(keys rotated back to positions from 0), after everything that precedes them in its prompt. No
+capture request is sent for them: the prefill that computes them anyway stores them.
 """
 
 from __future__ import annotations
@@ -90,6 +96,34 @@ def start(cache: Any, req: Any) -> None:
         parts.append((entry, mark.start))
     if parts:
         cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(parts)
+
+
+def store_in_place(cache: Any, req: Any, marks: list[Any], prefix: int) -> list[Any]:
+    """Make ``req``'s own prefill store the segments of ``marks`` (its missed marks due for
+    capture) that it computes in full (starting at or after its exact-prefix hit of ``prefix``
+    tokens); those it will write. A segment stored meanwhile, being written by another writer,
+    or that the store refuses (logged, as a capture's failure) is left out."""
+    store = cache.segments
+    parts: list[tuple[SegmentEntry, int]] = []
+    taken = []
+    for mark in marks:
+        if mark.start < prefix:
+            continue
+        ids = list(req.origin_input_ids[mark.start : mark.end])
+        try:
+            entry = store.register(mark.namespace, ids, pin=False, capture=True)
+        except SegmentError as e:
+            store.note_failure(mark.segment_id, e)
+            logger.info("redknot: segment of request %s not stored in place: %s", req.rid, e)
+            continue
+        if entry.num_tokens != len(ids) or not store.claim_write(entry):
+            store.release(entry)
+            continue
+        parts.append((entry, mark.start))
+        taken.append(mark)
+    if parts:
+        cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(parts, written=prefix)
+    return taken
 
 
 def plan_writes(

@@ -27,6 +27,7 @@ segments (automatic chunks included):
 | ``segments``      | the reused ones: ``namespace``, ``start`` (prompt offset), ``tokens`` |
 | ``policy``        | the recovery policy that served them, or ``null`` when nothing was reused |
 | ``gate``          | the reuse gate's decision (``reuse`` / ``recompute``, predicted ms, reason); absent without a gate or without hits |
+| ``stored``        | the missed segments this request's own prefill stores (``namespace``, ``start``): automatic chunks due for capture under ``--redknot-auto-capture-in-place`` (``redknot.segcache.registration.store_in_place``); absent when none |
 
 A prompt that no hit could make worth reusing (``ReuseGate.hopeless``: the cheapest reusing
 extend's host time exceeds recomputing it) is answered before its marks' ids are checked
@@ -52,6 +53,7 @@ import torch
 
 from redknot.attention.ffn_schedule import SparseFfn
 from redknot.kernels.extend import to_device
+from redknot.segcache import registration
 from redknot.segcache.entry import SegmentEntry
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,7 @@ def start(cache: Any, req: Any) -> None:
         recomputed_marks,
         registration_of,
         segments_of,
+        stored_marks,
     )
 
     if getattr(req, "sampling_params", None) is None:
@@ -114,6 +117,7 @@ def start(cache: Any, req: Any) -> None:
         # counted and reported, not checked against its tokens (that packs and hashes them all)
         hopeless = None if gate is None else gate.hopeless(prompt_len, len(req.prefix_indices))
         marks = segments_of(req, verify=hopeless is None)
+        due = stored_marks(req, marks)
     except SegmentMarkError as e:  # validated by the API; never fail the scheduler on it
         logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
         return
@@ -138,25 +142,37 @@ def start(cache: Any, req: Any) -> None:
         if uses:
             gate.count_recomputed()
             _recomputed(req, hopeless)
-        _report(req, cache.pool, len(marks), hits, [])
-        return
-    for use in uses:
-        store.acquire(use.entry)
-    if uses and not _pays(cache, req, uses):
-        for use in uses:
-            store.release(use.entry)
         uses = []
-    if uses:
-        cache.pool.segment_reads[req.req_pool_idx] = uses
-    _report(req, cache.pool, len(marks), hits, uses)
+    else:
+        for use in uses:
+            store.acquire(use.entry)
+        if uses and not _pays(cache, req, uses):
+            for use in uses:
+                store.release(use.entry)
+            uses = []
+        if uses:
+            cache.pool.segment_reads[req.req_pool_idx] = uses
+    stored = []
+    if due:  # after the reads are held: making room for these never evicts them
+        missed = {mark.start for mark, entry in found if entry is None}
+        due = [mark for mark in due if mark.start in missed]
+        stored = registration.store_in_place(cache, req, due, prefix)
+    _report(req, cache.pool, len(marks), hits, uses, stored)
 
 
 REPORT_KEY = "redknot_reuse"  # meta_info key of the report (module docstring)
 
 
-def _report(req: Any, pool: Any, marked: int, hits: int | None, uses: list[SegmentUse]) -> None:
+def _report(
+    req: Any,
+    pool: Any,
+    marked: int,
+    hits: int | None,
+    uses: list[SegmentUse],
+    stored: list[Any] = (),
+) -> None:
     """Attach what ``start`` decided to ``req`` for its answer's ``meta_info`` (``hits`` None:
-    the marks were not looked up)."""
+    the marks were not looked up; ``stored``: the marks its own prefill stores)."""
     prefix = _prefix_len(req)
     report: dict[str, Any] = {
         "segments_marked": marked,
@@ -170,6 +186,8 @@ def _report(req: Any, pool: Any, marked: int, hits: int | None, uses: list[Segme
         ],
         "policy": getattr(pool, "reuse_policy", None) if uses else None,
     }
+    if stored:
+        report["stored"] = [{"namespace": m.namespace, "start": m.start} for m in stored]
     decision = getattr(req, "redknot_reuse", None)
     if decision is not None:
         report["gate"] = {

@@ -41,8 +41,11 @@ from typing import Any
 
 import torch
 
+from redknot.config import RedknotConfig
 from redknot.integration.capture_order import CAPTURE_STEP_FRACTION, CAPTURE_STEP_TOKENS
 from tests.api.conftest import FakeTokenizerManager
+
+AUTO_CAPTURE_IN_PLACE: str = RedknotConfig.__dataclass_fields__["auto_capture_in_place"].default
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -519,6 +522,7 @@ class CpuServer:
         auto_chunk_tokens: int = 256,
         auto_capture_after: int = 2,
         auto_capture_context: int = 64,
+        auto_capture_in_place: str = AUTO_CAPTURE_IN_PLACE,
         step_us_per_token: float = 0.0,
         captures_yield: bool = True,
         capture_step_tokens: int = CAPTURE_STEP_TOKENS,
@@ -555,6 +559,7 @@ class CpuServer:
             auto=AutoSegmentsOption.parse(
                 auto_segments, auto_chunk_tokens, auto_capture_after, auto_capture_context
             ),
+            in_place=auto_capture_in_place == "on",
         )
         install(app, self.api)
         http_server._global_state.tokenizer_manager = self.tm

@@ -44,6 +44,8 @@ def make_server(http_app, smollm_tokenizer):
         options.setdefault("region_tokens", 4096)
         options.setdefault("auto_segments", "cdc")
         options.setdefault("auto_chunk_tokens", 32)
+        # the capture path apart (what most tests here check); in place: test_auto_in_place.py
+        options.setdefault("auto_capture_in_place", "off")
         return CpuServer(http_app, smollm_tokenizer, **options)
 
     return make

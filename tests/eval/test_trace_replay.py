@@ -124,14 +124,19 @@ def test_capture_overhead_in_auto_mode_sends_each_request_until_its_chunks_are_c
     first, repeat = target.bodies[0]["input_ids"], target.bodies[1]["input_ids"]
     assert first[1:] == repeat[1:] and first[0] != repeat[0]
     assert target.bodies[1]["input_ids"] != target.bodies[2]["input_ids"]
-    for sightings, captured in ((1, False), (2, True)):
-        standin = StandIn(region_tokens=1 << 16, context_len=1 << 15, exact_prefix=True)
-        try:
-            capture_overhead(standin, "auto", 0, 2, sightings=sightings)
-            sent = standin.stats()["api"]["captures_sent"]
-        finally:
-            standin.stop()
-        assert (sent > 0) == captured, (sightings, sent)
+    for in_place in ("on", "off"):  # stored by the missing request itself, or captured apart
+        for sightings, captured in ((1, False), (2, True)):
+            standin = StandIn(
+                region_tokens=1 << 16, context_len=1 << 15, exact_prefix=True, in_place=in_place
+            )
+            try:
+                capture_overhead(standin, "auto", 0, 2, sightings=sightings)
+                api = standin.stats()["api"]
+            finally:
+                standin.stop()
+            key = "captures_in_place" if in_place == "on" else "captures_sent"
+            assert (api[key] > 0) == captured, (in_place, sightings, api)
+            assert api["captures_sent" if in_place == "on" else "captures_in_place"] == 0
 
 
 def test_open_loop_sends_every_request_and_counts_what_failed():
