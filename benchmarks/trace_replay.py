@@ -36,6 +36,10 @@ their salt: they send identical requests). Rows, one per (workload, mode, system
   exact-prefix hit is no miss and is not captured) and the figures are the first sends'. Run
   after the workload's open-loop passes (its new documents would evict the pool they share
   with the closed pass), with the counters after it in ``stats_after_capture_overhead``;
+* modes ``optout`` and ``auto-nocapture`` (closed loop, on a server with automatic segments):
+  every body opts out of automatic segments (``"redknot_auto_segments": false``), or of capture
+  (``"redknot_capture": false``), to separate what automatic segments cost from the server's
+  own path and from captures; run them before ``auto`` (nothing stored yet);
 * ``speedup_p50_vs_flashinfer``: the flashinfer row of the same workload and arrival over this
   row's TTFT p50 (filled whenever the output holds both, e.g. after ``--merge``).
 
@@ -77,6 +81,12 @@ if str(ROOT) not in sys.path:
 
 TOKENS = (1000, 40000)  # token ids drawn from here (inside every tokenizer the project serves)
 MODES = ("marked", "auto", "plain")  # plain: no markup, and no automatic chunks asked for
+# passes over a server with automatic segments that isolate their costs: each body carries the
+# per-request flag (its own salt: no pass finds another's prompts in the radix cache)
+PROBE_MODES = {
+    "auto-nocapture": {"redknot_capture": False},  # chunks looked up, nothing captured
+    "optout": {"redknot_auto_segments": False},  # the server's own path, no chunks
+}
 BASELINE = "flashinfer"  # the system label of the baseline rows
 CLOSED = "closed"
 
@@ -164,7 +174,7 @@ WORKLOADS: dict[str, Callable[..., list[Request]]] = {"rag": rag_workload, "chat
 
 def salt_of(mode: str, arrival: str) -> int:
     """One salt per (mode, arrival) pass; ``plain`` (the baseline) shares ``auto``'s."""
-    kind = {"marked": 1, "auto": 2, "plain": 2}[mode]
+    kind = {"marked": 1, "auto": 2, "plain": 2, "optout": 3, "auto-nocapture": 4}[mode]
     return kind if arrival == CLOSED else 10 * kind + int(float(arrival.split()[-1]) * 100)
 
 
@@ -178,7 +188,7 @@ def body(req: Request, mode: str, extra: dict | None = None) -> dict:
         out["redknot_segments"] = [
             {"start": a, "end": b, "namespace": "replay"} for a, b in req.spans
         ]
-    return out | (extra or {})
+    return out | PROBE_MODES.get(mode, {}) | (extra or {})
 
 
 @dataclass
@@ -252,7 +262,7 @@ class StandIn:
         CpuServer(
             app, tokenizer, server_args=server_args, context_len=self.context_len,
             region_tokens=self.region_tokens,
-            auto_segments=self.auto_mode if mode == "auto" else "off",
+            auto_segments=self.auto_mode if mode == "auto" or mode in PROBE_MODES else "off",
             auto_capture_after=self.capture_after, step_us_per_token=self.step_us,
             captures_yield=self.captures_yield, capture_step_tokens=step,
             exact_prefix=self.exact_prefix,
