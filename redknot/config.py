@@ -227,11 +227,11 @@ class RedknotConfig:
         "straddling chunks lose are learned from repeated misses and made segments: on the "
         "8B shape's replayed RAG traffic 0.87 of prompt tokens reused instead of 0.78, EPIC "
         "3.8x flashinfer's TTFT), or 'cdc-docs' (cdc-edges, and a document between a learned "
-        "head and tail is one segment, as registered: with --redknot-policy epic 0.93 of the "
-        "replayed RAG prompt tokens reused, 4.1x flashinfer's TTFT, capture overhead 1.08, and "
-        "SmolLM2's answers kept as with registered documents; the mode for RAG traffic). Off "
-        "by default: measured slower than flashinfer on chat traffic (H100, 8B shape), and on "
-        "the shipped model nothing is reused.",
+        "head and tail is one segment, as registered: with --redknot-policy epic 0.92 of the "
+        "replayed RAG prompt tokens reused, 5.7x flashinfer's TTFT, and SmolLM2's answers kept "
+        "as with registered documents; the mode for RAG traffic). Off by default: measured "
+        "0.94x flashinfer's TTFT on chat traffic (H100, 8B shape), and on the shipped model "
+        "nothing is reused.",
         default="off",
     )
     auto_chunk_tokens: int = _opt(
