@@ -174,14 +174,17 @@ class Capturer:
             sem = self._limits[loop] = asyncio.Semaphore(MAX_CONCURRENT)
         return sem
 
-    def due_in_place(self, sid: str) -> bool:
-        """Whether the request about to be sent stores the automatic chunk ``sid`` itself if it
-        misses it (``--redknot-auto-capture-in-place on``): this miss would be the chunk's
-        ``auto_capture_after``-th (:meth:`_admit`'s rule, this one counted), and no capture of
-        it is under way here."""
+    def due_in_place(self, sid: str, chunk: bool = True) -> bool:
+        """Whether the request about to be sent stores the automatic segment ``sid`` itself if
+        it misses it (``--redknot-auto-capture-in-place on``): no capture of it is under way
+        here and, for a chunk of an unmarked ``/generate`` prompt, this miss would be its
+        ``auto_capture_after``-th (:meth:`_admit`'s rule, this one counted); a chat message's
+        segment (``chunk`` False) is captured at its first miss."""
         if not (self.enabled and self.in_place) or sid in self._inflight:
             return False
-        return self.auto_capture_after <= 1 or self._seen.get(sid, 0) + 1 >= self.auto_capture_after
+        if not chunk or self.auto_capture_after <= 1:
+            return True
+        return self._seen.get(sid, 0) + 1 >= self.auto_capture_after
 
     async def capture(self, segments: Sequence[Pending], stored: Sequence[Pending] = ()) -> None:
         """Capture those of ``segments`` (what :func:`note` collected) the store lacks;

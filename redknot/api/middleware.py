@@ -165,15 +165,20 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
 
 def _first_answer(first: bytes) -> dict | None:
     """The ``meta_info`` of an answer's first bytes (a JSON answer, or a stream's first
-    ``data:`` event); None for anything else (a batch, a chat answer without ``meta_info``,
-    bytes cut mid-event)."""
+    ``data:`` event; a chat answer's first choice's, which it has under ``return_meta_info``);
+    None for anything else (a batch, a chat answer without it, bytes cut mid-event)."""
     if first.startswith(b"data:"):
         first = first[5:].split(b"\n\n", 1)[0]
     try:
         answer = orjson.loads(first)
     except orjson.JSONDecodeError:
         return None
-    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if not isinstance(answer, dict):
+        return None
+    meta = answer.get("meta_info")
+    choices = answer.get("choices")
+    if meta is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        meta = choices[0].get("meta_info")  # a chat answer under return_meta_info
     return meta if isinstance(meta, dict) else None
 
 
@@ -205,13 +210,15 @@ def _report_of(meta: dict | None) -> dict | None:
 
 def _stored_here(pending: list[Pending], meta: dict | None) -> list[Pending]:
     """The automatic segments of ``pending`` that the request's own prefill stored (its
-    report's ``stored``, by namespace and place in the prompt): nothing to capture for them."""
+    report's ``stored``, by namespace and place in the prompt): nothing to capture for them. A
+    chat answer carries the report only under ``return_meta_info``; without it the capture
+    path finds them stored and skips them."""
     report = _report_of(meta)
     stored = report.get("stored") if report is not None else None
     if not isinstance(stored, list):
         return []
     where = {(s.get("namespace"), s.get("start")) for s in stored if isinstance(s, dict)}
-    return [p for p in pending if p.chunk and (p.ns, p.start) in where]
+    return [p for p in pending if p.start is not None and (p.ns, p.start) in where]
 
 
 def _all_hit(meta: dict | None, stored: int = 0) -> bool:

@@ -94,9 +94,15 @@ def plain_ids(tok, messages) -> list[int]:
     return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
-def test_a_history_resent_under_another_system_prompt_hits(make_server, client, smollm_tokenizer):
+@pytest.mark.parametrize("in_place", ["on", "off"])
+def test_a_history_resent_under_another_system_prompt_hits(
+    make_server, client, smollm_tokenizer, in_place
+):
+    """Turn 1's messages miss and are stored: by the request itself (in place, the default;
+    its report lists them, no capture request) or by captures sent after its answer; turn 2,
+    under another system prompt, hits every one of them."""
     tok = smollm_tokenizer
-    server = make_server()
+    server = make_server(auto_capture_in_place=in_place)
     history = [tokens(tok, t) for t in (USER_1, ASSISTANT_1, TOOL_1)]
     assert [len(ids) <= 128 for ids in history] == [True, True, False]
     want = {name: segments_of(tokens(tok, name)) for name in (SYSTEM_A, SYSTEM_B)}
@@ -110,7 +116,11 @@ def test_a_history_resent_under_another_system_prompt_hits(make_server, client, 
         0,
         0,
     )
-    assert len(captures(server)) == len(reused) + 1
+    if in_place == "on":
+        assert captures(server) == [] and len(first["stored"]) == len(reused) + 1
+        assert server.api.counters.captures_in_place == len(reused) + 1
+    else:
+        assert len(captures(server)) == len(reused) + 1 and "stored" not in first
 
     second = report(chat(client, turn(SYSTEM_B, "And the cheapest?")))
     assert marked(server) == want[SYSTEM_B] + reused
