@@ -4,8 +4,9 @@ A redknot server under ``--redknot-policy naive`` reads a reused segment's store
 recomputes nothing of it. A segment stored after exactly the tokens that precede it in the
 prompt that reuses it (same context, same place) therefore gives that prompt the K/V a dense
 prefill computes, and its greedy answer must be the flashinfer backend's. Each way of storing is
-checked so, on the 8B shape (dummy weights), with every store made in a batch that reads no
-segment (FlashInfer runs it and writes the segment after each layer,
+checked so, on SmolLM2-135M-Instruct with its real weights (``--model /tmp/smol-hf``,
+docs/benchmarks.md "Real weights"; dummy weights give every token the same logit, which would
+make any two answers equal), with every store made in a batch that reads no segment (FlashInfer runs it and writes the segment after each layer,
 ``SegPagedRunner.plan_dense``):
 
 | case | stored by | then |
@@ -17,7 +18,7 @@ segment (FlashInfer runs it and writes the segment after each layer,
 The radix cache is off on the redknot server (else the second prompt's prefix would be served
 from it, not from the store). Writes ``$OUT/stored_kv_check.json`` (or ``--out``).
 
-    python scripts/stored_kv_check.py --model .device/models/llama-3.1-8b --out $OUT/x.json
+    python scripts/stored_kv_check.py --model /tmp/smol-hf --out $OUT/stored_kv_check.json
 """
 
 from __future__ import annotations
@@ -53,8 +54,14 @@ def _answer(out: dict) -> dict:
         "tokens": out["output_ids"],
         "first_logprob": first[0][0],
         "reuse": (meta.get("redknot_reuse") or [None])[0],
+        "meta_keys": sorted(meta),
         "cached_tokens": meta.get("cached_tokens", 0),
     }
+
+
+def load_format(model: str) -> str:
+    """Dummy weights for the bundle's configs (``.device/models``), else the checkpoint's."""
+    return "dummy" if "/.device/models/" in str(Path(model).resolve()) + "/" else "auto"
 
 
 def run_child(args: argparse.Namespace) -> None:
@@ -72,7 +79,7 @@ def run_child(args: argparse.Namespace) -> None:
         if redknot else {"attention_backend": "flashinfer"}
     )  # fmt: skip
     engine = sgl.Engine(
-        model_path=args.model, load_format="dummy", skip_tokenizer_init=True,
+        model_path=args.model, load_format=load_format(args.model), skip_tokenizer_init=True,
         grammar_backend="none", sampling_backend="pytorch", context_length=4096,
         mem_fraction_static=0.8, random_seed=0, log_level="warning",
         disable_prefill_cuda_graph=True, **spec,
@@ -122,7 +129,7 @@ def run_child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / ".device/models/llama-3.1-8b"))
+    ap.add_argument("--model", default="/tmp/smol-hf")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/stored_kv_check.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -170,6 +177,7 @@ def main() -> None:
             "reused_tokens": reuse.get("reused_tokens"),
             "segments_hit": reuse.get("segments_hit"),
             "stored": reuse.get("stored"),
+            "meta_keys": b.get("meta_keys"),
         }
     import torch
 
@@ -179,7 +187,7 @@ def main() -> None:
         "commit": os.environ.get("REDKNOT_COMMIT", "unknown"),
         "command": " ".join(sys.argv),
         "model": args.model,
-        "load_format": "dummy",
+        "load_format": load_format(args.model),
         "new_tokens": NEW_TOKENS,
         "cases": cases,
         "errors": {k: v["error"] for k, v in results.items() if "error" in v},
