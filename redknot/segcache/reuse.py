@@ -45,6 +45,7 @@ Adaptive restore of local heads by edge mass probes the same rows
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,7 +170,7 @@ def _report(
     marked: int,
     hits: int | None,
     uses: list[SegmentUse],
-    stored: list[Any] = (),
+    stored: Sequence[Any] = (),
 ) -> None:
     """Attach what ``start`` decided to ``req`` for its answer's ``meta_info`` (``hits`` None:
     the marks were not looked up; ``stored``: the marks its own prefill stores)."""
