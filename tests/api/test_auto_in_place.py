@@ -5,26 +5,27 @@ server stand-in (``tests/api/cpu_server.py``)."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from redknot.api.marks import KEY_STORE, SegmentMark, SegmentMarkError, stored_marks
-from tests.api.test_auto_segments import DOCS, captures, generate, marks_of, rag_prompt
+from tests.api.test_auto_segments import (
+    DOCS,
+    auto_server,
+    captures,
+    generate,
+    marks_of,
+    rag_prompt,
+)
 
 
 @pytest.fixture
 def make_server(http_app, smollm_tokenizer):
-    from tests.api.cpu_server import CpuServer
-
-    def make(**options):
-        options.setdefault("region_tokens", 4096)
-        options.setdefault("auto_segments", "cdc")
-        options.setdefault("auto_chunk_tokens", 32)
-        return CpuServer(http_app, smollm_tokenizer, **options)
-
-    return make
+    """The stand-in of ``test_auto_segments`` under the server's default (in place)."""
+    return functools.partial(auto_server, http_app, smollm_tokenizer)
 
 
 def _stored(out) -> list[dict]:

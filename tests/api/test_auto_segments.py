@@ -36,17 +36,22 @@ def rag_prompt(system: str, order: list[int], question: str) -> str:
     return f"{system}\n\n{body}\n\nQuestion: {question}\nAnswer:"
 
 
-@pytest.fixture
-def make_server(http_app, smollm_tokenizer):
+def auto_server(http_app, tokenizer, **options):
+    """A stand-in server with automatic chunks (``cdc``, chunks of about 32 tokens)."""
     from tests.api.cpu_server import CpuServer
 
+    options.setdefault("region_tokens", 4096)
+    options.setdefault("auto_segments", "cdc")
+    options.setdefault("auto_chunk_tokens", 32)
+    return CpuServer(http_app, tokenizer, **options)
+
+
+@pytest.fixture
+def make_server(http_app, smollm_tokenizer):
     def make(**options):
-        options.setdefault("region_tokens", 4096)
-        options.setdefault("auto_segments", "cdc")
-        options.setdefault("auto_chunk_tokens", 32)
         # the capture path apart (what most tests here check); in place: test_auto_in_place.py
         options.setdefault("auto_capture_in_place", "off")
-        return CpuServer(http_app, smollm_tokenizer, **options)
+        return auto_server(http_app, smollm_tokenizer, **options)
 
     return make
 
