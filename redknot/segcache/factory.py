@@ -1,7 +1,8 @@
 """Builds the tree cache of a redknot server.
 
 Exact-prefix reuse is ``RedknotRadixCache`` (SGLang's radix tree plus local-head snapshots), or
-SGLang's chunk cache with ``--disable-radix-cache``; SGLang's hybrid variants (SWA, Mamba,
+SGLang's chunk cache with ``--disable-radix-cache`` (refused next to a segment region: the chunk
+cache cannot carry the segment store); SGLang's hybrid variants (SWA, Mamba,
 hierarchical) do not apply because the server arguments reject those configurations.
 
 The cache carries the segment store (``cache.segments``), sized from the pool's segment region,
@@ -23,9 +24,18 @@ def create_tree_cache(ctx: Any):
         raise ValueError(
             "redknot's cache does not support hybrid SWA/SSM models or the hierarchical cache"
         )
-    if ctx.disable_radix_cache and ctx.effective_chunked_prefill_size is not None:
-        return ChunkCache(ctx.params)
     pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    if ctx.disable_radix_cache and ctx.effective_chunked_prefill_size is not None:
+        if getattr(pool, "segments", None) is not None:
+            raise ValueError(
+                "--disable-radix-cache makes SGLang use its chunk cache, which cannot hold "
+                "redknot's segment store, while a segment region is reserved "
+                "(--redknot-segment-fraction > 0): every segment mark would be ignored. Drop "
+                "--disable-radix-cache (a segment wholly inside an exact-prefix hit is served "
+                "by the prefix cache, any other is read from the store), or start with "
+                "--redknot-segment-fraction 0"
+            )
+        return ChunkCache(ctx.params)
     if not isinstance(pool, RedknotKVPool):
         raise TypeError(
             f"redknot's cache needs the redknot KV pool, found {type(pool).__name__}: the pool "

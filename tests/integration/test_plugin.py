@@ -89,3 +89,30 @@ def test_spawned_process_sees_plugin_and_published_config(sglang_plugins, llama_
     proc.join(timeout=60)
     assert status == "ok", payload
     assert '"all_global": true' in payload and '"window": 128' in payload
+
+
+def test_a_chunk_cache_is_refused_next_to_a_segment_region(monkeypatch):
+    """``--disable-radix-cache`` (with chunked prefill) gives SGLang's chunk cache, which holds
+    no segment store: with a segment region reserved the server would ignore every mark, so it
+    does not start; without a region the chunk cache serves as SGLang's."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache import chunk_cache
+
+    from redknot.segcache.factory import create_tree_cache
+
+    monkeypatch.setattr(chunk_cache, "ChunkCache", lambda params: ("chunk cache", params))
+
+    def ctx(segments):
+        pool = SimpleNamespace(segments=segments)
+        allocator = SimpleNamespace(get_kvcache=lambda: pool)
+        return SimpleNamespace(
+            is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
+            disable_radix_cache=True, effective_chunked_prefill_size=8192,
+            params=SimpleNamespace(token_to_kv_pool_allocator=allocator),
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="chunk cache.*--redknot-segment-fraction 0"):
+        create_tree_cache(ctx(segments=object()))
+    plain = ctx(segments=None)
+    assert create_tree_cache(plain) == ("chunk cache", plain.params)
