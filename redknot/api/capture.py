@@ -43,6 +43,13 @@ when streamed, the whole answer otherwise), the middleware hands its segments to
    the scheduler stores each one's rows alone, its keys rotated back to positions from 0
    (``redknot.segcache.registration``).
 
+Under ``--redknot-auto-capture-in-place on`` (the default) most automatic chunks never come
+here: the request that misses a chunk due for capture stores it from its own prefill (the HTTP
+side flags it with :meth:`Capturer.due_in_place`; ``redknot.segcache.registration.
+store_in_place``), its answer's reuse report lists it as ``stored``, and it reaches
+:meth:`Capturer.capture` as ``stored``: counted (``captures_in_place``) and learned from
+(edges), not sent.
+
 Before any of this, the middleware takes out the automatic segments that start inside the
 request's exact-prefix hit (the answer's ``meta_info.cached_tokens``; counted as
 ``captures_prefix_cached``): SGLang's prefix cache serves them to the prompts that continue
