@@ -80,22 +80,33 @@ def start(cache: Any, req: Any) -> None:
     if not is_registration(req):
         return
     reg = registration_of(req)
-    store = cache.segments
-    parts: list[tuple[SegmentEntry, int]] = []
-    for mark in reg.marks:
-        ids = list(req.origin_input_ids[mark.start : mark.end])
-        try:
-            entry = store.register(mark.namespace, ids, pin=reg.pin, capture=reg.capture)
-        except SegmentError as e:
-            store.note_failure(mark.segment_id, e)
-            logger.warning("redknot: segment registration not stored: %s", e)
-            continue
-        if entry.num_tokens != len(ids) or not store.claim_write(entry):
-            store.release(entry)  # already stored, or being written by another registration
-            continue
-        parts.append((entry, mark.start))
+    parts = [
+        (entry, mark.start)
+        for mark in reg.marks
+        if (entry := _claim(cache.segments, req, mark, reg.pin, reg.capture, logging.WARNING))
+        is not None
+    ]
     if parts:
         cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(parts)
+
+
+def _claim(
+    store: Any, req: Any, mark: Any, pin: bool, capture: bool, level: int
+) -> SegmentEntry | None:
+    """The segment of ``mark`` (its tokens in ``req``'s prompt), allocated with ``req`` as its
+    only writer; None when it is stored already, being written by another writer, or refused by
+    the store (the failure noted, and logged at ``level``)."""
+    ids = list(req.origin_input_ids[mark.start : mark.end])
+    try:
+        entry = store.register(mark.namespace, ids, pin=pin, capture=capture)
+    except SegmentError as e:
+        store.note_failure(mark.segment_id, e)
+        logger.log(level, "redknot: segment of request %s not stored: %s", req.rid, e)
+        return None
+    if entry.num_tokens != len(ids) or not store.claim_write(entry):
+        store.release(entry)  # already stored, or being written by another writer
+        return None
+    return entry
 
 
 def store_in_place(cache: Any, req: Any, marks: list[Any], prefix: int) -> list[Any]:
@@ -103,24 +114,14 @@ def store_in_place(cache: Any, req: Any, marks: list[Any], prefix: int) -> list[
     capture) that it computes in full (starting at or after its exact-prefix hit of ``prefix``
     tokens); those it will write. A segment stored meanwhile, being written by another writer,
     or that the store refuses (logged, as a capture's failure) is left out."""
-    store = cache.segments
-    parts: list[tuple[SegmentEntry, int]] = []
-    taken = []
+    parts, taken = [], []
     for mark in marks:
-        if mark.start < prefix:
-            continue
-        ids = list(req.origin_input_ids[mark.start : mark.end])
-        try:
-            entry = store.register(mark.namespace, ids, pin=False, capture=True)
-        except SegmentError as e:
-            store.note_failure(mark.segment_id, e)
-            logger.info("redknot: segment of request %s not stored in place: %s", req.rid, e)
-            continue
-        if entry.num_tokens != len(ids) or not store.claim_write(entry):
-            store.release(entry)
-            continue
-        parts.append((entry, mark.start))
-        taken.append(mark)
+        entry = None
+        if mark.start >= prefix:
+            entry = _claim(cache.segments, req, mark, False, True, logging.INFO)
+        if entry is not None:
+            parts.append((entry, mark.start))
+            taken.append(mark)
     if parts:
         cache.pool.segment_jobs[req.req_pool_idx] = WriteJob(parts, written=prefix)
     return taken
