@@ -193,6 +193,17 @@ class Capturer:
             return True
         return self._seen.get(sid, 0) + 1 >= self.auto_capture_after
 
+    def stored_here(self, marks: Sequence[Any], ids: Sequence[int], chunks: bool) -> list[int]:
+        """The indices of ``marks`` (automatic segments of the prompt ``ids``) that the request
+        stores itself if it misses them (:meth:`due_in_place`; ``chunks``: chunks of an unmarked
+        ``/generate`` prompt, of which a ``cdc-docs`` document is captured apart; else a chat
+        request's message segments)."""
+        return [
+            i for i, m in enumerate(marks)
+            if self.due_in_place(m.segment_id, chunks)
+            and not (chunks and self._is_document(ids[m.start : m.end]))
+        ]  # fmt: skip
+
     async def capture(self, segments: Sequence[Pending], stored: Sequence[Pending] = ()) -> None:
         """Capture those of ``segments`` (what :func:`note` collected) the store lacks;
         ``stored``: the automatic chunks the request's own prefill stored (its reuse report's

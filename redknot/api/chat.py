@@ -291,7 +291,7 @@ def around_apply_jinja_template(
     marks = api.marks(ids, spans, [scheme.namespace] * len(spans), where="chat")
     store = []  # automatic segments this request stores itself if it misses them
     if scheme.auto and capture and api.inert is None:
-        store = [i for i, m in enumerate(marks) if api.capture.due_in_place(m.segment_id, False)]
+        store = api.capture.stored_here(marks, ids, chunks=False)
     request.custom_params = {**(request.custom_params or {}), **api.encode(marks, store)}
     if scheme.auto:
         api.counters.add(auto_requests=1, auto_chunks_marked=len(marks))

@@ -226,12 +226,7 @@ def _attach(
         return 0
     store: list[int] = []
     if chunks and capture and api.inert is None:
-        store = [
-            i for i, m in enumerate(marks)
-            if api.capture.due_in_place(m.segment_id) and not api.auto.is_document(
-                input_ids[m.start : m.end]
-            )
-        ]  # fmt: skip
+        store = api.capture.stored_here(marks, input_ids, chunks=True)
     custom = dict(params.get("custom_params") or {})
     custom.update(api.encode(marks, store))
     params["custom_params"] = custom
