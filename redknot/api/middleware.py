@@ -140,16 +140,11 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
             status = message.get("status")
         elif message["type"] == "http.response.body" and task is None and status == 200 and pending:
             meta = _first_answer(message.get("body", b""))
-            served = _in_prefix_hit(pending, meta)
+            served = _take(pending, _in_prefix_hit(pending, meta))
             if served:
                 api.counters.add(captures_prefix_cached=len(served))
                 api.capture.served(served)
-                gone = {id(p) for p in served}
-                pending[:] = [p for p in pending if id(p) not in gone]
-            stored = _stored_here(pending, meta)
-            if stored:
-                gone = {id(p) for p in stored}
-                pending[:] = [p for p in pending if id(p) not in gone]
+            stored = _take(pending, _stored_here(pending, meta))
             if _all_hit(meta, len(stored)):
                 api.counters.add(captures_skipped=len(pending))
                 pending.clear()
@@ -161,6 +156,13 @@ async def _serve_capturing(app, scope, receive, send, api: SegmentApi, pending: 
     finally:
         if task is not None:
             await task
+
+
+def _take(pending: list[Pending], items: list[Pending]) -> list[Pending]:
+    """``items`` (some of ``pending``), taken out of ``pending``."""
+    gone = {id(p) for p in items}
+    pending[:] = [p for p in pending if id(p) not in gone]
+    return items
 
 
 def _first_answer(first: bytes) -> dict | None:
