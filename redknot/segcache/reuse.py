@@ -103,11 +103,11 @@ def start(cache: Any, req: Any) -> None:
     if getattr(req, "sampling_params", None) is None:
         return
     gate = getattr(cache.pool, "reuse_gate", None)
-    prompt_len = len(req.origin_input_ids)
+    prompt_len, prefix = len(req.origin_input_ids), _prefix_len(req)
     inert = recomputed_marks(req)
     if inert:  # marked on a server whose gate recomputes every prompt: nothing to look up
         if gate is not None:  # why, for the answer (no log line: the server said it once)
-            req.redknot_reuse = gate.hopeless(prompt_len, len(req.prefix_indices))
+            req.redknot_reuse = gate.hopeless(prompt_len, prefix)
             gate.count_inert()
         _report(req, cache.pool, inert, None, [])
         return
@@ -116,7 +116,7 @@ def start(cache: Any, req: Any) -> None:
             return
         # a prompt that no hit could make worth reusing reads no K/V: its marks' ids are only
         # counted and reported, not checked against its tokens (that packs and hashes them all)
-        hopeless = None if gate is None else gate.hopeless(prompt_len, len(req.prefix_indices))
+        hopeless = None if gate is None else gate.hopeless(prompt_len, prefix)
         marks = segments_of(req, verify=hopeless is None)
         due = stored_marks(req, marks)
     except SegmentMarkError as e:  # validated by the API; never fail the scheduler on it
@@ -133,7 +133,6 @@ def start(cache: Any, req: Any) -> None:
     hits = sum(1 for _, entry in found if entry)
     # a hit inside the exact-prefix hit reads nothing (SGLang's prefix cache serves those
     # tokens): not held, and the extend stays off the reuse kernels
-    prefix = _prefix_len(req)
     uses = [
         SegmentUse(mark.start, entry, prompt_len)
         for mark, entry in found
