@@ -133,6 +133,10 @@ class SegPagedRunner:
         self.graph_rows: torch.Tensor | None = None
         self.extend_state: ExtendState | None = None
         self.dense_writes: SegmentWrites | None = None  # a FlashInfer batch's (plan_dense)
+        # Segment writes at their stored positions: rope_align with equal positions copies rows
+        # bit for bit and never uses its table's values, so one row of zeros serves any model
+        self._copy_table = torch.zeros((1, layout.head_dim), dtype=torch.float32, device=device)
+        self._zeros = torch.zeros(4096, dtype=torch.int64, device=device)
 
     @classmethod
     def from_model_runner(cls, model_runner, layout: HeadLayout) -> SegPagedRunner:
@@ -487,16 +491,33 @@ class SegPagedRunner:
             self._write_segments(lid, k, v, state.segment_writes)
 
     def _write_segments(self, lid: int, k, v, writes: SegmentWrites) -> None:
-        """Registered segments' K/V of one layer into the region (``k``, ``v``: [T, H_kv, D])."""
-        idx = writes.tokens_gpu
-        keys = k[idx]
-        if writes.pos_gpu is not None:  # captured after a context: back to positions from 0
-            rope_align(
-                k, idx, keys, self._arange[: idx.numel()], writes.pos_gpu[0],
-                writes.pos_gpu[1], self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
-                rotary_dim=self.rope.rotary_dim,
-            )  # fmt: skip
-        self.pool.segments.write(lid, writes.rows_gpu, keys, v[idx])
+        """Registered segments' K/V of one layer into the region (``k``, ``v``: [T, H_kv, D]):
+        one launch gathers the batch rows, rotates the keys of a capture after its context back
+        to positions from 0 (others are copied bit for bit) and writes keys and values of the
+        region's heads."""
+        region = self.pool.segments
+        if not region.heads[lid]:
+            return
+        n = writes.tokens_gpu.numel()
+        if writes.pos_gpu is None:  # stored positions: equal positions copy bit for bit
+            pos_off = pos_on = self._zero_positions(n)
+            table, is_neox = self._copy_table, True
+        else:
+            pos_off, pos_on = writes.pos_gpu[0], writes.pos_gpu[1]
+            table, is_neox = self.rope.cos_sin_cache, self.rope.is_neox
+        heads = self.consts[lid].stored if len(region.heads[lid]) != k.shape[1] else None
+        rope_align(
+            k, writes.tokens_gpu, region.k[lid], writes.rows_gpu, pos_off, pos_on, table,
+            is_neox=is_neox, v_src=v, v_dst=region.v[lid],
+            src_heads=None if heads is None else heads.heads,
+            dst_heads=None if heads is None else heads.cols,
+        )  # fmt: skip
+
+    def _zero_positions(self, n: int) -> torch.Tensor:
+        """``n`` zero positions (int64, on the device), from a buffer grown as needed."""
+        if self._zeros.numel() < n:
+            self._zeros = self._zeros.new_zeros(1 << (n - 1).bit_length())
+        return self._zeros[:n]
 
     @staticmethod
     def _held_rows(state: ExtendState) -> HeldRows | None:
