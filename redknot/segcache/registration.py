@@ -32,6 +32,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from redknot.segcache.entry import SegmentEntry, SegmentError, SegmentNotFound
@@ -132,7 +133,7 @@ def plan_writes(
 ) -> SegmentWrites | None:
     """The segment writes of one extend batch; completes the jobs whose last token it computes."""
     tokens: list[int] = []
-    rows: list[torch.Tensor] = []
+    rows: list[np.ndarray] = []
     shifts: list[int] = []  # prompt position - segment position
     positions: list[int] = []  # prompt position
     offset = 0
@@ -148,7 +149,7 @@ def plan_writes(
                     if end <= first:
                         continue
                     tokens.extend(range(offset + first - p, offset + end - p))
-                    rows.append(entry.rows()[first - s : end - s])
+                    rows.append(entry.rows_of(np.arange(first - s, end - s)))
                     shifts.extend([s] * (end - first))
                     positions.extend(range(first, end))
                     if end == s + entry.num_tokens:  # its last token: ready
@@ -161,15 +162,12 @@ def plan_writes(
         offset += e
     if not tokens:
         return None
-    pos = None
-    if any(shifts):  # a capture after its context: keys rotated back to positions from 0
-        on = [q - c for q, c in zip(positions, shifts)]
-        pos = torch.tensor([positions, on], dtype=torch.int64).to(device, non_blocking=True)
-    return SegmentWrites(
-        torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True),
-        torch.cat(rows).to(device, non_blocking=True),
-        pos,
-    )
+    shifted = any(shifts)
+    packed = [tokens, np.concatenate(rows)]
+    if shifted:  # a capture after its context: keys rotated back to positions from 0
+        packed += [positions, [q - c for q, c in zip(positions, shifts)]]
+    packed_gpu = torch.from_numpy(np.vstack(packed).astype(np.int64)).to(device, non_blocking=True)
+    return SegmentWrites(packed_gpu[0], packed_gpu[1], packed_gpu[2:] if shifted else None)
 
 
 def finish(pool: Any, req_pool_idx: int | None) -> None:
