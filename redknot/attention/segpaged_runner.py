@@ -28,6 +28,7 @@ from redknot.attention.extend_state import (
     rows_per_request,
 )
 from redknot.attention.ffn_schedule import SCHEDULE
+from redknot.attention.slots import request_slots
 from redknot.attention.token_policy import TokenPolicy, kept_rows, per_request, segment_spans
 from redknot.attention.trace import phase
 from redknot.kernels.choose import choose_rows
@@ -191,7 +192,7 @@ class SegPagedRunner:
         work = (pool.segment_reads, pool.capture_jobs)
         if not any(work):
             return False
-        return any(rpi in w for rpi in fb.req_pool_indices.tolist() for w in work)
+        return any(rpi in w for rpi in request_slots(fb) for w in work)
 
     def plan_dense(self, fb: ForwardBatch) -> None:
         """A batch that FlashInfer runs: the forward's start, and the segment writes of the
@@ -200,7 +201,7 @@ class SegPagedRunner:
         mode = fb.forward_mode
         if not self.pool.segment_jobs or mode not in (mode.EXTEND, mode.MIXED):
             return
-        rpis = fb.req_pool_indices.tolist()
+        rpis = request_slots(fb)
         if any(rpi in self.pool.segment_jobs for rpi in rpis):
             self.dense_writes = registration.plan_writes(
                 self.pool, rpis, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, self.device
@@ -234,7 +235,7 @@ class SegPagedRunner:
         ):
             return False
         reads = self.pool.segment_reads
-        return any(rpi in reads for rpi in fb.req_pool_indices.tolist())
+        return any(rpi in reads for rpi in request_slots(fb))
 
     def _plan_decode(self, fb: ForwardBatch) -> None:
         self.decode_plan = plan_decode(
@@ -289,7 +290,7 @@ class SegPagedRunner:
         capture = self._plan_captures(fb, prefix_cpu, lens_cpu) if self.pool.capture_jobs else None
         writes = reads = rpis = None
         if self.pool.segment_jobs or self.pool.segment_reads:
-            rpis = fb.req_pool_indices.tolist()
+            rpis = request_slots(fb)
         if self.pool.segment_jobs:
             writes = registration.plan_writes(self.pool, rpis, prefix_cpu, lens_cpu, self.device)
         if self.pool.segment_reads:
@@ -316,7 +317,7 @@ class SegPagedRunner:
         """Rows of the snapshot captures whose branch point this extend computes."""
         rows: tuple[list[int], ...] = ([], [], [], [])
         offset = 0
-        for rpi, p, e in zip(fb.req_pool_indices.tolist(), list(prefix_cpu), list(lens_cpu)):
+        for rpi, p, e in zip(request_slots(fb), list(prefix_cpu), list(lens_cpu)):
             job = self.pool.capture_jobs.get(rpi)
             if job is not None and int(p) < job.position <= int(p) + int(e):
                 for acc, part in zip(rows, capture_rows(self.pool, job, rpi, int(p), offset)):

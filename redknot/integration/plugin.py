@@ -138,6 +138,15 @@ def _around_decode_can_run_graph(original, self, forward_batch):
     return original(self, forward_batch)
 
 
+def _after_forward_batch_init(result, cls, batch, *args, **kwargs):
+    """Every forward batch carries its requests' slots on the host (``redknot_req_slots``, read
+    by :func:`redknot.attention.slots.request_slots`): the backend plans a batch's segment work
+    without reading ``req_pool_indices`` back from the device."""
+    reqs = getattr(batch, "reqs", None)
+    if result is not None and reqs is not None:
+        result.redknot_req_slots = [req.req_pool_idx for req in reqs]
+
+
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 HOOKS: tuple[Hook, ...] = (
@@ -153,6 +162,11 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_KVC}._profile_available_bytes", "AFTER", _after_available_bytes),
     Hook(f"{_KVC}.resolve_max_num_reqs", "AFTER", _after_max_num_reqs),
     Hook(f"{_KVC}._build_token_to_kv_pool", "AROUND", _around_build_pool),
+    Hook(
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+        "AFTER",
+        _after_forward_batch_init,
+    ),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", "AROUND", _around_req_slot_alloc),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free", "AFTER", _after_req_slot_free),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", "AFTER", _after_req_slots_clear),

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from redknot.attention.slots import request_slots
 from redknot.lfps.batch_state import LfpsBatchState
 from redknot.lfps.params import LfpsParams
 from redknot.lfps.state import table_norm
@@ -289,7 +290,7 @@ class LfpsServing:
             if row is None:
                 continue
             if pool_rows is None:
-                pool_rows = forward_batch.req_pool_indices.tolist()
+                pool_rows = request_slots(forward_batch)
             self.extend_rows.append((row, int(pool_rows[i]), n, end, int(lens[i])))
 
     def wants_extend(self, forward_batch) -> bool:

@@ -116,3 +116,20 @@ def test_a_chunk_cache_is_refused_next_to_a_segment_region(monkeypatch):
         create_tree_cache(ctx(segments=object()))
     plain = ctx(segments=None)
     assert create_tree_cache(plain) == ("chunk cache", plain.params)
+
+
+def test_the_plugin_attaches_the_slots_of_the_batch_requests_in_order(sglang_plugins):
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from redknot.attention.slots import request_slots
+    from redknot.integration.plugin import _after_forward_batch_init, _hook_applied
+
+    target = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+    assert _hook_applied(target, _after_forward_batch_init)
+    batch = SimpleNamespace(reqs=[SimpleNamespace(req_pool_idx=i) for i in (4, 1, 9)])
+    fb = SimpleNamespace(req_pool_indices=torch.tensor([4, 1, 9]))
+    assert _after_forward_batch_init(fb, ForwardBatch, batch, None) is None  # keeps the result
+    assert fb.redknot_req_slots == [4, 1, 9] and request_slots(fb) == [4, 1, 9]
