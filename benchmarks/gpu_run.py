@@ -22,6 +22,7 @@ listing what it wrote, with the headline figures of each JSON. Standard library 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -263,18 +264,39 @@ def job_replay(a, tree, env) -> int:
         modes = ["--modes", a.modes, "--capture-requests", str(a.capture_requests)]
         systems.append((f"redknot-{policy}", flags, modes))
     rc = 0
-    for name, flags, modes in systems:
-        if a.systems != "all" and name not in a.systems.split(","):
-            continue
-        server = gm.start_server(common + flags, a.port, tree, env, f"server_{name}.log")
-        try:
-            if not gm.wait_healthy(server, a.port, f"server_{name}.log", a.startup_s):
-                rc = 1
+    cores = sorted(os.sched_getaffinity(0))
+    half = len(cores) // 2
+    pinned: dict = {"cpus": None}
+    base = None
+    if a.paired is not None:  # the baseline, up beside every redknot server
+        frac = ["--mem-fraction-static", str(a.paired)]
+        common += frac
+        flags = common + systems[0][1]
+        base = gm.start_server(flags, a.port + 1, tree, env, "server_paired.log", cores[half:])
+        if not gm.wait_healthy(base, a.port + 1, "server_paired.log", a.startup_s):
+            gm.stop_server(base)
+            return 1
+        replay += ["--paired-url", f"http://127.0.0.1:{a.port + 1}"]
+        pinned["cpus"] = cores[:half]
+        systems = systems[1:]
+    try:
+        for name, flags, modes in systems:
+            if a.systems != "all" and name not in a.systems.split(","):
                 continue
-            cmd = py("benchmarks/trace_replay.py", "--url", f"http://127.0.0.1:{a.port}")
-            rc |= gm.run(cmd + ["--system", name, *modes, *replay], tree, env, f"replay_{name}.log")
-        finally:
-            gm.stop_server(server)
+            log = f"server_{name}.log"
+            server = gm.start_server(common + flags, a.port, tree, env, log, **pinned)
+            try:
+                if not gm.wait_healthy(server, a.port, log, a.startup_s):
+                    rc = 1
+                    continue
+                cmd = py("benchmarks/trace_replay.py", "--url", f"http://127.0.0.1:{a.port}")
+                cmd += ["--system", name, *modes, *replay]
+                rc |= gm.run(cmd, tree, env, f"replay_{name}.log")
+            finally:
+                gm.stop_server(server)
+    finally:
+        if base is not None:
+            gm.stop_server(base)
     return rc
 
 
@@ -349,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-args", default="", help="more trace_replay.py flags")
     p.add_argument("--startup-s", type=float, default=420)
     p.add_argument("--port", type=int, default=30000, help="another for a second GPU's runner")
+    p.add_argument("--paired", type=float, default=None, metavar="FRACTION",
+                   help="a flashinfer server up beside each redknot server on the next port, "
+                   "each with this --mem-fraction-static and half the CPU cores, sent every "
+                   "closed-loop request too (trace_replay.py --paired-url)")  # fmt: skip
     p.set_defaults(run=job_replay)
     return ap
 

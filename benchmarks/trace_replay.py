@@ -409,17 +409,49 @@ def replay(
     warmup: int,
     extra: dict | None = None,
     sightings: int = 1,
+    paired: Any = None,
 ) -> dict:
     """Send ``requests`` one at a time, each ``sightings`` times in a row; the figures of the
-    first sends after the first ``warmup`` requests."""
+    first sends after the first ``warmup`` requests. ``paired``: a baseline server (no markup)
+    sent every request too, right before or after ``target`` (alternating), so that both
+    servers' TTFTs of one request are taken moments apart (``paired`` figures of the row)."""
     target.start(mode)
     started = time.perf_counter()
-    sent = [
-        target.send(body(another_head(req, j), mode, extra))
-        for req in requests
-        for j in range(sightings)
+    sent, base = [], []
+    for k, req in enumerate(requests):
+        for j in range(sightings):
+            one = another_head(req, j)
+            if paired is not None and k % 2:
+                base.append(paired.send(body(one, "plain")))
+            sent.append(target.send(body(one, mode, extra)))
+            if paired is not None and not k % 2:
+                base.append(paired.send(body(one, "plain")))
+    row = summarize(sent[::sightings], time.perf_counter() - started, warmup)
+    if paired is not None:
+        row["paired"] = paired_figures(sent[::sightings], base[::sightings], warmup, paired.name)
+    return row
+
+
+def paired_figures(sent: list[Sent], base: list[Sent], warmup: int, system: str) -> dict:
+    """The baseline's TTFTs of the same requests, and the paired speedup: the median over
+    requests after ``warmup`` of the baseline's TTFT over the server's."""
+    pairs = [
+        (b.ttft_s, s.ttft_s)
+        for s, b in zip(sent[warmup:], base[warmup:])
+        if s.ttft_s is not None and b.ttft_s is not None
     ]
-    return summarize(sent[::sightings], time.perf_counter() - started, warmup)
+    if not pairs:
+        return {"system": system, "requests": 0}
+    base_p50 = statistics.median(b for b, _ in pairs)
+    return {
+        "system": system,
+        "requests": len(pairs),
+        "order": "alternating: the server first for even requests, the baseline for odd ones",
+        "ttft_p50_s": base_p50,
+        "ttft_p50_ratio": round(base_p50 / statistics.median(s for _, s in pairs), 4),
+        "speedup_p50": round(statistics.median(b / s for b, s in pairs), 4),
+        "ttfts_s": [b.ttft_s for b in base],
+    }
 
 
 def another_head(req: Request, j: int) -> Request:
@@ -563,6 +595,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "system renamed) into --out",
     )
     p.add_argument("--system", default=None, help=f"the server's label ({BASELINE}: baseline)")
+    p.add_argument("--paired-url", default=None,
+                   help="a baseline server (no markup) sent every closed-loop request too, "
+                   "alternating which goes first: the rows' 'paired' figures")  # fmt: skip
+    p.add_argument("--paired-system", default=BASELINE, help="--paired-url's label")
     p.add_argument("--workloads", default="rag,chat")
     p.add_argument("--modes", default="marked,auto")
     p.add_argument("--seed", type=int, default=0)
@@ -621,6 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         system = args.system or "redknot"
         target = Http(args.url, system)
+    paired = Http(args.paired_url, args.paired_system) if args.paired_url else None
     old = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).is_file() else {}
     rows: list[dict] = old.get("rows", [])
     commands = old.get("commands", []) + [common.record()["command"]]
@@ -649,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             requests = WORKLOADS[name](args.seed, salt=salt_of(mode, CLOSED), **sizes[name])
             warmup = args.warmup if args.warmup is not None else len(requests) // 4
             row = {"workload": name, "mode": mode, "system": system, "arrival": CLOSED}
-            row |= replay(target, requests, mode, warmup)
+            row |= replay(target, requests, mode, warmup, paired=paired)
             row["markable_fraction"] = markable_fraction(requests, warmup)
             row |= {"capture_overhead": None, "speedup_p50_vs_flashinfer": None}
             add(row)

@@ -148,6 +148,33 @@ def test_open_loop_sends_every_request_and_counts_what_failed():
     assert row["policies"] == ["cacheblend"] and len(target.bodies) == 5
 
 
+def test_a_paired_baseline_gets_every_request_unmarked_in_alternating_order():
+    log: list[str] = []
+
+    class Timed:
+        def __init__(self, name, ttft):
+            self.name, self.ttft = name, ttft
+
+        def start(self, mode):
+            pass
+
+        def send(self, payload):
+            log.append(self.name)
+            assert ("redknot_segments" in payload) == (self.name == "redknot")
+            return Sent(len(payload["input_ids"]), 0, self.ttft(len(log)), None)
+
+    reqs = rag_workload(0, docs=9, requests=6, doc_tokens=(5, 8))
+    # the baseline is twice as slow on every second call, the server 0.5 s throughout
+    base = Timed("flashinfer", lambda n: 2.0 if n % 4 == 3 else 1.0)
+    row = replay(Timed("redknot", lambda n: 0.5), reqs, "marked", 2, paired=base)
+    assert log == ["redknot", "flashinfer", "flashinfer", "redknot"] * 3
+    paired = row["paired"]
+    assert paired["system"] == "flashinfer" and paired["requests"] == 4
+    assert paired["ttfts_s"] == [1.0, 2.0] * 3  # every request's, warmup included
+    assert paired["speedup_p50"] == 3.0 and paired["ttft_p50_ratio"] == 3.0  # of 2, 4, 2, 4
+    assert "paired" not in replay(Timed("redknot", lambda n: 0.5), reqs, "marked", 2)
+
+
 def test_speedups_pair_rows_of_the_same_workload_and_arrival_with_the_baseline():
     rows = [
         {"workload": "rag", "arrival": CLOSED, "system": "flashinfer", "ttft_p50_s": 0.9},
