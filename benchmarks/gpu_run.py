@@ -269,9 +269,9 @@ def job_replay(a, tree, env) -> int:
     pinned: dict = {"cpus": None}
     base = None
     if a.paired is not None:  # the baseline, up beside every redknot server
-        frac = ["--mem-fraction-static", str(a.paired)]
-        common += frac
-        flags = common + systems[0][1]
+        fractions = a.paired.split(",")
+        flags = common + ["--mem-fraction-static", fractions[0], *systems[0][1]]
+        common += ["--mem-fraction-static", fractions[-1]]
         base = gm.start_server(flags, a.port + 1, tree, env, "server_paired.log", cores[half:])
         if not gm.wait_healthy(base, a.port + 1, "server_paired.log", a.startup_s):
             gm.stop_server(base)
@@ -371,10 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-args", default="", help="more trace_replay.py flags")
     p.add_argument("--startup-s", type=float, default=420)
     p.add_argument("--port", type=int, default=30000, help="another for a second GPU's runner")
-    p.add_argument("--paired", type=float, default=None, metavar="FRACTION",
-                   help="a flashinfer server up beside each redknot server on the next port, "
-                   "each with this --mem-fraction-static and half the CPU cores, sent every "
-                   "closed-loop request too (trace_replay.py --paired-url)")  # fmt: skip
+    p.add_argument("--paired", default=None, metavar="BASE,SERVER",
+                   help="a flashinfer server up beside each redknot server on the next port, on "
+                   "half the CPU cores, sent every closed-loop request too (trace_replay.py "
+                   "--paired-url); their --mem-fraction-static values: SGLang sizes a server's "
+                   "KV from the memory free when it starts, so the redknot server, started "
+                   "second, needs a larger one for the same KV (0.45,0.92 on an H200)")  # fmt: skip
     p.set_defaults(run=job_replay)
     return ap
 
