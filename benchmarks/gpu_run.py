@@ -257,6 +257,7 @@ def job_replay(a, tree, env) -> int:
     replay += ["--open-workloads", "rag"]
     replay += ["--out", out, "--merge", *shlex.split(a.replay_args)]
     common = ["--model-path", a.model, *shlex.split(REPLAY_SERVER)]
+    common += ["--enable-metrics"] if a.phases else []
     systems = [("flashinfer", ["--attention-backend", "flashinfer"], ["--modes", "plain"])]
     for policy in a.policies.split(","):
         flags = ["--attention-backend", "redknot", "--redknot-policy", policy]
@@ -377,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--paired-url); their --mem-fraction-static values: SGLang sizes a server's "
                    "KV from the memory free when it starts, so the redknot server, started "
                    "second, needs a larger one for the same KV (0.45,0.92 on an H200)")  # fmt: skip
+    p.add_argument("--phases", action="store_true",
+                   help="every server with --enable-metrics: the rows' per-phase times of each "
+                   "request from SGLang's timestamps (trace_replay.py phases_ms)")  # fmt: skip
     p.set_defaults(run=job_replay)
     return ap
 

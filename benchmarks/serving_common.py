@@ -140,3 +140,23 @@ def reusing_prompt(head: list[int], docs: list[list[int]], question: list[int],
         spans.append({"start": len(ids), "end": len(ids) + len(doc), "namespace": namespace})
         ids += doc
     return ids + list(question), spans
+
+
+# Where a request's first token went, from the timestamps SGLang's --enable-metrics puts in
+# meta_info (wall clock, this machine): phase -> (from, to); "sent" and "first_token" are the
+# client's own.
+PHASES = {
+    "http_in": ("sent", "request_received_ts"),  # HTTP, redknot's /generate rewrite
+    "api_dispatch": ("request_received_ts", "api_server_dispatch_finish_ts"),
+    "to_forward": ("api_server_dispatch_finish_ts", "forward_entry_time"),  # IPC, scheduler
+    "prefill": ("forward_entry_time", "prefill_finished_time"),  # the extend and its sample
+    "out": ("prefill_finished_time", "first_token"),  # detokenizer, HTTP stream
+}
+
+
+def phases_of(meta: dict, sent: float, ttft: float) -> dict[str, float] | None:
+    """Seconds per phase of :data:`PHASES`; None without SGLang's timestamps."""
+    at = dict(meta, sent=sent, first_token=sent + ttft)
+    if not all(isinstance(at.get(k), (int, float)) for pair in PHASES.values() for k in pair):
+        return None
+    return {name: at[b] - at[a] for name, (a, b) in PHASES.items()}

@@ -198,6 +198,7 @@ class Sent:
     ttft_s: float | None
     policy: str | None = None
     cached_tokens: int = 0  # SGLang's meta_info cached_tokens (exact-prefix hits, radix cache)
+    phases: dict[str, float] | None = None  # serving_common.phases_of (servers with metrics on)
 
 
 class StandIn:
@@ -335,10 +336,14 @@ class Http:
             return None
 
     def send(self, payload: dict) -> Sent:
+        from serving_common import phases_of
+
+        sent = time.time()
         first, meta = stream_generate(self.url, payload)
         prompt = meta.get("prompt_tokens", len(payload["input_ids"]))
         cached = int(meta.get("cached_tokens") or 0)
-        return Sent(prompt, _reused(meta), first, _policy(meta), cached)
+        phases = phases_of(meta, sent, first) if first is not None else None
+        return Sent(prompt, _reused(meta), first, _policy(meta), cached, phases)
 
 
 def stream_generate(url: str, payload: dict, timeout: float = 600) -> tuple[float, dict]:
@@ -399,6 +404,22 @@ def summarize(sent: list[Sent], seconds: float, warmup: int) -> dict:
         "per_request": [
             [s.prompt_tokens, s.reused_tokens, s.ttft_s, s.cached_tokens] for s in sent
         ],
+    } | phase_figures(sent, warmup)
+
+
+def phase_figures(sent: list[Sent], warmup: int) -> dict:
+    """Where the first tokens went, from SGLang's request timestamps (servers started with
+    ``--enable-metrics``; nothing otherwise): the median per phase after ``warmup`` and every
+    request's phases, in milliseconds."""
+    if not any(s.phases for s in sent):
+        return {}
+    after = [s.phases for s in sent[warmup:] if s.phases]
+    names = list(after[0]) if after else []
+    return {
+        "phases_p50_ms": {n: round(1e3 * statistics.median(p[n] for p in after), 3) for n in names},
+        "phases_ms": [
+            {n: round(1e3 * v, 3) for n, v in s.phases.items()} if s.phases else None for s in sent
+        ],
     }
 
 
@@ -451,7 +472,7 @@ def paired_figures(sent: list[Sent], base: list[Sent], warmup: int, system: str)
         "ttft_p50_ratio": round(base_p50 / statistics.median(s for _, s in pairs), 4),
         "speedup_p50": round(statistics.median(b / s for b, s in pairs), 4),
         "ttfts_s": [b.ttft_s for b in base],
-    }
+    } | phase_figures(base, warmup)
 
 
 def another_head(req: Request, j: int) -> Request:

@@ -13,6 +13,7 @@ from benchmarks.trace_replay import (
     chat_workload,
     fill_speedups,
     markable_fraction,
+    phase_figures,
     rag_workload,
     replay,
     replay_open,
@@ -173,6 +174,18 @@ def test_a_paired_baseline_gets_every_request_unmarked_in_alternating_order():
     assert paired["ttfts_s"] == [1.0, 2.0] * 3  # every request's, warmup included
     assert paired["speedup_p50"] == 3.0 and paired["ttft_p50_ratio"] == 3.0  # of 2, 4, 2, 4
     assert "paired" not in replay(Timed("redknot", lambda n: 0.5), reqs, "marked", 2)
+
+
+def test_phase_figures_are_medians_after_warmup_and_every_request_in_ms():
+    def sent(prefill):
+        return Sent(10, 0, 0.05, phases={"to_forward": 0.001, "prefill": prefill})
+
+    rows = [sent(0.9), sent(0.010), sent(0.030), Sent(10, 0, 0.05), sent(0.020)]
+    figures = phase_figures(rows, warmup=1)
+    assert figures["phases_p50_ms"] == {"to_forward": 1.0, "prefill": 20.0}
+    assert figures["phases_ms"][0] == {"to_forward": 1.0, "prefill": 900.0}
+    assert figures["phases_ms"][3] is None and len(figures["phases_ms"]) == 5
+    assert phase_figures([Sent(10, 0, 0.05)], warmup=0) == {}  # a server without metrics
 
 
 def test_speedups_pair_rows_of_the_same_workload_and_arrival_with_the_baseline():
