@@ -230,8 +230,8 @@ class RedknotConfig:
         "head and tail is one segment, as registered: with --redknot-policy epic 0.92 of the "
         "replayed RAG prompt tokens reused, 5.7x flashinfer's TTFT, and SmolLM2's answers kept "
         "as with registered documents; the mode for RAG traffic). Off by default: measured "
-        "0.94x flashinfer's TTFT on chat traffic (H100, 8B shape), and on the shipped model "
-        "nothing is reused.",
+        "0.93-0.94x flashinfer's TTFT on chat traffic (H100 and H200 side by side, 8B shape), "
+        "and on the shipped model nothing is reused.",
         default="off",
     )
     auto_chunk_tokens: int = _opt(
