@@ -267,18 +267,26 @@ def job_replay(a, tree, env) -> int:
     rc = 0
     cores = sorted(os.sched_getaffinity(0))
     half = len(cores) // 2
+    lower, upper = cores[:half], cores[half:]
+    if a.swap_cores:
+        lower, upper = upper, lower
+    profiles = Path("/tmp/replay_profiles")
+    if a.profile_at is not None:
+        subprocess.run(["rm", "-rf", str(profiles)], check=True)
+        replay += ["--profile-dir", str(profiles), "--profile-at", str(a.profile_at)]
+        replay += ["--profile-requests", str(a.profile_requests)]
     pinned: dict = {"cpus": None}
     base = None
     if a.paired is not None:  # the baseline, up beside every redknot server
         fractions = a.paired.split(",")
         flags = common + ["--mem-fraction-static", fractions[0], *systems[0][1]]
         common += ["--mem-fraction-static", fractions[-1]]
-        base = gm.start_server(flags, a.port + 1, tree, env, "server_paired.log", cores[half:])
+        base = gm.start_server(flags, a.port + 1, tree, env, "server_paired.log", upper)
         if not gm.wait_healthy(base, a.port + 1, "server_paired.log", a.startup_s):
             gm.stop_server(base)
             return 1
         replay += ["--paired-url", f"http://127.0.0.1:{a.port + 1}"]
-        pinned["cpus"] = cores[:half]
+        pinned["cpus"] = lower
         systems = systems[1:]
     try:
         for name, flags, modes in systems:
@@ -298,6 +306,10 @@ def job_replay(a, tree, env) -> int:
     finally:
         if base is not None:
             gm.stop_server(base)
+    for trace in sorted(profiles.glob("*/*.trace.json.gz")) if a.profile_at is not None else []:
+        out = gm.OUT / f"profile_replay_{gm.plain(trace.parent.name)}_{gm.plain(trace.name)}.json"
+        cmd = py("benchmarks/profile_summary.py", trace, "--top", "25", "--out", out)
+        rc |= gm.run(cmd, tree, env, "profile_summary_replay.log")
     return rc
 
 
@@ -378,6 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "--paired-url); their --mem-fraction-static values: SGLang sizes a server's "
                    "KV from the memory free when it starts, so the redknot server, started "
                    "second, needs a larger one for the same KV (0.45,0.92 on an H200)")  # fmt: skip
+    p.add_argument("--profile-at", type=int, default=None, metavar="K",
+                   help="closed-loop requests K .. K + --profile-requests - 1 of each pass under "
+                   "SGLang's torch profiler on every server, each trace summarised "
+                   "(profile_summary.py: $OUT/profile_replay_SERVER-MODE.json)")  # fmt: skip
+    p.add_argument("--profile-requests", type=int, default=4)
+    p.add_argument("--swap-cores", action="store_true",
+                   help="with --paired: the redknot server on the upper half of the cores, "
+                   "flashinfer on the lower")  # fmt: skip
     p.add_argument("--phases", action="store_true",
                    help="every server with --enable-metrics: the rows' per-phase times of each "
                    "request from SGLang's timestamps (trace_replay.py phases_ms)")  # fmt: skip

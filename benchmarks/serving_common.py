@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,3 +161,13 @@ def phases_of(meta: dict, sent: float, ttft: float) -> dict[str, float] | None:
     if not all(isinstance(at.get(k), (int, float)) for pair in PHASES.values() for k in pair):
         return None
     return {name: at[b] - at[a] for name, (a, b) in PHASES.items()}
+
+
+def post(url: str, path: str, payload: dict | None = None) -> None:
+    """``POST url+path`` with a JSON body (an empty one when None); the answer is dropped."""
+    req = urllib.request.Request(
+        url + path, data=json.dumps(payload or {}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        resp.read()

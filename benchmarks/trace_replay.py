@@ -76,8 +76,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):  # the package, and serving_common beside this file
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 TOKENS = (1000, 40000)  # token ids drawn from here (inside every tokenizer the project serves)
 MODES = ("marked", "auto", "plain")  # plain: no markup, and no automatic chunks asked for
@@ -199,6 +200,32 @@ class Sent:
     policy: str | None = None
     cached_tokens: int = 0  # SGLang's meta_info cached_tokens (exact-prefix hits, radix cache)
     phases: dict[str, float] | None = None  # serving_common.phases_of (servers with metrics on)
+    profiled: bool = False  # sent under the torch profiler: kept out of the TTFT figures
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Closed-loop requests ``at`` .. ``at + requests - 1`` of each pass sent under SGLang's torch
+    profiler on every server of the pass (traces under ``out_dir/SYSTEM-MODE``)."""
+
+    out_dir: str
+    at: int
+    requests: int
+
+    def covers(self, k: int) -> bool:
+        return self.at <= k < self.at + self.requests
+
+    def switch(self, targets: list[Any], mode: str, on: bool) -> None:
+        from serving_common import post
+
+        for t in targets:
+            if on:
+                post(t.url, "/start_profile", {
+                    "output_dir": str(Path(self.out_dir, f"{t.name}-{mode}")),
+                    "activities": ["CPU", "GPU"], "with_stack": False, "record_shapes": False,
+                })  # fmt: skip
+            else:
+                post(t.url, "/stop_profile")
 
 
 class StandIn:
@@ -388,7 +415,7 @@ def summarize(sent: list[Sent], seconds: float, warmup: int) -> dict:
     after = sent[warmup:]
     prompt = sum(s.prompt_tokens for s in after)
     reused = sum(s.reused_tokens for s in after)
-    ttfts = [s.ttft_s for s in after if s.ttft_s is not None]
+    ttfts = [s.ttft_s for s in after if s.ttft_s is not None and not s.profiled]
     return {
         "requests": len(sent),
         "warmup": warmup,
@@ -431,15 +458,21 @@ def replay(
     extra: dict | None = None,
     sightings: int = 1,
     paired: Any = None,
+    profile: Profile | None = None,
 ) -> dict:
     """Send ``requests`` one at a time, each ``sightings`` times in a row; the figures of the
     first sends after the first ``warmup`` requests. ``paired``: a baseline server (no markup)
     sent every request too, right before or after ``target`` (alternating), so that both
-    servers' TTFTs of one request are taken moments apart (``paired`` figures of the row)."""
+    servers' TTFTs of one request are taken moments apart (``paired`` figures of the row).
+    ``profile``: requests sent under the torch profiler on every server, kept out of the TTFT
+    figures."""
     target.start(mode)
     started = time.perf_counter()
     sent, base = [], []
+    servers = [t for t in (target, paired) if t is not None]
     for k, req in enumerate(requests):
+        if profile is not None and k == profile.at:
+            profile.switch(servers, mode, on=True)
         for j in range(sightings):
             one = another_head(req, j)
             if paired is not None and k % 2:
@@ -447,9 +480,16 @@ def replay(
             sent.append(target.send(body(one, mode, extra)))
             if paired is not None and not k % 2:
                 base.append(paired.send(body(one, "plain")))
+        if profile is not None and profile.covers(k):
+            for one_sent in sent[-sightings:] + (base[-sightings:] if paired is not None else []):
+                one_sent.profiled = True
+            if not profile.covers(k + 1):
+                profile.switch(servers, mode, on=False)
     row = summarize(sent[::sightings], time.perf_counter() - started, warmup)
     if paired is not None:
         row["paired"] = paired_figures(sent[::sightings], base[::sightings], warmup, paired.name)
+    if profile is not None:
+        row["profiled_requests"] = [profile.at, min(profile.at + profile.requests, len(requests))]
     return row
 
 
@@ -459,7 +499,7 @@ def paired_figures(sent: list[Sent], base: list[Sent], warmup: int, system: str)
     pairs = [
         (b.ttft_s, s.ttft_s)
         for s, b in zip(sent[warmup:], base[warmup:])
-        if s.ttft_s is not None and b.ttft_s is not None
+        if s.ttft_s is not None and b.ttft_s is not None and not (s.profiled or b.profiled)
     ]
     if not pairs:
         return {"system": system, "requests": 0}
@@ -620,6 +660,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a baseline server (no markup) sent every closed-loop request too, "
                    "alternating which goes first: the rows' 'paired' figures")  # fmt: skip
     p.add_argument("--paired-system", default=BASELINE, help="--paired-url's label")
+    p.add_argument("--profile-dir", default="",
+                   help="closed-loop requests --profile-at .. of each pass sent under SGLang's "
+                   "torch profiler on every server (traces under DIR/SYSTEM-MODE), kept out of "
+                   "the TTFT figures")  # fmt: skip
+    p.add_argument("--profile-at", type=int, default=64)
+    p.add_argument("--profile-requests", type=int, default=4)
     p.add_argument("--workloads", default="rag,chat")
     p.add_argument("--modes", default="marked,auto")
     p.add_argument("--seed", type=int, default=0)
@@ -679,6 +725,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         system = args.system or "redknot"
         target = Http(args.url, system)
     paired = Http(args.paired_url, args.paired_system) if args.paired_url else None
+    profile = None
+    if args.profile_dir:
+        if args.standin:
+            p.error("--profile-dir profiles a server's GPU: not with --standin")
+        profile = Profile(args.profile_dir, args.profile_at, args.profile_requests)
     old = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).is_file() else {}
     rows: list[dict] = old.get("rows", [])
     commands = old.get("commands", []) + [common.record()["command"]]
@@ -707,7 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             requests = WORKLOADS[name](args.seed, salt=salt_of(mode, CLOSED), **sizes[name])
             warmup = args.warmup if args.warmup is not None else len(requests) // 4
             row = {"workload": name, "mode": mode, "system": system, "arrival": CLOSED}
-            row |= replay(target, requests, mode, warmup, paired=paired)
+            row |= replay(target, requests, mode, warmup, paired=paired, profile=profile)
             row["markable_fraction"] = markable_fraction(requests, warmup)
             row |= {"capture_overhead": None, "speedup_p50_vs_flashinfer": None}
             add(row)

@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 
 import serving_common as common
-from serving_common import PHASES, phases_of
+from serving_common import PHASES, phases_of, post
 from trace_replay import reuse_report, stream_generate
 from ttft import parse_points, point_key
 
@@ -94,16 +94,6 @@ def gate_of(meta: dict) -> str:
     if report.get("reused_tokens"):
         return "reuse"
     return (report.get("gate") or {}).get("decision", "none")
-
-
-def post(url: str, path: str, payload: dict | None = None) -> None:
-    """``POST url+path`` with a JSON body (an empty one when None); the answer is dropped."""
-    req = urllib.request.Request(
-        url + path, data=json.dumps(payload or {}).encode(),
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        resp.read()
 
 
 UNMARKED = "-unmarked"  # row suffix: a redknot server's same prompt sent without markup

@@ -7,6 +7,7 @@ import json
 
 from benchmarks.trace_replay import (
     CLOSED,
+    Profile,
     Sent,
     StandIn,
     capture_overhead,
@@ -174,6 +175,42 @@ def test_a_paired_baseline_gets_every_request_unmarked_in_alternating_order():
     assert paired["ttfts_s"] == [1.0, 2.0] * 3  # every request's, warmup included
     assert paired["speedup_p50"] == 3.0 and paired["ttft_p50_ratio"] == 3.0  # of 2, 4, 2, 4
     assert "paired" not in replay(Timed("redknot", lambda n: 0.5), reqs, "marked", 2)
+
+
+def test_profiled_requests_run_under_every_servers_profiler_and_leave_the_figures(monkeypatch):
+    import serving_common
+
+    posts, log = [], []
+    monkeypatch.setattr(serving_common, "post", lambda url, path, payload=None: posts.append(
+        (url, path, (payload or {}).get("output_dir"), len(log))))  # fmt: skip
+
+    class Timed:
+        def __init__(self, name, ttft):
+            self.name, self.url, self.ttft = name, f"http://{name}", ttft
+
+        def start(self, mode):
+            pass
+
+        def send(self, payload):
+            log.append(self.name)
+            return Sent(len(payload["input_ids"]), 0, self.ttft(len(log)), None)
+
+    reqs = rag_workload(0, docs=9, requests=6, doc_tokens=(5, 8))
+    # requests 2 and 3 are profiled, and the profiler makes them slow on both servers
+    row = replay(
+        Timed("redknot", lambda n: 9.0 if 5 <= n <= 8 else 0.5), reqs, "marked", 0,
+        paired=Timed("flashinfer", lambda n: 9.0 if 5 <= n <= 8 else 1.0),
+        profile=Profile("/tmp/p", at=2, requests=2),
+    )  # fmt: skip
+    assert posts == [
+        ("http://redknot", "/start_profile", "/tmp/p/redknot-marked", 4),
+        ("http://flashinfer", "/start_profile", "/tmp/p/flashinfer-marked", 4),
+        ("http://redknot", "/stop_profile", None, 8),
+        ("http://flashinfer", "/stop_profile", None, 8),
+    ]
+    assert row["profiled_requests"] == [2, 4]
+    assert row["ttft_p50_s"] == 0.5 and row["paired"]["speedup_p50"] == 2.0
+    assert row["paired"]["requests"] == 4 and row["per_request"][2][2] == 9.0  # kept, flagged
 
 
 def test_phase_figures_are_medians_after_warmup_and_every_request_in_ms():
