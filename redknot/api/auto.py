@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from redknot.api.chunking import WINDOW, Chunker
+from redknot.api.chunking import WINDOW, Chunker, rolling_hash
 from redknot.api.edges import EdgeIndex, documents
 from redknot.api.options import AUTO_NAMESPACE, AutoSegmentsOption
 
@@ -174,19 +174,23 @@ class AutoSegments:
         """The token ranges of ``token_ids`` to mark as segments of ``AUTO_NAMESPACE``."""
         if self.idle is not None:
             return []
-        every = self.chunker.spans(token_ids)
+        # the prompt as an array and its rolling hash, once: the chunker, the edges and the
+        # documents read them (a list slice converted per chunk was a fifth of this time)
+        ids = np.asarray(token_ids, dtype=np.int32)
+        h = rolling_hash(ids)
+        every = self.chunker.spans(ids, h)
         chunks = every[1:-1]  # not the first, not the last
         least = self.min_store_tokens
         if self.edges is not None:  # cut around the documents' edges learned so far
-            pieces = [p for a, b in chunks for p in self.edges.pieces(token_ids, a, b, least)]
+            pieces = [p for a, b in chunks for p in self.edges.pieces(ids, a, b, least)]
             if len(every) > 1:  # the first chunk's learned head, the last one's learned tail
                 first, last = every[0], every[-1]
-                heads = self.edges.pieces(token_ids, *first, least)
-                tails = self.edges.pieces(token_ids, *last, least)
+                heads = self.edges.pieces(ids, *first, least)
+                tails = self.edges.pieces(ids, *last, least)
                 pieces = [p for p in heads if p[2] == "head"] + pieces
                 pieces += [p for p in tails if p[2] == "tail"]
             if self.option.documents:  # a stored document between two learned edges: one segment
-                pieces = self._with_documents(token_ids, pieces)
+                pieces = self._with_documents(token_ids, pieces, ids, h)
             chunks = [(a, b) for a, b, _ in pieces]
         return [(a, b) for a, b in chunks if b - a >= least]
 
@@ -196,15 +200,21 @@ class AutoSegments:
         return 16 * self.chunker.max_tokens
 
     def _with_documents(
-        self, token_ids: Sequence[int], pieces: list[tuple[int, int, str]]
+        self,
+        token_ids: Sequence[int],
+        pieces: list[tuple[int, int, str]],
+        ids: np.ndarray | None = None,
+        h: np.ndarray | None = None,
     ) -> list[tuple[int, int, str]]:
         """``pieces`` with each document run (a learned head's start to the next learned
         tail's end, found by content: :meth:`redknot.api.edges.EdgeIndex.boundaries`) that
         was captured made one piece, the pieces it overlaps cut back to what lies outside it;
         a run not stored leaves the pieces as they are, and one seen in
         ``--redknot-auto-capture-after`` prompts is queued for capture (a run is a document
-        when it recurs: where a head between was not learned yet, it holds two)."""
-        runs = documents(*self.edges.boundaries(token_ids), self.max_document_tokens)
+        when it recurs: where a head between was not learned yet, it holds two). ``ids``,
+        ``h``: the prompt as an int32 array and its rolling hash, when the caller has them."""
+        found = self.edges.boundaries(token_ids if ids is None else ids, h)
+        runs = documents(*found, self.max_document_tokens)
         out = list(pieces)
         for a, b in runs:
             inside = [p for p in pieces if a <= p[0] and p[1] <= b]

@@ -91,16 +91,19 @@ class Chunker:
     def bits(self) -> int:
         return max(1, round(math.log2(self.avg_tokens - self.min_tokens)))
 
-    def candidates(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Positions ``i`` after which a chunk may end (int64, ascending)."""
-        mixed = _mix(rolling_hash(token_ids))
+    def candidates(
+        self, token_ids: Sequence[int] | np.ndarray, h: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Positions ``i`` after which a chunk may end (int64, ascending); ``h``: the
+        sequence's :func:`rolling_hash` when the caller has it."""
+        mixed = _mix(rolling_hash(token_ids) if h is None else h)
         return np.flatnonzero((mixed >> np.uint64(64 - self.bits)) == 0)
 
-    def cuts(self, token_ids: Sequence[int] | np.ndarray) -> list[int]:
+    def cuts(self, token_ids: Sequence[int] | np.ndarray, h: np.ndarray | None = None) -> list[int]:
         """Chunk ends (exclusive offsets), ascending; the last is ``len(token_ids)``."""
         n = len(token_ids)
         out, last = [], 0
-        for i in self.candidates(token_ids).tolist():
+        for i in self.candidates(token_ids, h).tolist():
             end = i + 1
             while end - last > self.max_tokens:  # no candidate in reach: cut at the maximum
                 last += self.max_tokens
@@ -115,7 +118,10 @@ class Chunker:
             out.append(n)
         return out
 
-    def spans(self, token_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
-        """The chunks as ``[start, end)`` token ranges covering the sequence."""
-        cuts = self.cuts(token_ids)
+    def spans(
+        self, token_ids: Sequence[int] | np.ndarray, h: np.ndarray | None = None
+    ) -> list[tuple[int, int]]:
+        """The chunks as ``[start, end)`` token ranges covering the sequence (``h``: as
+        :meth:`candidates`)."""
+        cuts = self.cuts(token_ids, h)
         return list(zip([0, *cuts], cuts, strict=False))  # the last start has no chunk

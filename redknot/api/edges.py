@@ -139,15 +139,18 @@ class EdgeIndex:
             )
         return [e.tolist() for e in heads + tails if len(e) >= min_tokens]
 
-    def boundaries(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    def boundaries(
+        self, token_ids: Sequence[int] | np.ndarray, h: np.ndarray | None = None
+    ) -> tuple[list[int], list[int]]:
         """Where learned heads start and learned tails end in ``token_ids`` (offsets,
         ascending), found by content wherever the chunks fall: the rolling hash of every
         ``WINDOW`` tokens against those of the learned edges' first (last) ``WINDOW`` tokens,
-        then the tokens compared."""
+        then the tokens compared (``h``: the sequence's :func:`rolling_hash` when the caller
+        has it)."""
         if not (self.starts or self.ends) or len(token_ids) < WINDOW:
             return [], []
         ids = np.asarray(token_ids, dtype=np.int32)
-        h = rolling_hash(ids)
+        h = rolling_hash(ids) if h is None else h
 
         def found(table: OrderedDict[int, set[bytes]]) -> list[int]:
             keys = np.fromiter(table, dtype=np.uint64, count=len(table))
@@ -158,7 +161,7 @@ class EdgeIndex:
         return starts, found(self.ends) if self.ends else []
 
     def pieces(
-        self, token_ids: Sequence[int], start: int, end: int, min_tokens: int
+        self, token_ids: Sequence[int] | np.ndarray, start: int, end: int, min_tokens: int
     ) -> list[tuple[int, int, str]]:
         """The chunk ``[start, end)`` of ``token_ids`` cut around the learned edges it starts
         and ends with, each piece with its kind: ``"tail"`` (a learned tail, the end of a

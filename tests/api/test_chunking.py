@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from redknot.api.chunking import SEED, WINDOW, Chunker
+from redknot.api.chunking import SEED, WINDOW, Chunker, rolling_hash
 
 M64, M32 = (1 << 64) - 1, (1 << 32) - 1
 
@@ -85,6 +85,9 @@ def test_cuts_equal_the_reference(avg, seed):
     chunker = Chunker.of_average(avg)
     ids = tokens(6 * avg + seed * 37, seed)
     assert chunker.cuts(ids) == ref_cuts(ids, chunker)
+    # as the automatic segments call it: an int32 array and its rolling hash given
+    array = np.asarray(ids, dtype=np.int32)
+    assert chunker.cuts(array, rolling_hash(array)) == ref_cuts(ids, chunker)
 
 
 @pytest.mark.parametrize(

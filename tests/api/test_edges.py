@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from redknot.api.chunking import rolling_hash
 from redknot.api.edges import KEPT_PER_KEY, EdgeIndex, common_suffix
 
 
@@ -97,6 +98,8 @@ def test_tails_are_found_by_their_last_window():
     index.learn(tail_a + _run(7200, 40), 64)
     ids = _run(1, 10) + tail_a + _run(7300, 40)
     assert index.boundaries(ids) == ([], [10 + 70])
+    array = np.asarray(ids, dtype=np.int32)  # as the automatic segments call it
+    assert index.boundaries(array, rolling_hash(array)) == ([], [10 + 70])
 
 
 def test_what_a_capture_is_computed_after():

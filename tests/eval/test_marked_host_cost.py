@@ -25,3 +25,18 @@ def test_marked_and_plain_requests_are_timed_apart(tmp_path):
     assert calls["marked"]["Capturer.capture"] == 0
     assert set(data["per_call_ms_p50"]["marked"]) == {"rewrite_generate", "start", "plan_reads"}
     assert data["request_ms_p50"]["marked"] > 0 and data["request_ms_p50"]["plain"] > 0
+
+
+def test_the_automatic_rewrite_is_timed_on_every_replayed_prompt(tmp_path):
+    """``benchmarks/auto_rewrite_cost.py``: every closed-loop RAG prompt of the replay goes
+    through the middleware's rewrite (automatic segments on), each call timed."""
+    import auto_rewrite_cost
+
+    out = tmp_path / "auto.json"
+    argv = ["--workloads", "rag", "--requests", "6", "--warmup", "2", "--out", str(out)]
+    assert auto_rewrite_cost.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert {"device", "date", "commit", "command"} <= set(data)
+    (row,) = data["rows"]
+    assert row["workload"] == "rag" and row["auto_mode"] == "cdc-docs" and row["calls"] == 4
+    assert 0 < row["rewrite_ms_p50"] <= row["rewrite_ms_p90"]
