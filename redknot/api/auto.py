@@ -219,7 +219,8 @@ class AutoSegments:
         for a, b in runs:
             inside = [p for p in pieces if a <= p[0] and p[1] <= b]
             before = self.context_before(token_ids, a)
-            if not self._document_sighted(token_ids[a:b], inside, a, before):
+            key = _hash(ids[a:b]) if ids is not None else None  # no list slice converted
+            if not self._document_sighted(token_ids[a:b], inside, a, before, key):
                 continue
             cut = [(a, b, "document")]
             for x, y, kind in out:
@@ -237,10 +238,11 @@ class AutoSegments:
         inside: list[tuple[int, int, str]],
         start: int,
         before: Sequence[int] = (),
+        key: int | None = None,
     ) -> bool:
-        """Count a sighting of the run ``ids`` (after the tokens ``before``); whether it is
-        stored (served whole)."""
-        key = _hash(ids)
+        """Count a sighting of the run ``ids`` (after the tokens ``before``; ``key``: its
+        :func:`_hash` when the caller has it); whether it is stored (served whole)."""
+        key = _hash(ids) if key is None else key
         doc = self._documents.pop(key, None) or _Document(
             tuple((x - start, y - start) for x, y, _ in inside)
         )

@@ -154,7 +154,13 @@ class EdgeIndex:
 
         def found(table: OrderedDict[int, set[bytes]]) -> list[int]:
             keys = np.fromiter(table, dtype=np.uint64, count=len(table))
-            ends = np.flatnonzero(np.isin(h[WINDOW - 1 :], keys)) + WINDOW  # window [e-W, e)
+            windows = h[WINDOW - 1 :]  # the hash of every window [e - W, e)
+            # np.isin on the windows whose low 16 bits some key has (it sorts what it gets:
+            # on all of a 13K-token prompt's windows it took 1.1 ms, this 0.14)
+            low = np.zeros(1 << 16, dtype=bool)
+            low[(keys & np.uint64(0xFFFF)).astype(np.intp)] = True
+            maybe = np.flatnonzero(low[(windows & np.uint64(0xFFFF)).astype(np.intp)])
+            ends = maybe[np.isin(windows[maybe], keys)] + WINDOW
             return [int(e) for e in ends if ids[e - WINDOW : e].tobytes() in table[int(h[e - 1])]]
 
         starts = [e - WINDOW for e in found(self.starts)] if self.starts else []

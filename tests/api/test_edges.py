@@ -126,3 +126,30 @@ def test_what_a_capture_is_computed_after():
     alone = AutoSegments(AutoSegmentsOption.parse("cdc-docs", 64, capture_context=0))
     assert alone.contexts(ids, marks) == [[], []]
     assert alone.edge_context(chunk, [], chunk[30:]) == []
+
+
+def test_boundaries_equal_a_scan_of_every_window():
+    """Many learned edges and a long prompt holding some of them: the starts and ends found
+    through the hashes' low bits equal a scan comparing every window's tokens."""
+    from redknot.api.chunking import WINDOW
+
+    rng = np.random.default_rng(5)
+    index = EdgeIndex()
+    heads = [tuple(rng.integers(1000, 40000, 80).tolist()) for _ in range(40)]
+    tails = [tuple(rng.integers(1000, 40000, 80).tolist()) for _ in range(40)]
+    for k, (head, tail) in enumerate(zip(heads, tails, strict=True)):
+        for ctx in (_run(50_000 + 100 * k, 30), _run(60_000 + 100 * k, 30)):
+            index.learn(ctx + head, 64)
+            index.learn(tail + ctx, 64)
+    parts = [tuple(rng.integers(1000, 40000, 20_000).tolist())]
+    for k in range(0, 40, 3):
+        parts += [heads[k], tuple(rng.integers(1000, 40000, 300).tolist()), tails[k]]
+    ids = np.asarray(sum(parts, ()), dtype=np.int32)
+
+    def scan(table):
+        known = set().union(*table.values())
+        return [e for e in range(WINDOW, len(ids) + 1) if ids[e - WINDOW : e].tobytes() in known]
+
+    starts, ends = index.boundaries(ids.tolist())
+    assert starts == [e - WINDOW for e in scan(index.starts)] and len(starts) >= 14
+    assert ends == scan(index.ends) and len(ends) >= 14
