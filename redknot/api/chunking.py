@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WINDOW = 32  # tokens a candidate depends on (the hash's width in bits)
+WINDOW = (
+    32  # tokens a candidate depends on (the hash's width in bits; rolling_hash needs a power of 2)
+)
 SEED = 0x5EED_C0DE_D0C5_0001
 _M64 = (1 << 64) - 1
 
@@ -54,11 +56,13 @@ def gear(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def rolling_hash(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """``h[i]`` of the module docstring for every position (uint64 [n], below ``2**32``)."""
-    g = gear(token_ids)
-    h = np.zeros_like(g)
+    h = gear(token_ids)
     with np.errstate(over="ignore"):
-        for k in range(min(WINDOW, len(g))):
-            h[k:] += g[: len(g) - k] << np.uint64(k)
+        m = 1
+        while m < WINDOW:  # h sums k < m; adding it m positions back, shifted by m: k < 2 m
+            wider = h.copy()
+            wider[m:] += h[: len(h) - m] << np.uint64(m)
+            h, m = wider, 2 * m
     return h & np.uint64(0xFFFF_FFFF)
 
 
