@@ -61,7 +61,7 @@ def rolling_hash(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         m = 1
         while m < WINDOW:  # h sums k < m; adding it m positions back, shifted by m: k < 2 m
             wider = h.copy()
-            wider[m:] += h[: len(h) - m] << np.uint64(m)
+            wider[m:] += h[: max(len(h) - m, 0)] << np.uint64(m)
             h, m = wider, 2 * m
     return h & np.uint64(0xFFFF_FFFF)
 

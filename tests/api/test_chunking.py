@@ -79,6 +79,17 @@ def test_known_input_cuts_equal_the_reference_and_the_pinned_values():
     assert chunker.cuts(KNOWN_IDS) == KNOWN_CUTS
 
 
+def test_rolling_hash_is_its_definition_at_every_short_length():
+    """Lengths below, at and just above each doubling step of the hash (1 .. 2 * WINDOW + 1)."""
+    for n in range(2 * WINDOW + 2):
+        ids = tokens(n, n)
+        want = [
+            sum(ref_gear(ids[i - k]) << k for k in range(WINDOW) if i - k >= 0) & M32
+            for i in range(n)
+        ]
+        assert rolling_hash(ids).tolist() == want, n
+
+
 @pytest.mark.parametrize("avg", [16, 64, 256])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cuts_equal_the_reference(avg, seed):
