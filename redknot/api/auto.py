@@ -203,8 +203,8 @@ class AutoSegments:
         self,
         token_ids: Sequence[int],
         pieces: list[tuple[int, int, str]],
-        ids: np.ndarray | None = None,
-        h: np.ndarray | None = None,
+        ids: np.ndarray,
+        h: np.ndarray,
     ) -> list[tuple[int, int, str]]:
         """``pieces`` with each document run (a learned head's start to the next learned
         tail's end, found by content: :meth:`redknot.api.edges.EdgeIndex.boundaries`) that
@@ -212,14 +212,13 @@ class AutoSegments:
         a run not stored leaves the pieces as they are, and one seen in
         ``--redknot-auto-capture-after`` prompts is queued for capture (a run is a document
         when it recurs: where a head between was not learned yet, it holds two). ``ids``,
-        ``h``: the prompt as an int32 array and its rolling hash, when the caller has them."""
-        found = self.edges.boundaries(token_ids if ids is None else ids, h)
-        runs = documents(*found, self.max_document_tokens)
+        ``h``: the prompt as an int32 array and its rolling hash."""
+        runs = documents(*self.edges.boundaries(ids, h), self.max_document_tokens)
         out = list(pieces)
         for a, b in runs:
             inside = [p for p in pieces if a <= p[0] and p[1] <= b]
             before = self.context_before(token_ids, a)
-            key = _hash(ids[a:b]) if ids is not None else None  # no list slice converted
+            key = _hash(ids[a:b])  # from the array: no list slice converted
             if not self._document_sighted(token_ids[a:b], inside, a, before, key):
                 continue
             cut = [(a, b, "document")]

@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WINDOW = (
-    32  # tokens a candidate depends on (the hash's width in bits; rolling_hash needs a power of 2)
-)
+# tokens a candidate depends on (the hash's width in bits; rolling_hash needs a power of 2)
+WINDOW = 32
 SEED = 0x5EED_C0DE_D0C5_0001
 _M64 = (1 << 64) - 1
 
