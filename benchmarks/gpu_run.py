@@ -287,7 +287,11 @@ def job_replay(a, tree, env) -> int:
             return 1
         replay += ["--paired-url", f"http://127.0.0.1:{a.port + 1}"]
         pinned["cpus"] = lower
-        systems = systems[1:]
+        # a second flashinfer server where a redknot one would be: the A/A control of the
+        # pairing itself (start order, memory fraction, cores), run only when named
+        systems = [("flashinfer-aa", *systems[0][1:])] + systems[1:]
+        if a.systems == "all":
+            systems = systems[1:]
     try:
         for name, flags, modes in systems:
             if a.systems != "all" and name not in a.systems.split(","):
@@ -389,7 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "half the CPU cores, sent every closed-loop request too (trace_replay.py "
                    "--paired-url); their --mem-fraction-static values: SGLang sizes a server's "
                    "KV from the memory free when it starts, so the redknot server, started "
-                   "second, needs a larger one for the same KV (0.45,0.92 on an H200)")  # fmt: skip
+                   "second, needs a larger one for the same KV (0.45,0.92 on an H200); --systems "
+                   "flashinfer-aa adds a second flashinfer server in a redknot server's place "
+                   "(the pairing's own A/A control)")  # fmt: skip
     p.add_argument("--profile-at", type=int, default=None, metavar="K",
                    help="closed-loop requests K .. K + --profile-requests - 1 of each pass under "
                    "SGLang's torch profiler on every server, each trace summarised "

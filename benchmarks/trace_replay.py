@@ -496,14 +496,19 @@ def replay(
 def paired_figures(sent: list[Sent], base: list[Sent], warmup: int, system: str) -> dict:
     """The baseline's TTFTs of the same requests, and the paired speedup: the median over
     requests after ``warmup`` of the baseline's TTFT over the server's."""
-    pairs = [
-        (b.ttft_s, s.ttft_s)
+    both = [
+        (b, s)
         for s, b in zip(sent[warmup:], base[warmup:])
         if s.ttft_s is not None and b.ttft_s is not None and not (s.profiled or b.profiled)
     ]
-    if not pairs:
+    if not both:
         return {"system": system, "requests": 0}
+    pairs = [(b.ttft_s, s.ttft_s) for b, s in both]
+    # the two radix caches hold different amounts (each server sizes its own KV): requests
+    # one server had more of in its prefix cache than the other compare unequal work
+    same = [(b.ttft_s, s.ttft_s) for b, s in both if b.cached_tokens == s.cached_tokens]
     base_p50 = statistics.median(b for b, _ in pairs)
+    prompt = sum(b.prompt_tokens for b, _ in both)
     return {
         "system": system,
         "requests": len(pairs),
@@ -511,7 +516,13 @@ def paired_figures(sent: list[Sent], base: list[Sent], warmup: int, system: str)
         "ttft_p50_s": base_p50,
         "ttft_p50_ratio": round(base_p50 / statistics.median(s for _, s in pairs), 4),
         "speedup_p50": round(statistics.median(b / s for b, s in pairs), 4),
+        "prefix_cached_fraction": round(sum(b.cached_tokens for b, _ in both) / max(prompt, 1), 4),
+        "equal_cached_requests": len(same),
+        "speedup_p50_equal_cached": (
+            round(statistics.median(b / s for b, s in same), 4) if same else None
+        ),
         "ttfts_s": [b.ttft_s for b in base],
+        "cached_tokens": [b.cached_tokens for b in base],
     } | phase_figures(base, warmup)
 
 

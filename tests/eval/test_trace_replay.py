@@ -14,6 +14,7 @@ from benchmarks.trace_replay import (
     chat_workload,
     fill_speedups,
     markable_fraction,
+    paired_figures,
     phase_figures,
     rag_workload,
     replay,
@@ -175,6 +176,20 @@ def test_a_paired_baseline_gets_every_request_unmarked_in_alternating_order():
     assert paired["ttfts_s"] == [1.0, 2.0] * 3  # every request's, warmup included
     assert paired["speedup_p50"] == 3.0 and paired["ttft_p50_ratio"] == 3.0  # of 2, 4, 2, 4
     assert "paired" not in replay(Timed("redknot", lambda n: 0.5), reqs, "marked", 2)
+
+
+def test_paired_figures_set_apart_requests_the_two_prefix_caches_served_unequally():
+    # (baseline TTFT, server TTFT, baseline cached, server cached) after one warmup request
+    rows = [(9.0, 9.0, 0, 0), (2.0, 1.0, 50, 50), (4.0, 1.0, 50, 50), (1.0, 4.0, 90, 10)]
+    rows += [(3.0, 1.0, 0, 0)]
+    base = [Sent(100, 0, b, None, cached_tokens=bc) for b, _, bc, _ in rows]
+    sent = [Sent(100, 0, s, None, cached_tokens=sc) for _, s, _, sc in rows]
+    paired = paired_figures(sent, base, 1, "flashinfer")
+    assert paired["requests"] == 4 and paired["equal_cached_requests"] == 3
+    assert paired["speedup_p50"] == 2.5  # of 2, 4, 0.25, 3
+    assert paired["speedup_p50_equal_cached"] == 3.0  # of 2, 4, 3
+    assert paired["prefix_cached_fraction"] == 0.475  # the baseline's 190 of 400 after warmup
+    assert paired["cached_tokens"] == [0, 50, 50, 90, 0]
 
 
 def test_profiled_requests_run_under_every_servers_profiler_and_leave_the_figures(monkeypatch):
