@@ -13,7 +13,11 @@ reports, over the traced span:
   an extend) to the next, the kernel time in it and its kernel count (the last one runs to the
   end of the traced span: it includes what follows the last layer);
 - ``longest_host``: the longest single host events (ranges, operators, runtime calls), where a
-  first prompt's one-off costs (compiles, first launches) show.
+  first prompt's one-off costs (compiles, first launches) show;
+- ``layer_host``: inside the decoder-layer ranges (``redknot.decoder_layer.*``), the host
+  operators and Python functions (SGLang profiles with stacks) by count and inclusive time, and
+  the ranges' median host time: two servers' summaries side by side show which calls one of
+  them adds per layer.
 
     python benchmarks/profile_summary.py TRACE.json.gz [...] --out benchmarks/results/x.json
 """
@@ -106,6 +110,7 @@ def summarize(events: list[dict], top: int = 25) -> dict:
         for lo, hi in bounds
     ]
     return {
+        "layer_host": layer_host(events, top),
         "span_ms": ms(span),
         "gpu_busy_ms": ms(busy),
         "gpu_idle_ms": ms(span - busy),
@@ -125,6 +130,45 @@ def summarize(events: list[dict], top: int = 25) -> dict:
                 (e for e in events if e.get("cat") not in ("kernel", "gpu_user_annotation")),
                 key=lambda e: -e["dur"],
             )[:top]
+        ],
+    }
+
+
+def layer_host(events: list[dict], top: int) -> dict:
+    """Host operators and Python functions inside the decoder-layer ranges (see the module)."""
+    layers = sorted(
+        (e["ts"], e["ts"] + e["dur"], e.get("tid"))
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith("redknot.decoder_")
+    )
+    if not layers:
+        return {"layers": 0}
+    starts = [lo for lo, _, _ in layers]
+    calls: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        cat = e.get("cat")
+        if cat not in ("cpu_op", "python_function"):
+            continue
+        i = bisect.bisect_right(starts, e["ts"]) - 1
+        if i < 0 or e["ts"] + e["dur"] > layers[i][1] or e.get("tid") != layers[i][2]:
+            continue
+        c = calls[(cat, e.get("name", "")[:160])]
+        c[0] += 1
+        c[1] += e["dur"]
+    durations = sorted(hi - lo for lo, hi, _ in layers)
+    n = len(layers)
+    return {
+        "layers": n,
+        "host_p50_ms": round(durations[n // 2] / 1e3, 4),
+        "host_mean_ms": round(sum(durations) / n / 1e3, 4),
+        "calls": [
+            {
+                "cat": cat,
+                "name": name,
+                "per_layer": round(c / n, 2),
+                "ms_per_layer": round(t / n / 1e3, 4),
+            }
+            for (cat, name), (c, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])[: 4 * top]
         ],
     }
 
