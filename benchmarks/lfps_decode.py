@@ -17,6 +17,13 @@ Methods (``ms_*`` per call of one layer):
 | ``attend_<sel>``     | ``run_sparse_decode`` alone over a fixed list of the same width         |
 
 ``index_ms_<method>_<sel>`` is the method's time less ``attend``'s: what choosing the keys costs.
+
+With ``--host-kv`` (issue 28 item 3, KV offloaded to host memory): the layer's K/V are also
+copied to pinned host memory and the same kernels read them there over PCIe (CUDA's unified
+addressing; LFPS's tables, the queries and the page table stay on the GPU):
+``lfps_host_<sel>``, ``attend_host_<sel>`` and ``full_host`` (redknot's dense decode kernel over
+every host key: what offloading without a sparse index costs). Each host method's output is
+checked equal to the same method's over the GPU copy (``host_equal_*``) before it is timed.
 With ``--stages``, ``lfps_stages_<sel>`` splits an LFPS step into its kernels (ms per call from
 ``torch.profiler``, eager calls without the L2 flush: shares, not figures to compare).
 
@@ -253,6 +260,8 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
             row[f"lfps_stages_{sel}"] = stage_times(lfps_call, dev)
         del state
 
+    if args.host_kv:
+        host_kv_methods(row, layer, args, shape, timer, params, budgets)
     full_ms = row.get("ms_full")
     for name in [n[3:] for n in list(row) if n.startswith(("ms_topk_", "ms_lfps_"))]:
         if full_ms and row.get(f"ms_{name}"):
@@ -261,6 +270,76 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
         if attend and row.get(f"ms_{name}"):  # the selection's share of the method's time
             row[f"index_ms_{name}"] = row[f"ms_{name}"] - attend
     return row
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory, pinned where there is a GPU (the kernels read it over PCIe)."""
+    out = t.cpu()
+    return out.pin_memory() if torch.cuda.is_available() else out
+
+
+def host_kv_methods(row: dict, layer: Layer, args, shape: dict, timer, params, budgets) -> None:
+    """``--host-kv``: LFPS, its attention alone and full attention over K/V in host memory."""
+    from redknot.kernels.decode import DecodeWorkspace, plan_decode, run_decode
+    from redknot.kernels.geometry import LayerHeads, SegGeometry
+    from redknot.kernels.sparse_decode import plan_sparse_decode, run_sparse_decode
+    from redknot.lfps.batched import lfps_decode_step
+
+    dev = args.device
+    B, Hq, D = layer.q.shape
+    Hkv, L = shape["num_kv_heads"], layer.req_to_token.shape[1]
+    sink, k, scale = params.num_sink, budgets.topk, 1.0 / math.sqrt(D)
+    hk, hv = host_copy(layer.k_buffer), host_copy(layer.v_buffer)
+    row["host_kv_bytes"] = 2 * hk.numel() * hk.element_size()
+    out = torch.empty_like(layer.q)
+    for sel, rows in (("kv_head", Hq // Hkv), ("query_head", 1)):
+        if sel not in args.selections:
+            continue
+        plan = plan_sparse_decode(batch_size=B, num_q_heads=Hq, head_dim=D, rows=rows, width=k,
+                                  num_sink=sink, device=dev)  # fmt: skip
+        fixed = torch.randint(sink, L, (B, Hq // rows, k), device=dev, dtype=torch.int32)
+        want = run_sparse_decode(plan, layer.q, layer.k_buffer, layer.v_buffer, *layer.paged,
+                                 fixed, scale).clone()  # fmt: skip
+        got = run_sparse_decode(plan, layer.q, hk, hv, *layer.paged, fixed, scale)
+        row[f"host_equal_attend_{sel}"] = bool(torch.equal(got, want))
+        attempt(row, f"attend_host_{sel}", timer, lambda plan=plan, fixed=fixed: lambda: (
+            run_sparse_decode(plan, layer.q, hk, hv, *layer.paged, fixed, scale, out=out)
+        ))  # fmt: skip
+        del fixed
+        state = synthetic_state(B, L, rows, shape, sink, args.table_sigma, dev)
+        a, b = state.clone(), state.clone()
+        want = lfps_decode_step(layer.q, layer.k_buffer, layer.v_buffer, *layer.paged, a,
+                                params, budgets, plan=plan)  # fmt: skip
+        got = lfps_decode_step(layer.q, hk, hv, *layer.paged, b, params, budgets, plan=plan)
+        row[f"host_equal_lfps_{sel}"] = bool(
+            torch.equal(got.output, want.output) and torch.equal(got.selected, want.selected)
+        )
+        del a, b, want, got
+
+        def lfps_call(state=state, plan=plan):
+            lfps_decode_step(layer.q, hk, hv, *layer.paged, state, params, budgets, plan=plan)
+
+        attempt(row, f"lfps_host_{sel}", timer, lambda f=lfps_call: f)
+        del state
+    geo = SegGeometry(Hq, Hkv, D, sink=4, window=1)
+    ids = torch.arange(Hkv, dtype=torch.int32, device=dev)
+    heads = LayerHeads(torch.zeros_like(ids), ids, ids.clone(), tuple(range(Hkv)))
+    ws = DecodeWorkspace(geo, B, 256, dev)
+    plan = plan_decode(geo, ws, layer.seq_lens, layer.req_pool_indices,
+                       seq_lens_cpu=layer.seq_lens.cpu())  # fmt: skip
+    small = layer.k_buffer[:1]
+
+    def full_host():
+        run_decode(plan, layer.q, hk, hv, small, small, layer.req_to_token, heads, scale,
+                   out=out)  # fmt: skip
+
+    full_host()
+    got = out.clone()
+    run_decode(plan, layer.q, layer.k_buffer, layer.v_buffer, small, small, layer.req_to_token,
+               heads, scale, out=out)  # fmt: skip
+    row["host_equal_full"] = bool(torch.equal(got, out))
+
+    attempt(row, "full_host", timer, lambda: full_host)
 
 
 def stage_times(call, device: str, calls: int = 10, top: int = 16) -> dict[str, float]:
@@ -314,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also record LFPS's time per kernel (torch.profiler, eager)",
     )
+    ap.add_argument("--host-kv", action="store_true",
+                    help="also LFPS, its attention and full attention over K/V in pinned host "
+                    "memory (issue 28 item 3)")  # fmt: skip
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--small", action="store_true",
                     help="tiny shape (4 query / 2 KV heads, D = 64) for a smoke run")  # fmt: skip

@@ -246,3 +246,48 @@ def test_step_cuda_graph_replay_matches_eager(rows):
         torch.testing.assert_close(res.output, want.output, atol=1e-3, rtol=1e-3)
         torch.testing.assert_close(state.vertical, eager.vertical, atol=1e-7, rtol=1e-6)
         torch.testing.assert_close(state.scale, eager.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_step_over_pinned_host_kv_equals_the_step_over_device_kv(rows):
+    """Issue 28 item 3: the Triton step reading K/V from pinned host memory (over PCIe, through
+    unified addressing), eagerly and replayed from a CUDA graph, gives what it gives over the
+    same K/V in GPU memory: outputs, selections and tables bit for bit."""
+    from redknot.kernels.sparse_decode import plan_sparse_decode
+
+    dev, Hq, Hkv, D, B = "cuda", 32, 8, 128, 3
+    lens = [6000, 700, 3000]
+    n_max = max(lens) + 2
+    batch = make_paged([n + 1 for n in lens], Hkv, D, torch.bfloat16, device=dev, seed=6)
+    host_k, host_v = batch.k_buffer.cpu().pin_memory(), batch.v_buffer.cpu().pin_memory()
+    state = random_lfps_state(B, Hq, Hkv, D, rows, n_max, seed=7)
+    for b, n in enumerate(lens):
+        state.vertical[b, :, n - 1 :] = 0
+        state.slash[b, :, n - 1 :] = 0
+    state = state.to(dev)
+    params = LfpsParams(budget=0.02)
+    budgets = LfpsBudgets(candidates=4 * params.budget_for(n_max), topk=params.budget_for(n_max))
+    plan = plan_sparse_decode(batch_size=B, num_q_heads=Hq, head_dim=D, rows=rows,
+                              width=budgets.topk, num_sink=4, device=dev)  # fmt: skip
+    q = torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16)
+    seq = torch.tensor([n + 1 for n in lens], device=dev)
+    paged = (batch.req_to_token, batch.req_pool_indices, seq)
+    on_gpu, on_host, graphed = state.clone(), state.clone(), state.clone()
+    want = lfps_decode_step(q, batch.k_buffer, batch.v_buffer, *paged, on_gpu, params, budgets,
+                            plan=plan)  # fmt: skip
+    got = lfps_decode_step(q, host_k, host_v, *paged, on_host, params, budgets, plan=plan)
+    scratch = state.clone()
+    lfps_decode_step(q, host_k, host_v, *paged, scratch, params, budgets, plan=plan)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = lfps_decode_step(q, host_k, host_v, *paged, graphed, params, budgets,
+                                    plan=plan)  # fmt: skip
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (want.candidate_count > 0).any()
+    for res, st in ((got, on_host), (replayed, graphed)):
+        assert torch.equal(res.selected, want.selected)
+        assert torch.equal(res.output, want.output)
+        assert torch.equal(st.vertical, on_gpu.vertical) and torch.equal(st.scale, on_gpu.scale)
