@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redknot.kernels.geometry import LayerHeads, SegGeometry
+from redknot.kernels.geometry import LayerHeads, SegGeometry, store_readable
 from redknot.kernels.geometry import num_sms as device_sms
 from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.decode import segpaged_decode_kernel, segpaged_decode_merge_kernel
@@ -199,10 +199,11 @@ def plan_decode(
 
 
 def check_store(name: str, store: torch.Tensor, q: torch.Tensor, min_columns: int) -> None:
-    """A store ``[S, columns, D]`` usable with ``q``: same dtype and device, rows of D contiguous."""
+    """A store ``[S, columns, D]`` usable with ``q``: same dtype, readable from its device (the
+    same device, or pinned host memory), rows of D contiguous."""
     assert store.dim() == 3 and store.shape[2] == q.shape[2], f"{name}: shape {store.shape}"
     assert store.dtype == q.dtype, f"{name}: dtype {store.dtype}, q has {q.dtype}"
-    assert store.device == q.device, f"{name}: on {store.device}, q on {q.device}"
+    assert store_readable(store, q), f"{name}: on {store.device} (not pinned), q on {q.device}"
     assert store.stride(2) == 1, f"{name}: head_dim must be contiguous"
     assert store.shape[1] >= min_columns, f"{name}: {store.shape[1]} columns < {min_columns}"
 

@@ -40,6 +40,15 @@ def num_sms(device: torch.device | str) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def store_readable(store: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether a kernel launched for ``q`` can read ``store``: on ``q``'s device, or in pinned
+    host memory while ``q`` is on a GPU (KV offloaded to the host: the kernel's loads go over
+    PCIe through CUDA's unified addressing, ``benchmarks/host_kv_probe.py``)."""
+    if store.device == q.device:
+        return True
+    return q.device.type == "cuda" and store.device.type == "cpu" and store.is_pinned()
+
+
 LOCAL_MODES = ("token_table", "ring")
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from redknot.kernels.geometry import num_sms as device_sms
+from redknot.kernels.geometry import store_readable
 from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.sparse_decode import sparse_decode_kernel, sparse_decode_merge_kernel
 
@@ -151,7 +152,11 @@ def run_sparse_decode(
     assert Hq % Hkv == 0 and (Hq // Hkv) % plan.rows == 0, (Hq, Hkv, plan.rows)
     for name, store in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         assert store.dim() == 3 and store.shape[1:] == (Hkv, D), f"{name}: {store.shape}"
-        assert store.dtype == q.dtype and store.device == q.device, (name, store.dtype)
+        assert store.dtype == q.dtype and store_readable(store, q), (
+            name,
+            store.dtype,
+            store.device,
+        )
         assert store.stride(2) == 1, f"{name}: head_dim must be contiguous"
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
     assert req_pool_indices.shape == (B,) and req_pool_indices.dtype in _INDEX_DTYPES

@@ -133,3 +133,13 @@ def test_sparse_decode_gpu_8b_shape(rows):
     )  # fmt: skip
     _close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+def test_stores_are_readable_on_the_queries_device_or_pinned_on_the_host_only():
+    from redknot.kernels.geometry import store_readable
+
+    q = torch.zeros(1, 2, 4)
+    assert store_readable(torch.zeros(3, 1, 4), q)
+    assert not store_readable(torch.zeros(3, 1, 4, device="meta"), q)
+    # a host store for GPU queries must be pinned (checked with real tensors in
+    # tests/lfps/test_batched.py::test_step_over_pinned_host_kv_equals_the_step_over_device_kv)
