@@ -230,7 +230,7 @@ class RedknotConfig:
         "head and tail is one segment, as registered: with --redknot-policy epic 0.92 of the "
         "replayed RAG prompt tokens reused, 5.7x flashinfer's TTFT, and SmolLM2's answers kept "
         "as with registered documents; the mode for RAG traffic). Off by default: measured "
-        "0.93-0.94x flashinfer's TTFT on chat traffic (H100 and H200 side by side, 8B shape), "
+        "0.86-0.94x flashinfer's TTFT on chat traffic (H100 and H200 side by side, 8B shape), "
         "and on the shipped model nothing is reused.",
         default="off",
     )

@@ -58,7 +58,8 @@ AUTO_OFF = (
     "redknot auto segments: off (the default), so unmarked prompts reuse only exact prefixes: "
     "measured on an H100 they make unmarked RAG traffic 5.7x faster (--redknot-auto-segments "
     "cdc-docs with --redknot-policy epic, answers kept as with registered documents) but chat "
-    "traffic 6-7% slower (0.93-0.94x), so they are not on by default (docs/auto_segments.md); "
+    "traffic 6-14% slower (0.86-0.94x side by side), so they are not on by default "
+    "(docs/auto_segments.md); "
     "--redknot-auto-segments cdc-docs turns them on for RAG traffic"
 )
 
