@@ -1,7 +1,8 @@
 """One runner for every GPU job of redknot: unpack, start servers, run, collect.
 
 Run it on the GPU machine from the carried working tree (``.device/``, and ``.devsrc.tar`` made
-here by ``git archive HEAD | gzip > .devsrc.tar`` to measure exactly a commit); docs/benchmarks.md
+here by ``git archive HEAD -- . ':!benchmarks/results' | gzip > .devsrc.tar`` to measure
+exactly a commit's code); docs/benchmarks.md
 has the whole procedure and the command of every result::
 
     python3 benchmarks/gpu_run.py check                      # GPU tests + engine equivalence
