@@ -22,8 +22,10 @@ With ``--host-kv`` (issue 28 item 3, KV offloaded to host memory): the layer's K
 copied to pinned host memory and the same kernels read them there over PCIe (CUDA's unified
 addressing; LFPS's tables, the queries and the page table stay on the GPU):
 ``lfps_host_<sel>``, ``attend_host_<sel>`` and ``full_host`` (redknot's dense decode kernel over
-every host key: what offloading without a sparse index costs). Each host method's output is
-checked equal to the same method's over the GPU copy (``host_equal_*``) before it is timed.
+every host key: what offloading without a sparse index costs); per KV head also
+``lfps_host_staged_kv_head`` and ``attend_host_staged_kv_head``, the rows gathered into GPU
+staging buffers first (``redknot.kernels.host_stage``). Each host method's output is checked
+equal to the same method's over the GPU copy (``host_equal_*``) before it is timed.
 With ``--stages``, ``lfps_stages_<sel>`` splits an LFPS step into its kernels (ms per call from
 ``torch.profiler``, eager calls without the L2 flush: shares, not figures to compare).
 
@@ -278,6 +280,48 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return out.pin_memory() if torch.cuda.is_available() else out
 
 
+def host_staged(row, layer, hk, hv, state, plan, params, budgets, timer, dev) -> None:
+    """Lists per KV head over host K/V through staging buffers (``stage_rows``): the
+    candidates' keys and the selected rows gathered first, then scored and attended on the GPU
+    (``lfps_host_staged_kv_head``; ``attend_host_staged_kv_head``: a random list staged and
+    attended); each checked equal to the unstaged run first."""
+    from redknot.kernels.host_stage import HostStage, stage_rows
+    from redknot.kernels.sparse_decode import run_sparse_decode
+    from redknot.lfps.batched import lfps_decode_step
+
+    B, _, D = layer.q.shape
+    Hkv, L = hk.shape[1], layer.req_to_token.shape[1]
+    sink, k, scale = params.num_sink, budgets.topk, 1.0 / math.sqrt(D)
+    stage = tuple(
+        HostStage.empty(B, Hkv, D, num_sink=sink, width=w, dtype=hk.dtype, device=dev,
+                        values=values)
+        for w, values in ((budgets.candidates, False), (k, True))
+    )  # fmt: skip
+    a, b = state.clone(), state.clone()
+    want = lfps_decode_step(layer.q, hk, hv, *layer.paged, a, params, budgets, plan=plan)
+    got = lfps_decode_step(layer.q, hk, hv, *layer.paged, b, params, budgets, plan=plan,
+                           stage=stage)  # fmt: skip
+    row["host_equal_lfps_staged_kv_head"] = bool(
+        torch.equal(got.output, want.output) and torch.equal(got.selected, want.selected)
+    )
+    del a, b, want, got
+
+    def lfps_call():
+        lfps_decode_step(layer.q, hk, hv, *layer.paged, state, params, budgets, plan=plan,
+                         stage=stage)  # fmt: skip
+
+    attempt(row, "lfps_host_staged_kv_head", timer, lambda: lfps_call)
+    fixed = torch.randint(sink, L, (B, Hkv, k), device=dev, dtype=torch.int32)
+    out = torch.empty_like(layer.q)
+
+    def attend_call():
+        st = stage_rows(stage[1], hk, hv, *layer.paged, fixed)
+        run_sparse_decode(plan, layer.q, st.k, st.v, st.req_to_token, st.req_pool_indices,
+                          st.seq_lens, st.indices, scale, out=out)  # fmt: skip
+
+    attempt(row, "attend_host_staged_kv_head", timer, lambda: attend_call)
+
+
 def host_kv_methods(row: dict, layer: Layer, args, shape: dict, timer, params, budgets) -> None:
     """``--host-kv``: LFPS, its attention alone and full attention over K/V in host memory."""
     from redknot.kernels.decode import DecodeWorkspace, plan_decode, run_decode
@@ -320,6 +364,8 @@ def host_kv_methods(row: dict, layer: Layer, args, shape: dict, timer, params, b
             lfps_decode_step(layer.q, hk, hv, *layer.paged, state, params, budgets, plan=plan)
 
         attempt(row, f"lfps_host_{sel}", timer, lambda f=lfps_call: f)
+        if sel == "kv_head":
+            host_staged(row, layer, hk, hv, state, plan, params, budgets, timer, dev)
         del state
     geo = SegGeometry(Hq, Hkv, D, sink=4, window=1)
     ids = torch.arange(Hkv, dtype=torch.int32, device=dev)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from redknot.kernels.host_stage import HostStage, stage_rows
 from redknot.kernels.lfps_index import lfps_candidates, score_and_rank
 from redknot.kernels.lfps_step import lfps_select_update, lfps_sparsity, lfps_topk
 from redknot.kernels.sparse_decode import SparseDecodePlan, plan_sparse_decode, run_sparse_decode
@@ -273,6 +274,7 @@ def lfps_decode_step(
     kernels: bool = True,
     plan: SparseDecodePlan | None = None,
     dense: torch.Tensor | None = None,
+    stage: tuple[HostStage, HostStage] | None = None,
 ) -> LfpsBatchResult:
     """Attend one new token per request with LFPS; ``state`` is updated in place (Eq. 10).
 
@@ -287,6 +289,11 @@ def lfps_decode_step(
         state: tables covering ``seq_lens - 1`` keys (``seq_lens <= state.max_len``).
         kernels: the Triton kernels (else the PyTorch references of this module, for tests).
         plan: the sparse attention's plan (width ``budgets.topk``; made here if None).
+        stage: for a store in host memory (selections per KV head, kernels only): the
+            candidates' keys (keys only, width ``budgets.candidates``) and the selected keys and
+            values with the sinks (width ``budgets.topk``) are gathered into these GPU buffers
+            first (:func:`redknot.kernels.host_stage.stage_rows`) and scored and attended
+            there; the result is the same bit for bit.
     """
     B, Hq, D = q.shape
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
@@ -305,7 +312,12 @@ def lfps_decode_step(
         if dense is not None:
             bypass = bypass & ~dense[:, None]
         cand, count = lfps_candidates(*tables, rows=rows)
-        logits, rank = score_and_rank(q, k_buffer, *paged, cand, bypass,
+        scored = (k_buffer, paged, cand)
+        if stage is not None:
+            assert state.selection_heads == k_buffer.shape[1], "staging needs lists per KV head"
+            st = stage_rows(stage[0], k_buffer, None, *paged, cand, sinks=False)
+            scored = (st.k, (st.req_to_token, st.req_pool_indices, st.seq_lens), st.indices)
+        logits, rank = score_and_rank(q, scored[0], *scored[1], scored[2], bypass,
                                       num_sink=params.num_sink, sm_scale=sm_scale)  # fmt: skip
         val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
         selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state,
@@ -317,7 +329,12 @@ def lfps_decode_step(
             )  # fmt: skip
         if dense is not None:
             selected = every_key(selected, dense, seq_lens, params.num_sink)
-        out = run_sparse_decode(plan, q, k_buffer, v_buffer, *paged, selected, sm_scale)
+        if stage is None:
+            out = run_sparse_decode(plan, q, k_buffer, v_buffer, *paged, selected, sm_scale)
+        else:
+            st = stage_rows(stage[1], k_buffer, v_buffer, *paged, selected)
+            out = run_sparse_decode(plan, q, st.k, st.v, st.req_to_token, st.req_pool_indices,
+                                    st.seq_lens, st.indices, sm_scale)  # fmt: skip
     else:
         sparsity, bypass_out = head_sparsity(q, k_buffer, v_buffer, *paged, state, params, sm_scale)
         bypass = sparsity > params.sparsity_threshold

@@ -204,6 +204,40 @@ def test_shared_selection_with_identical_heads_equals_per_head():
             torch.testing.assert_close(res.output[b], want.output, atol=1e-5, rtol=1e-5)
 
 
+def test_step_with_staged_rows_equals_the_step_over_the_store():
+    """Issue 28 item 3: scoring the candidates and attending the selection from rows gathered
+    into staging buffers (what a store in host memory is read through) changes nothing: outputs,
+    candidates, selections and tables bit for bit (Triton path, interpreter)."""
+    from redknot.kernels.host_stage import HostStage
+
+    lens = [70, 41, 3]
+    B, n_max = len(lens), max(lens) + 2
+    batch = make_paged([n + 1 for n in lens], HKV, D, torch.float16, seed=8)
+    state = random_lfps_state(B, HQ, HKV, D, GRP, n_max, seed=9)
+    for b, n in enumerate(lens):
+        state.vertical[b, :, n - 1 :] = 0
+        state.slash[b, :, n - 1 :] = 0
+    params = LfpsParams(budget=6, history_steps=M)
+    budgets = LfpsBudgets(candidates=14, topk=6)
+    stage = (
+        HostStage.empty(B, HKV, D, num_sink=params.num_sink, width=budgets.candidates,
+                        dtype=torch.float16, device="cpu", values=False),
+        HostStage.empty(B, HKV, D, num_sink=params.num_sink, width=budgets.topk,
+                        dtype=torch.float16, device="cpu"),
+    )  # fmt: skip
+    seq = torch.tensor([n + 1 for n in lens])
+    dense = torch.tensor([False, False, True])
+    a, b_ = state.clone(), state.clone()
+    q = torch.randn(B, HQ, D, generator=torch.Generator().manual_seed(10)).half()
+    args = (q, batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices, seq)
+    want = lfps_decode_step(*args, a, params, budgets, dense=dense)
+    got = lfps_decode_step(*args, b_, params, budgets, dense=dense, stage=stage)
+    assert (want.candidate_count > 0).any() and not torch.isnan(want.output).any()
+    for field in ("output", "selected", "candidates", "candidate_count", "bypass"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert torch.equal(a.vertical, b_.vertical) and torch.equal(a.scale, b_.scale)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4])
 def test_step_cuda_graph_replay_matches_eager(rows):
@@ -252,8 +286,9 @@ def test_step_cuda_graph_replay_matches_eager(rows):
 @pytest.mark.parametrize("rows", [1, 4])
 def test_step_over_pinned_host_kv_equals_the_step_over_device_kv(rows):
     """Issue 28 item 3: the Triton step reading K/V from pinned host memory (over PCIe, through
-    unified addressing), eagerly and replayed from a CUDA graph, gives what it gives over the
-    same K/V in GPU memory: outputs, selections and tables bit for bit."""
+    unified addressing), eagerly, through staging buffers (lists per KV head) and replayed from
+    a CUDA graph, gives what it gives over the same K/V in GPU memory: outputs, selections and
+    tables bit for bit."""
     from redknot.kernels.sparse_decode import plan_sparse_decode
 
     dev, Hq, Hkv, D, B = "cuda", 32, 8, 128, 3
@@ -277,17 +312,29 @@ def test_step_over_pinned_host_kv_equals_the_step_over_device_kv(rows):
     want = lfps_decode_step(q, batch.k_buffer, batch.v_buffer, *paged, on_gpu, params, budgets,
                             plan=plan)  # fmt: skip
     got = lfps_decode_step(q, host_k, host_v, *paged, on_host, params, budgets, plan=plan)
+    stage = None
+    if rows == Hq // Hkv:  # lists per KV head: also through staging buffers
+        from redknot.kernels.host_stage import HostStage
+
+        stage = tuple(
+            HostStage.empty(B, Hkv, D, num_sink=4, width=w, dtype=torch.bfloat16, device=dev,
+                            values=values)
+            for w, values in ((budgets.candidates, False), (budgets.topk, True))
+        )  # fmt: skip
+    staged_state = state.clone()
+    staged = lfps_decode_step(q, host_k, host_v, *paged, staged_state, params, budgets,
+                              plan=plan, stage=stage)  # fmt: skip
     scratch = state.clone()
-    lfps_decode_step(q, host_k, host_v, *paged, scratch, params, budgets, plan=plan)
+    lfps_decode_step(q, host_k, host_v, *paged, scratch, params, budgets, plan=plan, stage=stage)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = lfps_decode_step(q, host_k, host_v, *paged, graphed, params, budgets,
-                                    plan=plan)  # fmt: skip
+                                    plan=plan, stage=stage)  # fmt: skip
     graph.replay()
     torch.cuda.synchronize()
     assert (want.candidate_count > 0).any()
-    for res, st in ((got, on_host), (replayed, graphed)):
+    for res, st in ((got, on_host), (staged, staged_state), (replayed, graphed)):
         assert torch.equal(res.selected, want.selected)
         assert torch.equal(res.output, want.output)
         assert torch.equal(st.vertical, on_gpu.vertical) and torch.equal(st.scale, on_gpu.scale)
