@@ -72,7 +72,7 @@ def _check(stage: HostStage, k_src, v_src, req_to_token, req_pool_indices, seq_l
     for name, src in (("k_src", k_src), ("v_src", v_src)):
         if src is not None:
             assert src.dtype == stage.k.dtype and src.stride(2) == 1, (name, src.dtype)
-            assert store_readable(src, stage.k), f"{name} on {src.device}, stage on the GPU"
+            assert store_readable(src, stage.k), f"{name} on {src.device}: not readable there"
     assert (stage.v is None) == (v_src is None), "stage values exactly when v_src is given"
 
 

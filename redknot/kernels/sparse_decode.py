@@ -152,11 +152,8 @@ def run_sparse_decode(
     assert Hq % Hkv == 0 and (Hq // Hkv) % plan.rows == 0, (Hq, Hkv, plan.rows)
     for name, store in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         assert store.dim() == 3 and store.shape[1:] == (Hkv, D), f"{name}: {store.shape}"
-        assert store.dtype == q.dtype and store_readable(store, q), (
-            name,
-            store.dtype,
-            store.device,
-        )
+        assert store.dtype == q.dtype, f"{name}: dtype {store.dtype}, q has {q.dtype}"
+        assert store_readable(store, q), f"{name}: on {store.device} (not pinned), q on {q.device}"
         assert store.stride(2) == 1, f"{name}: head_dim must be contiguous"
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
     assert req_pool_indices.shape == (B,) and req_pool_indices.dtype in _INDEX_DTYPES

@@ -296,6 +296,7 @@ def lfps_decode_step(
             there; the result is the same bit for bit.
     """
     B, Hq, D = q.shape
+    assert stage is None or kernels, "staging buffers feed the Triton path only"
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     paged = (req_to_token, req_pool_indices, seq_lens)
     rows = state.state_rows()
