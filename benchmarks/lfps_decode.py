@@ -179,9 +179,18 @@ def full_attention(layer: Layer, shape: dict, scale: float, device: str):
             return calls, f"flashinfer {flashinfer.__version__} BatchDecodeWithPagedKVCacheWrapper"
         except Exception as e:  # noqa: BLE001 - no FlashInfer: the project's dense kernel
             why = f"flashinfer not usable: {type(e).__name__}: {str(e)[:200]}"
+    call = dense_decode(layer, layer.k_buffer, layer.v_buffer, shape, scale, device, out)
+    return call, f"redknot dense decode (run_decode, every head global); {why}"
+
+
+def dense_decode(layer: Layer, k_buf, v_buf, shape: dict, scale: float, device: str, out):
+    """A call of redknot's dense decode kernel (every head global) over ``k_buf`` / ``v_buf``
+    (any store the kernel can read) into ``out``."""
     from redknot.kernels.decode import DecodeWorkspace, plan_decode, run_decode
     from redknot.kernels.geometry import LayerHeads, SegGeometry
 
+    B, Hq, D = layer.q.shape
+    Hkv = shape["num_kv_heads"]
     geo = SegGeometry(Hq, Hkv, D, sink=4, window=1)
     ids = torch.arange(Hkv, dtype=torch.int32, device=device)
     heads = LayerHeads(torch.zeros_like(ids), ids, ids.clone(), tuple(range(Hkv)))
@@ -191,10 +200,10 @@ def full_attention(layer: Layer, shape: dict, scale: float, device: str):
     small = layer.k_buffer[:1]
 
     def call():
-        run_decode(plan, layer.q, layer.k_buffer, layer.v_buffer, small, small,
-                   layer.req_to_token, heads, scale, out=out)  # fmt: skip
+        run_decode(plan, layer.q, k_buf, v_buf, small, small, layer.req_to_token, heads, scale,
+                   out=out)  # fmt: skip
 
-    return call, f"redknot dense decode (run_decode, every head global); {why}"
+    return call
 
 
 def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
@@ -324,8 +333,6 @@ def host_staged(row, layer, hk, hv, state, plan, params, budgets, timer, dev) ->
 
 def host_kv_methods(row: dict, layer: Layer, args, shape: dict, timer, params, budgets) -> None:
     """``--host-kv``: LFPS, its attention alone and full attention over K/V in host memory."""
-    from redknot.kernels.decode import DecodeWorkspace, plan_decode, run_decode
-    from redknot.kernels.geometry import LayerHeads, SegGeometry
     from redknot.kernels.sparse_decode import plan_sparse_decode, run_sparse_decode
     from redknot.lfps.batched import lfps_decode_step
 
@@ -367,22 +374,10 @@ def host_kv_methods(row: dict, layer: Layer, args, shape: dict, timer, params, b
         if sel == "kv_head":
             host_staged(row, layer, hk, hv, state, plan, params, budgets, timer, dev)
         del state
-    geo = SegGeometry(Hq, Hkv, D, sink=4, window=1)
-    ids = torch.arange(Hkv, dtype=torch.int32, device=dev)
-    heads = LayerHeads(torch.zeros_like(ids), ids, ids.clone(), tuple(range(Hkv)))
-    ws = DecodeWorkspace(geo, B, 256, dev)
-    plan = plan_decode(geo, ws, layer.seq_lens, layer.req_pool_indices,
-                       seq_lens_cpu=layer.seq_lens.cpu())  # fmt: skip
-    small = layer.k_buffer[:1]
-
-    def full_host():
-        run_decode(plan, layer.q, hk, hv, small, small, layer.req_to_token, heads, scale,
-                   out=out)  # fmt: skip
-
+    full_host = dense_decode(layer, hk, hv, shape, scale, dev, out)
     full_host()
     got = out.clone()
-    run_decode(plan, layer.q, layer.k_buffer, layer.v_buffer, small, small, layer.req_to_token,
-               heads, scale, out=out)  # fmt: skip
+    dense_decode(layer, layer.k_buffer, layer.v_buffer, shape, scale, dev, out)()
     row["host_equal_full"] = bool(torch.equal(got, out))
 
     attempt(row, "full_host", timer, lambda: full_host)
