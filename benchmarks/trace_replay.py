@@ -721,6 +721,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.join:
         return join(args.join, args.out)
+    modes = args.modes.split(",")
+    if len(set(modes)) != len(modes):
+        p.error(f"--modes {args.modes}: each mode once (a repeated pass replays the same prompts, "
+                "served from the prefix caches, and its row replaces the first's)")  # fmt: skip
     sizes = {"rag": {"docs": args.docs, "requests": args.requests},
              "chat": {"sessions": args.sessions, "turns": args.turns}}  # fmt: skip
     if args.standin:

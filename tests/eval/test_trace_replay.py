@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.trace_replay import (
     CLOSED,
     Profile,
@@ -13,6 +15,7 @@ from benchmarks.trace_replay import (
     capture_overhead,
     chat_workload,
     fill_speedups,
+    main,
     markable_fraction,
     paired_figures,
     phase_figures,
@@ -273,3 +276,11 @@ def test_join_labels_runs_of_one_server_under_other_options(tmp_path):
     assert [r["label"] for r in joined["runs"]] == ["step-2048", "step-1024"]
     join([str(p) for p in paths], str(out))
     assert [r["capture_overhead"] for r in json.loads(out.read_text())["rows"]] == [1.07]
+
+
+def test_a_mode_given_twice_is_refused_before_anything_is_sent(tmp_path, capsys):
+    out = tmp_path / "x.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["--url", "http://127.0.0.1:9", "--modes", "optout,auto,optout", "--out", str(out)])
+    assert exc.value.code == 2 and "each mode once" in capsys.readouterr().err
+    assert not out.exists()
