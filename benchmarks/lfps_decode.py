@@ -294,18 +294,14 @@ def host_staged(row, layer, hk, hv, state, plan, params, budgets, timer, dev) ->
     candidates' keys and the selected rows gathered first, then scored and attended on the GPU
     (``lfps_host_staged_kv_head``; ``attend_host_staged_kv_head``: a random list staged and
     attended); each checked equal to the unstaged run first."""
-    from redknot.kernels.host_stage import HostStage, stage_rows
+    from redknot.kernels.host_stage import stage_rows
     from redknot.kernels.sparse_decode import run_sparse_decode
-    from redknot.lfps.batched import lfps_decode_step
+    from redknot.lfps.batched import host_stages, lfps_decode_step
 
     B, _, D = layer.q.shape
     Hkv, L = hk.shape[1], layer.req_to_token.shape[1]
     sink, k, scale = params.num_sink, budgets.topk, 1.0 / math.sqrt(D)
-    stage = tuple(
-        HostStage.empty(B, Hkv, D, num_sink=sink, width=w, dtype=hk.dtype, device=dev,
-                        values=values)
-        for w, values in ((budgets.candidates, False), (k, True))
-    )  # fmt: skip
+    stage = host_stages(B, Hkv, D, params, budgets, hk.dtype, dev)
     a, b = state.clone(), state.clone()
     want = lfps_decode_step(layer.q, hk, hv, *layer.paged, a, params, budgets, plan=plan)
     got = lfps_decode_step(layer.q, hk, hv, *layer.paged, b, params, budgets, plan=plan,

@@ -15,9 +15,9 @@ reports, over the traced span:
 - ``longest_host``: the longest single host events (ranges, operators, runtime calls), where a
   first prompt's one-off costs (compiles, first launches) show;
 - ``layer_host``: inside the decoder-layer ranges (``redknot.decoder_layer.*``), the host
-  operators and Python functions (SGLang profiles with stacks) by count and inclusive time, and
-  the ranges' median host time: two servers' summaries side by side show which calls one of
-  them adds per layer.
+  operators (and Python functions, in a trace taken with stacks; ``trace_replay.py``'s are
+  not) by count and inclusive time, and the ranges' median host time: two servers' summaries
+  side by side show which calls one of them adds per layer.
 
     python benchmarks/profile_summary.py TRACE.json.gz [...] --out benchmarks/results/x.json
 """

@@ -259,6 +259,21 @@ def every_key(
     return torch.where(dense.view(-1, 1, 1), listed[:, None, :], selected).contiguous()
 
 
+def host_stages(batch_size: int, num_kv_heads: int, head_dim: int, params: LfpsParams,
+                budgets: LfpsBudgets, dtype: torch.dtype,
+                device: torch.device | str) -> tuple[HostStage, HostStage]:  # fmt: skip
+    """The staging buffers :func:`lfps_decode_step` takes as ``stage`` (a store in host memory):
+    the candidates' keys (``budgets.candidates`` wide, keys only) and the sinks and selected
+    keys and values (``budgets.topk`` wide)."""
+    shape = (batch_size, num_kv_heads, head_dim)
+    return (
+        HostStage.empty(*shape, num_sink=params.num_sink, width=budgets.candidates, dtype=dtype,
+                        device=device, values=False),
+        HostStage.empty(*shape, num_sink=params.num_sink, width=budgets.topk, dtype=dtype,
+                        device=device),
+    )  # fmt: skip
+
+
 def lfps_decode_step(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -289,11 +304,11 @@ def lfps_decode_step(
         state: tables covering ``seq_lens - 1`` keys (``seq_lens <= state.max_len``).
         kernels: the Triton kernels (else the PyTorch references of this module, for tests).
         plan: the sparse attention's plan (width ``budgets.topk``; made here if None).
-        stage: for a store in host memory (selections per KV head, kernels only): the
-            candidates' keys (keys only, width ``budgets.candidates``) and the selected keys and
-            values with the sinks (width ``budgets.topk``) are gathered into these GPU buffers
-            first (:func:`redknot.kernels.host_stage.stage_rows`) and scored and attended
-            there; the result is the same bit for bit.
+        stage: for a store in host memory (selections per KV head, kernels only;
+            :func:`host_stages`): the candidates' keys and the sinks and selected keys and
+            values are gathered into these GPU buffers first
+            (:func:`redknot.kernels.host_stage.stage_rows`) and scored and attended there; the
+            result is the same bit for bit.
     """
     B, Hq, D = q.shape
     assert stage is None or kernels, "staging buffers feed the Triton path only"

@@ -11,7 +11,7 @@ from kernels.paged_data import make_paged, random_lfps_state
 
 from redknot.lfps import LfpsParams, build_state, lfps_step
 from redknot.lfps.batch_state import pack_states
-from redknot.lfps.batched import LfpsBudgets, lfps_decode_step
+from redknot.lfps.batched import LfpsBudgets, host_stages, lfps_decode_step
 from redknot.lfps.candidates import expand_candidates, initial_candidates
 from redknot.lfps.fixed_budget import (
     BINS_PER_OCTAVE,
@@ -208,8 +208,6 @@ def test_step_with_staged_rows_equals_the_step_over_the_store():
     """Issue 28 item 3: scoring the candidates and attending the selection from rows gathered
     into staging buffers (what a store in host memory is read through) changes nothing: outputs,
     candidates, selections and tables bit for bit (Triton path, interpreter)."""
-    from redknot.kernels.host_stage import HostStage
-
     lens = [70, 41, 3]
     B, n_max = len(lens), max(lens) + 2
     batch = make_paged([n + 1 for n in lens], HKV, D, torch.float16, seed=8)
@@ -219,12 +217,7 @@ def test_step_with_staged_rows_equals_the_step_over_the_store():
         state.slash[b, :, n - 1 :] = 0
     params = LfpsParams(budget=6, history_steps=M)
     budgets = LfpsBudgets(candidates=14, topk=6)
-    stage = (
-        HostStage.empty(B, HKV, D, num_sink=params.num_sink, width=budgets.candidates,
-                        dtype=torch.float16, device="cpu", values=False),
-        HostStage.empty(B, HKV, D, num_sink=params.num_sink, width=budgets.topk,
-                        dtype=torch.float16, device="cpu"),
-    )  # fmt: skip
+    stage = host_stages(B, HKV, D, params, budgets, torch.float16, "cpu")
     seq = torch.tensor([n + 1 for n in lens])
     dense = torch.tensor([False, False, True])
     a, b_ = state.clone(), state.clone()
@@ -314,13 +307,7 @@ def test_step_over_pinned_host_kv_equals_the_step_over_device_kv(rows):
     got = lfps_decode_step(q, host_k, host_v, *paged, on_host, params, budgets, plan=plan)
     stage = None
     if rows == Hq // Hkv:  # lists per KV head: also through staging buffers
-        from redknot.kernels.host_stage import HostStage
-
-        stage = tuple(
-            HostStage.empty(B, Hkv, D, num_sink=4, width=w, dtype=torch.bfloat16, device=dev,
-                            values=values)
-            for w, values in ((budgets.candidates, False), (budgets.topk, True))
-        )  # fmt: skip
+        stage = host_stages(B, Hkv, D, params, budgets, torch.bfloat16, dev)
     staged_state = state.clone()
     staged = lfps_decode_step(q, host_k, host_v, *paged, staged_state, params, budgets,
                               plan=plan, stage=stage)  # fmt: skip
