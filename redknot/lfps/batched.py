@@ -28,7 +28,11 @@ With ``rows = 1`` and ``C`` at least every row's candidate count this is the ref
 by the kernel for all its query heads) the tables are per KV head: a key's rank is the maximum
 logit over the group's non-bypassed query heads, each query head attends the shared selection,
 Eq. 10 adds the mean over the non-bypassed heads of their attention renormalised over the
-selection, and a group whose heads all bypass is left untouched.
+selection, and a group whose heads all bypass is left untouched. ``LfpsBudgets.union``
+keeps the lists and tables per KV head but lets each query head choose its own Top-k among the
+list's candidates; the list attends the union of its heads' choices (up to ``rows`` times the
+budget, each key read once for the group), which keeps each head's choice whole: ``lfps_topk``
+over every query head's logits, ``union_marks``, then ``lfps_topk`` of the marked entries.
 
 The selection is in list order (newest position first), not by rank; its consumers (Eq. 10,
 the sparse attention) do not depend on the order. Ties in rank at a row's cut go to the
@@ -37,6 +41,7 @@ earliest entries of the list, i.e. the newest positions (``rank_topk``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -54,14 +59,25 @@ from redknot.lfps.params import LfpsParams
 
 @dataclass(frozen=True)
 class LfpsBudgets:
-    """Fixed widths of a step: ``candidates`` (C) listed and scored, ``topk`` (K) attended per
-    selection head. A row whose ``params.budget_for(n - sink)`` exceeds K keeps K."""
+    """Fixed widths of a step: ``candidates`` (C) listed and scored, ``topk`` (K) selected per
+    selection head. A row whose ``params.budget_for(n - sink)`` exceeds K keeps K.
+
+    ``union``: 1, a list's Top-K ranked by the maximum logit over its query heads; or the
+    state's ``rows`` (one list per KV head), every query head of the list choosing its own
+    Top-K and the list attending their union, ``width`` keys at most."""
 
     candidates: int
     topk: int
+    union: int = 1
 
     def __post_init__(self) -> None:
         assert 1 <= self.topk <= self.candidates, (self.topk, self.candidates)
+        assert self.union >= 1, self.union
+
+    @property
+    def width(self) -> int:
+        """Keys a selection head attends at most: ``topk``, or the union's bound."""
+        return min(self.topk * self.union, self.candidates)
 
 
 @dataclass
@@ -183,6 +199,21 @@ def rank_topk_in_list_order(
     return in_list_order(*rank_topk(rank, budget, k))
 
 
+def union_marks(top_val: torch.Tensor, top_at: torch.Tensor, rows: int, size: int) -> torch.Tensor:
+    """[B, Hs, size] float32: 0 at the list entries that any of a list's ``rows`` query heads
+    selected, -inf elsewhere.
+
+    Args:
+        top_val, top_at: [B, Hq, K] each query head's selection (``rank_topk`` or ``lfps_topk``:
+            an entry counts where its value is finite; padding may repeat an index).
+    """
+    B, Hq, K = top_at.shape
+    src = torch.where(torch.isfinite(top_val), 0.0, float("-inf"))
+    marks = torch.full((B, Hq // rows, size), float("-inf"), device=top_val.device)
+    shape = (B, Hq // rows, rows * K)
+    return marks.scatter_reduce_(2, top_at.reshape(shape), src.reshape(shape), "amax")
+
+
 def select_topk(
     logits: torch.Tensor,
     candidates: torch.Tensor,
@@ -191,9 +222,13 @@ def select_topk(
     k: int,
     *,
     list_order: bool = False,
+    union: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` of each list by its rank (maximum logit over the non-bypassed query heads),
     then each row's ``budget`` first (``rank_topk``: ties to the lowest list index).
+    ``union``: instead every non-bypassed query head takes the Top-``k`` (then ``budget``) of
+    its own logits, and each list keeps the union of its heads' selections, in list order,
+    ``rows * k`` wide.
 
     Args:
         logits: [B, Hq, C] float32 scaled logits of the listed keys (-inf: not a key).
@@ -201,16 +236,23 @@ def select_topk(
         bypass: [B, Hq] bool; budget: [B] int64.
         list_order: order the selection as the list (``lfps_topk``'s order) instead of by rank.
     Returns:
-        selected: [B, Hs, k] int32 positions (-1 padded), descending rank or list order.
+        selected: [B, Hs, k] int32 positions (-1 padded), descending rank or list order
+            (``union``: [B, Hs, min(rows * k, C)], list order).
         selected_logits: [B, Hq, k] float32 each query head's logits of them (-inf: padding).
     """
     B, Hq, C = logits.shape
     Hs = candidates.shape[1]
     rows = Hq // Hs
-    rank = logits.masked_fill(bypass[..., None], float("-inf")).view(B, Hs, rows, C).amax(2)
-    val, at = rank_topk(rank, budget, k)
-    if list_order:
-        val, at = in_list_order(val, at)
+    if union:
+        val, at = rank_topk(logits.masked_fill(bypass[..., None], float("-inf")), budget, k)
+        width = min(rows * k, C)
+        marks = union_marks(val, at, rows, C)
+        val, at = rank_topk(marks, torch.full_like(budget, width), width)  # equal: list order
+    else:
+        rank = logits.masked_fill(bypass[..., None], float("-inf")).view(B, Hs, rows, C).amax(2)
+        val, at = rank_topk(rank, budget, k)
+        if list_order:
+            val, at = in_list_order(val, at)
     keep = torch.isfinite(val)
     selected = torch.where(keep, torch.gather(candidates, 2, at), -1)
     per_head = torch.gather(logits, 2, at.repeat_interleave(rows, 1))
@@ -264,12 +306,12 @@ def host_stages(batch_size: int, num_kv_heads: int, head_dim: int, params: LfpsP
                 device: torch.device | str) -> tuple[HostStage, HostStage]:  # fmt: skip
     """The staging buffers :func:`lfps_decode_step` takes as ``stage`` (a store in host memory):
     the candidates' keys (``budgets.candidates`` wide, keys only) and the sinks and selected
-    keys and values (``budgets.topk`` wide)."""
+    keys and values (``budgets.width`` wide)."""
     shape = (batch_size, num_kv_heads, head_dim)
     return (
         HostStage.empty(*shape, num_sink=params.num_sink, width=budgets.candidates, dtype=dtype,
                         device=device, values=False),
-        HostStage.empty(*shape, num_sink=params.num_sink, width=budgets.topk, dtype=dtype,
+        HostStage.empty(*shape, num_sink=params.num_sink, width=budgets.width, dtype=dtype,
                         device=device),
     )  # fmt: skip
 
@@ -294,7 +336,7 @@ def lfps_decode_step(
     """Attend one new token per request with LFPS; ``state`` is updated in place (Eq. 10).
 
     ``dense`` ([B] bool): requests attended over every key instead (no bypass; their
-    selection lists positions ``num_sink .. n - 1``, which ``budgets.topk`` must hold); their
+    selection lists positions ``num_sink .. n - 1``, which ``budgets.width`` must hold); their
     state row is updated as any other, so give them a scratch row (``state.index``).
 
     Args:
@@ -303,7 +345,7 @@ def lfps_decode_step(
         req_to_token: [R, max_ctx] int32; req_pool_indices, seq_lens: [B].
         state: tables covering ``seq_lens - 1`` keys (``seq_lens <= state.max_len``).
         kernels: the Triton kernels (else the PyTorch references of this module, for tests).
-        plan: the sparse attention's plan (width ``budgets.topk``; made here if None).
+        plan: the sparse attention's plan (width ``budgets.width``; made here if None).
         stage: for a store in host memory (selections per KV head, kernels only;
             :func:`host_stages`): the candidates' keys and the sinks and selected keys and
             values are gathered into these GPU buffers first
@@ -312,6 +354,8 @@ def lfps_decode_step(
     """
     B, Hq, D = q.shape
     assert stage is None or kernels, "staging buffers feed the Triton path only"
+    assert budgets.union in (1, state.rows), (budgets.union, state.rows)
+    union = budgets.union > 1
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     paged = (req_to_token, req_pool_indices, seq_lens)
     rows = state.state_rows()
@@ -335,12 +379,18 @@ def lfps_decode_step(
             scored = (st.k, (st.req_to_token, st.req_pool_indices, st.seq_lens), st.indices)
         logits, rank = score_and_rank(q, scored[0], *scored[1], scored[2], bypass,
                                       num_sink=params.num_sink, sm_scale=sm_scale)  # fmt: skip
-        val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
+        chosen = params
+        if union:
+            rank = logits.masked_fill(bypass[..., None], float("-inf"))
+            val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
+            chosen = dataclasses.replace(params, budget=budgets.width)  # every marked entry
+            rank = union_marks(val, at, state.rows, cand.shape[2])
+        val, at = lfps_topk(rank, seq_lens, chosen, budgets.width)
         selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state,
-                                      params)  # fmt: skip
+                                      chosen)  # fmt: skip
         if plan is None:
             plan = plan_sparse_decode(
-                batch_size=B, num_q_heads=Hq, head_dim=D, rows=state.rows, width=budgets.topk,
+                batch_size=B, num_q_heads=Hq, head_dim=D, rows=state.rows, width=budgets.width,
                 num_sink=params.num_sink, device=q.device,
             )  # fmt: skip
         if dense is not None:
@@ -363,7 +413,7 @@ def lfps_decode_step(
         logits = score_keys_reference(q, k_buffer, *paged, cand, params.num_sink, sm_scale)
         budget = row_budgets(seq_lens, params)
         selected, selected_logits = select_topk(logits, cand, bypass, budget, budgets.topk,
-                                                list_order=True)  # fmt: skip
+                                                list_order=True, union=union)  # fmt: skip
         update_tables_(state, selected, selected_logits, bypass, seq_lens, params.decay)
         if dense is not None:
             selected = every_key(selected, dense, seq_lens, params.num_sink)

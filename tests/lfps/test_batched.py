@@ -140,10 +140,51 @@ def test_fixed_capacity_rule(capacity):
             assert set(listed) == loop_fixed_rule(v, sl, mean_v, mean_s, cand, capacity)
 
 
-@pytest.mark.parametrize("rows", [1, GRP])
-def test_triton_path_matches_reference_path(rows):
+@pytest.mark.parametrize("k", [3, 7])
+def test_union_selection_is_the_union_of_each_query_heads_own_top_k(k):
+    """``select_topk(union=True)`` against a loop: every non-bypassed query head's ``budget``
+    largest logits among its list's candidates (ties to the lowest list index), united per
+    list, in list order, -1 after; the logits gathered per query head; a list whose heads all
+    bypass selects nothing."""
+    from redknot.lfps.batched import select_topk
+
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hs, C = 3, 6, 2, 16
+    rows = Hq // Hs
+    logits = torch.randn(B, Hq, C, generator=g).round(decimals=1)  # ties
+    logits[0, :, 12:] = float("-inf")  # a short list
+    candidates = torch.randperm(100, generator=g)[: B * Hs * C].view(B, Hs, C).int()
+    bypass = torch.zeros(B, Hq, dtype=torch.bool)
+    bypass[1, 0] = True
+    bypass[2, 3:] = True  # the second list's heads all bypass
+    budget = torch.tensor([k, k - 1, 2])
+    selected, per_head = select_topk(logits, candidates, bypass, budget, k, union=True)
+    width = min(rows * k, C)
+    assert selected.shape == (B, Hs, width) and per_head.shape == (B, Hq, width)
+    for b in range(B):
+        for s in range(Hs):
+            united: set[int] = set()
+            for h in range(s * rows, (s + 1) * rows):
+                if bypass[b, h]:
+                    continue
+                entries = [(-float(logits[b, h, e]), e) for e in range(C)
+                           if math.isfinite(float(logits[b, h, e]))]  # fmt: skip
+                united |= {e for _, e in sorted(entries)[: int(budget[b])]}
+            order = sorted(united)
+            n = len(order)
+            assert selected[b, s, :n].tolist() == [int(candidates[b, s, e]) for e in order]
+            assert (selected[b, s, n:] == -1).all()
+            for h in range(s * rows, (s + 1) * rows):
+                assert per_head[b, h, :n].tolist() == [float(logits[b, h, e]) for e in order]
+                assert torch.isinf(per_head[b, h, n:]).all()
+    assert (selected[2, 1] == -1).all()
+
+
+@pytest.mark.parametrize("rows, union", [(1, 1), (GRP, 1), (GRP, GRP)])
+def test_triton_path_matches_reference_path(rows, union):
     """The kernels (interpreter) against their references inside the step, fp16 store, with
-    overflowing candidate lists; rows = group shares a selection per KV head."""
+    overflowing candidate lists; rows = group shares a list per KV head (union: the union of
+    its query heads' own Top-k)."""
     params = LfpsParams(budget=5, history_steps=M, lam=0.0)
     prompt_lens, steps = [60, 33], 2
     reqs = requests(prompt_lens, steps, seed=1)
@@ -153,7 +194,7 @@ def test_triton_path_matches_reference_path(rows):
     states = [pack_states(ref, max_len, rows=rows, num_kv_heads=HKV) for _ in range(2)]
     batch = make_paged([n0 + steps for n0 in prompt_lens], HKV, D, torch.float16,
                        keys=[r[1] for r in reqs], values=[r[2] for r in reqs])  # fmt: skip
-    budgets = LfpsBudgets(candidates=12, topk=5)
+    budgets = LfpsBudgets(candidates=12, topk=5, union=union)
     overflow = False
     for step in range(steps):
         lens = torch.tensor([n0 + step + 1 for n0 in prompt_lens])
@@ -165,6 +206,7 @@ def test_triton_path_matches_reference_path(rows):
         assert torch.equal(got.candidates, want.candidates)
         assert torch.equal(got.candidate_count, want.candidate_count)
         assert torch.equal(got.selected, want.selected)
+        assert got.selected.shape[2] == budgets.width
         torch.testing.assert_close(got.output.float(), want.output.float(), atol=4e-3, rtol=4e-3)
         for a, b in zip(states[0].true_tables(), states[1].true_tables()):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
@@ -172,9 +214,11 @@ def test_triton_path_matches_reference_path(rows):
     assert overflow
 
 
-def test_shared_selection_with_identical_heads_equals_per_head():
+@pytest.mark.parametrize("union", [1, GRP])
+def test_shared_selection_with_identical_heads_equals_per_head(union):
     """rows = group: when a KV head's query heads are identical (same query, same history) the
-    shared selection is each head's own, so it equals the reference per query head."""
+    shared selection, and the union of the heads' own, is each head's own, so it equals the
+    reference per query head."""
     params = LfpsParams(budget=0.1, history_steps=M)
     prompt_lens, steps = [50, 71], 3
     reqs = requests(prompt_lens, steps, seed=2)
@@ -186,7 +230,7 @@ def test_shared_selection_with_identical_heads_equals_per_head():
     shared = pack_states(ref, max_len, rows=GRP, num_kv_heads=HKV)
     batch = make_paged([n0 + steps for n0 in prompt_lens], HKV, D, torch.float32,
                        keys=[r[1] for r in reqs], values=[r[2] for r in reqs])  # fmt: skip
-    budgets = LfpsBudgets(candidates=max_len, topk=params.budget_for(max_len))
+    budgets = LfpsBudgets(candidates=max_len, topk=params.budget_for(max_len), union=union)
     for step in range(steps):
         lens = [n0 + step + 1 for n0 in prompt_lens]
         q = torch.stack([r[3][step] for r in reqs])
@@ -204,7 +248,8 @@ def test_shared_selection_with_identical_heads_equals_per_head():
             torch.testing.assert_close(res.output[b], want.output, atol=1e-5, rtol=1e-5)
 
 
-def test_step_with_staged_rows_equals_the_step_over_the_store():
+@pytest.mark.parametrize("union", [1, GRP])
+def test_step_with_staged_rows_equals_the_step_over_the_store(union):
     """Issue 28 item 3: scoring the candidates and attending the selection from rows gathered
     into staging buffers (what a store in host memory is read through) changes nothing: outputs,
     candidates, selections and tables bit for bit (Triton path, interpreter)."""
@@ -216,7 +261,7 @@ def test_step_with_staged_rows_equals_the_step_over_the_store():
         state.vertical[b, :, n - 1 :] = 0
         state.slash[b, :, n - 1 :] = 0
     params = LfpsParams(budget=6, history_steps=M)
-    budgets = LfpsBudgets(candidates=14, topk=6)
+    budgets = LfpsBudgets(candidates=14, topk=6, union=union)
     stage = host_stages(B, HKV, D, params, budgets, torch.float16, "cpu")
     seq = torch.tensor([n + 1 for n in lens])
     dense = torch.tensor([False, False, True])
@@ -232,8 +277,8 @@ def test_step_with_staged_rows_equals_the_step_over_the_store():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
-def test_step_cuda_graph_replay_matches_eager(rows):
+@pytest.mark.parametrize("rows, union", [(1, 1), (4, 1), (4, 4)])
+def test_step_cuda_graph_replay_matches_eager(rows, union):
     """The whole Triton step captured once (8B head shape) and replayed over three decode
     steps with new queries and lengths: outputs, selections and tables equal the eager step's
     on a copy of the state."""
@@ -250,9 +295,10 @@ def test_step_cuda_graph_replay_matches_eager(rows):
     state = state.to(dev)
     eager = state.clone()
     params = LfpsParams(budget=0.02)
-    budgets = LfpsBudgets(candidates=4 * params.budget_for(n_max), topk=params.budget_for(n_max))
+    top = params.budget_for(n_max)
+    budgets = LfpsBudgets(candidates=(8 if union > 1 else 4) * top, topk=top, union=union)
     plan = plan_sparse_decode(batch_size=B, num_q_heads=Hq, head_dim=D, rows=rows,
-                              width=budgets.topk, num_sink=4, device=dev)  # fmt: skip
+                              width=budgets.width, num_sink=4, device=dev)  # fmt: skip
     q = torch.empty(B, Hq, D, device=dev, dtype=torch.bfloat16)
     seq = torch.tensor(lens, device=dev)
     paged = (batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices)
@@ -276,8 +322,8 @@ def test_step_cuda_graph_replay_matches_eager(rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
-def test_step_over_pinned_host_kv_equals_the_step_over_device_kv(rows):
+@pytest.mark.parametrize("rows, union", [(1, 1), (4, 1), (4, 4)])
+def test_step_over_pinned_host_kv_equals_the_step_over_device_kv(rows, union):
     """Issue 28 item 3: the Triton step reading K/V from pinned host memory (over PCIe, through
     unified addressing), eagerly, through staging buffers (lists per KV head) and replayed from
     a CUDA graph, gives what it gives over the same K/V in GPU memory: outputs, selections and
@@ -295,9 +341,10 @@ def test_step_over_pinned_host_kv_equals_the_step_over_device_kv(rows):
         state.slash[b, :, n - 1 :] = 0
     state = state.to(dev)
     params = LfpsParams(budget=0.02)
-    budgets = LfpsBudgets(candidates=4 * params.budget_for(n_max), topk=params.budget_for(n_max))
+    top = params.budget_for(n_max)
+    budgets = LfpsBudgets(candidates=(8 if union > 1 else 4) * top, topk=top, union=union)
     plan = plan_sparse_decode(batch_size=B, num_q_heads=Hq, head_dim=D, rows=rows,
-                              width=budgets.topk, num_sink=4, device=dev)  # fmt: skip
+                              width=budgets.width, num_sink=4, device=dev)  # fmt: skip
     q = torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16)
     seq = torch.tensor([n + 1 for n in lens], device=dev)
     paged = (batch.req_to_token, batch.req_pool_indices, seq)
