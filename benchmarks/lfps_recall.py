@@ -98,13 +98,16 @@ def run_lfps_shared(
     kv_heads: int,
     factor: int,
     widen: float = 1.0,
+    union: bool = False,
 ) -> dict:
     """``run_lfps`` for the GPU path's shared selection (``redknot.lfps.batched``, its PyTorch
     reference): one candidate list and one Top-k per KV head, serving its ``Hq / Hkv`` query
     heads, with ``C = factor * K`` candidates as the decode benchmark runs it. Recall is each
     query head's own (its exact Top-k, at ``params.budget``, against the shared selection of
     ``widen`` times that budget); ``overflow_share``: steps and KV heads whose candidates
-    exceeded ``C`` (the list then keeps the highest priorities)."""
+    exceeded ``C`` (the list then keeps the highest priorities). ``union``: each query head
+    takes its own Top-k of the list, the KV head attends their union (``attended_share``: its
+    keys over the budget)."""
     import dataclasses
 
     from redknot.lfps.batch_state import pack_states
@@ -122,8 +125,8 @@ def run_lfps_shared(
     v_buffer = v[::rows].transpose(0, 1).contiguous()
     req_to_token = torch.arange(T, dtype=torch.int32)[None]
     top = params.budget_for(prompt_len + steps - params.num_sink)
-    budgets = LfpsBudgets(candidates=min(factor * top, T), topk=top)
-    recalls, cand, bypass, over = [], [], [], []
+    budgets = LfpsBudgets(candidates=min(factor * top, T), topk=top, union=rows if union else 1)
+    recalls, cand, bypass, over, attended = [], [], [], [], []
     for t in range(prompt_len, prompt_len + steps):
         seq = torch.tensor([t + 1])
         res = lfps_decode_step(q[None, :, t], k_buffer, v_buffer, req_to_token,
@@ -139,6 +142,7 @@ def run_lfps_shared(
         if bool(active.any()):
             recalls.append(float(rec[active].mean()))
         count = res.candidate_count[0].float()
+        attended.append(float((sel >= 0).sum(-1).float().mean()) / kk)
         cand.append(float(count.mean()) / (t + 1))
         over.append(float((count > budgets.candidates).float().mean()))
         bypass.append(float(res.bypass.float().mean()))
@@ -147,6 +151,7 @@ def run_lfps_shared(
         "candidate_share": sum(cand) / len(cand),
         "bypass_share": sum(bypass) / len(bypass),
         "overflow_share": sum(over) / len(over),
+        "attended_share": sum(attended) / len(attended),
     }
 
 
@@ -188,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--history", type=int, default=64)
     p.add_argument("--skip-model", action="store_true", help="synthetic data only")
     p.add_argument(
-        "--selection", choices=("query_head", "kv_head"), default="query_head",
+        "--selection", choices=("query_head", "kv_head", "kv_head_union"), default="query_head",
         help="query_head: the reference step (a selection per query head); kv_head: the GPU "
         "path's shared selection per KV head (redknot.lfps.batched, PyTorch reference), C = "
-        "--candidate-factor x K",
+        "--candidate-factor x K; kv_head_union: its lists and tables per KV head, each query "
+        "head's own Top-k of the list, their union attended",
     )  # fmt: skip
     p.add_argument("--candidate-factor", type=int, default=4)
     p.add_argument(
@@ -221,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.time()
         qkv = model_qkv(family, prompt_ids(tokenizer, args.cases, n + args.steps))
-        if args.selection == "kv_head":
+        if args.selection != "query_head":
             kv_heads = family.shape.num_kv_heads
-            shared = (kv_heads, args.candidate_factor, args.shared_widen)
+            union = args.selection == "kv_head_union"
+            shared = (kv_heads, args.candidate_factor, args.shared_widen, union)
             per_layer = [
                 run_lfps_shared(q, k, v, n, args.steps, params, *shared) for q, k, v in qkv
             ]
@@ -252,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             "sparsity_threshold": params.sparsity_threshold,
             "num_sink": params.num_sink,
             "selection": args.selection,
-            "candidate_factor": args.candidate_factor if args.selection == "kv_head" else None,
-            "shared_widen": args.shared_widen if args.selection == "kv_head" else None,
+            "candidate_factor": (args.candidate_factor if args.selection != "query_head" else None),
+            "shared_widen": args.shared_widen if args.selection != "query_head" else None,
         },
         "note": "teacher-forced: Q/K/V of the dense model, recall averaged over non-bypass heads, "
         "steps and layers; candidate_share = keys scored exactly / keys",
