@@ -29,8 +29,11 @@ equal to the same method's over the GPU copy (``host_equal_*``) before it is tim
 With ``--stages``, ``lfps_stages_<sel>`` splits an LFPS step into its kernels (ms per call from
 ``torch.profiler``, eager calls without the L2 flush: shares, not figures to compare).
 
-``<sel>`` is ``kv_head`` (one selection per KV head shared by its 4 query heads) or
-``query_head`` (one per query head, the reference's per-head LFPS). LFPS's score tables are
+``<sel>`` is ``kv_head`` (one selection per KV head shared by its 4 query heads),
+``kv_head_union`` (lists and tables per KV head, each query head's own Top-k of the list, their
+union attended: ``lfps_attended_share_*`` is its width over K; ``C = --union-candidate-factor *
+K``; how far the heads agree is ``--query-similarity``) or ``query_head`` (one per query head,
+the reference's per-head LFPS). LFPS's score tables are
 synthetic (log-normal noise, a few strong positions and distances, a local slash band), not from
 a model: with the default ``--table-sigma 4`` about 5% of the keys are candidates, between the
 paper's Table 4 at 128K (1.7-2%) and SmolLM2's 15% at 8K (``lfps_recall.json``); the measured
@@ -102,10 +105,15 @@ class Layer:
         return self.req_to_token, self.req_pool_indices, self.seq_lens
 
 
-def make_layer(B: int, L: int, shape: dict, dtype, device: str) -> Layer:
+def make_layer(B: int, L: int, shape: dict, dtype, device: str, similarity: float = 0.0) -> Layer:
+    """Random K/V and queries; ``similarity`` s: each query head is ``sqrt(s)`` times its KV
+    head's shared direction plus ``sqrt(1 - s)`` times its own (0: independent heads)."""
     Hq, Hkv, D = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
+    q = torch.randn(B, Hq, D, device=device)
+    shared = torch.randn(B, Hkv, D, device=device).repeat_interleave(Hq // Hkv, 1)
+    q = math.sqrt(similarity) * shared + math.sqrt(1.0 - similarity) * q
     return Layer(
-        q=torch.randn(B, Hq, D, device=device, dtype=dtype),
+        q=q.to(dtype),
         k_buffer=torch.randn(B * L, Hkv, D, device=device, dtype=dtype),
         v_buffer=torch.randn(B * L, Hkv, D, device=device, dtype=dtype),
         req_to_token=torch.arange(B * L, device=device, dtype=torch.int32).view(B, L),
@@ -217,8 +225,10 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
     scale = 1.0 / math.sqrt(D)
     k = params.budget_for(L - sink)
     budgets = LfpsBudgets(candidates=min(L, args.candidate_factor * k), topk=k)
-    row = {"L": L, "B": B, "topk": k, "candidates": budgets.candidates}
-    layer = make_layer(B, L, shape, dtype, dev)
+    union = LfpsBudgets(candidates=min(L, args.union_candidate_factor * k), topk=k, union=grp)
+    row = {"L": L, "B": B, "topk": k, "candidates": budgets.candidates,
+           "union_candidates": union.candidates}  # fmt: skip
+    layer = make_layer(B, L, shape, dtype, dev, args.query_similarity)
     out = torch.empty_like(layer.q)
 
     full, impl = full_attention(layer, shape, scale, dev)
@@ -232,11 +242,14 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
     else:
         attempt(row, "full", timer, lambda: full)
 
-    for sel, rows in (("kv_head", grp), ("query_head", 1)):
+    selections = (("kv_head", grp, budgets), ("kv_head_union", grp, union),
+                  ("query_head", 1, budgets))  # fmt: skip
+    for sel, rows, bud in selections:
         if sel not in args.selections:
             continue
-        plan = plan_sparse_decode(batch_size=B, num_q_heads=Hq, head_dim=D, rows=rows, width=k,
-                                  num_sink=sink, device=dev)  # fmt: skip
+        width = bud.width
+        plan = plan_sparse_decode(batch_size=B, num_q_heads=Hq, head_dim=D, rows=rows,
+                                  width=width, num_sink=sink, device=dev)  # fmt: skip
         row.setdefault("num_splits", {})[sel] = plan.num_splits
 
         def topk_call(plan=plan, rows=rows):
@@ -245,8 +258,9 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
             run_sparse_decode(plan, layer.q, layer.k_buffer, layer.v_buffer, *layer.paged, idx,
                               scale, out=out)  # fmt: skip
 
-        attempt(row, f"topk_{sel}", timer, lambda f=topk_call: f)
-        fixed = torch.randint(sink, L, (B, Hq // rows, k), device=dev, dtype=torch.int32)
+        if bud.union == 1:  # exact Top-k has no union variant
+            attempt(row, f"topk_{sel}", timer, lambda f=topk_call: f)
+        fixed = torch.randint(sink, L, (B, Hq // rows, width), device=dev, dtype=torch.int32)
         attempt(row, f"attend_{sel}", timer, lambda plan=plan, fixed=fixed: lambda: (
             run_sparse_decode(plan, layer.q, layer.k_buffer, layer.v_buffer, *layer.paged,
                               fixed, scale, out=out)))  # fmt: skip
@@ -255,16 +269,17 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
         state = synthetic_state(B, L, rows, shape, sink, args.table_sigma, dev)
         probe = state.clone()
         res = lfps_decode_step(layer.q, layer.k_buffer, layer.v_buffer, *layer.paged, probe,
-                               params, budgets, plan=plan)  # fmt: skip
+                               params, bud, plan=plan)  # fmt: skip
         count = res.candidate_count.float()
         row[f"lfps_candidate_share_{sel}"] = float(count.mean()) / (L - sink)
-        row[f"lfps_overflow_share_{sel}"] = float((count > budgets.candidates).float().mean())
+        row[f"lfps_overflow_share_{sel}"] = float((count > bud.candidates).float().mean())
         row[f"lfps_bypass_share_{sel}"] = float(res.bypass.float().mean())
+        row[f"lfps_attended_share_{sel}"] = float((res.selected >= 0).sum(-1).float().mean()) / k
         del probe, res
 
-        def lfps_call(state=state, plan=plan):
+        def lfps_call(state=state, plan=plan, bud=bud):
             lfps_decode_step(layer.q, layer.k_buffer, layer.v_buffer, *layer.paged, state,
-                             params, budgets, plan=plan)  # fmt: skip
+                             params, bud, plan=plan)  # fmt: skip
 
         attempt(row, f"lfps_{sel}", timer, lambda f=lfps_call: f)
         if args.stages:
@@ -405,7 +420,7 @@ def summary(rows: list[dict], long: int, batch: int) -> dict:
     out = {"target": TARGET}
     for row in rows:
         if row["L"] == long and row["B"] == batch:
-            for sel in ("kv_head", "query_head"):
+            for sel in ("kv_head", "kv_head_union", "query_head"):
                 if row.get(f"speedup_lfps_{sel}"):
                     out[f"speedup_lfps_{sel}"] = round(row[f"speedup_lfps_{sel}"], 2)
                     out[f"met_lfps_{sel}"] = row[f"speedup_lfps_{sel}"] >= 5.0
@@ -422,7 +437,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--table-sigma", type=float, default=4.0,
                     help="log-normal spread of the synthetic LFPS tables (4: about 5%% of the "
                          "keys are candidates; 3: about 13%%)")  # fmt: skip
-    ap.add_argument("--selections", default="kv_head,query_head")
+    ap.add_argument("--union-candidate-factor", type=int, default=8,
+                    help="C of the kv_head_union selection in multiples of the Top-k width")  # fmt: skip
+    ap.add_argument("--query-similarity", type=float, default=0.0,
+                    help="share of a query head's variance common to its KV head's group (0: "
+                    "independent heads, the union's widest case)")  # fmt: skip
+    ap.add_argument("--selections", default="kv_head,kv_head_union,query_head")
     ap.add_argument("--calls", type=int, default=None, help="calls per CUDA graph (20; 1 small)")
     ap.add_argument("--repeats", type=int, default=None, help="timed replays (5; 1 small)")
     ap.add_argument(
@@ -455,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
     result = record(
         shape=shape, lfps_params=dataclasses.asdict(params),
         candidate_factor=args.candidate_factor, table_sigma=args.table_sigma,
+        union_candidate_factor=args.union_candidate_factor,
+        query_similarity=args.query_similarity,
         sparse_decode_config=dataclasses.asdict(SparseDecodeConfig()),
         timing=(f"median of {args.repeats} replays of a CUDA graph of {args.calls} calls, L2 "
                 "flushed before each call (flush subtracted)" if args.device == "cuda"

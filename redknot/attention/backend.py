@@ -527,7 +527,7 @@ def _warn_restore_scope(model_runner: ModelRunner, runner) -> None:
 def _lfps_serving(model_runner: ModelRunner, config: RedknotConfig, dense):
     """LFPS decode (``--redknot-lfps``) over the pool's reserved state, or a clear refusal."""
     from redknot.lfps.params import LfpsParams
-    from redknot.lfps.serving import LfpsServing
+    from redknot.lfps.serving import LfpsServing, union_of
 
     pool = model_runner.token_to_kv_pool
     store = getattr(pool, "lfps_store", None)
@@ -550,6 +550,7 @@ def _lfps_serving(model_runner: ModelRunner, config: RedknotConfig, dense):
     serving = LfpsServing(
         config.lfps, params, store.shape, store, model_runner.req_to_token_pool.req_to_token,
         min_tokens=config.lfps_min_tokens, candidate_factor=config.lfps_candidate_factor,
+        union=union_of(config.lfps_selection, store.shape.num_q_heads, store.shape.num_kv_heads),
     )  # fmt: skip
     model_runner.req_to_token_pool.redknot_lfps = serving  # its free hook releases rows
     logger.info(

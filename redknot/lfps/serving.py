@@ -74,8 +74,14 @@ class LfpsShape:
 
 
 def rows_of(selection: str, num_q_heads: int, num_kv_heads: int) -> int:
-    """Query heads per selection head for ``--redknot-lfps-selection``."""
+    """Query heads per selection head (tables and list) for ``--redknot-lfps-selection``."""
     return 1 if selection == "query-head" else num_q_heads // num_kv_heads
+
+
+def union_of(selection: str, num_q_heads: int, num_kv_heads: int) -> int:
+    """``LfpsBudgets.union`` for ``--redknot-lfps-selection``: the query heads whose own Top-k
+    a list unites (``kv-head-union``), else 1."""
+    return num_q_heads // num_kv_heads if selection == "kv-head-union" else 1
 
 
 def state_bytes(shape: LfpsShape, slots: int) -> int:
@@ -189,7 +195,7 @@ class DecodePlan:
     topk: int  # K
     candidates: int  # C
     width: int  # the longest row's keys (exact Top-k scores every position below it)
-    sparse: object  # SparseDecodePlan of width K (None off CUDA: the references need none)
+    sparse: object  # SparseDecodePlan of LfpsBudgets.width (None off CUDA: references need none)
 
 
 class LfpsServing:
@@ -207,12 +213,15 @@ class LfpsServing:
         *,
         min_tokens: int,
         candidate_factor: int = 4,
+        union: int = 1,
         kernels: bool = True,
     ):
         assert mode in ("lfps", "topk"), mode
+        assert union in (1, shape.rows) and (union == 1 or mode == "lfps"), (union, shape.rows)
         self.mode, self.params, self.shape, self.store = mode, params, shape, store
         self.req_to_token = req_to_token
         self.min_tokens, self.candidate_factor, self.kernels = min_tokens, candidate_factor, kernels
+        self.union = union  # LfpsBudgets.union
         self.row_of: dict[str, int] = {}  # rid -> its state row
         self.free = list(range(store.slots - 1, -1, -1))  # rows not in use (popped from the end)
         self.steps = 0  # decode steps since the last renormalisation
@@ -362,8 +371,13 @@ class LfpsServing:
             topk=topk,
             candidates=candidates,
             width=longest,
-            sparse=self._sparse_plan(len(lfps), topk, dev),
+            sparse=self._sparse_plan(len(lfps), self._budgets(candidates, topk).width, dev),
         )
+
+    def _budgets(self, candidates: int, topk: int):
+        from redknot.lfps.batched import LfpsBudgets
+
+        return LfpsBudgets(candidates=candidates, topk=topk, union=self.union)
 
     def _candidates(self, topk: int, keys: int) -> int:
         """C for a Top-``topk``: ``candidate_factor`` times it, at most every key (never below
@@ -430,7 +444,8 @@ class LfpsServing:
         self.graph_index[:bs].copy_(torch.tensor(index, dtype=torch.int32), non_blocking=True)
         self.graph_dense[:bs].copy_(torch.tensor(dense, dtype=torch.bool), non_blocking=True)
         if bs not in self.graph_plans:
-            self.graph_plans[bs] = self._sparse_plan(bs, self.graph_topk, self.graph_index.device)
+            width = self._budgets(self.graph_candidates, self.graph_topk).width
+            self.graph_plans[bs] = self._sparse_plan(bs, width, self.graph_index.device)
         if rows is not None:
             self._step()
 
@@ -453,11 +468,11 @@ class LfpsServing:
         paged = (self.req_to_token, req_pool_indices, seq_lens)
         p = self.params
         if self.mode == "lfps":
-            from redknot.lfps.batched import LfpsBudgets, lfps_decode_step
+            from redknot.lfps.batched import lfps_decode_step
 
             res = lfps_decode_step(
                 q, k_buffer, v_buffer, *paged, self.store.state(layer_id, index), p,
-                LfpsBudgets(candidates=candidates, topk=topk), sm_scale=sm_scale,
+                self._budgets(candidates, topk), sm_scale=sm_scale,
                 kernels=self.kernels, plan=sparse, dense=dense,
             )  # fmt: skip
             return res.output

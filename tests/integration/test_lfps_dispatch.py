@@ -233,6 +233,10 @@ def test_a_batch_no_graph_can_serve_runs_eagerly():
         ({"all_global": True, "lfps": "lfps", "lfps_budget": 2.5}, "whole number"),
         ({"all_global": True, "lfps": "lfps", "lfps_decay": 1.0}, "in (0, 1)"),
         ({"all_global": True, "lfps": "lfps", "lfps_max_requests": 0}, "integer >= 1"),
+        (
+            {"all_global": True, "lfps": "topk", "lfps_selection": "kv-head-union"},
+            "a rule of --redknot-lfps lfps",
+        ),
     ],
 )
 def test_inconsistent_lfps_options_fail_at_startup(options, wrong):
@@ -244,3 +248,4 @@ def test_lfps_options_that_work():
     c = RedknotConfig(all_global=True, lfps="topk", lfps_budget=512.0, lfps_selection="kv-head")
     assert c.lfps == "topk" and GRP == 2
     assert RedknotConfig(policy="cacheblend", lfps="lfps").all_global
+    assert RedknotConfig(all_global=True, lfps="lfps", lfps_selection="kv-head-union").lfps

@@ -56,7 +56,7 @@ class Server:
 
     def __init__(self, prompt_lens, steps, *, slots=4, min_tokens=20, mode="lfps", rows=1,
                  params=None, factor=4, seed=0, kernels=False, dtype=torch.float32,
-                 heads=(HQ, HKV, D), device="cpu"):  # fmt: skip
+                 heads=(HQ, HKV, D), device="cpu", union=1):  # fmt: skip
         g = torch.Generator().manual_seed(seed)
         self.prompt_lens, self.steps = prompt_lens, steps
         self.hq, hkv, self.d = heads
@@ -71,7 +71,7 @@ class Server:
         self.store = LfpsStore(self.shape, slots, device)
         self.serving = LfpsServing(
             mode, self.params, self.shape, self.store, self.batch.req_to_token,
-            min_tokens=min_tokens, candidate_factor=factor, kernels=kernels,
+            min_tokens=min_tokens, candidate_factor=factor, union=union, kernels=kernels,
         )  # fmt: skip
         self.prefill_q = [torch.randn(n, self.hq, self.d, generator=g).to(device)
                           for n in prompt_lens]  # fmt: skip
@@ -210,14 +210,15 @@ def dense_attention(srv: Server, b: int, q: torch.Tensor, n: int) -> torch.Tenso
     return torch.einsum("hn,hnd->hd", w, v)
 
 
-@pytest.mark.parametrize("mode", ["lfps", "topk"])
-@pytest.mark.parametrize("rows", [1, GRP])
-def test_the_exact_limit_is_dense_attention(mode, rows):
+@pytest.mark.parametrize("mode, rows, union", [("lfps", 1, 1), ("lfps", GRP, 1),
+                                               ("lfps", GRP, GRP), ("topk", 1, 1),
+                                               ("topk", GRP, 1)])  # fmt: skip
+def test_the_exact_limit_is_dense_attention(mode, rows, union):
     """Every key a candidate (lambda far below the tables' spread), the budget every key and no
     bypass: each step's output is dense attention over every key."""
     params = LfpsParams(budget=10**6, lam=-1e9, sparsity_threshold=2.0, history_steps=M)
     srv = Server([40, 57], steps=3, min_tokens=20, mode=mode, rows=rows, params=params,
-                 factor=10**3)  # fmt: skip
+                 factor=10**3, union=union)  # fmt: skip
     srv.prefill([0, 1])
     for step in range(srv.steps):
         fb, q = srv.decode_batch([0, 1], step)
@@ -264,14 +265,14 @@ def test_state_bytes_counts_the_store():
     assert state_bytes(shape, 5) == held
 
 
-@pytest.mark.parametrize("mode", ["lfps", "topk"])
-def test_the_kernels_match_the_references_in_the_server_path(mode):
+@pytest.mark.parametrize("mode, union", [("lfps", 1), ("lfps", GRP), ("topk", 1)])
+def test_the_kernels_match_the_references_in_the_server_path(mode, union):
     """The Triton path (interpreter, fp16 store) against the references on the same requests,
     with more rows reserved than used (the step gets a slice of the store) and a row that
     decodes densely in the batch."""
     params = LfpsParams(budget=5, history_steps=M, lam=0.0)
     runs = [Server([60, 10, 33], steps=2, slots=4, min_tokens=20, mode=mode, rows=GRP,
-                   params=params, factor=3, kernels=kernels, dtype=torch.float16)
+                   params=params, factor=3, kernels=kernels, dtype=torch.float16, union=union)
             for kernels in (True, False)]  # fmt: skip
     for srv in runs:
         srv.prefill([2, 1, 0])  # rows: r2 -> 0, r0 -> 1: the step reads them permuted
@@ -293,15 +294,16 @@ def test_the_kernels_match_the_references_in_the_server_path(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["lfps", "topk"])
-@pytest.mark.parametrize("rows", [1, 4])
-def test_the_server_path_on_the_gpu_at_the_8b_shape(mode, rows):
+@pytest.mark.parametrize("mode, rows, union", [("lfps", 1, 1), ("lfps", 4, 1), ("lfps", 4, 4),
+                                               ("topk", 1, 1), ("topk", 4, 1)])  # fmt: skip
+def test_the_server_path_on_the_gpu_at_the_8b_shape(mode, rows, union):
     """32 query / 8 KV heads of 128, bf16, prompts of 4K and 3K tokens plus a short one that
     decodes densely: the kernels against the references (run on the GPU too), two steps."""
     params = LfpsParams(budget=0.02, history_steps=64)
     runs = [Server([4096, 100, 3000], steps=2, slots=3, min_tokens=1024, mode=mode, rows=rows,
                    params=params, kernels=kernels, dtype=torch.bfloat16, heads=(32, 8, 128),
-                   device="cuda") for kernels in (True, False)]  # fmt: skip
+                   device="cuda", union=union, factor=8 if union > 1 else 4)
+            for kernels in (True, False)]  # fmt: skip
     for srv in runs:
         srv.prefill([0, 1, 2])
     for step in range(2):
@@ -326,13 +328,14 @@ def padded(srv: Server, fb, q, bs: int):
     return torch.cat([q, torch.zeros(pad, *q.shape[1:], dtype=q.dtype, device=dev)]), rpi, seq
 
 
-@pytest.mark.parametrize("mode", ["lfps", "topk"])
-def test_graph_decode_equals_eager_decode(mode):
+@pytest.mark.parametrize("mode, rows, union", [("lfps", 1, 1), ("lfps", GRP, GRP),
+                                               ("topk", 1, 1)])  # fmt: skip
+def test_graph_decode_equals_eager_decode(mode, rows, union):
     """The graph path (fixed budgets, every row on LFPS's kernels, state rows through the
     index, padded rows) gives each row holder what the eager path gives it, and a row without
     state attends every key; both update the same tables."""
-    twins = [Server([40, 10, 57], steps=3, min_tokens=20, mode=mode, factor=10**3)
-             for _ in range(2)]  # fmt: skip
+    twins = [Server([40, 10, 57], steps=3, min_tokens=20, mode=mode, factor=10**3, rows=rows,
+                    union=union) for _ in range(2)]  # fmt: skip
     eager, graph = twins
     for srv in twins:
         srv.prefill([0, 1, 2])
@@ -370,15 +373,15 @@ def test_a_long_request_without_state_keeps_a_batch_out_of_the_graphs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["lfps", "topk"])
-def test_the_graph_path_is_captured_and_replayed_on_the_gpu(mode):
+@pytest.mark.parametrize("mode, union", [("lfps", 1), ("lfps", 4), ("topk", 1)])
+def test_the_graph_path_is_captured_and_replayed_on_the_gpu(mode, union):
     """The graph step at the 8B shape captured in a CUDA graph (padding rows, a row without
     state), replayed for two steps with new rows and queries: each row holder's output equals
     the eager kernels' on a twin server, the short request's equals dense attention."""
     params = LfpsParams(budget=0.02, history_steps=64)
     twins = [Server([4096, 300, 3000], steps=2, slots=3, min_tokens=1024, mode=mode, rows=4,
                     params=params, kernels=True, dtype=torch.bfloat16, heads=(32, 8, 128),
-                    factor=10**3, device="cuda") for _ in range(2)]  # fmt: skip
+                    factor=10**3, device="cuda", union=union) for _ in range(2)]  # fmt: skip
     eager, graph = twins
     for srv in twins:
         srv.prefill([0, 1, 2])
