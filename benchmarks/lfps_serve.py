@@ -76,9 +76,12 @@ VARIANTS = {
     "lfps-kv-head": {**REDKNOT, "redknot_lfps": "lfps", "redknot_lfps_selection": "kv-head"},
     "lfps-query-head": {**REDKNOT, "redknot_lfps": "lfps", "redknot_lfps_selection": "query-head"},
     "topk-kv-head": {**REDKNOT, "redknot_lfps": "topk", "redknot_lfps_selection": "kv-head"},
-    "lfps-kv-head-union": {**REDKNOT, "redknot_lfps": "lfps",
-                           "redknot_lfps_selection": "kv-head-union",
-                           "redknot_lfps_candidate_factor": 8},  # fmt: skip
+    "lfps-kv-head-union": {
+        **REDKNOT,
+        "redknot_lfps": "lfps",
+        "redknot_lfps_selection": "kv-head-union",
+        "redknot_lfps_candidate_factor": 8,
+    },
 }
 DEFAULT_VARIANTS = {
     "accuracy": "dense,lfps,topk",
