@@ -19,7 +19,7 @@ import functools
 import torch
 
 from redknot.kernels.triton.common import upcast_dots
-from redknot.kernels.triton.lfps_select import lfps_topk_kernel
+from redknot.kernels.triton.lfps_select import lfps_topk_kernel, lfps_union_kernel
 from redknot.kernels.triton.lfps_step import lfps_sparsity_kernel, lfps_update_kernel
 from redknot.lfps.batch_state import LfpsBatchState
 from redknot.lfps.params import LfpsParams
@@ -147,6 +147,38 @@ def lfps_topk(
         rank.stride(0), rank.stride(1), top_val.stride(0), top_val.stride(1),
         BLOCK=block, ONE_BLOCK=block >= C, RADIX_BITS=radix_bits, FRACTION=fraction,
         num_warps=num_warps,
+    )  # fmt: skip
+    return top_val, top_at
+
+
+def lfps_union(
+    marks: torch.Tensor, width: int, *, block: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The marked entries of each row in list order, ``width`` wide (the union of its query
+    heads' selections, ``redknot.lfps.batched.union_marks``).
+
+    Reference: ``rank_topk_in_list_order(marks, width, width)`` (every marked entry, as
+    ``lfps_topk`` with a budget of ``width`` gives them), in one pass over the row.
+
+    Parameters
+    ----------
+    marks : [B, Hs, C] float32, 0 where marked, ``-inf`` elsewhere; at most ``width`` marked.
+
+    Returns
+    -------
+    top_val : [B, Hs, width] float32, 0 per marked entry, then ``-inf``.
+    top_at : [B, Hs, width] int64, their indices in the row, then 0.
+    """
+    B, Hs, C = marks.shape
+    assert marks.dtype == torch.float32 and marks.stride(2) == 1, (marks.dtype, marks.stride())
+    assert 1 <= width <= C and block & (block - 1) == 0, (width, C, block)
+    top_val = torch.empty(B, Hs, width, dtype=torch.float32, device=marks.device)
+    top_at = torch.empty(B, Hs, width, dtype=torch.int64, device=marks.device)
+    if B == 0:
+        return top_val, top_at
+    lfps_union_kernel[(Hs, B)](
+        marks, top_val, top_at, C, width, marks.stride(0), marks.stride(1), top_val.stride(0),
+        top_val.stride(1), BLOCK=block,
     )  # fmt: skip
     return top_val, top_at
 

@@ -32,7 +32,8 @@ selection, and a group whose heads all bypass is left untouched. ``LfpsBudgets.u
 keeps the lists and tables per KV head but lets each query head choose its own Top-k among the
 list's candidates; the list attends the union of its heads' choices (up to ``rows`` times the
 budget, each key read once for the group), which keeps each head's choice whole: ``lfps_topk``
-over every query head's logits, ``union_marks``, then ``lfps_topk`` of the marked entries.
+over every query head's logits, ``union_marks``, then ``lfps_union`` (the marked entries in
+list order).
 
 The selection is in list order (newest position first), not by rank; its consumers (Eq. 10,
 the sparse attention) do not depend on the order. Ties in rank at a row's cut go to the
@@ -49,7 +50,7 @@ import torch
 
 from redknot.kernels.host_stage import HostStage, stage_rows
 from redknot.kernels.lfps_index import lfps_candidates, score_and_rank
-from redknot.kernels.lfps_step import lfps_select_update, lfps_sparsity, lfps_topk
+from redknot.kernels.lfps_step import lfps_select_update, lfps_sparsity, lfps_topk, lfps_union
 from redknot.kernels.sparse_decode import SparseDecodePlan, plan_sparse_decode, run_sparse_decode
 from redknot.kernels.sparse_reference import score_keys_reference, sparse_decode_reference
 from redknot.lfps.batch_state import LfpsBatchState
@@ -384,8 +385,9 @@ def lfps_decode_step(
             rank = logits.masked_fill(bypass[..., None], float("-inf"))
             val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
             chosen = dataclasses.replace(params, budget=budgets.width)  # every marked entry
-            rank = union_marks(val, at, state.rows, cand.shape[2])
-        val, at = lfps_topk(rank, seq_lens, chosen, budgets.width)
+            val, at = lfps_union(union_marks(val, at, state.rows, cand.shape[2]), budgets.width)
+        else:
+            val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
         selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state,
                                       chosen)  # fmt: skip
         if plan is None:

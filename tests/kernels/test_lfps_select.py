@@ -94,3 +94,23 @@ def test_topk_gpu_8b_shape():
     val, at = lfps_topk(rank.cuda(), seq.cuda(), params, K)
     want_val, want_at = rank_topk_in_list_order(rank, row_budgets(seq, params), K)
     assert torch.equal(val.cpu(), want_val) and torch.equal(at.cpu(), want_at)
+
+
+@pytest.mark.parametrize("C, width, block", [(50, 12, 16), (50, 50, 64), (300, 40, 32)])
+def test_union_lists_every_marked_entry_in_list_order(C, width, block):
+    """``lfps_union`` (interpreter) against ``rank_topk_in_list_order`` with a budget of
+    ``width`` (what ``lfps_topk`` gives for it): rows with no, some, exactly ``width`` marked
+    entries, marks in several blocks and after the last block's padding."""
+    from redknot.kernels.lfps_step import lfps_union
+
+    g = torch.Generator().manual_seed(C + width)
+    B, Hs = 2, 3
+    marks = torch.full((B, Hs, C), float("-inf"))
+    for b in range(B):
+        for h in range(Hs):
+            n = [0, width // 2, width][(b * Hs + h) % 3]
+            marks[b, h, torch.randperm(C, generator=g)[:n]] = 0.0
+    val, at = lfps_union(marks, width, block=block)
+    want_val, want_at = rank_topk_in_list_order(marks, torch.full((B,), width), width)
+    assert torch.equal(val, want_val) and torch.equal(at, want_at)
+    assert int(torch.isfinite(val).sum()) == int(torch.isfinite(marks).sum())

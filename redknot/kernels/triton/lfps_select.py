@@ -116,3 +116,35 @@ def lfps_topk_kernel(
         pad = (e >= written) & (e < width)
         tl.store(Top_val + top_row + e, float("-inf"), mask=pad)
         tl.store(Top_at + top_row + e, e.to(tl.int64) * 0, mask=pad)
+
+
+@triton.jit
+def lfps_union_kernel(
+    Marks, Top_val, Top_at, C, W,
+    stride_mb, stride_mh, stride_tb, stride_th,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(Hs, B)``: the marked entries of a row of ``C`` (0.0: marked, ``-inf``: not), in
+    list order, as ``(0.0, i)`` to the first slots of the row's ``W``, then ``(-inf, 0)``: what
+    ``lfps_topk_kernel`` gives for a budget of ``W`` when at most ``W`` entries are marked, in
+    one pass (a running prefix count) instead of its histogram passes."""
+    hs = tl.program_id(0)
+    b = tl.program_id(1)
+    row = Marks + b * stride_mb + hs * stride_mh
+    val = Top_val + b * stride_tb + hs * stride_th
+    at = Top_at + b * stride_tb + hs * stride_th
+    offs = tl.arange(0, BLOCK)
+    written = 0
+    for start in range(0, C, BLOCK):
+        i = start + offs
+        keep = tl.load(row + i, mask=i < C, other=float("-inf")) > float("-inf")
+        slot = written + tl.cumsum(keep.to(tl.int32), 0) - 1
+        ok = keep & (slot < W)
+        tl.store(at + slot, i.to(tl.int64), mask=ok)
+        tl.store(val + slot, tl.zeros([BLOCK], tl.float32), mask=ok)
+        written += tl.sum(keep.to(tl.int32), 0)
+    for start in range(0, W, BLOCK):
+        i = start + offs
+        pad = (i >= written) & (i < W)
+        tl.store(at + i, tl.zeros([BLOCK], tl.int64), mask=pad)
+        tl.store(val + i, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
