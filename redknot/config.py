@@ -290,10 +290,11 @@ class RedknotConfig:
         "--redknot-lfps: 'kv-head' (one selection per KV head, shared by its query heads), "
         "'kv-head-union' (lists and tables per KV head, every query head choosing its own "
         "Top-k of the list, the union attended; with --redknot-lfps-candidate-factor 8 it "
-        "recalls 0.85-0.88 of each head's exact Top-k on SmolLM2 where kv-head recalls "
-        "0.61-0.66) or 'query-head' (every query head selects its own keys, LFPS as "
-        "published; slowest). Default kv-head: it kept every dense-correct answer on SmolLM2's "
-        "long cases where query-head kept all but one (docs/lfps.md).",
+        "recalls 0.87-0.89 of each head's exact Top-k on SmolLM2 where kv-head recalls "
+        "0.61-0.66, and decodes about 2x slower than kv-head) or 'query-head' (every query "
+        "head selects its own keys, LFPS as published; slowest). Default kv-head: it kept every "
+        "dense-correct answer on SmolLM2's long cases, as kv-head-union did, and decodes "
+        "fastest (docs/lfps.md).",
         default="kv-head",
     )
     lfps_min_tokens: int = _opt(
