@@ -153,7 +153,7 @@ def lfps_topk(
 
 def lfps_union(
     marks: torch.Tensor, width: int, *, block: int = 1024
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The marked entries of each row in list order, ``width`` wide (the union of its query
     heads' selections, ``redknot.lfps.batched.union_marks``).
 
@@ -168,19 +168,22 @@ def lfps_union(
     -------
     top_val : [B, Hs, width] float32, 0 per marked entry, then ``-inf``.
     top_at : [B, Hs, width] int64, their indices in the row, then 0.
+    filled : [B, Hs] int32, the marked entries (``filled`` of ``lfps_select_update`` and
+        ``run_sparse_decode``).
     """
     B, Hs, C = marks.shape
     assert marks.dtype == torch.float32 and marks.stride(2) == 1, (marks.dtype, marks.stride())
     assert 1 <= width <= C and block & (block - 1) == 0, (width, C, block)
     top_val = torch.empty(B, Hs, width, dtype=torch.float32, device=marks.device)
     top_at = torch.empty(B, Hs, width, dtype=torch.int64, device=marks.device)
+    filled = torch.empty(B, Hs, dtype=torch.int32, device=marks.device)
     if B == 0:
-        return top_val, top_at
+        return top_val, top_at, filled
     lfps_union_kernel[(Hs, B)](
-        marks, top_val, top_at, C, width, marks.stride(0), marks.stride(1), top_val.stride(0),
-        top_val.stride(1), BLOCK=block,
+        marks, top_val, top_at, filled, C, width, marks.stride(0), marks.stride(1),
+        top_val.stride(0), top_val.stride(1), filled.stride(0), BLOCK=block,
     )  # fmt: skip
-    return top_val, top_at
+    return top_val, top_at, filled
 
 
 def lfps_select_update(
@@ -193,6 +196,7 @@ def lfps_select_update(
     seq_lens: torch.Tensor,
     state: LfpsBatchState,
     params: LfpsParams,
+    filled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The selection from the Top-K of the rank, and Eq. 10 on ``state`` (in place).
 
@@ -205,6 +209,8 @@ def lfps_select_update(
         whose query heads all bypass).
     logits : [B, Hq, C] float32 every query head's logits of the candidates.
     bypass : [B, Hq] bool.
+    filled : optional [B, Hs] int32: entries past this many are padding (``-1`` written, not
+        read; ``lfps_union``'s count).
 
     Returns
     -------
@@ -220,6 +226,8 @@ def lfps_select_update(
     for t in (top_val, top_at, candidates, logits):
         assert t.stride(-1) == 1, t.stride()
     selected = torch.empty(B, Hs, K, dtype=torch.int32, device=top_val.device)
+    if filled is not None:
+        assert filled.shape == (B, Hs) and filled.dtype == torch.int32 and filled.stride(1) == 1
     if B == 0:
         return selected
     budget, fraction = row_budget_args(params, top_val.device)
@@ -227,11 +235,13 @@ def lfps_select_update(
     lfps_update_kernel[(Hs, B)](
         top_val, top_at, candidates, count, logits, flags, seq_lens, budget,
         state.vertical, state.slash, state.scale, state.state_rows(), selected,
+        selected if filled is None else filled,
         params.decay, params.num_sink, K, C,
         top_val.stride(0), top_val.stride(1), candidates.stride(0), candidates.stride(1),
         count.stride(0), logits.stride(0), logits.stride(1), flags.stride(0),
         state.vertical.stride(0), state.vertical.stride(1), state.slash.stride(0),
         state.slash.stride(1), state.scale.stride(0), selected.stride(0), selected.stride(1),
+        0 if filled is None else filled.stride(0), HAS_FILLED=filled is not None,
         ROWS=state.rows, BLOCK_R=max(2, 1 << (state.rows - 1).bit_length()),
         BLOCK_K=UPDATE_BLOCK_K, FRACTION=fraction,
     )  # fmt: skip

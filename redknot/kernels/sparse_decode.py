@@ -126,6 +126,7 @@ def run_sparse_decode(
     *,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    filled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse decode attention of one layer.
 
@@ -139,6 +140,8 @@ def run_sparse_decode(
     indices : [B, Hq // plan.rows, plan.width] int32 key positions (see the module docstring).
     out : [B, Hq, D] like ``q`` (allocated if None; pass it under CUDA graphs).
     lse : optional [B, Hq] float32, filled with the natural-log log-sum-exp (``-inf``: no key).
+    filled : optional [B, Hq // plan.rows] int32: each list's entries past this many are padding
+        and are not read (the same output, fewer loads for lists filled below their width).
 
     Returns
     -------
@@ -166,6 +169,9 @@ def run_sparse_decode(
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     if lse is not None:
         assert lse.shape == (B, Hq) and lse.dtype == torch.float32 and lse.stride(1) == 1
+    if filled is not None:
+        assert filled.shape == (B, hs) and filled.dtype == torch.int32, filled.shape
+        assert filled.stride(1) == 1, filled.stride()
     if B == 0:
         return out
     split = plan.num_splits > 1
@@ -173,13 +179,15 @@ def run_sparse_decode(
     po, pl = plan.part_o_gpu, plan.part_lse_gpu
     sparse_decode_kernel[(plan.num_splits, hs, B)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, indices,
+        indices if filled is None else filled,
         out, lse_arg, po, pl,
         sm_scale * math.log2(math.e), plan.num_sink, plan.width,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-        indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
+        indices.stride(0), indices.stride(1), 0 if filled is None else filled.stride(0),
+        out.stride(0), out.stride(1), lse_arg.stride(0),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        ROWS=plan.rows, GRP=Hq // Hkv, BLOCK_H=max(16, plan.rows), BLOCK_N=cfg.block_n,
+        HAS_FILLED=filled is not None, ROWS=plan.rows, GRP=Hq // Hkv, BLOCK_H=max(16, plan.rows), BLOCK_N=cfg.block_n,
         HEAD_DIM=D, SPLIT=split, WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

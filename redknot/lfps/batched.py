@@ -380,16 +380,17 @@ def lfps_decode_step(
             scored = (st.k, (st.req_to_token, st.req_pool_indices, st.seq_lens), st.indices)
         logits, rank = score_and_rank(q, scored[0], *scored[1], scored[2], bypass,
                                       num_sink=params.num_sink, sm_scale=sm_scale)  # fmt: skip
-        chosen = params
+        chosen, filled = params, None
         if union:
             rank = logits.masked_fill(bypass[..., None], float("-inf"))
             val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
             chosen = dataclasses.replace(params, budget=budgets.width)  # every marked entry
-            val, at = lfps_union(union_marks(val, at, state.rows, cand.shape[2]), budgets.width)
+            marks = union_marks(val, at, state.rows, cand.shape[2])
+            val, at, filled = lfps_union(marks, budgets.width)
         else:
             val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
         selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state,
-                                      chosen)  # fmt: skip
+                                      chosen, filled)  # fmt: skip
         if plan is None:
             plan = plan_sparse_decode(
                 batch_size=B, num_q_heads=Hq, head_dim=D, rows=state.rows, width=budgets.width,
@@ -397,12 +398,15 @@ def lfps_decode_step(
             )  # fmt: skip
         if dense is not None:
             selected = every_key(selected, dense, seq_lens, params.num_sink)
+            if filled is not None:  # their lists hold every key
+                filled = torch.where(dense[:, None], budgets.width, filled).to(torch.int32)
         if stage is None:
-            out = run_sparse_decode(plan, q, k_buffer, v_buffer, *paged, selected, sm_scale)
+            out = run_sparse_decode(plan, q, k_buffer, v_buffer, *paged, selected, sm_scale,
+                                    filled=filled)  # fmt: skip
         else:
             st = stage_rows(stage[1], k_buffer, v_buffer, *paged, selected)
             out = run_sparse_decode(plan, q, st.k, st.v, st.req_to_token, st.req_pool_indices,
-                                    st.seq_lens, st.indices, sm_scale)  # fmt: skip
+                                    st.seq_lens, st.indices, sm_scale, filled=filled)  # fmt: skip
     else:
         sparsity, bypass_out = head_sparsity(q, k_buffer, v_buffer, *paged, state, params, sm_scale)
         bypass = sparsity > params.sparsity_threshold

@@ -110,7 +110,8 @@ def test_union_lists_every_marked_entry_in_list_order(C, width, block):
         for h in range(Hs):
             n = [0, width // 2, width][(b * Hs + h) % 3]
             marks[b, h, torch.randperm(C, generator=g)[:n]] = 0.0
-    val, at = lfps_union(marks, width, block=block)
+    val, at, filled = lfps_union(marks, width, block=block)
     want_val, want_at = rank_topk_in_list_order(marks, torch.full((B,), width), width)
     assert torch.equal(val, want_val) and torch.equal(at, want_at)
+    assert torch.equal(filled, torch.isfinite(marks).sum(-1).int())
     assert int(torch.isfinite(val).sum()) == int(torch.isfinite(marks).sum())

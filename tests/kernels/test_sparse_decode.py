@@ -114,6 +114,36 @@ def test_duplicate_positions_count_once_per_occurrence():
     _close(out[0], want)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_filled_reads_only_the_first_entries(num_splits):
+    """``filled``: a list's entries past its count are not read. With the count of valid
+    entries the output and log-sum-exp are bit-equal to the call without it; with a smaller
+    count, equal to the list cut there (the rest set to -1)."""
+    seq_lens = [0, 37, 150, 301]
+    lists = random_lists(seq_lens, 2, 24, seed=5)
+    valid = lists >= 0
+    order = torch.argsort((~valid).int(), dim=-1, stable=True)  # valid entries first
+    compact = torch.gather(lists, 2, order).contiguous()
+    count = torch.gather(valid, 2, order).sum(-1).int()
+    batch = make_paged(seq_lens, 2, 16, torch.float16, seed=6)
+    q = torch.randn(len(seq_lens), 8, 16, generator=torch.Generator().manual_seed(7)).half()
+    plan = plan_sparse_decode(batch_size=len(seq_lens), num_q_heads=8, head_dim=16, rows=4,
+                              width=24, num_sink=SINK, device="cpu", num_splits=num_splits,
+                              config=SMALL)  # fmt: skip
+    args = (q, batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices,
+            batch.seq_lens)  # fmt: skip
+    lse_a, lse_b = torch.empty(len(seq_lens), 8), torch.empty(len(seq_lens), 8)
+    whole = run_sparse_decode(plan, *args, compact, 0.25, lse=lse_a)
+    bounded = run_sparse_decode(plan, *args, compact, 0.25, lse=lse_b, filled=count)
+    assert torch.equal(whole, bounded) and torch.equal(lse_a, lse_b)
+    short = (count // 2).int()
+    cut = torch.where(torch.arange(24) < short[..., None], compact, -1).contiguous()
+    want = run_sparse_decode(plan, *args, cut, 0.25)
+    got = run_sparse_decode(plan, *args, compact, 0.25, filled=short)
+    assert torch.equal(got, want)
+    assert int(count.max()) > int(short.max()) > 0
+
+
 def test_splits_from_the_shape():
     assert choose_sparse_splits(1, 8, 2625, num_sms=132, config=SparseDecodeConfig()) == 21
     assert choose_sparse_splits(32, 8, 2625, num_sms=132, config=SparseDecodeConfig()) == 5

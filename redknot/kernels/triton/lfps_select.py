@@ -120,14 +120,15 @@ def lfps_topk_kernel(
 
 @triton.jit
 def lfps_union_kernel(
-    Marks, Top_val, Top_at, C, W,
-    stride_mb, stride_mh, stride_tb, stride_th,
+    Marks, Top_val, Top_at, Filled, C, W,
+    stride_mb, stride_mh, stride_tb, stride_th, stride_fb,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(Hs, B)``: the marked entries of a row of ``C`` (0.0: marked, ``-inf``: not), in
     list order, as ``(0.0, i)`` to the first slots of the row's ``W``, then ``(-inf, 0)``: what
     ``lfps_topk_kernel`` gives for a budget of ``W`` when at most ``W`` entries are marked, in
-    one pass (a running prefix count) instead of its histogram passes."""
+    one pass (a running prefix count) instead of its histogram passes; their count to
+    ``Filled[b, hs]``."""
     hs = tl.program_id(0)
     b = tl.program_id(1)
     row = Marks + b * stride_mb + hs * stride_mh
@@ -143,6 +144,7 @@ def lfps_union_kernel(
         tl.store(at + slot, i.to(tl.int64), mask=ok)
         tl.store(val + slot, tl.zeros([BLOCK], tl.float32), mask=ok)
         written += tl.sum(keep.to(tl.int32), 0)
+    tl.store(Filled + b * stride_fb + hs, tl.minimum(written, W))
     for start in range(0, W, BLOCK):
         i = start + offs
         pad = (i >= written) & (i < W)

@@ -111,10 +111,11 @@ def row_budget(Budget, n, num_sink, FRACTION: tl.constexpr):
 @triton.jit
 def lfps_update_kernel(
     Top_val, Top_at, Cand, Count, Logits, Bypass, Seq_lens, Budget, Vert, Slash, Scale, State_rows,
-    Selected,
+    Selected, Filled,
     decay, num_sink, width, capacity,
     stride_tb, stride_th, stride_cb, stride_ch, stride_nb, stride_lb, stride_lh, stride_yb,
-    stride_vb, stride_vh, stride_sb, stride_sh, stride_scb, stride_eb, stride_eh,
+    stride_vb, stride_vh, stride_sb, stride_sh, stride_scb, stride_eb, stride_eh, stride_fb,
+    HAS_FILLED: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -135,9 +136,15 @@ def lfps_update_kernel(
     logit_rows = Logits + b.to(tl.int64) * stride_lb + head[:, None] * stride_lh
     sel_row = Selected + b.to(tl.int64) * stride_eb + hs * stride_eh
 
+    end = width
+    if HAS_FILLED:  # entries past the first Filled are padding: -1 written, nothing read
+        end = tl.minimum(width, tl.load(Filled + b * stride_fb + hs))
+        for e0 in range(end, width, BLOCK_K):
+            e = e0 + tl.arange(0, BLOCK_K)
+            tl.store(sel_row + e, tl.full([BLOCK_K], -1, tl.int32), mask=e < width)
     m_r = tl.zeros([BLOCK_R], dtype=tl.float32) + NO_KEY_MAX
     l_r = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for e0 in range(0, width, BLOCK_K):
+    for e0 in range(0, end, BLOCK_K):
         e = e0 + tl.arange(0, BLOCK_K)
         in_k = e < width
         val = tl.load(Top_val + top_row + e, mask=in_k, other=float("-inf"))
@@ -159,7 +166,7 @@ def lfps_update_kernel(
         l_safe = tl.where(l_r > 0.0, l_r, 1.0)
         vert_row = Vert + sb * stride_vb + hs * stride_vh
         slash_row = Slash + sb * stride_sb + hs * stride_sh
-        for e0 in range(0, width, BLOCK_K):
+        for e0 in range(0, end, BLOCK_K):
             e = e0 + tl.arange(0, BLOCK_K)
             in_k = e < width
             val = tl.load(Top_val + top_row + e, mask=in_k, other=float("-inf"))

@@ -14,7 +14,9 @@ The keys of a row, numbered ``v = 0 .. num_sink + width - 1`` (``n = seq_lens[b]
 | ``>= num_sink``   | ``p = Idx[b, hs, v - num_sink]``       | ``num_sink <= p < n``          |
 
 so padding (``-1``), positions past the row and sink positions in the list are skipped, and a
-position listed twice is attended twice (the caller deduplicates). Split ``s`` takes ``v`` in
+position listed twice is attended twice (the caller deduplicates). With ``HAS_FILLED`` only the
+first ``Filled[b, hs]`` entries of a list are read (the rest is padding: same result, fewer
+iterations). Split ``s`` takes ``v`` in
 ``[s * chunk, (s + 1) * chunk)``, ``chunk = cdiv(num_sink + width, num_splits)`` rounded up to
 ``BLOCK_N``. With one split the program writes ``Out`` (and ``Lse``); otherwise every split writes
 its normalised output and base-2 log-sum-exp (``-inf`` if it attended nothing) to ``Part_o`` /
@@ -33,12 +35,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def sparse_decode_kernel(
-    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Idx,
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Idx, Filled,
     Out, Lse, Part_o, Part_lse,
     qk_scale, num_sink, width,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
-    stride_ib, stride_ih, stride_ob, stride_oh, stride_lse_b,
+    stride_ib, stride_ih, stride_fb, stride_ob, stride_oh, stride_lse_b,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    HAS_FILLED: tl.constexpr,
     ROWS: tl.constexpr,
     GRP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -58,6 +61,8 @@ def sparse_decode_kernel(
     chunk = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, total)
+    if HAS_FILLED:  # entries past the list's filled ones are padding: not read
+        hi = tl.minimum(hi, num_sink + tl.load(Filled + b * stride_fb + hs))
 
     rows = tl.arange(0, BLOCK_H)
     row_ok = rows < ROWS
