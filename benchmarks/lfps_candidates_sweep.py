@@ -57,7 +57,8 @@ def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
     ref, ref_count = lfps_index.lfps_candidates(*tables)
     row = {"L": L, "B": B, "topk": k, "capacity": capacity, "default": list(default),
            "candidate_share": float(ref_count.float().mean()) / (L - sink), "settings": []}  # fmt: skip
-    rank = torch.rand(B, shape["num_kv_heads"], capacity, device=dev)
+    heads = shape["num_q_heads" if args.topk_rows == "query" else "num_kv_heads"]
+    rank = torch.rand(B, heads, capacity, device=dev)
     row["ms_topk"], _ = timer(lambda: torch.topk(rank, k, dim=-1))
     want = rank_topk_in_list_order(rank, row_budgets(seq, params), k)
     row["topk_settings"] = []
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--topk-blocks", default="0,1024,4096")
     ap.add_argument("--topk-warps", default="0,8,16")
     ap.add_argument("--topk-radix-bits", default="0,5,8")
+    ap.add_argument("--topk-rows", choices=("kv", "query"), default="kv",
+                    help="rows of the Top-k: one per KV head (the shared list) or per query head "
+                    "(the union selection's first Top-k)")  # fmt: skip
     ap.add_argument("--budget", type=float, default=0.02)
     ap.add_argument("--candidate-factor", type=int, default=4)
     ap.add_argument("--table-sigma", type=float, default=4.0)
@@ -122,7 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     args.topk_blocks, args.topk_warps = parse_ints(args.topk_blocks), parse_ints(args.topk_warps)
     args.topk_bits = parse_ints(args.topk_radix_bits)
     timer = Timer(1 if args.small else 20, 1 if args.small else 5, device=args.device)
-    result = record(shape=shape, batch=args.batch, table_sigma=args.table_sigma, rows=[])
+    result = record(
+        shape=shape,
+        batch=args.batch,
+        table_sigma=args.table_sigma,
+        topk_rows=args.topk_rows,
+        candidate_factor=args.candidate_factor,
+        rows=[],
+    )
     for L in lengths:
         result["rows"].append(sweep_case(L, args.batch, args, shape, timer))
         write_json(args.out, result)
