@@ -32,6 +32,10 @@ UPDATE_BLOCK_K = 512  # selected keys per inner step of the update kernel
 TOPK_MAX_BLOCK = 4096  # ranks per inner step (a whole row, held in registers, up to this)
 TOPK_WARPS = 16
 TOPK_RADIX_BITS = 5  # key bits resolved per pass (7 passes)
+# The union selection's first Top-k has a row per query head (32 a request at the 8B shape, 4x
+# the programs): a block of 2,048 was 17% (128K, C = 20,968) and 31% (32K) faster than 4,096
+# there (lfps_topk_sweep_query_rows.json, H100, every setting checked equal to the reference).
+TOPK_QUERY_ROWS_MAX_BLOCK = 2048
 
 
 @functools.cache
@@ -107,6 +111,7 @@ def lfps_topk(
     block: int | None = None,
     num_warps: int | None = None,
     radix_bits: int = TOPK_RADIX_BITS,
+    max_block: int = TOPK_MAX_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``min(params.budget_for(n - sink), k)`` largest finite ranks, in list order.
 
@@ -120,7 +125,7 @@ def lfps_topk(
     seq_lens : [B], keys including the new token's.
     k : K, the width of the result (``1 <= k <= C``).
     block, num_warps : ranks per inner step (a power of two) and warps; default a whole row
-        (up to ``TOPK_MAX_BLOCK``, then held in registers) and a warp per 256 of it (4 to
+        (up to ``max_block``, then held in registers) and a warp per 256 of it (4 to
         ``TOPK_WARPS``).
     radix_bits : key bits per pass (``cdiv(32, radix_bits)`` histogram passes, 1 to 8).
 
@@ -133,7 +138,7 @@ def lfps_topk(
     assert rank.dtype == torch.float32 and rank.stride(2) == 1, (rank.dtype, rank.stride())
     assert seq_lens.shape == (B,) and 1 <= k <= C, (seq_lens.shape, k, C)
     if block is None:
-        block = min(TOPK_MAX_BLOCK, max(16, 1 << (C - 1).bit_length()))
+        block = min(max_block, max(16, 1 << (C - 1).bit_length()))
     assert block & (block - 1) == 0 and 1 <= radix_bits <= 8, (block, radix_bits)
     if num_warps is None:
         num_warps = max(4, min(TOPK_WARPS, block // 256))

@@ -50,7 +50,13 @@ import torch
 
 from redknot.kernels.host_stage import HostStage, stage_rows
 from redknot.kernels.lfps_index import lfps_candidates, score_and_rank
-from redknot.kernels.lfps_step import lfps_select_update, lfps_sparsity, lfps_topk, lfps_union
+from redknot.kernels.lfps_step import (
+    TOPK_QUERY_ROWS_MAX_BLOCK,
+    lfps_select_update,
+    lfps_sparsity,
+    lfps_topk,
+    lfps_union,
+)
 from redknot.kernels.sparse_decode import SparseDecodePlan, plan_sparse_decode, run_sparse_decode
 from redknot.kernels.sparse_reference import score_keys_reference, sparse_decode_reference
 from redknot.lfps.batch_state import LfpsBatchState
@@ -383,7 +389,8 @@ def lfps_decode_step(
         chosen, filled = params, None
         if union:
             rank = logits.masked_fill(bypass[..., None], float("-inf"))
-            val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
+            val, at = lfps_topk(rank, seq_lens, params, budgets.topk,
+                                max_block=TOPK_QUERY_ROWS_MAX_BLOCK)  # fmt: skip
             chosen = dataclasses.replace(params, budget=budgets.width)  # every marked entry
             marks = union_marks(val, at, state.rows, cand.shape[2])
             val, at, filled = lfps_union(marks, budgets.width)
