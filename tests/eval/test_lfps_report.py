@@ -1,0 +1,55 @@
+"""``benchmarks/lfps_report.py``: issue 28's figures joined from the results that measured them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import lfps_report
+
+
+def test_the_report_copies_each_figure_from_its_source():
+    report = lfps_report.build(lfps_report.RESULTS)
+    decode = json.loads((lfps_report.RESULTS / "lfps_decode_union.json").read_text())
+    row = next(r for r in decode["rows"] if (r["L"], r["B"]) == (131072, 8))
+    targets = list(report["targets"].values())
+    union = targets[1]["kv_head_union"]
+    assert union["speedup"] == round(row["speedup_lfps_kv_head_union"], 2)
+    assert union["met"] is (row["speedup_lfps_kv_head_union"] >= 5.0)
+    assert report["decode_attention_ms"]["lfps_decode_union.json"]["131072x8"][
+        "lfps_kv_head_union"
+    ] == round(row["ms_lfps_kv_head_union"], 4)
+    recall = json.loads((lfps_report.RESULTS / "lfps_recall_kv_head.json").read_text())
+    worst = min(r["recall"] for r in recall["rows"] if r["data"] != "synthetic")
+    assert targets[0]["kv_head"] == {"worst": round(worst, 4), "met": worst >= 0.85,
+                                     "source": "lfps_recall_kv_head.json",
+                                     "candidate_factor": 4}  # fmt: skip
+    assert targets[3]["met"] is None and "does not offload" in targets[3]["why"]
+    for name, source in report["sources"].items():
+        assert all(source[k] for k in ("device", "date", "commit", "command")), name
+
+
+def test_a_target_is_met_only_at_its_threshold(tmp_path):
+    """The same sources with the shared list's recall set to 0.85 at every length and one
+    variant losing two dense-correct answers: recall met, that variant's answers not."""
+    for name in (*lfps_report.RECALL.values(), *lfps_report.DECODE.values(), *lfps_report.SERVE,
+                 lfps_report.HOST):  # fmt: skip
+        shutil.copy(lfps_report.RESULTS / name, tmp_path / name)
+    path = tmp_path / "lfps_recall_kv_head.json"
+    data = json.loads(path.read_text())
+    for r in data["rows"]:
+        r["recall"] = 0.85
+    path.write_text(json.dumps(data))
+    path = tmp_path / "lfps_serve.json"
+    data = json.loads(path.read_text())
+    data["summary"]["accuracy"]["topk"]["kept_of_dense_correct"] = "6/8"
+    path.write_text(json.dumps(data))
+    targets = list(lfps_report.build(tmp_path)["targets"].values())
+    assert targets[0]["kv_head"]["met"] is True
+    assert targets[2]["topk (lfps_serve.json)"]["met"] is False
+    assert targets[2]["lfps (lfps_serve.json)"]["met"] is True
