@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="log-normal spread of the synthetic LFPS tables (4: about 5%% of the "
                          "keys are candidates; 3: about 13%%)")  # fmt: skip
     ap.add_argument("--union-candidate-factor", type=int, default=8,
-                    help="C of the kv_head_union selection in multiples of the Top-k width")  # fmt: skip
+                    help="C of the kv_head_union selection, in Top-k widths")  # fmt: skip
     ap.add_argument("--query-similarity", type=float, default=0.0,
                     help="share of a query head's variance common to its KV head's group (0: "
                     "independent heads, the union's widest case)")  # fmt: skip

@@ -187,8 +187,9 @@ def run_sparse_decode(
         indices.stride(0), indices.stride(1), 0 if filled is None else filled.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        HAS_FILLED=filled is not None, ROWS=plan.rows, GRP=Hq // Hkv, BLOCK_H=max(16, plan.rows), BLOCK_N=cfg.block_n,
-        HEAD_DIM=D, SPLIT=split, WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
+        HAS_FILLED=filled is not None, ROWS=plan.rows, GRP=Hq // Hkv,
+        BLOCK_H=max(16, plan.rows), BLOCK_N=cfg.block_n, HEAD_DIM=D, SPLIT=split,
+        WRITE_LSE=lse is not None, UPCAST=upcast_dots(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split:

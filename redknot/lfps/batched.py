@@ -92,7 +92,7 @@ class LfpsBatchResult:
     """What one batched step produced (``Hs`` selection heads; the state is updated in place)."""
 
     output: torch.Tensor  # [B, Hq, D] like q
-    selected: torch.Tensor  # [B, Hs, K] int32 attended non-sink positions, -1 padded
+    selected: torch.Tensor  # [B, Hs, budgets.width] int32 attended non-sink positions, -1 padded
     candidates: torch.Tensor  # [B, Hs, C] int32 listed positions, -1 padded
     candidate_count: torch.Tensor  # [B, Hs] int32, candidates before the capacity (0: bypass)
     bypass: torch.Tensor  # [B, Hq] bool, heads that took the sink-plus-mean bypass

@@ -16,11 +16,11 @@ The keys of a row, numbered ``v = 0 .. num_sink + width - 1`` (``n = seq_lens[b]
 so padding (``-1``), positions past the row and sink positions in the list are skipped, and a
 position listed twice is attended twice (the caller deduplicates). With ``HAS_FILLED`` only the
 first ``Filled[b, hs]`` entries of a list are read (the rest is padding: same result, fewer
-iterations). Split ``s`` takes ``v`` in
-``[s * chunk, (s + 1) * chunk)``, ``chunk = cdiv(num_sink + width, num_splits)`` rounded up to
-``BLOCK_N``. With one split the program writes ``Out`` (and ``Lse``); otherwise every split writes
-its normalised output and base-2 log-sum-exp (``-inf`` if it attended nothing) to ``Part_o`` /
-``Part_lse``, and ``sparse_decode_merge_kernel`` (grid ``(B, Hq)``) combines them.
+iterations). Split ``s`` takes ``v`` in ``[s * chunk, (s + 1) * chunk)``, ``chunk =
+cdiv(num_sink + width, num_splits)`` rounded up to ``BLOCK_N``. With one split the program
+writes ``Out`` (and ``Lse``); otherwise every split writes its normalised output and base-2
+log-sum-exp (``-inf`` if it attended nothing) to ``Part_o`` / ``Part_lse``, and
+``sparse_decode_merge_kernel`` (grid ``(B, Hq)``) combines them.
 """
 
 from __future__ import annotations
