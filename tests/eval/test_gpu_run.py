@@ -91,3 +91,13 @@ def test_a_failing_command_is_reported(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gm, "unpack", lambda: (ROOT, {"PATH": "/usr/bin:/bin"}))
     assert gpu_run.main(["bench", "ab_join", "--old", "/nonexistent"]) != 0
     assert "= rc 2" in capsys.readouterr().out
+
+
+def test_the_gpu_tests_leave_out_the_docs_tests_when_the_results_are_not_carried(tmp_path):
+    """The archive carried to the GPU machine has no benchmarks/results; tests/docs (no GPU
+    test) reads that folder while collecting, which stopped the whole run."""
+    assert "--ignore=tests/docs" in gpu_run.tests_command(tmp_path, [], None)
+    (tmp_path / "benchmarks/results").mkdir(parents=True)
+    cmd = gpu_run.tests_command(tmp_path, ["tests/lfps"], "union")
+    assert "--ignore=tests/docs" not in cmd and cmd[-2:] == ["-k", "union"]
+    assert "tests/lfps" in cmd and "gpu" in cmd
