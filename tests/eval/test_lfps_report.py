@@ -37,7 +37,7 @@ def test_the_report_copies_each_figure_from_its_source():
 def test_a_target_is_met_only_at_its_threshold(tmp_path):
     """The same sources with the shared list's recall set to 0.85 at every length and one
     variant losing two dense-correct answers: recall met, that variant's answers not."""
-    for name in (*lfps_report.RECALL.values(), *lfps_report.DECODE.values(), *lfps_report.SERVE,
+    for name in (*lfps_report.RECALL.values(), *lfps_report.DECODE, *lfps_report.SERVE,
                  lfps_report.HOST):  # fmt: skip
         shutil.copy(lfps_report.RESULTS / name, tmp_path / name)
     path = tmp_path / "lfps_recall_kv_head.json"
