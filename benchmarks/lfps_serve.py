@@ -28,6 +28,16 @@ session streams; the times are when this process receives each chunk
 A point whose KV (``batch * (length + new_tokens)``) exceeds the engine's pool is skipped.
 Decode batches holding an LFPS request run eagerly; dense ones replay CUDA graphs.
 
+``--mode capacity``: the 8B shape with dummy weights; ``--capacity-requests`` random prompts of
+``--capacity-length`` tokens submitted at once, ``--capacity-new-tokens`` each, more than the
+pool may hold: SGLang admits what fits and queues the rest. Per variant: the pool's token slots
+(``kv_pool_tokens``, and the requests of that size they hold, ``fit_by_pool``), the most
+sessions between their first and last token at once (``peak_decoding``: the concurrent requests
+served) and the engine log's largest decode batch (``peak_running``), with the rates above. The
+variant ``lfps-offload`` keeps the KV in pinned host memory (``--redknot-lfps-offload-gb``, 64 GiB
+unless the spec sets ``redknot_lfps_offload_gb``); LFPS variants get
+``redknot_lfps_max_requests=--capacity-requests``.
+
 Variants (``--variants``, comma-separated): the names of ``VARIANTS``, or ``NAME=k1=v1,k2=v2``,
 engine keywords over the built-in variant that ``NAME`` starts with (``NAME`` is ``BASE`` or
 ``BASE-...``), e.g. ``dense,lfps,lfps-b0.05=redknot_lfps_budget=0.05,redknot_lfps_max_requests=4``.
@@ -37,6 +47,8 @@ LFPS variants get ``redknot_lfps_min_tokens=--lfps-min-tokens`` unless they set 
     python3 benchmarks/gpu_run.py bench lfps_serve --mode throughput --variants dense,lfps-kv-head
     python3 benchmarks/gpu_run.py bench lfps_serve --mode throughput \\
         --variants lfps-query-head,topk-kv-head
+    python3 benchmarks/gpu_run.py bench lfps_serve --mode capacity --capacity-requests 14 \\
+        --variants "lfps-offload=redknot_lfps_offload_gb=200,chunked_prefill_size=131072"
     python benchmarks/lfps_serve.py --merge A.json,B.json --out benchmarks/results/lfps_serve.json
 
 ``/tmp/smol-hf`` is the bf16 checkpoint of docs/benchmarks.md ("Real weights"). A device call
@@ -82,10 +94,12 @@ VARIANTS = {
         "redknot_lfps_selection": "kv-head-union",
         "redknot_lfps_candidate_factor": 8,
     },
+    "lfps-offload": {**REDKNOT, "redknot_lfps": "lfps", "redknot_lfps_offload_gb": 64},
 }
 DEFAULT_VARIANTS = {
     "accuracy": "dense,lfps,topk",
     "throughput": "dense,lfps-kv-head,lfps-query-head,topk-kv-head",
+    "capacity": "dense,lfps-offload",
 }
 BASELINE = "dense"
 SMOL_MODEL = "/tmp/smol-hf"
@@ -256,9 +270,35 @@ def throughput_summary(points: list[dict]) -> dict[str, dict]:
     return dict(out)
 
 
-def assemble(settings: dict, variants: dict, per_case: list, per_point: list, engines: dict):
+CAPACITY_KEYS = ("requests", "length", "kv_pool_tokens", "fit_by_pool", "peak_decoding",
+                 "ttft_last_session_s", "decode_tokens_per_s", "end_to_end_tokens_per_s",
+                 "wall_s")  # fmt: skip
+
+
+def capacity_summary(runs: list[dict]) -> dict[str, dict]:
+    """Per variant: the concurrent requests served (``peak_decoding``) and its ratio to
+    ``dense``'s, next to what the pool holds by its size."""
+    dense = next((r for r in runs if r["variant"] == BASELINE and "error" not in r), None)
+    out = {}
+    for r in runs:
+        row = {k: r.get(k) for k in CAPACITY_KEYS}
+        if "error" in r:
+            row["error"] = r["error"]
+        elif dense and dense.get("peak_decoding"):
+            row["concurrent_vs_dense"] = r["peak_decoding"] / dense["peak_decoding"]
+        if r.get("output_ids"):  # the same prompts: which other variants generated the same
+            row["same_outputs_as"] = [o["variant"] for o in runs if o is not r
+                                      and o.get("output_ids") == r["output_ids"]]  # fmt: skip
+        out[r["variant"]] = row
+    return out
+
+
+def assemble(
+    settings: dict, variants: dict, per_case: list, per_point: list, engines: dict,
+    per_capacity: list | None = None,
+):  # fmt: skip
     """The result's figures (``common.record`` adds device, date, commit and command)."""
-    return {
+    figures = {
         "settings": settings,
         "variants": variants,
         "engines": engines,
@@ -269,24 +309,31 @@ def assemble(settings: dict, variants: dict, per_case: list, per_point: list, en
             "throughput": throughput_summary(per_point),
         },
     }
+    if per_capacity:
+        figures["per_capacity"] = per_capacity
+        figures["summary"]["capacity"] = capacity_summary(per_capacity)
+    return figures
 
 
 def merge(runs: dict[str, dict]) -> dict:
     """One result of several runs (``path -> result``) of one commit and device: their rows
     together (a variant's case or point measured twice is refused), summaries recomputed."""
     first = next(iter(runs.values()))
-    per_case, per_point, variants, engines = [], [], {}, defaultdict(dict)
+    per_case, per_point, per_capacity, variants = [], [], [], {}
+    engines = defaultdict(dict)
     for path, run in runs.items():
         for k in ("commit", "device"):
             if run[k] != first[k]:
                 raise SystemExit(f"--merge: {path} differs in {k}: not comparable")
         per_case += run["per_case"]
         per_point += run["per_point"]
+        per_capacity += run.get("per_capacity", [])
         variants.update(run["variants"])
         for mode, by_variant in run["engines"].items():
             engines[mode].update(by_variant)
     seen = [(r["variant"], r["case"]) for r in per_case]
     seen += [(p["variant"], p["length"], p["batch"]) for p in per_point]
+    seen += [(r["variant"], "capacity") for r in per_capacity]
     twice = sorted({str(x) for x in seen if seen.count(x) > 1})
     if twice:
         raise SystemExit(f"--merge: measured twice: {', '.join(twice)}")
@@ -294,7 +341,9 @@ def merge(runs: dict[str, dict]) -> dict:
     merged["date"] = max(run["date"] for run in runs.values())
     merged["merged_from"] = [{"path": p, "date": r["date"], "command": r["command"],
                               "settings": r["settings"]} for p, r in runs.items()]  # fmt: skip
-    return {**merged, **assemble(first["settings"], variants, per_case, per_point, dict(engines))}
+    figures = assemble(first["settings"], variants, per_case, per_point, dict(engines),
+                       per_capacity)  # fmt: skip
+    return {**merged, **figures}
 
 
 # ---- the engines (GPU) --------------------------------------------------------------------
@@ -322,19 +371,25 @@ def child_accuracy(args, variant: dict) -> dict:
     return {"outputs": outputs}
 
 
-def sessions(engine, prompts: list[list[int]], sampling: dict) -> tuple[float, list]:
+def sessions(
+    engine, prompts: list[list[int]], sampling: dict, outputs: list | None = None
+) -> tuple[float, list]:
     """Submit ``prompts`` at once, streaming; (submission time, per session its chunks'
-    ``(receipt time, tokens so far)``)."""
+    ``(receipt time, tokens so far)``). ``outputs``, if given, gets each session's output ids
+    (the last chunk's, which SGLang streams whole)."""
 
-    async def one(ids):
-        marks = []
+    async def one(i, ids):
+        marks, last = [], None
         stream = await engine.async_generate(input_ids=ids, sampling_params=sampling, stream=True)
         async for chunk in stream:
             marks.append((time.perf_counter(), chunk["meta_info"]["completion_tokens"]))
+            last = chunk
+        if outputs is not None:
+            outputs[i] = last.get("output_ids") if last else None
         return marks
 
     async def every():
-        return await asyncio.gather(*(one(p) for p in prompts))
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
     submitted = time.perf_counter()
     return submitted, engine.loop.run_until_complete(every())
@@ -381,6 +436,37 @@ def child_throughput(args, variant: dict) -> dict:
     finally:
         engine.shutdown()
     return {"kv_pool_tokens": capacity, "points": points}
+
+
+def child_capacity(args, variant: dict) -> dict:
+    """More requests than the pool may hold, submitted at once (module docstring)."""
+    import sglang as sgl
+
+    n, length = args.capacity_requests, args.capacity_length
+    base = {"mem_fraction_static": args.mem_fraction_static, "disable_prefill_cuda_graph": True,
+            "cuda_graph_max_bs_decode": n, "log_level": "info", "decode_log_interval": 1}  # fmt: skip
+    lfps = {"redknot_lfps_min_tokens": args.lfps_min_tokens, "redknot_lfps_max_requests": n}
+    context = length + args.capacity_new_tokens + 64
+    options = engine_options(variant, base, lfps)
+    started = time.perf_counter()
+    engine = sgl.Engine(**common.engine_kwargs(args.throughput_model, context, **options))
+    startup_s = time.perf_counter() - started
+    vocab = json.loads(Path(args.throughput_model, "config.json").read_text())["vocab_size"]
+    sampling = {"temperature": 0.0, "max_new_tokens": args.capacity_new_tokens, "ignore_eos": True}
+    try:
+        pool = int(engine.get_server_info()["max_total_num_tokens"])
+        common.launch_server_warmup(engine)
+        rng = random.Random(length)  # the same prompts for every variant
+        prompts = [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+        outputs: list = [None] * n
+        figures = stream_figures(*sessions(engine, prompts, sampling, outputs))
+    finally:
+        engine.shutdown()
+    fit = pool // (length + args.capacity_new_tokens)
+    run = {"requests": n, "length": length, "new_tokens": args.capacity_new_tokens,
+           "kv_pool_tokens": pool, "fit_by_pool": fit, "startup_s": startup_s, **figures}  # fmt: skip
+    print(run, flush=True)
+    return {"capacity": {**run, "output_ids": outputs}}
 
 
 def _ints(text: str) -> list[int]:
@@ -432,6 +518,11 @@ def settings_of(args, modes: list[str], prompts: dict) -> dict:
                            "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                            "prompt_tokens": {"min": min(lengths), "max": max(lengths)},
                            "mem_fraction_static": args.accuracy_mem_fraction}  # fmt: skip
+    if "capacity" in modes:
+        out["capacity"] = {"model": args.throughput_model, "load_format": "dummy",
+                           "requests": args.capacity_requests, "length": args.capacity_length,
+                           "new_tokens": args.capacity_new_tokens,
+                           "mem_fraction_static": args.mem_fraction_static}  # fmt: skip
     if "throughput" in modes:
         out["throughput"] = {"model": args.throughput_model, "load_format": "dummy",
                              "lengths": _ints(args.lengths), "batches": _ints(args.batches),
@@ -463,12 +554,12 @@ def run(args, modes: list[str], workdir: str) -> dict:
         cases, prompts, tokenizer, job = prepare_accuracy(args, workdir)
         decode = partial(tokenizer.decode, skip_special_tokens=True)
     settings = settings_of(args, modes, prompts)
-    per_case, per_point, engines = [], [], defaultdict(dict)
+    per_case, per_point, per_capacity, engines = [], [], [], defaultdict(dict)
     for mode in modes:
         forward = common.forward_args(
             args, "lfps_min_tokens", "accuracy_model", "context_length", "max_new_tokens",
             "accuracy_mem_fraction", "throughput_model", "lengths", "batches", "new_tokens",
-            "mem_fraction_static",
+            "mem_fraction_static", "capacity_requests", "capacity_length", "capacity_new_tokens",
         ) + ["--mode", mode] + (["--prompts", job] if mode == "accuracy" else [])  # fmt: skip
         for spec in plans[mode]:
             name = spec.split("=")[0]
@@ -477,15 +568,21 @@ def run(args, modes: list[str], workdir: str) -> dict:
             if "outputs" in res:
                 per_case += variant_rows(name, cases, prompts, res["outputs"], decode)
             per_point += [{"variant": name, **point} for point in res.get("points", [])]
+            if mode == "capacity":
+                per_capacity.append({"variant": name, **res.get("capacity", {}),
+                                     **({"error": res["error"]} if "error" in res else {}),
+                                     "peak_running": engines[mode][name]["peak_running"]})  # fmt: skip
             print(mode, name, json.dumps(engines[mode][name])[:400], flush=True)
-            figures = assemble(settings, variants, per_case, per_point, dict(engines))
+            figures = assemble(settings, variants, per_case, per_point, dict(engines),
+                               per_capacity)  # fmt: skip
             common.write_json(args.out, common.record(**figures))
     return figures
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--mode", choices=("accuracy", "throughput", "both"), default="both")
+    ap.add_argument("--mode", choices=("accuracy", "throughput", "capacity", "both"),
+                    default="both", help="both: accuracy and throughput")  # fmt: skip
     ap.add_argument("--variants", default=None, help="default: per mode, DEFAULT_VARIANTS")
     ap.add_argument("--lfps-min-tokens", type=int, default=1024)
     ap.add_argument("--accuracy-model", default=SMOL_MODEL, help="real weights")
@@ -500,6 +597,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--mem-fraction-static", type=float, default=0.8)
+    ap.add_argument("--capacity-requests", type=int, default=6)
+    ap.add_argument("--capacity-length", type=int, default=130000, help="prompt tokens")
+    ap.add_argument("--capacity-new-tokens", type=int, default=16)
     ap.add_argument("--commit", default=None, help="record this commit instead of git's")
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/lfps_serve.json"))
     ap.add_argument("--merge", default=None, help="comma-separated results to join into --out")
@@ -508,7 +608,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         _, variant = parse_variant(args.child)
-        child = child_accuracy if args.mode == "accuracy" else child_throughput
+        child = {"accuracy": child_accuracy, "capacity": child_capacity}.get(
+            args.mode, child_throughput
+        )
         print("RESULT " + json.dumps(child(args, variant)), flush=True)
         return
     if args.merge:

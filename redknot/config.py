@@ -326,6 +326,13 @@ class RedknotConfig:
         "highest-priority ones are kept when more qualify).",
         default=4,
     )
+    lfps_offload_gb: float = _opt(
+        "--redknot-lfps: keep the KV of every token in this many GiB of pinned host memory (per "
+        "tensor-parallel rank) instead of GPU memory, so that more or longer requests are held "
+        "than the GPU fits; kernels read it over PCIe, and requests with LFPS state read only "
+        "the keys they score and attend. 0 (default): KV in GPU memory (docs/lfps.md).",
+        default=0.0,
+    )
     skip_startup_check: bool = _opt(
         "Start without the startup check of the attention kernels against the PyTorch "
         "reference (redknot.attention.startup_check); the kernels are then unverified.",
@@ -476,8 +483,25 @@ class RedknotConfig:
                 f"--redknot-lfps-budget {self.lfps_budget!r}: a count of keys (>= 1) must be a "
                 "whole number; a fraction of the keys is below 1"
             )
+        offload = self.lfps_offload_gb
+        if isinstance(offload, bool) or not (isinstance(offload, (int, float)) and offload >= 0):
+            raise RedknotConfigError(
+                f"--redknot-lfps-offload-gb must be a number of GiB >= 0, got {offload!r}"
+            )
         if self.lfps == "off":
+            if offload:
+                raise RedknotConfigError(
+                    f"--redknot-lfps-offload-gb {offload:g} keeps the KV in host memory, where "
+                    "only LFPS's sparse decode reads it fast enough to serve: add --redknot-lfps "
+                    "lfps (or topk), or drop --redknot-lfps-offload-gb"
+                )
             return
+        if offload and self.segment_fraction:
+            raise RedknotConfigError(
+                f"--redknot-lfps-offload-gb {offload:g} with a segment region "
+                f"(--redknot-segment-fraction {self.segment_fraction:g}): segment reuse over host "
+                "memory is not built; pass --redknot-segment-fraction 0 to offload"
+            )
         if not self.all_global:
             raise RedknotConfigError(
                 f"--redknot-lfps {self.lfps} needs every head global (--redknot-all-global, or "

@@ -76,6 +76,7 @@ class RedknotKVPool(KVCache):
         device: str,
         enable_memory_saver: bool = False,
         segment_plan: SegmentPlan | None = None,
+        host_kv: bool = False,
     ):
         super().__init__(
             size,
@@ -120,14 +121,20 @@ class RedknotKVPool(KVCache):
         self.column = tables["column"].to(device)
         d = layout.head_dim
         rows = (num_rings + num_snapshots) * self.ring_len
+        # --redknot-lfps-offload-gb: the global store in pinned host memory, as CUDA tensors
+        # every kernel reads over PCIe (redknot.pool.host_memory)
+        self.host_kv = host_kv
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
-            self.k_global = [
-                torch.zeros(
-                    (size + page_size, layout.global_columns(i), d), dtype=dtype, device=device
-                )
-                for i in range(layout.num_layers)
-            ]
-            self.v_global = [torch.zeros_like(t) for t in self.k_global]
+            n = size + page_size
+            shapes = [(n, layout.global_columns(i), d) for i in range(layout.num_layers)]
+            if host_kv:
+                from redknot.pool.host_memory import pinned_host_tensor
+
+                self.k_global = [pinned_host_tensor(s, dtype, device) for s in shapes]
+                self.v_global = [pinned_host_tensor(s, dtype, device) for s in shapes]
+            else:
+                self.k_global = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+                self.v_global = [torch.zeros_like(t) for t in self.k_global]
             self.k_local = [
                 torch.zeros((rows, layout.num_local(i), d), dtype=dtype, device=device)
                 for i in range(layout.num_layers)
@@ -152,8 +159,8 @@ class RedknotKVPool(KVCache):
         self._finalize_allocation_log(size)
         logger.info(
             "redknot pool: %d token slots for %d global heads + %d restore columns per layer, "
-            "%d rings + %d snapshots of %d positions for %d local heads (%.2f GB global, %.2f GB "
-            "local)",
+            "%d rings + %d snapshots of %d positions for %d local heads (%.2f GB global%s, "
+            "%.2f GB local)",
             size,
             sum(layout.num_global(i) for i in range(layout.num_layers)),
             layout.restore,
@@ -162,6 +169,7 @@ class RedknotKVPool(KVCache):
             self.ring_len,
             sum(layout.num_local(i) for i in range(layout.num_layers)),
             sum(2 * t.numel() * t.element_size() for t in self.k_global) / GB,
+            " in pinned host memory" if host_kv else "",
             sum(2 * t.numel() * t.element_size() for t in self.k_local) / GB,
         )
 

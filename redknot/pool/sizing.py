@@ -205,10 +205,36 @@ def reserve_lfps_bytes(kvc: Any, budget_bytes: int) -> int:
     return need
 
 
+def host_kv_bytes(kvc: Any) -> int:
+    """Bytes of pinned host memory for the token slots under ``--redknot-lfps-offload-gb`` (0:
+    the KV stays in GPU memory), checked against what the host has available."""
+    from redknot.integration.server_args import published_config
+    from redknot.pool.host_memory import check_host_budget, meminfo_available_bytes
+
+    want = int(published_config().lfps_offload_gb * (1 << 30))
+    if want:
+        from sglang.srt.runtime_context import get_parallel
+
+        check_host_budget(want, get_parallel().attn_tp_size, meminfo_available_bytes())
+    return want
+
+
 def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
     """Plan the LFPS state, the segment region and the request/snapshot slots; return the budget
-    left for token slots."""
+    left for token slots (under ``--redknot-lfps-offload-gb``, the host's: the GPU budget then
+    holds only the LFPS state)."""
     budget_bytes -= reserve_lfps_bytes(kvc, budget_bytes)
+    host = host_kv_bytes(kvc)
+    if host:
+        # offload needs every head global and no segment region (RedknotConfig): no rings
+        state_of(kvc)["slots"] = SlotPlan(request_slots=None, snapshots=0, fixed_bytes=0)
+        logger.info(
+            "redknot: token slots in %.1f GiB of pinned host memory (--redknot-lfps-offload-gb); "
+            "%.2f GB of the GPU's KV budget left unused",
+            host / (1 << 30),
+            budget_bytes / (1 << 30),
+        )
+        return host
     budget_bytes -= reserve_segment_bytes(kvc, budget_bytes).reserved_bytes
     plan = plan_slots(
         rank_layouts(kvc), kvc.kv_cache_dtype, budget_bytes, kvc.server_args.max_running_requests
@@ -248,15 +274,32 @@ def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
         num_snapshots=snapshots,
         device=kvc.device,
         segment_plan=state_of(kvc).get("segments"),
+        host_kv=bool(published_config().lfps_offload_gb),
     )
     lfps = state_of(kvc).get("lfps")
     if lfps is not None:
         from redknot.lfps.serving import LfpsStore
 
         pool.lfps_store = LfpsStore(*lfps, device=kvc.device)
+        if pool.host_kv:
+            _warn_dense_over_host(max_total_num_tokens, *lfps)
     pool.reuse_gate = _reuse_gate(kvc, rank_layouts(kvc)[0])
     pool.reuse_policy = published_config().policy
     return pool
+
+
+def _warn_dense_over_host(tokens: int, shape: Any, rows: int) -> None:
+    """Requests beyond ``--redknot-lfps-max-requests`` decode densely, which over host memory
+    reads every key across PCIe at every step: say so when the store holds more full-context
+    requests than there are rows."""
+    full = tokens // shape.max_len
+    if full > rows:
+        logger.warning(
+            "redknot: the host store holds %d requests of the full %d-token context but "
+            "--redknot-lfps-max-requests is %d: the others decode densely over PCIe (about 20x "
+            "slower at 128K, docs/lfps.md); raise --redknot-lfps-max-requests to %d",
+            full, shape.max_len, rows, full,
+        )  # fmt: skip
 
 
 def _reuse_gate(kvc: Any, layout: HeadLayout):

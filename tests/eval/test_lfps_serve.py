@@ -174,7 +174,48 @@ def _args(tmp_path) -> Namespace:
         cases="cases.jsonl", limit=None, context_length=8192, max_new_tokens=4,
         accuracy_mem_fraction=0.3, throughput_model="/m/8b", lengths="32768,131072",
         batches="1,8", new_tokens=16, mem_fraction_static=0.8, out=str(tmp_path / "out.json"),
+        capacity_requests=6, capacity_length=130000, capacity_new_tokens=16,
     )  # fmt: skip
+
+
+def test_capacity_runs_compare_the_concurrent_requests_served(tmp_path, monkeypatch):
+    """``--mode capacity``: one record per variant, the concurrent requests served (the most
+    sessions decoding at once) against dense's, the engine log's largest batch beside it, a
+    failed engine kept with its error; merging two such runs keeps both."""
+
+    def run_child(script, argv, log_grep=None):
+        opts = dict(zip(argv[::2], argv[1::2]))
+        assert opts["--mode"] == "capacity" and opts["--capacity-requests"] == "6"
+        peak = {"dense": 3, "lfps-offload": 6}.get(opts["--child"].split("=")[0])
+        if peak is None:
+            return {"error": "exit 1", "log_tail": "cudaHostRegister failed"}
+        run = {"requests": 6, "length": 130000, "kv_pool_tokens": peak * 140000,
+               "fit_by_pool": peak, "peak_decoding": peak, "wall_s": 60.0,
+               "output_ids": [[1, 2], [peak, 4]]}  # fmt: skip
+        lines = [f"Decode batch. #running-req: {peak}, gen throughput (token/s): 9.5"]
+        return {"capacity": run, "log_lines": lines}
+
+    monkeypatch.setattr(ls.common, "run_child", run_child)
+    args = _args(tmp_path)
+    args.variants = "dense,lfps-offload=redknot_lfps_offload_gb=100,lfps-offload-big"
+    args.variants += "=redknot_lfps_offload_gb=900"
+    figures = ls.run(args, ["capacity"], str(tmp_path))
+    summary = figures["summary"]["capacity"]
+    assert summary["dense"]["peak_decoding"] == 3 and summary["dense"]["concurrent_vs_dense"] == 1
+    assert summary["lfps-offload"]["concurrent_vs_dense"] == 2.0
+    assert summary["lfps-offload-big"]["error"] == "exit 1"
+    assert "concurrent_vs_dense" not in summary["lfps-offload-big"]
+    assert summary["dense"]["same_outputs_as"] == []  # its second session's ids differ
+    rows = {r["variant"]: r for r in figures["per_capacity"]}
+    assert rows["lfps-offload"]["peak_running"] == 6
+    assert figures["variants"]["lfps-offload"]["redknot_lfps_offload_gb"] == 100
+    assert figures["settings"]["capacity"]["requests"] == 6
+    recorded = json.loads(Path(args.out).read_text())
+    other = dict(recorded, per_capacity=[dict(rows["dense"], variant="dense-again")])
+    merged = ls.merge({"a.json": recorded, "b.json": other})
+    assert set(merged["summary"]["capacity"]) == {"dense", "lfps-offload", "lfps-offload-big",
+                                                  "dense-again"}  # fmt: skip
+    assert merged["summary"]["capacity"]["dense-again"]["same_outputs_as"] == ["dense"]
 
 
 def test_the_runner_writes_one_record_after_every_child(tmp_path, monkeypatch):
