@@ -36,7 +36,8 @@ sessions between their first and last token at once (``peak_decoding``: the conc
 served) and the engine log's largest decode batch (``peak_running``), with the rates above. The
 variant ``lfps-offload`` keeps the KV in pinned host memory (``--redknot-lfps-offload-gb``, 64 GiB
 unless the spec sets ``redknot_lfps_offload_gb``); LFPS variants get
-``redknot_lfps_max_requests=--capacity-requests``.
+``redknot_lfps_max_requests=--capacity-requests``; ``--mem-fraction-static 0`` leaves SGLang's
+default for the GPU.
 
 Variants (``--variants``, comma-separated): the names of ``VARIANTS``, or ``NAME=k1=v1,k2=v2``,
 engine keywords over the built-in variant that ``NAME`` starts with (``NAME`` is ``BASE`` or
@@ -443,8 +444,10 @@ def child_capacity(args, variant: dict) -> dict:
     import sglang as sgl
 
     n, length = args.capacity_requests, args.capacity_length
-    base = {"mem_fraction_static": args.mem_fraction_static, "disable_prefill_cuda_graph": True,
-            "cuda_graph_max_bs_decode": n, "log_level": "info", "decode_log_interval": 1}  # fmt: skip
+    base = {"disable_prefill_cuda_graph": True, "cuda_graph_max_bs_decode": n,
+            "log_level": "info", "decode_log_interval": 1}  # fmt: skip
+    if args.mem_fraction_static > 0:  # else SGLang's default for the GPU
+        base["mem_fraction_static"] = args.mem_fraction_static
     lfps = {"redknot_lfps_min_tokens": args.lfps_min_tokens, "redknot_lfps_max_requests": n}
     context = length + args.capacity_new_tokens + 64
     options = engine_options(variant, base, lfps)
@@ -596,7 +599,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--mem-fraction-static", type=float, default=0.8)
+    ap.add_argument("--mem-fraction-static", type=float, default=0.8,
+                    help="capacity mode: 0 for SGLang's default")  # fmt: skip
     ap.add_argument("--capacity-requests", type=int, default=6)
     ap.add_argument("--capacity-length", type=int, default=130000, help="prompt tokens")
     ap.add_argument("--capacity-new-tokens", type=int, default=16)

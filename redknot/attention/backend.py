@@ -146,6 +146,8 @@ class RedknotAttnBackend(AttentionBackend):
     lfps_dense_batch = None  # the batch of its other rows, planned on FlashInfer
     lfps_graph = False  # the decode batch being captured or replayed runs LFPS's graph path
     lfps_graph_rows = None  # (out_cache_loc, rows) of the batch about to replay a decode graph
+    host_extend = None  # extends with a prefix in a host store (redknot.attention.host_extend)
+    host_batch = False  # the extend being run is one
 
     def __init__(self, model_runner: ModelRunner, config: RedknotConfig):
         super().__init__()
@@ -182,6 +184,14 @@ class RedknotAttnBackend(AttentionBackend):
                 self.dense = _flashinfer(model_runner)
         self.dense_batch = self.segpaged is None  # the batch being run goes to FlashInfer
         self.lfps_pool = model_runner.token_to_kv_pool
+        # --redknot-lfps-offload-gb: extends with a prefix gather it from the host store
+        if getattr(self.lfps_pool, "host_kv", False) is True:
+            from redknot.attention.host_extend import HostPrefixExtend
+
+            self.host_extend = HostPrefixExtend(
+                self.layout.num_q_heads, self.layout.num_kv_heads, self.layout.head_dim,
+                model_runner.dtype, model_runner.device,
+            )  # fmt: skip
         self.lfps = (
             _lfps_serving(model_runner, config, self.dense) if config.lfps != "off" else None
         )
@@ -276,6 +286,8 @@ class RedknotAttnBackend(AttentionBackend):
         decides). Called by redknot's hook on ``PrefillCudaGraphRunner.can_run_graph``."""
         if self.lfps is not None and self.lfps.wants_extend(forward_batch):
             return True  # the LFPS state is built per layer from the extend's queries
+        if self.host_extend is not None and any(forward_batch.extend_prefix_lens_cpu or ()):
+            return True  # a prefix in host memory: gathered, not read by a graph's kernels
         return self.segpaged is not None and self.segpaged.rows_vary(forward_batch)
 
     def needs_eager_decode(self, forward_batch: ForwardBatch) -> bool:
@@ -314,9 +326,16 @@ class RedknotAttnBackend(AttentionBackend):
         return False  # idle: nothing runs
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
-        self.lfps_graph = False
+        self.lfps_graph = self.host_batch = False
         if self.lfps is not None and self._plan_lfps(forward_batch):
             return None
+        if self.host_extend is not None and forward_batch.forward_mode.is_extend():
+            self.host_batch = self.host_extend.plan(forward_batch)
+            if self.host_batch:
+                self.dense_batch = True
+                if self.segpaged is not None:
+                    self.segpaged.plan_dense(forward_batch)
+                return None
         self.dense_batch = self._to_dense(forward_batch)
         if not self.dense_batch:
             return self.segpaged.plan(forward_batch)
@@ -362,7 +381,7 @@ class RedknotAttnBackend(AttentionBackend):
         # --redknot-lfps every decode graph runs LFPS's step (_begin_lfps_graph); extends that
         # build LFPS state never replay a graph (needs_eager_extend)
         self.lfps_plan = None
-        self.lfps_graph = False
+        self.lfps_graph = self.host_batch = False
         if self.lfps is not None:
             self.lfps.extend_rows = []
             if forward_batch.forward_mode.is_decode():
@@ -422,7 +441,13 @@ class RedknotAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ):
-        if self.dense_batch:
+        if self.host_batch:
+            lid, pool = layer.layer_id, self.lfps_pool
+            self._write_kv(k, v, layer, forward_batch, save_kv_cache)
+            out = self.host_extend.forward(
+                q, k, v, layer, pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+            )
+        elif self.dense_batch:
             out = self.dense.forward_extend(
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )

@@ -249,3 +249,52 @@ def test_lfps_options_that_work():
     assert c.lfps == "topk" and GRP == 2
     assert RedknotConfig(policy="cacheblend", lfps="lfps").all_global
     assert RedknotConfig(all_global=True, lfps="lfps", lfps_selection="kv-head-union").lfps
+
+
+class HostExtend:
+    """``redknot.attention.host_extend.HostPrefixExtend``'s stand-in (FlashInfer needs CUDA)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def plan(self, fb):
+        self.calls.append("plan")
+        return any(fb.extend_prefix_lens_cpu)
+
+    def forward(self, q, k, v, layer, k_buffer, v_buffer):
+        self.calls.append("forward")
+        return q
+
+
+def test_an_offloaded_extend_with_a_prefix_gathers_it_instead_of_flashinfers_paged_read():
+    """Under --redknot-lfps-offload-gb an extend batch with a prefix (a later chunk, a cache
+    hit) runs eagerly on the host-prefix path: its K/V written to the pool, attention by the
+    gathered prefix, LFPS's tables still built. Without a prefix it stays on FlashInfer."""
+    srv = Server([40, 10, 57], steps=1, min_tokens=20)
+    b = backend(srv)
+    b.host_extend = HostExtend()
+    which = [0, 2]
+    lens = [srv.prompt_lens[i] for i in which]
+    fb = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, rids=[srv.rid(i) for i in which],
+        extend_seq_lens_cpu=[8, 9], extend_prefix_lens_cpu=[lens[0] - 8, lens[1] - 9],
+        seq_lens_cpu=torch.tensor(lens), req_pool_indices=srv.batch.req_pool_indices[which],
+        out_cache_loc=torch.arange(17) + 200,
+    )  # fmt: skip
+    assert b.needs_eager_extend(fb)
+    b.init_forward_metadata(fb)
+    assert b.host_batch and b.dense.calls == []
+    q = torch.randn(17, HQ * D)
+    k, v = torch.randn(17, HKV * D), torch.randn(17, HKV * D)
+    assert b.forward_extend(q, k, v, LAYER, fb) is q
+    assert b.host_extend.calls == ["plan", "forward"] and b.lfps_pool.writes == 1
+    assert torch.equal(b.lfps_pool.k[200:217], k.view(17, HKV, D))
+    assert set(srv.serving.row_of) == {"r0", "r2"}  # the tables were built
+    fresh = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, rids=["x"], extend_seq_lens_cpu=[12],
+        extend_prefix_lens_cpu=[0], seq_lens_cpu=torch.tensor([12]),
+        req_pool_indices=srv.batch.req_pool_indices[:1],
+    )  # fmt: skip
+    assert not b.needs_eager_extend(fresh)
+    b.init_forward_metadata(fresh)
+    assert not b.host_batch and b.dense.calls == ["init_forward_metadata"]
