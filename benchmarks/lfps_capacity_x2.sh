@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# LFPS over host memory: the concurrent 128K requests one H100 serves, offloaded against the
+# dense flashinfer backend (issue 28), on a machine of two H100s and 256 GiB of host memory:
+# GPU 0 runs the offloaded server (192 GiB of pinned host KV, prompts in one chunk); GPU 1 the
+# flashinfer baseline, then the offloaded server on chunked 32K prompts against LFPS in GPU
+# memory (the host-prefix extend: same outputs, TTFT), then the offload GPU tests.
+# Run from the carried tree on the GPU machine: bash benchmarks/lfps_capacity_x2.sh
+set -u
+OUT=${OUT:-./out}
+eval "$(python3 benchmarks/gpu_run.py unpack --shell)" > /dev/null 2>&1
+free -g | head -2
+nvidia-smi --query-gpu=name,memory.total --format=csv
+run() { python3 benchmarks/gpu_run.py "$@"; }
+(
+  export CUDA_VISIBLE_DEVICES=1 OUT=$OUT/gpu1
+  mkdir -p "$OUT"
+  run bench lfps_serve --mode capacity --capacity-requests 4 --mem-fraction-static 0 \
+    --variants dense --out "$OUT/capacity_dense.json"
+  run bench lfps_serve --mode capacity --capacity-requests 3 --capacity-length 32000 \
+    --variants "lfps,lfps-offload=redknot_lfps_offload_gb=12" --out "$OUT/offload_chunked.json"
+  run tests tests/attention/test_host_extend.py tests/pool/test_host_offload.py
+) > "$OUT/gpu1.txt" 2>&1 &
+export CUDA_VISIBLE_DEVICES=0 OUT=$OUT/gpu0
+mkdir -p "$OUT"
+run bench lfps_serve --mode capacity --capacity-requests 12 --mem-fraction-static 0 \
+  --variants "lfps-offload=redknot_lfps_offload_gb=192,chunked_prefill_size=131072,max_prefill_tokens=131072" \
+  --out "$OUT/capacity_offload.json"
+wait
+tail -5 "$OUT/../gpu1.txt"
