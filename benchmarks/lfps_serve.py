@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -272,6 +273,7 @@ def throughput_summary(points: list[dict]) -> dict[str, dict]:
 
 
 CAPACITY_KEYS = ("requests", "length", "kv_pool_tokens", "fit_by_pool", "peak_decoding",
+                 "sessions_started", "sessions_finished",
                  "ttft_last_session_s", "decode_tokens_per_s", "end_to_end_tokens_per_s",
                  "wall_s")  # fmt: skip
 
@@ -373,27 +375,35 @@ def child_accuracy(args, variant: dict) -> dict:
 
 
 def sessions(
-    engine, prompts: list[list[int]], sampling: dict, outputs: list | None = None
+    engine,
+    prompts: list[list[int]],
+    sampling: dict,
+    outputs: list | None = None,
+    deadline_s: float | None = None,
 ) -> tuple[float, list]:
     """Submit ``prompts`` at once, streaming; (submission time, per session its chunks'
     ``(receipt time, tokens so far)``). ``outputs``, if given, gets each session's output ids
-    (the last chunk's, which SGLang streams whole)."""
+    (the last chunk's, which SGLang streams whole). After ``deadline_s`` the sessions still
+    running are abandoned and their chunks so far returned."""
+    marks: list[list] = [[] for _ in prompts]
 
     async def one(i, ids):
-        marks, last = [], None
+        last = None
         stream = await engine.async_generate(input_ids=ids, sampling_params=sampling, stream=True)
         async for chunk in stream:
-            marks.append((time.perf_counter(), chunk["meta_info"]["completion_tokens"]))
+            marks[i].append((time.perf_counter(), chunk["meta_info"]["completion_tokens"]))
             last = chunk
         if outputs is not None:
             outputs[i] = last.get("output_ids") if last else None
-        return marks
 
     async def every():
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        work = asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(work, deadline_s)
 
     submitted = time.perf_counter()
-    return submitted, engine.loop.run_until_complete(every())
+    engine.loop.run_until_complete(every())
+    return submitted, marks
 
 
 def child_throughput(args, variant: dict) -> dict:
@@ -462,7 +472,11 @@ def child_capacity(args, variant: dict) -> dict:
         rng = random.Random(length)  # the same prompts for every variant
         prompts = [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
         outputs: list = [None] * n
-        figures = stream_figures(*sessions(engine, prompts, sampling, outputs))
+        submitted, streams = sessions(engine, prompts, sampling, outputs, args.capacity_deadline)
+        finished = sum(1 for s in streams if s and s[-1][1] >= args.capacity_new_tokens)
+        started = [s for s in streams if any(k >= 1 for _, k in s)]
+        figures = stream_figures(submitted, started) if started else {}
+        figures.update(sessions_started=len(started), sessions_finished=finished)
     finally:
         engine.shutdown()
     fit = pool // (length + args.capacity_new_tokens)
@@ -563,7 +577,8 @@ def run(args, modes: list[str], workdir: str) -> dict:
             args, "lfps_min_tokens", "accuracy_model", "context_length", "max_new_tokens",
             "accuracy_mem_fraction", "throughput_model", "lengths", "batches", "new_tokens",
             "mem_fraction_static", "capacity_requests", "capacity_length", "capacity_new_tokens",
-        ) + ["--mode", mode] + (["--prompts", job] if mode == "accuracy" else [])  # fmt: skip
+        ) + (["--capacity-deadline", str(args.capacity_deadline)]
+             if getattr(args, "capacity_deadline", None) else []) + ["--mode", mode] + (["--prompts", job] if mode == "accuracy" else [])  # fmt: skip
         for spec in plans[mode]:
             name = spec.split("=")[0]
             res = common.run_child(__file__, forward + ["--child", spec], log_grep=LOG_GREP)
@@ -604,6 +619,8 @@ def main() -> None:
     ap.add_argument("--capacity-requests", type=int, default=6)
     ap.add_argument("--capacity-length", type=int, default=130000, help="prompt tokens")
     ap.add_argument("--capacity-new-tokens", type=int, default=16)
+    ap.add_argument("--capacity-deadline", type=float, default=None,
+                    help="seconds after submission to stop waiting (figures of what ran)")  # fmt: skip
     ap.add_argument("--commit", default=None, help="record this commit instead of git's")
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/lfps_serve.json"))
     ap.add_argument("--merge", default=None, help="comma-separated results to join into --out")

@@ -190,7 +190,7 @@ class RedknotAttnBackend(AttentionBackend):
 
             self.host_extend = HostPrefixExtend(
                 self.layout.num_q_heads, self.layout.num_kv_heads, self.layout.head_dim,
-                model_runner.dtype, model_runner.device,
+                model_runner.dtype, model_runner.req_to_token_pool.req_to_token,
             )  # fmt: skip
         self.lfps = (
             _lfps_serving(model_runner, config, self.dense) if config.lfps != "off" else None

@@ -25,9 +25,13 @@ WORKSPACE_BYTES = 128 << 20  # per wrapper, as SGLang's FlashInfer workspace
 class HostPrefixExtend:
     """Plans (once per batch) and runs (per layer) an extend with a prefix over a host store."""
 
-    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype, device):
+    def __init__(
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype, req_to_token: torch.Tensor
+    ):
         from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
 
+        device = req_to_token.device
+        self.req_to_token = req_to_token  # SGLang's request -> token-slot table
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.dtype = dtype
 
@@ -46,11 +50,7 @@ class HostPrefixExtend:
         if prefix is None or not any(prefix):
             return False
         extend = forward_batch.extend_seq_lens_cpu
-        self.slots = prefix_slots(
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            list(prefix),
-        )
+        self.slots = prefix_slots(self.req_to_token, forward_batch.req_pool_indices, list(prefix))
         device = forward_batch.req_pool_indices.device
         qo = _indptr(extend, device)
         self.new.begin_forward(qo, qo, self.num_q_heads, self.num_kv_heads, self.head_dim,

@@ -65,9 +65,8 @@ def test_gathered_prefix_attention_equals_dense_attention():
     fb = SimpleNamespace(
         forward_mode=ForwardMode.EXTEND, extend_seq_lens_cpu=extend,
         extend_prefix_lens_cpu=prefix, req_pool_indices=rpi,
-        req_to_token_pool=SimpleNamespace(req_to_token=table),
     )  # fmt: skip
-    ext = HostPrefixExtend(hq, hkv, d, torch.bfloat16, dev)
+    ext = HostPrefixExtend(hq, hkv, d, torch.bfloat16, table)
     assert ext.plan(fb)
     q = torch.randn(sum(extend), hq, d, device=dev, generator=gen, dtype=torch.bfloat16)
     new_slots = torch.cat([table[rpi[i], n : n + e] for i, (e, n) in
