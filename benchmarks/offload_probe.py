@@ -101,10 +101,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/offload_probe.json"))
     args = ap.parse_args()
-    figures = {where: measure(where == "host", args.tokens, args.chunk, args.reps)
-               for where in ("device", "host")}  # fmt: skip
-    figures["host_over_device"] = {
-        k: figures["host"][k] / figures["device"][k] for k in figures["device"]
+    figures = {where: measure(where == "host_memory", args.tokens, args.chunk, args.reps)
+               for where in ("gpu_memory", "host_memory")}  # fmt: skip
+    figures["host_over_gpu"] = {
+        k: figures["host_memory"][k] / figures["gpu_memory"][k] for k in figures["gpu_memory"]
     }
     settings = {"tokens": args.tokens, "chunk": args.chunk, "reps": args.reps,
                 "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D}}  # fmt: skip
