@@ -287,7 +287,7 @@ def capacity_summary(runs: list[dict]) -> dict[str, dict]:
         row = {k: r.get(k) for k in CAPACITY_KEYS}
         if "error" in r:
             row["error"] = r["error"]
-        elif dense and dense.get("peak_decoding"):
+        elif dense and dense.get("peak_decoding") and r.get("peak_decoding") is not None:
             row["concurrent_vs_dense"] = r["peak_decoding"] / dense["peak_decoding"]
         if r.get("output_ids"):  # the same prompts: which other variants generated the same
             row["same_outputs_as"] = [o["variant"] for o in runs if o is not r

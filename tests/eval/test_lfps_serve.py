@@ -212,6 +212,11 @@ def test_capacity_runs_compare_the_concurrent_requests_served(tmp_path, monkeypa
     assert figures["settings"]["capacity"]["requests"] == 6
     recorded = json.loads(Path(args.out).read_text())
     other = dict(recorded, per_capacity=[dict(rows["dense"], variant="dense-again")])
+    unstarted = {"variant": "lfps-offload-late", "requests": 6, "sessions_started": 0}
+    assert (
+        "concurrent_vs_dense"
+        not in ls.capacity_summary([rows["dense"], unstarted])["lfps-offload-late"]
+    )  # a deadline before any first token: no figure, not an error
     merged = ls.merge({"a.json": recorded, "b.json": other})
     assert set(merged["summary"]["capacity"]) == {"dense", "lfps-offload", "lfps-offload-big",
                                                   "dense-again"}  # fmt: skip
@@ -291,3 +296,25 @@ def test_runs_of_one_commit_merge_and_are_compared_across_files():
         ls.merge({"a.json": run(dense, [], "d1"), "b.json": run(dense, [], "d2")})
     with pytest.raises(SystemExit, match="differs in commit"):
         ls.merge({"a.json": run(dense, [], "d1"), "b.json": run(lfps, [], "d2", commit="x")})
+
+
+def test_sessions_stop_at_the_deadline_and_keep_what_ran():
+    """``sessions(..., deadline_s)``: a session still streaming at the deadline is abandoned;
+    every session's chunks so far are returned, finished ones with their output ids."""
+    import asyncio
+
+    class Engine:
+        loop = asyncio.new_event_loop()
+
+        async def async_generate(self, input_ids, sampling_params, stream):
+            async def chunks():
+                for n in range(1, 4):
+                    await asyncio.sleep(0.01 if input_ids[0] == 0 else 5.0)
+                    yield {"meta_info": {"completion_tokens": n}, "output_ids": [7] * n}
+
+            return chunks()
+
+    outputs = [None, None]
+    _, marks = ls.sessions(Engine(), [[0], [1]], {}, outputs, deadline_s=0.5)
+    assert [n for _, n in marks[0]] == [1, 2, 3] and marks[1] == []
+    assert outputs == [[7, 7, 7], None]
