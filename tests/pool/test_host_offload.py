@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pool.test_sizing_hooks import bare_configurator
 from redknot import envs
 from redknot.config import RedknotConfig, RedknotConfigError
 from redknot.headmap import ModelShape, synthetic_map
@@ -48,29 +49,14 @@ def test_meminfo_available(tmp_path):
     assert host_memory.meminfo_available_bytes(str(tmp_path / "absent")) is None
 
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 512,
-    "num_attention_heads": 8,
-    "num_hidden_layers": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 4096,
-}
-
-
 @pytest.fixture
 def offload_configurator(monkeypatch):
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.runtime_context import get_parallel
 
     config = RedknotConfig(**OFFLOAD, lfps_offload_gb=2.0, lfps_max_requests=2)
     monkeypatch.setenv(envs.REDKNOT_RESOLVED_CONFIG.name, config.to_json())
-    kvc = object.__new__(KVCacheConfigurator)
-    kvc.server_args = SimpleNamespace(attention_backend="redknot", max_running_requests=None)
-    kvc.model_config = SimpleNamespace(hf_config=CONFIG, context_len=4096)
-    kvc.kv_cache_dtype = torch.bfloat16
     with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
-        yield kvc
+        yield bare_configurator()
 
 
 def test_offload_sizes_the_token_slots_from_host_memory(offload_configurator, monkeypatch):

@@ -25,7 +25,6 @@ CONFIG = {
 
 @pytest.fixture
 def configurator(tmp_path, monkeypatch):
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.runtime_context import get_parallel
 
     path = tmp_path / "map.json"
@@ -33,12 +32,20 @@ def configurator(tmp_path, monkeypatch):
     monkeypatch.setenv(
         envs.REDKNOT_RESOLVED_CONFIG.name, RedknotConfig(head_map=str(path)).to_json()
     )
+    with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
+        yield bare_configurator()
+
+
+def bare_configurator():
+    """SGLang's KV-cache configurator for ``CONFIG`` without its own initialisation: what the
+    sizing hooks read of it (redknot's backend, the model config, bf16 KV)."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
     kvc = object.__new__(KVCacheConfigurator)
     kvc.server_args = SimpleNamespace(attention_backend="redknot", max_running_requests=None)
     kvc.model_config = SimpleNamespace(hf_config=CONFIG, context_len=4096)
     kvc.kv_cache_dtype = torch.bfloat16
-    with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
-        yield kvc
+    return kvc
 
 
 def test_hooks_size_the_pool_from_global_bytes_and_rings(configurator):
