@@ -296,8 +296,9 @@ def _warn_dense_over_host(tokens: int, shape: Any, rows: int) -> None:
     if full > rows:
         logger.warning(
             "redknot: the host store holds %d requests of the full %d-token context but "
-            "--redknot-lfps-max-requests is %d: the others decode densely over PCIe (about 20x "
-            "slower at 128K, docs/lfps.md); raise --redknot-lfps-max-requests to %d",
+            "--redknot-lfps-max-requests is %d: the others decode densely over PCIe (at 128K a "
+            "layer's dense decode over host memory took 10.5 ms against LFPS's 0.48 ms, "
+            "docs/lfps.md); raise --redknot-lfps-max-requests to %d",
             full, shape.max_len, rows, full,
         )  # fmt: skip
 
