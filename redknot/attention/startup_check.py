@@ -5,9 +5,10 @@ shape and compares every output with the PyTorch reference attention.
 | served path (``RedknotAttnBackend.path``) | what runs                                        |
 | ----------------------------------------- | ------------------------------------------------ |
 | ``dense`` (every head global, kernel auto) | SGLang's FlashInfer backend, built as the redknot backend builds it |
+| ``dense`` under ``--redknot-lfps-offload-gb`` (``offload``) | the same over a pool in pinned host memory, the extend with a prefix on ``redknot.attention.host_extend`` |
 | ``segpaged``                              | ``SegPagedRunner`` with every head global, and with each distinct row of this rank's head classes (with adaptive restore: restore columns, and a request that promotes a local head of each row) |
 
-Both run on a pool and a request table of their own (a few hundred token slots; one layer per
+Each runs on a pool and a request table of their own (a few hundred token slots; one layer per
 checked head-class row), never on the serving pool, through the same planning and launch calls
 as serving: ``prefill``, ``extend`` and ``decode`` (for ``segpaged`` also decode planned as
 under CUDA graphs, with its fixed split count). For ``segpaged`` the extend is also run as
@@ -50,6 +51,8 @@ SKIP_HINT = (
 PATH_NAMES = {
     "dense": "the FlashInfer path (dense dispatch)",
     "segpaged": "the Triton path (redknot's SegPaged kernels)",
+    "offload": "the FlashInfer path over pinned host memory, extends with a prefix gathering it "
+    "(--redknot-lfps-offload-gb)",
 }
 _MAX_LINES = 8  # failing cases listed in the error
 # The extend as segment reuse runs it: (case name, rows packed into tiles, with the LSE, runs
@@ -189,13 +192,13 @@ def _quiet(*names: str) -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _pool(served: ServedAttention, layout: HeadLayout, batch: SyntheticBatch):
+def _pool(served: ServedAttention, layout: HeadLayout, batch: SyntheticBatch, host_kv=False):
     from redknot.pool.kv_pool import RedknotKVPool
 
     with _quiet("redknot.pool.kv_pool", "sglang.srt.mem_cache.memory_pool"):
         return RedknotKVPool(
             batch.num_slots, 1, served.kv_dtype, layout, num_rings=batch.req_to_token_cpu.shape[0],
-            num_snapshots=0, device=str(served.device),
+            num_snapshots=0, device=str(served.device), host_kv=host_kv,
         )  # fmt: skip
 
 
@@ -268,6 +271,7 @@ class DensePath:
     """SGLang's FlashInfer backend over the check's pool (every head global; CUDA only)."""
 
     graph_decode = False
+    host_kv = False
 
     def __init__(self, served, layout, batch, model_runner):
         from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
@@ -276,7 +280,7 @@ class DensePath:
         rows, width = batch.req_to_token_cpu.shape
         req_pool = ReqToTokenPool(rows - 1, width, str(served.device), enable_memory_saver=False)
         req_pool.req_to_token.copy_(batch.req_to_token_cpu)
-        pool = _pool(served, layout, batch)
+        self.pool = pool = _pool(served, layout, batch, host_kv=self.host_kv)
         self.req_to_token = req_pool.req_to_token
         runner = _RunnerWith(
             model_runner, req_to_token_pool=req_pool, token_to_kv_pool=pool,
@@ -291,14 +295,45 @@ class DensePath:
         return self.backend.forward(q, k, v, layer, fb, save_kv_cache=True)
 
 
+class OffloadPath(DensePath):
+    """The dense path over a pool in pinned host memory, as ``--redknot-lfps-offload-gb``
+    serves: FlashInfer where no request has a prefix (and for decode), the host-prefix extend
+    (``redknot.attention.host_extend``) where one has."""
+
+    host_kv = True
+
+    def __init__(self, served, layout, batch, model_runner):
+        from redknot.attention.host_extend import HostPrefixExtend
+
+        super().__init__(served, layout, batch, model_runner)
+        self.extend = HostPrefixExtend(
+            layout.num_q_heads, layout.num_kv_heads, layout.head_dim, served.dtype,
+            self.req_to_token,
+        )  # fmt: skip
+        self.gathers = False  # the planned batch runs on the host-prefix extend
+
+    def plan(self, fb, graph: bool = False) -> None:
+        self.gathers = fb.forward_mode.is_extend() and self.extend.plan(fb)
+        if not self.gathers:
+            super().plan(fb, graph)
+
+    def run(self, q, k, v, layer, fb) -> torch.Tensor:
+        if not self.gathers:
+            return super().run(q, k, v, layer, fb)
+        lid, pool = layer.layer_id, self.pool
+        hkv, d = pool.layout.num_kv_heads, pool.layout.head_dim
+        pool.write_global(lid, fb.out_cache_loc, k.view(-1, hkv, d), v.view(-1, hkv, d))
+        return self.extend.forward(q, k, v, layer, pool.k_global[lid], pool.v_global[lid])
+
+
 # ---- the gate --------------------------------------------------------------------------------
 
 
 def run_startup_check(
     served: ServedAttention, path: str, model_runner: Any = None, seed: int = 0
 ) -> list[CaseResult]:
-    """Run ``path`` ("dense" or "segpaged") on the synthetic batch and compare with the
-    reference; raise ``StartupCheckError`` naming every case beyond tolerance."""
+    """Run ``path`` ("dense", "offload" or "segpaged") on the synthetic batch and compare with
+    the reference; raise ``StartupCheckError`` naming every case beyond tolerance."""
     start = time.perf_counter()
     rows = checked_rows(served.layout, path)
     lay = served.layout
@@ -312,8 +347,9 @@ def run_startup_check(
     results: list[CaseResult] = []
     doing = "building it"
     try:
-        if path == "dense":
-            runner: Any = DensePath(served, layout, batch, model_runner)
+        if path in ("dense", "offload"):
+            cls = OffloadPath if path == "offload" else DensePath
+            runner: Any = cls(served, layout, batch, model_runner)
         else:
             runner = SegPagedPath(served, layout, batch)
         cases = [(phase, False) for phase in PHASES] + [("decode", True)] * runner.graph_decode
@@ -414,10 +450,12 @@ def check_backend(backend: Any, model_runner: Any, skip: bool) -> None:
             served.describe(), PATH_NAMES[backend.path],
         )  # fmt: skip
         return
-    paths = (backend.path, backend.segpaged is not None and backend.dense is not None)
+    # under --redknot-lfps-offload-gb the dense path serves over host memory
+    path = "offload" if getattr(backend, "host_extend", None) is not None else backend.path
+    paths = (path, backend.segpaged is not None and backend.dense is not None)
     key = (paths, served.layout, served.dtype, served.kv_dtype, served.device)
     if key not in _passed:
-        run_startup_check(served, backend.path, model_runner)
+        run_startup_check(served, path, model_runner)
         segpaged = backend.segpaged
         if segpaged is not None and backend.dense is not None:  # both paths serve (per batch)
             run_startup_check(served, "dense", model_runner)

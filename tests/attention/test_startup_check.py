@@ -353,3 +353,25 @@ def test_reuse_kernels_pass_the_gate_at_llama_shape_on_gpu():
     launches = reuse_launches(runner)
     assert {name for name, _ in launches} == {"local", "left", "mass"}
     assert check_reuse_kernels(runner, served) == len(launches)
+
+
+def test_an_offloading_backend_checks_the_path_over_host_memory(monkeypatch):
+    """Under --redknot-lfps-offload-gb the gate runs the dense path over a pool in pinned host
+    memory with the host-prefix extend (``OffloadPath``, CUDA only), not the dense path over GPU
+    memory that such a server never serves."""
+    from types import SimpleNamespace
+
+    from redknot.attention import startup_check
+
+    ran = []
+    monkeypatch.setattr(startup_check, "run_startup_check", lambda s, path, mr: ran.append(path))
+    monkeypatch.setattr(startup_check, "_passed", set())
+    served = _served(("GG", "GG"))
+    monkeypatch.setattr(startup_check.ServedAttention, "of", lambda mr, layout: served)
+    backend = SimpleNamespace(layout=served.layout, path="dense", segpaged=None, dense=object(),
+                              host_extend=object())  # fmt: skip
+    startup_check.check_backend(backend, None, skip=False)
+    backend.host_extend = None
+    startup_check.check_backend(backend, None, skip=False)
+    assert ran == ["offload", "dense"]
+    assert "pinned host memory" in startup_check.PATH_NAMES["offload"]
