@@ -301,11 +301,13 @@ class RedknotConfig:
         "--redknot-lfps: requests whose prompt is shorter than this decode densely.",
         default=2048,
     )
-    lfps_max_requests: int = _opt(
+    lfps_max_requests: int | None = _opt(
         "--redknot-lfps: requests that may decode sparsely at once (each holds score tables as "
         "long as the context in every layer, reserved from the KV budget at startup); others "
-        "decode densely.",
-        default=8,
+        "decode densely. Default 8, or under --redknot-lfps-offload-gb as many requests of the "
+        "full context as the host store holds (at least 8): there a dense decode reads every "
+        "key across PCIe.",
+        default=None,
     )
     lfps_decay: float = _opt(
         "--redknot-lfps lfps: decay of the score tables (Eq. 4, 10).", default=0.95

@@ -178,6 +178,21 @@ def lfps_shape(kvc: Any):
     )  # fmt: skip
 
 
+LFPS_REQUESTS = 8  # --redknot-lfps-max-requests when not given and the KV is in GPU memory
+
+
+def lfps_request_rows(requested: int | None, host_bytes: int, token_bytes: int, context: int):
+    """Rows of LFPS state: ``--redknot-lfps-max-requests`` if given; else, with the KV in a
+    host store of ``host_bytes``, the full-context requests it holds (at least
+    ``LFPS_REQUESTS``: requests beyond the rows decode densely, across PCIe there); else
+    ``LFPS_REQUESTS``."""
+    if requested is not None:
+        return requested
+    if host_bytes:
+        return max(LFPS_REQUESTS, host_bytes // token_bytes // context)
+    return LFPS_REQUESTS
+
+
 def reserve_lfps_bytes(kvc: Any, budget_bytes: int) -> int:
     """Bytes of the LFPS state (``--redknot-lfps-max-requests`` rows of tables as long as the
     context in every layer), taken from the KV budget so that admission counts them."""
@@ -187,7 +202,11 @@ def reserve_lfps_bytes(kvc: Any, budget_bytes: int) -> int:
     shape = lfps_shape(kvc)
     if shape is None:
         return 0
-    slots = published_config().lfps_max_requests
+    config = published_config()
+    slots = lfps_request_rows(
+        config.lfps_max_requests, int(config.lfps_offload_gb * (1 << 30)), cell_size(kvc),
+        shape.max_len,
+    )  # fmt: skip
     need = state_bytes(shape, slots)
     if need >= budget_bytes:
         raise ValueError(

@@ -173,3 +173,24 @@ def test_flashinfer_and_the_lfps_step_read_the_host_store_as_device_memory():
     got = lfps_decode_step(q, k_host, v_host, *paged, on_host, params, budgets)
     assert torch.equal(got.output, want.output) and torch.equal(got.selected, want.selected)
     assert torch.equal(on_host.vertical, on_gpu.vertical)
+
+
+def test_lfps_rows_default_to_what_the_host_store_holds(monkeypatch):
+    """Without --redknot-lfps-max-requests an offloading server gets a row of LFPS state for
+    every full-context request its host store holds (at least 8); in GPU memory, 8; a given
+    count is kept."""
+    from sglang.srt.runtime_context import get_parallel
+
+    assert sizing.lfps_request_rows(None, 0, 4096, 4096) == 8
+    assert sizing.lfps_request_rows(None, 2 * GiB, 4096, 4096) == 128
+    assert sizing.lfps_request_rows(None, 16 << 20, 4096, 4096) == 8  # holds 1: still 8
+    assert sizing.lfps_request_rows(3, 2 * GiB, 4096, 4096) == 3
+    config = RedknotConfig(**OFFLOAD, lfps_offload_gb=2.0)
+    monkeypatch.setenv(envs.REDKNOT_RESOLVED_CONFIG.name, config.to_json())
+    monkeypatch.setattr(host_memory, "meminfo_available_bytes", lambda: 64 * GiB)
+    with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
+        kvc = bare_configurator()
+        assert sizing.reserve_local_bytes(kvc, 10**9) == 2 * GiB
+        token = sizing.cell_size(kvc)
+    shape, rows = sizing.state_of(kvc)["lfps"]
+    assert rows == 2 * GiB // token // 4096 and rows > 8
