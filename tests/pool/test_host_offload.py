@@ -192,5 +192,5 @@ def test_lfps_rows_default_to_what_the_host_store_holds(monkeypatch):
         kvc = bare_configurator()
         assert sizing.reserve_local_bytes(kvc, 10**9) == 2 * GiB
         token = sizing.cell_size(kvc)
-    shape, rows = sizing.state_of(kvc)["lfps"]
+    _, rows = sizing.state_of(kvc)["lfps"]
     assert rows == 2 * GiB // token // 4096 and rows > 8
