@@ -28,12 +28,13 @@ REGISTER_FLAGS = 1 | 2
 HOST_MARGIN_GB = 8.0  # host memory left to the processes besides the store
 
 
-def meminfo_available_bytes(path: str = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` of the host, in bytes (None where the file does not say)."""
+def meminfo_bytes(field: str, path: str = "/proc/meminfo") -> int | None:
+    """A ``/proc/meminfo`` field (``MemTotal``, ``MemAvailable``) in bytes; None where the file
+    does not say."""
     try:
         with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -41,25 +42,35 @@ def meminfo_available_bytes(path: str = "/proc/meminfo") -> int | None:
 
 
 def check_host_budget(
-    want_bytes: int, ranks: int, available: int | None, margin_gb: float = HOST_MARGIN_GB
-) -> None:
-    """Refuse a store the host cannot hold: ``ranks`` stores of ``want_bytes`` each must leave
-    ``margin_gb`` of the available memory to the server's processes."""
-    if available is None:
-        logger.warning(
-            "redknot: the host's available memory is unknown (no MemAvailable in /proc/meminfo); "
-            "pinning %.1f GiB of KV per rank unchecked",
-            want_bytes / (1 << 30),
-        )
-        return
-    total = want_bytes * ranks
-    limit = available - int(margin_gb * (1 << 30))
-    if total > limit:
+    want_bytes: int, ranks: int, total: int | None, available: int | None,
+    margin_gb: float = HOST_MARGIN_GB,
+) -> None:  # fmt: skip
+    """Refuse a store the host cannot hold, leaving ``margin_gb`` to the server's processes:
+    the ``ranks`` stores together within the host's memory (``total``), and this rank's own
+    within what is available now (``available``; under tensor parallelism the other ranks may
+    already have pinned theirs, which the first check has counted)."""
+    margin = int(margin_gb * (1 << 30))
+    gib = 1 << 30
+    flag = "--redknot-lfps-offload-gb"
+    if total is not None and want_bytes * ranks > total - margin:
         raise ValueError(
-            f"redknot: --redknot-lfps-offload-gb asks for {total / (1 << 30):.1f} GiB of pinned "
-            f"host memory ({ranks} rank(s) x {want_bytes / (1 << 30):.1f} GiB), but the host has "
-            f"{available / (1 << 30):.1f} GiB available and {margin_gb:g} GiB must stay free for "
-            f"the server's processes: pass at most {max(limit, 0) / ranks / (1 << 30):.1f}"
+            f"redknot: {flag} asks for {want_bytes * ranks / gib:.1f} GiB of pinned host memory "
+            f"({ranks} rank(s) x {want_bytes / gib:.1f} GiB), but the host has "
+            f"{total / gib:.1f} GiB and {margin_gb:g} GiB must stay free for the server's "
+            f"processes: pass at most {max(total - margin, 0) / ranks / gib:.1f}"
+        )
+    if available is not None and want_bytes > available - margin:
+        raise ValueError(
+            f"redknot: {flag} asks for {want_bytes / gib:.1f} GiB of pinned host memory on this "
+            f"rank, but only {available / gib:.1f} GiB are available now and {margin_gb:g} GiB "
+            "must stay free for the server's processes: free host memory or pass at most "
+            f"{max(available - margin, 0) / gib:.1f}"
+        )
+    if total is None or available is None:
+        logger.warning(
+            "redknot: the host's memory is not fully known (no MemTotal or MemAvailable in "
+            "/proc/meminfo); pinning %.1f GiB of KV per rank without that check",
+            want_bytes / gib,
         )
 
 

@@ -228,13 +228,16 @@ def host_kv_bytes(kvc: Any) -> int:
     """Bytes of pinned host memory for the token slots under ``--redknot-lfps-offload-gb`` (0:
     the KV stays in GPU memory), checked against what the host has available."""
     from redknot.integration.server_args import published_config
-    from redknot.pool.host_memory import check_host_budget, meminfo_available_bytes
+    from redknot.pool.host_memory import check_host_budget, meminfo_bytes
 
     want = int(published_config().lfps_offload_gb * (1 << 30))
     if want:
         from sglang.srt.runtime_context import get_parallel
 
-        check_host_budget(want, get_parallel().attn_tp_size, meminfo_available_bytes())
+        check_host_budget(
+            want, get_parallel().attn_tp_size, meminfo_bytes("MemTotal"),
+            meminfo_bytes("MemAvailable"),
+        )  # fmt: skip
     return want
 
 

@@ -33,20 +33,25 @@ def test_offload_is_an_option_of_lfps_without_segments():
 
 
 def test_host_budget_leaves_the_margin_free():
-    host_memory.check_host_budget(100 * GiB, 1, available=110 * GiB, margin_gb=8)
-    with pytest.raises(ValueError, match=r"pass at most 51\.0") as err:
-        host_memory.check_host_budget(60 * GiB, 2, available=110 * GiB, margin_gb=8)
-    assert "120.0 GiB" in str(err.value) and "110.0 GiB available" in str(err.value)
-    host_memory.check_host_budget(10**15, 1, available=None)  # unknown: warned, not refused
+    host_memory.check_host_budget(100 * GiB, 1, 120 * GiB, available=110 * GiB, margin_gb=8)
+    with pytest.raises(ValueError, match=r"pass at most 56\.0") as err:  # every rank's store
+        host_memory.check_host_budget(60 * GiB, 2, 120 * GiB, available=110 * GiB, margin_gb=8)
+    assert "120.0 GiB of pinned" in str(err.value) and "the host has 120.0 GiB" in str(err.value)
+    # another rank pinned its store already: this rank's own must fit what is left
+    host_memory.check_host_budget(50 * GiB, 2, 120 * GiB, available=60 * GiB, margin_gb=8)
+    with pytest.raises(ValueError, match=r"only 40\.0 GiB are available now.*at most 32\.0"):
+        host_memory.check_host_budget(50 * GiB, 2, 120 * GiB, available=40 * GiB, margin_gb=8)
+    host_memory.check_host_budget(10**15, 1, None, None)  # unknown: warned, not refused
 
 
-def test_meminfo_available(tmp_path):
+def test_meminfo_fields(tmp_path):
     path = tmp_path / "meminfo"
     path.write_text("MemTotal:  1000 kB\nMemFree:  10 kB\nMemAvailable:   2048 kB\n")
-    assert host_memory.meminfo_available_bytes(str(path)) == 2048 * 1024
+    assert host_memory.meminfo_bytes("MemAvailable", str(path)) == 2048 * 1024
+    assert host_memory.meminfo_bytes("MemTotal", str(path)) == 1000 * 1024
     path.write_text("MemTotal:  1000 kB\n")
-    assert host_memory.meminfo_available_bytes(str(path)) is None
-    assert host_memory.meminfo_available_bytes(str(tmp_path / "absent")) is None
+    assert host_memory.meminfo_bytes("MemAvailable", str(path)) is None
+    assert host_memory.meminfo_bytes("MemTotal", str(tmp_path / "absent")) is None
 
 
 @pytest.fixture
@@ -64,7 +69,7 @@ def test_offload_sizes_the_token_slots_from_host_memory(offload_configurator, mo
     budget (and refused when they do not fit it)."""
     from redknot.integration import plugin
 
-    monkeypatch.setattr(host_memory, "meminfo_available_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(host_memory, "meminfo_bytes", lambda field: 64 * GiB)
     assert plugin._after_available_bytes(10**9, offload_configurator, 0) == 2 * GiB
     shape, rows = sizing.state_of(offload_configurator)["lfps"]
     assert rows == 2 and shape.max_len == 4096
@@ -74,7 +79,7 @@ def test_offload_sizes_the_token_slots_from_host_memory(offload_configurator, mo
 
 
 def test_offload_larger_than_the_host_fails_at_startup(offload_configurator, monkeypatch):
-    monkeypatch.setattr(host_memory, "meminfo_available_bytes", lambda: 9 * GiB)
+    monkeypatch.setattr(host_memory, "meminfo_bytes", lambda field: 9 * GiB)
     with pytest.raises(ValueError, match="--redknot-lfps-offload-gb asks for 2.0 GiB"):
         sizing.reserve_local_bytes(offload_configurator, 10**9)
 
@@ -187,7 +192,7 @@ def test_lfps_rows_default_to_what_the_host_store_holds(monkeypatch):
     assert sizing.lfps_request_rows(3, 2 * GiB, 4096, 4096) == 3
     config = RedknotConfig(**OFFLOAD, lfps_offload_gb=2.0)
     monkeypatch.setenv(envs.REDKNOT_RESOLVED_CONFIG.name, config.to_json())
-    monkeypatch.setattr(host_memory, "meminfo_available_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(host_memory, "meminfo_bytes", lambda field: 64 * GiB)
     with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
         kvc = bare_configurator()
         assert sizing.reserve_local_bytes(kvc, 10**9) == 2 * GiB
