@@ -576,6 +576,7 @@ def _lfps_serving(model_runner: ModelRunner, config: RedknotConfig, dense):
         config.lfps, params, store.shape, store, model_runner.req_to_token_pool.req_to_token,
         min_tokens=config.lfps_min_tokens, candidate_factor=config.lfps_candidate_factor,
         union=union_of(config.lfps_selection, store.shape.num_q_heads, store.shape.num_kv_heads),
+        host_kv_dtype=pool.dtype if getattr(pool, "host_kv", False) is True else None,
     )  # fmt: skip
     model_runner.req_to_token_pool.redknot_lfps = serving  # its free hook releases rows
     logger.info(

@@ -63,6 +63,19 @@ class HostStage:
         )
 
 
+def first_rows(stage: HostStage, batch_size: int) -> HostStage:
+    """The buffers of ``stage``'s first ``batch_size`` requests (views: a stage made for the
+    largest batch serves every smaller one)."""
+    rows = batch_size * (stage.num_sink + stage.width)
+    return HostStage(
+        num_sink=stage.num_sink, width=stage.width, k=stage.k[:rows],
+        v=None if stage.v is None else stage.v[:rows],
+        req_to_token=stage.req_to_token[:batch_size],
+        req_pool_indices=stage.req_pool_indices[:batch_size],
+        indices=stage.indices[:batch_size], seq_lens=stage.seq_lens[:batch_size],
+    )  # fmt: skip
+
+
 def _check(stage: HostStage, k_src, v_src, req_to_token, req_pool_indices, seq_lens, idx) -> None:
     B, H, W = idx.shape
     assert W == stage.width and stage.k.shape[0] == B * (stage.num_sink + W), (idx.shape, stage)

@@ -55,6 +55,13 @@ from redknot.lfps.state import table_norm
 logger = logging.getLogger(__name__)
 
 RENORMALIZE_EVERY = 256  # decode steps between folds of the lazy decay (float32 holds ~1700)
+# Over a KV store in host memory, LFPS's step gathers the rows it reads into GPU buffers first
+# (redknot.kernels.host_stage) when batch x context reaches this: per layer, 8B shape, H200
+# (benchmarks/results/lfps_decode_host.json), gathering took 4.88 against 5.62 ms at 128K x 8
+# and 19.3 against 24.2 ms at 128K x 32, 3.94 against 4.73 ms at 32K x 32, and lost at
+# 32K x 8 (0.804 against 0.794 ms), 32K x 1 and 128K x 1
+STAGE_MIN_TOKENS = 1 << 20
+GRAPH_STAGE_MAX_BS = 64  # decode graphs above this batch read the host store directly
 
 
 @dataclass(frozen=True)
@@ -215,6 +222,7 @@ class LfpsServing:
         candidate_factor: int = 4,
         union: int = 1,
         kernels: bool = True,
+        host_kv_dtype: torch.dtype | None = None,
     ):
         assert mode in ("lfps", "topk"), mode
         assert union in (1, shape.rows) and (union == 1 or mode == "lfps"), (union, shape.rows)
@@ -237,6 +245,14 @@ class LfpsServing:
         self.graph_index: torch.Tensor | None = None  # [max_bs] int32 state row of each row
         self.graph_dense: torch.Tensor | None = None  # [max_bs] bool rows listing every key
         self.graph_plans: dict[int, object] = {}  # batch size -> SparseDecodePlan
+        # a KV store in host memory (--redknot-lfps-offload-gb; its dtype, else None): LFPS's
+        # step gathers the rows it reads into GPU buffers first (redknot.kernels.host_stage)
+        # where that was measured faster, lists per KV head only
+        self.host_kv_dtype = host_kv_dtype
+        self.stages = host_kv_dtype is not None and kernels and mode == "lfps"
+        self.stages = self.stages and shape.selection_heads == shape.num_kv_heads
+        self.graph_stage = None  # staging buffers of the decode graphs (their largest batch)
+        self.eager_stage: tuple[tuple[int, int], object] | None = None  # (budgets), buffers
 
     # ---- rows ----------------------------------------------------------------------------
 
@@ -398,10 +414,38 @@ class LfpsServing:
         self, layer_id: int, q: torch.Tensor, k_buffer, v_buffer, plan: DecodePlan, sm_scale
     ) -> torch.Tensor:
         """Attention of the plan's rows in this layer: ``q`` [Bl, Hq, D] -> [Bl, Hq, D]."""
+        stage = self._eager_stage(q.shape[0], plan.candidates, plan.topk, plan.width, q.device)
         return self._attend(
             layer_id, q, k_buffer, v_buffer, plan.req_pool_indices, plan.seq_lens, plan.index,
-            None, plan.topk, plan.candidates, plan.width, plan.sparse, sm_scale,
+            None, plan.topk, plan.candidates, plan.width, plan.sparse, sm_scale, stage,
         )  # fmt: skip
+
+    # ---- staging rows of a store in host memory --------------------------------------------
+
+    def stage_pays(self, batch: int, context: int) -> bool:
+        """Whether a step of ``batch`` requests of up to ``context`` tokens over a host store
+        gathers its rows first (``STAGE_MIN_TOKENS``)."""
+        return self.stages and batch * context >= STAGE_MIN_TOKENS
+
+    def _host_stages(self, batch: int, candidates: int, topk: int, device):
+        from redknot.lfps.batched import host_stages
+
+        shape = self.shape
+        return host_stages(batch, shape.num_kv_heads, shape.head_dim, self.params,
+                           self._budgets(candidates, topk), self.host_kv_dtype, device)  # fmt: skip
+
+    def _eager_stage(self, batch: int, candidates: int, topk: int, context: int, device):
+        """An eager step's staging buffers (kept for the next step of the same budgets and no
+        larger batch), or None where staging does not pay."""
+        if not self.stage_pays(batch, context):
+            return None
+        from redknot.kernels.host_stage import first_rows
+
+        key = (candidates, topk)
+        held = self.eager_stage
+        if held is None or held[0] != key or held[1][0].req_pool_indices.shape[0] < batch:
+            held = self.eager_stage = (key, self._host_stages(batch, candidates, topk, device))
+        return tuple(first_rows(st, batch) for st in held[1])
 
     # ---- decode in CUDA graphs ------------------------------------------------------------
 
@@ -414,6 +458,10 @@ class LfpsServing:
         self.graph_index = torch.full((max_bs,), self.store.scratch, dtype=torch.int32,
                                       device=device)  # fmt: skip
         self.graph_dense = torch.ones(max_bs, dtype=torch.bool, device=device)
+        if self.stages:  # the graphs' batch sizes the buffers serve: up to GRAPH_STAGE_MAX_BS
+            bs = min(max_bs, GRAPH_STAGE_MAX_BS)
+            self.graph_stage = self._host_stages(bs, self.graph_candidates, self.graph_topk,
+                                                 device)  # fmt: skip
         offsets_tensor(self.params.offsets, torch.device(device))
         row_budget_args(self.params, torch.device(device))
 
@@ -455,16 +503,23 @@ class LfpsServing:
     ) -> torch.Tensor:  # fmt: skip
         """Attention of every row of a graph batch (``q`` [bs, Hq, D]), fixed budgets."""
         bs = q.shape[0]
+        stage = None
+        held = self.graph_stage  # the graphs know no lengths: the context is the longest
+        fits = held is not None and bs <= held[0].req_pool_indices.shape[0]
+        if fits and self.stage_pays(bs, self.shape.max_len):
+            from redknot.kernels.host_stage import first_rows
+
+            stage = tuple(first_rows(st, bs) for st in held)
         return self._attend(
             layer_id, q, k_buffer, v_buffer, req_pool_indices, seq_lens, self.graph_index[:bs],
             self.graph_dense[:bs], self.graph_topk, self.graph_candidates, self.shape.max_len,
-            self.graph_plans[bs], sm_scale,
+            self.graph_plans[bs], sm_scale, stage,
         )  # fmt: skip
 
     # ---- the step ------------------------------------------------------------------------
 
     def _attend(self, layer_id, q, k_buffer, v_buffer, req_pool_indices, seq_lens, index, dense,
-                topk, candidates, width, sparse, sm_scale):  # fmt: skip
+                topk, candidates, width, sparse, sm_scale, stage=None):  # fmt: skip
         paged = (self.req_to_token, req_pool_indices, seq_lens)
         p = self.params
         if self.mode == "lfps":
@@ -473,7 +528,7 @@ class LfpsServing:
             res = lfps_decode_step(
                 q, k_buffer, v_buffer, *paged, self.store.state(layer_id, index), p,
                 self._budgets(candidates, topk), sm_scale=sm_scale,
-                kernels=self.kernels, plan=sparse, dense=dense,
+                kernels=self.kernels, plan=sparse, dense=dense, stage=stage,
             )  # fmt: skip
             return res.output
         from redknot.lfps.batched import every_key, row_budgets

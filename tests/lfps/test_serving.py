@@ -56,7 +56,7 @@ class Server:
 
     def __init__(self, prompt_lens, steps, *, slots=4, min_tokens=20, mode="lfps", rows=1,
                  params=None, factor=4, seed=0, kernels=False, dtype=torch.float32,
-                 heads=(HQ, HKV, D), device="cpu", union=1):  # fmt: skip
+                 heads=(HQ, HKV, D), device="cpu", union=1, host_kv=False):  # fmt: skip
         g = torch.Generator().manual_seed(seed)
         self.prompt_lens, self.steps = prompt_lens, steps
         self.hq, hkv, self.d = heads
@@ -72,6 +72,7 @@ class Server:
         self.serving = LfpsServing(
             mode, self.params, self.shape, self.store, self.batch.req_to_token,
             min_tokens=min_tokens, candidate_factor=factor, union=union, kernels=kernels,
+            host_kv_dtype=dtype if host_kv else None,
         )  # fmt: skip
         self.prefill_q = [torch.randn(n, self.hq, self.d, generator=g).to(device)
                           for n in prompt_lens]  # fmt: skip
@@ -418,3 +419,57 @@ def test_the_graph_path_is_captured_and_replayed_on_the_gpu(mode, union):
         w = torch.softmax(torch.einsum("hd,hnd->hn", q[1].float(), k) * graph.scale, -1)
         torch.testing.assert_close(static_out[1].float(), torch.einsum("hn,hnd->hd", w, v),
                                    atol=2e-2, rtol=2e-2)  # fmt: skip
+
+
+@pytest.mark.parametrize("union", [1, GRP])
+def test_staging_a_host_store_changes_no_output(monkeypatch, union):
+    """Over a store in host memory (--redknot-lfps-offload-gb) LFPS's step gathers the rows it
+    reads into GPU buffers where batch x context reaches STAGE_MIN_TOKENS, eagerly and in the
+    graphs (buffers of the largest graph batch, sliced): outputs and tables equal the step
+    reading the store directly (interpreter; the store here is in CPU memory, as are the
+    buffers). Lists per query head are never staged."""
+    from redknot.lfps import serving as serving_mod
+
+    monkeypatch.setattr(serving_mod, "STAGE_MIN_TOKENS", 100)
+    params = LfpsParams(budget=5, history_steps=M, lam=0.0)
+    twins = [Server([60, 10, 33], steps=2, slots=4, min_tokens=20, rows=GRP, params=params,
+                    factor=3, kernels=True, dtype=torch.float16, union=union, host_kv=host)
+             for host in (False, True)]  # fmt: skip
+    direct, staged = twins
+    assert staged.serving.stages and not direct.serving.stages
+    assert staged.serving.stage_pays(2, 60) and not staged.serving.stage_pays(1, 60)
+    for srv in twins:
+        srv.prefill([2, 1, 0])
+        srv.serving.init_graph_state(4, "cpu")
+    assert staged.serving.graph_stage is not None and direct.serving.graph_stage is None
+    calls = []
+    real = serving_mod.LfpsServing._attend
+
+    def spy(self, *args):
+        calls.append(args[-1] is not None)
+        return real(self, *args)
+
+    monkeypatch.setattr(serving_mod.LfpsServing, "_attend", spy)
+    for step in range(2):
+        fb, q = staged.decode_batch([1, 0, 2], step)
+        outs = []
+        for srv in twins:
+            plan = srv.serving.plan_decode(fb)
+            sub = q[plan.lfps_rows].contiguous()
+            outs.append([srv.serving.decode(layer, sub, srv.batch.k_buffer, srv.batch.v_buffer,
+                                            plan, SCALE) for layer in range(2)])  # fmt: skip
+            rows = srv.serving.graph_rows(fb)
+            srv.serving.begin_graph(4, rows)
+            gq, rpi, seq = padded(srv, fb, q, 4)
+            outs.append([srv.serving.decode_graph(layer, gq, srv.batch.k_buffer,
+                                                  srv.batch.v_buffer, rpi, seq, SCALE)
+                         for layer in range(2)])  # fmt: skip
+        for got, want in zip(outs[2] + outs[3], outs[0] + outs[1]):  # padding rows: NaN
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert calls == [False, False, False, False, True, True, True, True] * 2
+    for layer in range(2):
+        a, b = (srv.store.layers[layer].true_tables()[0] for srv in twins)
+        assert torch.equal(a, b)
+    per_query_head = Server([60], steps=1, rows=1, kernels=True, dtype=torch.float16,
+                            host_kv=True)  # fmt: skip
+    assert not per_query_head.serving.stages
