@@ -31,12 +31,14 @@ RECORDED = [  # tests whose launches cover every kernel and its constexpr varian
     "tests/kernels/test_lfps_step.py",
     "tests/kernels/test_lfps_select.py::test_topk_matches_reference",
     "tests/kernels/test_lfps_select.py::test_union_lists_every_marked_entry_in_list_order",
+    "tests/kernels/test_lfps_build.py::test_the_kernels_build_the_tables_of_the_pytorch_build",
 ]
 KERNELS = {
     "segpaged_decode_kernel", "segpaged_decode_merge_kernel", "segpaged_extend_kernel",
     "rope_align_kernel", "sparse_decode_kernel", "sparse_decode_merge_kernel",
     "lfps_score_kernel", "lfps_moments_kernel", "lfps_mark_kernel", "lfps_write_kernel",
     "lfps_sparsity_kernel", "lfps_update_kernel", "lfps_topk_kernel", "lfps_union_kernel",
+    "lfps_build_lse_kernel", "lfps_build_tables_kernel",
 }  # fmt: skip
 
 
