@@ -14,7 +14,6 @@ CUDA-event timings after a warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,20 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_common as common
 
 HQ, HKV, D, ROWS = 32, 8, 128, 4
-
-
-def timed_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure(n: int, host: bool, reps: int) -> dict:
@@ -68,7 +53,10 @@ def measure(n: int, host: bool, reps: int) -> dict:
 
     for a, b in zip(kernels(), pytorch()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=2e-3)
-    out = {"pytorch_ms": timed_ms(pytorch, reps), "kernels_ms": timed_ms(kernels, reps)}
+    out = {
+        "pytorch_ms": common.event_ms(pytorch, reps),
+        "kernels_ms": common.event_ms(kernels, reps),
+    }
     out["speedup"] = out["pytorch_ms"] / out["kernels_ms"]
     return out
 

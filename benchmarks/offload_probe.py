@@ -23,7 +23,6 @@ Medians of ``--reps`` CUDA-event timings after a warm-up call.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,20 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_common as common
 
 HQ, HKV, D = 32, 8, 128
-
-
-def timed_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure(host: bool, tokens: int, chunk: int, reps: int) -> dict:
@@ -69,10 +54,10 @@ def measure(host: bool, tokens: int, chunk: int, reps: int) -> dict:
     slots = torch.randperm(tokens, device="cuda", generator=gen) + 1
     kb, vb = pool.k_global[0], pool.v_global[0]
     out = {}
-    out["write_ms"] = timed_ms(lambda: pool.write_global(0, slots, k, v), reps)
-    out["gather_ms"] = timed_ms(lambda: (kb[slots], vb[slots]), reps)
+    out["write_ms"] = common.event_ms(lambda: pool.write_global(0, slots, k, v), reps)
+    out["gather_ms"] = common.event_ms(lambda: (kb[slots], vb[slots]), reps)
     params = LfpsParams(budget=0.02)
-    out["build_ms"] = timed_ms(
+    out["build_ms"] = common.event_ms(
         lambda: build_tables(q[-64:], kb[slots], vb[slots], params, HQ // HKV, D**-0.5), reps
     )
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -83,13 +68,13 @@ def measure(host: bool, tokens: int, chunk: int, reps: int) -> dict:
     paged.plan(qo, kv_indptr, slots.int(), last, HQ, HKV, D, 1, causal=True,
                q_data_type=torch.bfloat16)  # fmt: skip
     qc = q[-chunk:]
-    out["paged_prefill_ms"] = timed_ms(
+    out["paged_prefill_ms"] = common.event_ms(
         lambda: paged.run(qc, (kb.unsqueeze(1), vb.unsqueeze(1))), reps
     )
     ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
     ind = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
     ragged.plan(ind, ind, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
-    out["ragged_prefill_ms"] = timed_ms(lambda: ragged.run(q, k, v), reps)
+    out["ragged_prefill_ms"] = common.event_ms(lambda: ragged.run(q, k, v), reps)
     torch.cuda.synchronize()
     return out
 

@@ -30,6 +30,26 @@ def git_commit() -> str:
     return proc.stdout.strip() if proc.returncode == 0 else "unknown"
 
 
+def event_ms(fn, reps: int) -> float:
+    """Median milliseconds of ``fn`` on the GPU over ``reps`` CUDA-event timings, after one
+    warm-up call."""
+    import statistics
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def device_name() -> str:
     import torch
 

@@ -22,14 +22,35 @@ import triton.language as tl
 
 
 @triton.jit
+def _queries(Q, h, n, m, stride_qm, stride_qh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Query head ``h``'s ``m`` queries ([BLOCK_M, D], zero past ``m``) and their positions."""
+    i = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + i[:, None] * stride_qm + h * stride_qh + d[None, :], mask=(i < m)[:, None],
+                other=0.0)  # fmt: skip
+    return q, n - m + i, i < m
+
+
+@triton.jit
+def _logits(q, t, valid_i, K, Slots, kvh, j, valid_j, num_sink, sm_scale, stride_ks, stride_kh,
+            HEAD_DIM: tl.constexpr):  # fmt: skip
+    """Keys ``j`` (through their slots, [BLOCK_N, D]), the scaled logits of ``q`` over them
+    and which (query, key) pairs the tables count (``num_sink <= j <= t_i``)."""
+    d = tl.arange(0, HEAD_DIM)
+    slot = tl.load(Slots + j, mask=valid_j, other=0).to(tl.int64)
+    k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                mask=valid_j[:, None], other=0.0)  # fmt: skip
+    logits = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
+    allowed = valid_i[:, None] & valid_j[None, :] & (j[None, :] >= num_sink)
+    return k, slot, logits, allowed & (j[None, :] <= t[:, None])
+
+
+@triton.jit
 def lfps_build_lse_kernel(
     Q, K, V, Slots, Part_max, Part_sum, Part_k, Part_v,
     n, m, num_sink, keys_per_split, sm_scale,
     stride_qm, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     split = tl.program_id(1)
@@ -37,10 +58,7 @@ def lfps_build_lse_kernel(
     kvh = h // GROUP
     i = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
-    valid_i = i < m
-    q = tl.load(Q + i[:, None] * stride_qm + h * stride_qh + d[None, :], mask=valid_i[:, None],
-                other=0.0)  # fmt: skip
-    t = n - m + i
+    q, t, valid_i = _queries(Q, h, n, m, stride_qm, stride_qh, BLOCK_M, HEAD_DIM)
     run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     run_sum = tl.zeros([BLOCK_M], tl.float32)
     k_sum = tl.zeros([HEAD_DIM], tl.float32)
@@ -50,12 +68,8 @@ def lfps_build_lse_kernel(
     for j0 in range(start, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         valid_j = j < end
-        slot = tl.load(Slots + j, mask=valid_j, other=0).to(tl.int64)
-        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=valid_j[:, None], other=0.0)  # fmt: skip
-        logits = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
-        allowed = valid_i[:, None] & valid_j[None, :] & (j[None, :] >= num_sink)
-        allowed = allowed & (j[None, :] <= t[:, None])
+        k, slot, logits, allowed = _logits(q, t, valid_i, K, Slots, kvh, j, valid_j, num_sink,
+                                           sm_scale, stride_ks, stride_kh, HEAD_DIM)  # fmt: skip
         logits = tl.where(allowed, logits, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(logits, 1))
         scale = tl.where(new_max == float("-inf"), 0.0, tl.exp(run_max - new_max))
@@ -82,30 +96,18 @@ def lfps_build_tables_kernel(
     Q, K, Slots, Lse, W, Vert, Slash,
     n, m, num_sink, sm_scale,
     stride_qm, stride_qh, stride_ks, stride_kh,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     tile = tl.program_id(1)
-    kvh = h // GROUP
     i = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
-    valid_i = i < m
-    q = tl.load(Q + i[:, None] * stride_qm + h * stride_qh + d[None, :], mask=valid_i[:, None],
-                other=0.0)  # fmt: skip
+    q, t, valid_i = _queries(Q, h, n, m, stride_qm, stride_qh, BLOCK_M, HEAD_DIM)
     lse = tl.load(Lse + h * BLOCK_M + i)  # +inf for a query without keys: p = 0
     w = tl.load(W + i, mask=valid_i, other=0.0)
-    t = n - m + i
     j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_j = j < n
-    slot = tl.load(Slots + j, mask=valid_j, other=0).to(tl.int64)
-    k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                mask=valid_j[:, None], other=0.0)  # fmt: skip
-    logits = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
-    allowed = valid_i[:, None] & valid_j[None, :] & (j[None, :] >= num_sink)
-    allowed = allowed & (j[None, :] <= t[:, None])
+    _, _, logits, allowed = _logits(q, t, valid_i, K, Slots, h // GROUP, j, valid_j, num_sink,
+                                    sm_scale, stride_ks, stride_kh, HEAD_DIM)  # fmt: skip
     p = tl.where(allowed, tl.exp(logits - lse[:, None]) * w[:, None], 0.0)
     row = h.to(tl.int64) * n
     tl.store(Vert + row + j, tl.sum(p, 0), mask=valid_j)
