@@ -193,7 +193,9 @@ class RedknotAttnBackend(AttentionBackend):
                 model_runner.dtype, model_runner.req_to_token_pool.req_to_token,
             )  # fmt: skip
         self.lfps = (
-            _lfps_serving(model_runner, config, self.dense) if config.lfps != "off" else None
+            _lfps_serving(model_runner, config, self.dense, self.host_extend is not None)
+            if config.lfps != "off"
+            else None
         )
         logger.info(
             "redknot backend (TP rank %d/%d): %s path%s, %d global / %d local KV heads per rank",
@@ -549,8 +551,9 @@ def _warn_restore_scope(model_runner: ModelRunner, runner) -> None:
         )  # fmt: skip
 
 
-def _lfps_serving(model_runner: ModelRunner, config: RedknotConfig, dense):
-    """LFPS decode (``--redknot-lfps``) over the pool's reserved state, or a clear refusal."""
+def _lfps_serving(model_runner: ModelRunner, config: RedknotConfig, dense, host_kv: bool):
+    """LFPS decode (``--redknot-lfps``) over the pool's reserved state, or a clear refusal
+    (``host_kv``: the pool's store is in host memory)."""
     from redknot.lfps.params import LfpsParams
     from redknot.lfps.serving import LfpsServing, union_of
 
@@ -576,7 +579,7 @@ def _lfps_serving(model_runner: ModelRunner, config: RedknotConfig, dense):
         config.lfps, params, store.shape, store, model_runner.req_to_token_pool.req_to_token,
         min_tokens=config.lfps_min_tokens, candidate_factor=config.lfps_candidate_factor,
         union=union_of(config.lfps_selection, store.shape.num_q_heads, store.shape.num_kv_heads),
-        host_kv_dtype=pool.dtype if getattr(pool, "host_kv", False) is True else None,
+        host_kv_dtype=pool.dtype if host_kv else None,
     )  # fmt: skip
     model_runner.req_to_token_pool.redknot_lfps = serving  # its free hook releases rows
     logger.info(

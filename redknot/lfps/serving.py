@@ -249,8 +249,8 @@ class LfpsServing:
         # step gathers the rows it reads into GPU buffers first (redknot.kernels.host_stage)
         # where that was measured faster, lists per KV head only
         self.host_kv_dtype = host_kv_dtype
-        self.stages = host_kv_dtype is not None and kernels and mode == "lfps"
-        self.stages = self.stages and shape.selection_heads == shape.num_kv_heads
+        per_kv_head = shape.selection_heads == shape.num_kv_heads
+        self.stages = host_kv_dtype is not None and kernels and mode == "lfps" and per_kv_head
         self.graph_stage = None  # staging buffers of the decode graphs (their largest batch)
         self.eager_stage: tuple[tuple[int, int], object] | None = None  # (budgets), buffers
 

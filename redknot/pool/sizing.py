@@ -193,20 +193,19 @@ def lfps_request_rows(requested: int | None, host_bytes: int, token_bytes: int, 
     return LFPS_REQUESTS
 
 
-def reserve_lfps_bytes(kvc: Any, budget_bytes: int) -> int:
+def reserve_lfps_bytes(kvc: Any, budget_bytes: int, host_bytes: int = 0) -> int:
     """Bytes of the LFPS state (``--redknot-lfps-max-requests`` rows of tables as long as the
-    context in every layer), taken from the KV budget so that admission counts them."""
+    context in every layer, by default as many as a host store of ``host_bytes`` holds), taken
+    from the KV budget so that admission counts them."""
     from redknot.integration.server_args import published_config
     from redknot.lfps.serving import state_bytes
 
     shape = lfps_shape(kvc)
     if shape is None:
         return 0
-    config = published_config()
     slots = lfps_request_rows(
-        config.lfps_max_requests, int(config.lfps_offload_gb * (1 << 30)), cell_size(kvc),
-        shape.max_len,
-    )  # fmt: skip
+        published_config().lfps_max_requests, host_bytes, cell_size(kvc), shape.max_len
+    )
     need = state_bytes(shape, slots)
     if need >= budget_bytes:
         raise ValueError(
@@ -245,8 +244,8 @@ def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
     """Plan the LFPS state, the segment region and the request/snapshot slots; return the budget
     left for token slots (under ``--redknot-lfps-offload-gb``, the host's: the GPU budget then
     holds only the LFPS state)."""
-    budget_bytes -= reserve_lfps_bytes(kvc, budget_bytes)
     host = host_kv_bytes(kvc)
+    budget_bytes -= reserve_lfps_bytes(kvc, budget_bytes, host)
     if host:
         # offload needs every head global and no segment region (RedknotConfig): no rings
         state_of(kvc)["slots"] = SlotPlan(request_slots=None, snapshots=0, fixed_bytes=0)
