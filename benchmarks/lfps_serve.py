@@ -418,7 +418,7 @@ def child_throughput(args, variant: dict) -> dict:
     context = max(lengths) + args.new_tokens + 64
     options = engine_options(variant, base, lfps)
     engine = sgl.Engine(**common.engine_kwargs(args.throughput_model, context, **options))
-    vocab = json.loads(Path(args.throughput_model, "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(args.throughput_model)
     sampling = {"temperature": 0.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
     points = []
     try:
@@ -426,8 +426,7 @@ def child_throughput(args, variant: dict) -> dict:
         common.launch_server_warmup(engine)
         rng = random.Random(1)  # first-use compiles of every batch size, over the LFPS floor
         for batch in batches:
-            warm = [[rng.randrange(100, vocab - 100) for _ in range(args.lfps_min_tokens + 256)]
-                    for _ in range(batch)]  # fmt: skip
+            warm = random_prompts(rng, vocab, args.lfps_min_tokens + 256, batch)
             sessions(engine, warm, {**sampling, "max_new_tokens": 8})
         for length in lengths:
             for batch in batches:
@@ -438,15 +437,22 @@ def child_throughput(args, variant: dict) -> dict:
                     continue
                 engine.flush_cache()
                 rng = random.Random(length * 1000 + batch)  # the same prompts for every variant
-                prompts = [
-                    [rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(batch)
-                ]
+                prompts = random_prompts(rng, vocab, length, batch)
                 figures = stream_figures(*sessions(engine, prompts, sampling))
                 points.append({**point, **figures})
                 print(point, figures, flush=True)
     finally:
         engine.shutdown()
     return {"kv_pool_tokens": capacity, "points": points}
+
+
+def random_prompts(rng: random.Random, vocab: int, length: int, count: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` random token ids (clear of the vocabulary's ends)."""
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
+
+
+def vocab_size(model: str) -> int:
+    return json.loads(Path(model, "config.json").read_text())["vocab_size"]
 
 
 def child_capacity(args, variant: dict) -> dict:
@@ -464,24 +470,25 @@ def child_capacity(args, variant: dict) -> dict:
     started = time.perf_counter()
     engine = sgl.Engine(**common.engine_kwargs(args.throughput_model, context, **options))
     startup_s = time.perf_counter() - started
-    vocab = json.loads(Path(args.throughput_model, "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(args.throughput_model)
     sampling = {"temperature": 0.0, "max_new_tokens": args.capacity_new_tokens, "ignore_eos": True}
     try:
         pool = int(engine.get_server_info()["max_total_num_tokens"])
         common.launch_server_warmup(engine)
         rng = random.Random(length)  # the same prompts for every variant
-        prompts = [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+        prompts = random_prompts(rng, vocab, length, n)
         outputs: list = [None] * n
         submitted, streams = sessions(engine, prompts, sampling, outputs, args.capacity_deadline)
         finished = sum(1 for s in streams if s and s[-1][1] >= args.capacity_new_tokens)
-        started = [s for s in streams if any(k >= 1 for _, k in s)]
-        figures = stream_figures(submitted, started) if started else {}
-        figures.update(sessions_started=len(started), sessions_finished=finished)
+        begun = [s for s in streams if any(k >= 1 for _, k in s)]  # a first token came back
+        figures = stream_figures(submitted, begun) if begun else {}
+        figures.update(sessions_started=len(begun), sessions_finished=finished)
     finally:
         engine.shutdown()
     fit = pool // (length + args.capacity_new_tokens)
     run = {"requests": n, "length": length, "new_tokens": args.capacity_new_tokens,
-           "kv_pool_tokens": pool, "fit_by_pool": fit, "startup_s": startup_s, **figures}  # fmt: skip
+           "kv_pool_tokens": pool, "fit_by_pool": fit, "startup_s": startup_s,
+           **figures}  # fmt: skip
     print(run, flush=True)
     return {"capacity": {**run, "output_ids": outputs}}
 
@@ -577,8 +584,11 @@ def run(args, modes: list[str], workdir: str) -> dict:
             args, "lfps_min_tokens", "accuracy_model", "context_length", "max_new_tokens",
             "accuracy_mem_fraction", "throughput_model", "lengths", "batches", "new_tokens",
             "mem_fraction_static", "capacity_requests", "capacity_length", "capacity_new_tokens",
-        ) + (["--capacity-deadline", str(args.capacity_deadline)]
-             if getattr(args, "capacity_deadline", None) else []) + ["--mode", mode] + (["--prompts", job] if mode == "accuracy" else [])  # fmt: skip
+        ) + ["--mode", mode]  # fmt: skip
+        if args.capacity_deadline:
+            forward += ["--capacity-deadline", str(args.capacity_deadline)]
+        if mode == "accuracy":
+            forward += ["--prompts", job]
         for spec in plans[mode]:
             name = spec.split("=")[0]
             res = common.run_child(__file__, forward + ["--child", spec], log_grep=LOG_GREP)
@@ -587,9 +597,11 @@ def run(args, modes: list[str], workdir: str) -> dict:
                 per_case += variant_rows(name, cases, prompts, res["outputs"], decode)
             per_point += [{"variant": name, **point} for point in res.get("points", [])]
             if mode == "capacity":
-                per_capacity.append({"variant": name, **res.get("capacity", {}),
-                                     **({"error": res["error"]} if "error" in res else {}),
-                                     "peak_running": engines[mode][name]["peak_running"]})  # fmt: skip
+                row = {"variant": name, **res.get("capacity", {}),
+                       "peak_running": engines[mode][name]["peak_running"]}  # fmt: skip
+                if "error" in res:
+                    row["error"] = res["error"]
+                per_capacity.append(row)
             print(mode, name, json.dumps(engines[mode][name])[:400], flush=True)
             figures = assemble(settings, variants, per_case, per_point, dict(engines),
                                per_capacity)  # fmt: skip
@@ -619,8 +631,12 @@ def main() -> None:
     ap.add_argument("--capacity-requests", type=int, default=6)
     ap.add_argument("--capacity-length", type=int, default=130000, help="prompt tokens")
     ap.add_argument("--capacity-new-tokens", type=int, default=16)
-    ap.add_argument("--capacity-deadline", type=float, default=None,
-                    help="seconds after submission to stop waiting (figures of what ran)")  # fmt: skip
+    ap.add_argument(
+        "--capacity-deadline",
+        type=float,
+        default=None,
+        help="seconds after submission to stop waiting (the figures of what ran)",
+    )
     ap.add_argument("--commit", default=None, help="record this commit instead of git's")
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/lfps_serve.json"))
     ap.add_argument("--merge", default=None, help="comma-separated results to join into --out")

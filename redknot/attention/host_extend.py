@@ -53,10 +53,9 @@ class HostPrefixExtend:
         self.slots = prefix_slots(self.req_to_token, forward_batch.req_pool_indices, list(prefix))
         device = forward_batch.req_pool_indices.device
         qo = _indptr(extend, device)
-        self.new.begin_forward(qo, qo, self.num_q_heads, self.num_kv_heads, self.head_dim,
-                               q_data_type=self.dtype)  # fmt: skip
-        self.prefix.begin_forward(qo, _indptr(prefix, device), self.num_q_heads,
-                                  self.num_kv_heads, self.head_dim, q_data_type=self.dtype)  # fmt: skip
+        heads = (self.num_q_heads, self.num_kv_heads, self.head_dim)
+        self.new.begin_forward(qo, qo, *heads, q_data_type=self.dtype)
+        self.prefix.begin_forward(qo, _indptr(prefix, device), *heads, q_data_type=self.dtype)
         return True
 
     def forward(self, q, k, v, layer, k_buffer, v_buffer) -> torch.Tensor:

@@ -175,6 +175,7 @@ def _args(tmp_path) -> Namespace:
         accuracy_mem_fraction=0.3, throughput_model="/m/8b", lengths="32768,131072",
         batches="1,8", new_tokens=16, mem_fraction_static=0.8, out=str(tmp_path / "out.json"),
         capacity_requests=6, capacity_length=130000, capacity_new_tokens=16,
+        capacity_deadline=None,
     )  # fmt: skip
 
 
