@@ -278,17 +278,29 @@ CAPACITY_KEYS = ("requests", "length", "kv_pool_tokens", "fit_by_pool", "peak_de
                  "wall_s")  # fmt: skip
 
 
+def dense_concurrency(dense: dict) -> tuple[int | None, str]:
+    """What ``dense`` serves at once and where the figure comes from: its ``peak_decoding``
+    when requests queued (fewer decoded at once than were sent), else the requests its pool
+    holds (``fit_by_pool``): a run sent no more than fit measured only what it was sent."""
+    peak, fit = dense.get("peak_decoding"), dense.get("fit_by_pool")
+    if peak and fit and peak >= dense.get("requests", 0) and fit > peak:
+        return fit, "fit_by_pool"
+    return peak, "peak_decoding"
+
+
 def capacity_summary(runs: list[dict]) -> dict[str, dict]:
     """Per variant: the concurrent requests served (``peak_decoding``) and its ratio to
-    ``dense``'s, next to what the pool holds by its size."""
+    ``dense``'s (:func:`dense_concurrency`), next to what the pool holds by its size."""
     dense = next((r for r in runs if r["variant"] == BASELINE and "error" not in r), None)
+    base, base_from = dense_concurrency(dense) if dense else (None, "")
     out = {}
     for r in runs:
         row = {k: r.get(k) for k in CAPACITY_KEYS}
         if "error" in r:
             row["error"] = r["error"]
-        elif dense and dense.get("peak_decoding") and r.get("peak_decoding") is not None:
-            row["concurrent_vs_dense"] = r["peak_decoding"] / dense["peak_decoding"]
+        elif base and r.get("peak_decoding") is not None:
+            row["concurrent_vs_dense"] = 1.0 if r is dense else r["peak_decoding"] / base
+            row["dense_concurrent"], row["dense_concurrent_from"] = base, base_from
         if r.get("output_ids"):  # the same prompts: which other variants generated the same
             row["same_outputs_as"] = [o["variant"] for o in runs if o is not r
                                       and o.get("output_ids") == r["output_ids"]]  # fmt: skip

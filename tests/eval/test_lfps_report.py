@@ -29,7 +29,13 @@ def test_the_report_copies_each_figure_from_its_source():
     assert targets[0]["kv_head"] == {"worst": round(worst, 4), "met": worst >= 0.85,
                                      "source": "lfps_recall_kv_head.json",
                                      "candidate_factor": 4}  # fmt: skip
-    assert targets[3]["met"] is None and "did not complete" in targets[3]["why"]
+    capacity = json.loads((lfps_report.RESULTS / "lfps_capacity_h200.json").read_text())
+    offload = capacity["summary"]["capacity"]["lfps-offload"]
+    h200 = targets[3][capacity["device"]]
+    assert (h200["offload_concurrent"], h200["dense_concurrent"]) == (
+        offload["peak_decoding"], offload["dense_concurrent"])  # fmt: skip
+    assert h200["met"] is (offload["peak_decoding"] >= 4 * offload["dense_concurrent"])
+    assert targets[3]["NVIDIA H100 80GB HBM3"]["met"] is None
     for name, source in report["sources"].items():
         assert all(source[k] for k in ("device", "date", "commit", "command")), name
 
@@ -38,7 +44,7 @@ def test_a_target_is_met_only_at_its_threshold(tmp_path):
     """The same sources with the shared list's recall set to 0.85 at every length and one
     variant losing two dense-correct answers: recall met, that variant's answers not."""
     for name in (*lfps_report.RECALL.values(), *lfps_report.DECODE, *lfps_report.SERVE,
-                 lfps_report.HOST):  # fmt: skip
+                 lfps_report.HOST, *lfps_report.CAPACITY):  # fmt: skip
         shutil.copy(lfps_report.RESULTS / name, tmp_path / name)
     path = tmp_path / "lfps_recall_kv_head.json"
     data = json.loads(path.read_text())
@@ -49,7 +55,12 @@ def test_a_target_is_met_only_at_its_threshold(tmp_path):
     data = json.loads(path.read_text())
     data["summary"]["accuracy"]["topk"]["kept_of_dense_correct"] = "6/8"
     path.write_text(json.dumps(data))
+    path = tmp_path / "lfps_capacity_h200.json"
+    data = json.loads(path.read_text())
+    data["summary"]["capacity"]["lfps-offload"].update(peak_decoding=28, concurrent_vs_dense=4.0)
+    path.write_text(json.dumps(data))
     targets = list(lfps_report.build(tmp_path)["targets"].values())
+    assert targets[3]["NVIDIA H200"] == dict(targets[3]["NVIDIA H200"], ratio=4.0, met=True)
     assert targets[0]["kv_head"]["met"] is True
     assert targets[2]["topk (lfps_serve.json)"]["met"] is False
     assert targets[2]["lfps (lfps_serve.json)"]["met"] is True

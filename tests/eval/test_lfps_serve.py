@@ -218,6 +218,13 @@ def test_capacity_runs_compare_the_concurrent_requests_served(tmp_path, monkeypa
         "concurrent_vs_dense"
         not in ls.capacity_summary([rows["dense"], unstarted])["lfps-offload-late"]
     )  # a deadline before any first token: no figure, not an error
+    assert summary["lfps-offload"]["dense_concurrent_from"] == "peak_decoding"
+    # dense sent no more requests than its pool holds: its pool, not its peak, is the bound
+    roomy = dict(rows["dense"], requests=3, fit_by_pool=7)
+    both = ls.capacity_summary([roomy, rows["lfps-offload"]])
+    row = both["lfps-offload"]
+    assert row["concurrent_vs_dense"] == 6 / 7 and row["dense_concurrent_from"] == "fit_by_pool"
+    assert both["dense"]["concurrent_vs_dense"] == 1.0 and both["dense"]["dense_concurrent"] == 7
     merged = ls.merge({"a.json": recorded, "b.json": other})
     assert set(merged["summary"]["capacity"]) == {"dense", "lfps-offload", "lfps-offload-big",
                                                   "dense-again"}  # fmt: skip
