@@ -51,7 +51,9 @@ PARAMS = {
 }
 
 
-def to_record(values: dict, device: str, margin: float, provenance: dict) -> CostRecord:
+def to_record(
+    values: dict, device: str, margin: float, provenance: dict, host_probe_ms: float | None = None
+) -> CostRecord:
     return CostRecord(
         device=device,
         gemm_tflops=values["gemm_tflops"],
@@ -63,8 +65,20 @@ def to_record(values: dict, device: str, margin: float, provenance: dict) -> Cos
         plan_ms_per_ktok=values["plan_ms_per_ktok"],
         fixed_ms=values["fixed_ms"],
         margin=margin,
+        host_probe_ms=host_probe_ms,
         provenance=provenance,
     )
+
+
+def host_probe_of(results: list[dict]) -> float | None:
+    """The fitting machine's host probe (``host_probe_ms`` of ``benchmarks/ttft.py``): the
+    median over the results, None (the record's host constants then never scaled) when one
+    lacks it."""
+    probes = [r.get("host_probe_ms") for r in results]
+    if None in probes:
+        print("a result has no host_probe_ms: the record will not scale to other hosts")
+        return None
+    return round(statistics.median(probes), 5)
 
 
 def variant_model(name: str, cfg: dict, chunk: int | None):
@@ -236,7 +250,7 @@ def main() -> None:
     provenance.pop("device")
     device = devices.pop()
     record = to_record({k: round(v, 4) for k, v in values.items()}, device, args.margin,
-                       provenance)  # fmt: skip
+                       provenance, host_probe_of(results))  # fmt: skip
     common.write_json(args.out, record.to_json())
     print("wrote", args.out)
 

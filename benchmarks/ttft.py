@@ -49,6 +49,7 @@ import os
 import random
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -337,6 +338,18 @@ def triton_kernels() -> dict[str, int]:
     return dict(Counter(n for n in names if not n.startswith("__grp__")))
 
 
+def host_probe() -> float | None:
+    """``redknot.costmodel.host_probe.probe_ms`` on the GPU in a process of its own (this
+    process holds no CUDA context while the engines run); None without a GPU."""
+    code = (
+        "import torch\nfrom redknot.costmodel.host_probe import probe_ms\n"
+        "print(probe_ms('cuda') if torch.cuda.is_available() else '')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    text = out.stdout.strip().splitlines()[-1:] if out.returncode == 0 else []
+    return float(text[0]) if text and text[0] else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=common.DEFAULT_MODEL)
@@ -437,6 +450,7 @@ def main() -> None:
         if getattr(args, flag.replace("-", "_"))
     ]
     profiled = set(split_variants(args.profile_variants or args.variants))
+    probes = [host_probe()]  # this machine's host speed, before and after the engines
     results = {}
     for name in split_variants(args.variants):
         child_args = base + ["--child", name]
@@ -459,7 +473,11 @@ def main() -> None:
             results[name]["left_per_prompt"] = [int(m.group(1)) for m in found]
         print(name, json.dumps(results[name])[:400], flush=True)
         summary = summarize(cfg, results, args.reps)  # written after every variant
+        if name == split_variants(args.variants)[-1]:
+            probes.append(host_probe())
         common.write_json(args.out, common.record(
+            host_probe_ms=statistics.median(probes) if None not in probes else None,
+            host_probe_samples_ms=probes,
             model=args.model, load_format="dummy", points=args.points, question=args.question,
             reps=args.reps, chunked_prefill_size=args.chunked_prefill_size,
             prefill_graph_tokens=args.prefill_graph_tokens,

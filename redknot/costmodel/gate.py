@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from redknot.costmodel.host_probe import host_scale
 from redknot.costmodel.model import ModelCosts, PromptWork, Recovery, ReuseCostModel
 from redknot.costmodel.record import record_for
 
@@ -52,11 +53,18 @@ class ReuseGate:
         device_name: str,
         tp_size: int = 1,
         chunk: int | None = None,
+        host_probe: float | None = None,
     ) -> ReuseGate:
         """From the served ``RedknotConfig``, the model's HF config and the rank's layout; the
         record is ``config.cost_record`` if given, else the device's shipped one, else the
-        fallback record (said in the startup log)."""
+        fallback record (said in the startup log). ``host_probe``: this machine's
+        :func:`redknot.costmodel.host_probe.probe_ms` (the largest over the ranks), which
+        scales the record's host constants (:func:`~redknot.costmodel.host_probe.host_scale`);
+        None: not measured, the constants as recorded."""
         record, why = record_for(device_name, getattr(config, "cost_record", None))
+        if host_probe is not None:
+            factor, said = host_scale(host_probe, record.host_probe_ms)
+            record, why = record.scaled(factor), f"{why}; {said}"
         costs = ModelCosts.of(hf_config, layout, tp_size=tp_size)
         model = ReuseCostModel(costs, Recovery.of(config, layout.num_layers), record, chunk)
         gate = cls(model, why)

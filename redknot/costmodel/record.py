@@ -29,13 +29,18 @@ the user's machine.
 | plan_ms_per_ktok | ms           | ... per 1024 reused tokens                                      |
 | fixed_ms         | ms           | the rest of a TTFT (scheduling, sampling, the first decode step); the same for both ways, so it does not enter the decision |
 | margin           | fraction     | reuse is served only when predicted at most ``1 - margin`` of recomputing |
+| host_probe_ms    | ms           | :func:`redknot.costmodel.host_probe.probe_ms` on the machine the record was fitted on (absent: the host constants are not scaled to the serving machine) |
+
+The host constants (``host_ms``, ``choose_ms``, ``plan_ms``, ``plan_ms_per_ktok``, ``fixed_ms``)
+hold for a host as fast as the fitting machine's; :meth:`CostRecord.scaled` multiplies them by
+the serving machine's probe over ``host_probe_ms`` (:mod:`redknot.costmodel.host_probe`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +75,7 @@ class CostRecord:
     plan_ms_per_ktok: float = 0.0
     fixed_ms: float = 0.0
     margin: float = 0.05
+    host_probe_ms: float | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # the file it was read from
 
@@ -93,6 +99,23 @@ class CostRecord:
             raise CostRecordError(f"{where}: host times must be numbers >= 0")
         if not 0 <= self.margin < 1:
             raise CostRecordError(f"{where}: margin must be in [0, 1), got {self.margin!r}")
+        probe = self.host_probe_ms
+        if probe is not None and (
+            isinstance(probe, bool) or not isinstance(probe, (int, float)) or probe <= 0
+        ):
+            raise CostRecordError(f"{where}: host_probe_ms must be a positive number or absent")
+
+    def scaled(self, factor: float) -> CostRecord:
+        """This record with its host constants multiplied by ``factor`` (a host ``factor``
+        times slower than the fitting machine's); the GPU's constants unchanged."""
+        return replace(
+            self,
+            host_ms={k: v * factor for k, v in self.host_ms.items()},
+            choose_ms={k: v * factor for k, v in self.choose_ms.items()},
+            plan_ms=self.plan_ms * factor,
+            plan_ms_per_ktok=self.plan_ms_per_ktok * factor,
+            fixed_ms=self.fixed_ms * factor,
+        )
 
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> CostRecord:
@@ -119,6 +142,8 @@ class CostRecord:
     def to_json(self) -> dict:
         data = asdict(self)
         data.pop("source")
+        if data["host_probe_ms"] is None:
+            data.pop("host_probe_ms")
         return data
 
 

@@ -340,8 +340,26 @@ def _reuse_gate(kvc: Any, layout: HeadLayout):
         return None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     args = kvc.server_args
+    tp_size = getattr(args, "tp_size", 1) or 1
     return ReuseGate.build(
-        config, kvc.model_config.hf_config, layout, device,
-        tp_size=getattr(args, "tp_size", 1) or 1,
+        config, kvc.model_config.hf_config, layout, device, tp_size=tp_size,
         chunk=getattr(args, "chunked_prefill_size", None),
+        host_probe=_host_probe(tp_size) if torch.cuda.is_available() else None,
     )  # fmt: skip
+
+
+def _host_probe(tp_size: int) -> float:
+    """This machine's host probe (:mod:`redknot.costmodel.host_probe`) on the rank's GPU, the
+    largest over the tensor-parallel ranks so that every rank scales the record alike."""
+    from redknot.costmodel.host_probe import probe_ms
+
+    probe = probe_ms(torch.device("cuda", torch.cuda.current_device()))
+    if tp_size > 1:
+        from sglang.srt.distributed import get_tp_group
+
+        value = torch.tensor([probe], dtype=torch.float64)
+        torch.distributed.all_reduce(
+            value, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group
+        )
+        probe = float(value)
+    return probe
