@@ -252,6 +252,11 @@ class LfpsServing:
         per_kv_head = shape.selection_heads == shape.num_kv_heads
         self.stages = host_kv_dtype is not None and kernels and mode == "lfps" and per_kv_head
         self.graph_stage = None  # staging buffers of the decode graphs (their largest batch)
+        # the tables built in Triton, reading the store through the slots: 3.1-3.2x the PyTorch
+        # build with the store in GPU memory, 0.39-0.41x with it in host memory, where it
+        # crosses PCIe for every key twice and the PyTorch build gathers them once
+        # (lfps_build.json, H100)
+        self.triton_build = kernels and host_kv_dtype is None
         self.eager_stage: tuple[tuple[int, int], object] | None = None  # (budgets), buffers
 
     # ---- rows ----------------------------------------------------------------------------
@@ -332,13 +337,20 @@ class LfpsServing:
         shape = self.shape
         q = q.view(-1, shape.num_q_heads, shape.head_dim)
         state = self.store.layers[layer_id]
+        if self.triton_build:
+            from redknot.kernels.lfps_build import build_tables_kernels
         for row, pool_row, n, end, length in self.extend_rows:
             m = min(length, self.params.history_steps)
             slots = self.req_to_token[pool_row, :n].long()
-            vert, sl, mk, mv, qs = build_tables(
-                q[end - m : end], k_buffer[slots], v_buffer[slots], self.params, shape.rows,
-                sm_scale,
-            )  # fmt: skip
+            if self.triton_build:
+                vert, sl, mk, mv, qs = build_tables_kernels(
+                    q[end - m : end], k_buffer, v_buffer, slots, self.params, shape.rows, sm_scale
+                )
+            else:
+                vert, sl, mk, mv, qs = build_tables(
+                    q[end - m : end], k_buffer[slots], v_buffer[slots], self.params, shape.rows,
+                    sm_scale,
+                )  # fmt: skip
             state.vertical[row, :, :n] = vert
             state.vertical[row, :, n:] = 0.0
             state.slash[row, :, :n] = sl
