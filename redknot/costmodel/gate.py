@@ -43,6 +43,7 @@ class ReuseGate:
         self.served_without_reuse = 0
         self.served_with_reuse = 0
         self.served_inert = 0  # marked requests of an inert server (none looked up)
+        self.host_scale = 1.0  # the factor on the record's host constants (host_probe)
 
     @classmethod
     def build(
@@ -62,12 +63,14 @@ class ReuseGate:
         scales the record's host constants (:func:`~redknot.costmodel.host_probe.host_scale`);
         None: not measured, the constants as recorded."""
         record, why = record_for(device_name, getattr(config, "cost_record", None))
+        factor = 1.0
         if host_probe is not None:
             factor, said = host_scale(host_probe, record.host_probe_ms)
             record, why = record.scaled(factor), f"{why}; {said}"
         costs = ModelCosts.of(hf_config, layout, tp_size=tp_size)
         model = ReuseCostModel(costs, Recovery.of(config, layout.num_layers), record, chunk)
         gate = cls(model, why)
+        gate.host_scale = factor
         shortest = gate.min_segment_tokens(8192)
         pays = (
             f"segments of {shortest}+ tokens pay in an 8K prompt"

@@ -57,6 +57,7 @@ def _after_get_internal_state(result: Any, self: Any, recv_req: Any) -> Any:
             "served_with_reuse": gate.served_with_reuse,
             "served_without_reuse": gate.served_without_reuse,
             "served_inert": gate.served_inert,
+            "host_scale": gate.host_scale,
         }
     if envs.REDKNOT_RESOLVED_CONFIG.get() is not None:  # always, in a launched server
         from redknot.integration.server_args import published_config

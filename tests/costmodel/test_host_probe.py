@@ -79,6 +79,7 @@ def test_a_slower_host_recomputes_what_the_record_reuses(tmp_path, caplog):
         same = _gate(path, host_probe=0.1).decide(work)
         slow = _gate(path, host_probe=0.2).decide(work)
     assert same.reuse and not slow.reuse, (same, slow)
+    assert _gate(path, host_probe=0.2).host_scale == pytest.approx(2.0)
     assert slow.reuse_ms > 1.8 * same.reuse_ms and slow.plain_ms < 1.5 * same.plain_ms
     assert "host constants x2.00" in caplog.text
     unprobed = _gate(RECORDS_DIR / f"{FALLBACK}.json", host_probe=0.2).decide(work)

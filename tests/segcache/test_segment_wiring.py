@@ -292,11 +292,12 @@ def test_get_internal_state_hook_adds_the_store_stats(sglang_plugins):
     msgspec.msgpack.encode(state)  # SGLang ships it over its IPC
     json.dumps(store.get("ns", e.id).to_dict())  # and entries are plain values for the API
     # with a reuse gate: what it decided, inert requests (marks not looked up) included
-    gate = SimpleNamespace(served_with_reuse=2, served_without_reuse=3, served_inert=4)
+    gate = SimpleNamespace(served_with_reuse=2, served_without_reuse=3, served_inert=4,
+                           host_scale=1.5)  # fmt: skip
     cache = SimpleNamespace(segments=store, pool=SimpleNamespace(reuse_gate=gate))
     out = segments._after_get_internal_state(result, SimpleNamespace(tree_cache=cache), None)
     assert out.internal_state["redknot_reuse_gate"] == {
-        "served_with_reuse": 2, "served_without_reuse": 3, "served_inert": 4,
+        "served_with_reuse": 2, "served_without_reuse": 3, "served_inert": 4, "host_scale": 1.5,
     }  # fmt: skip
     # a tree cache without a store (SGLang's chunk cache) leaves the result alone
     chunk = SimpleNamespace(tree_cache=SimpleNamespace())
