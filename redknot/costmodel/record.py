@@ -14,7 +14,10 @@ server's own code path under a real forward (a few hundred milliseconds of synth
 would need the whole model, segments stored in the cache and every policy's path), and every
 tensor-parallel rank must take the same decision for the same batch (they run one forward
 together): a record read from one file gives every rank the same constants, a per-rank timing
-would not. A server on a device without a record uses the H100's (:data:`FALLBACK`) and says
+would not. What a startup measurement can give is how fast this host is against the fitting
+machine's (:mod:`redknot.costmodel.host_probe`, taken as the slowest rank's so that the ranks
+agree), which scales the record's host constants when the record carries its own probe.
+A server on a device without a record uses the H100's (:data:`FALLBACK`) and says
 so at startup; ``--redknot-cost-record PATH`` takes a record measured on
 the user's machine.
 
