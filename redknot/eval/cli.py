@@ -83,6 +83,7 @@ KNOB_TYPES: dict[str, Callable[[str], Any]] = {
     "samkv_budget": _optional(float),
     "samkv_recompute": str,
     "samkv_update": str,
+    "samkv_block_score": str,
     "samkv_outlier_sigma": float,
 }
 assert set(KNOB_TYPES) == set(KNOBS), "every recovery knob needs a CLI type"

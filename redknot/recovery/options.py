@@ -21,6 +21,8 @@ SamkvRecompute = Literal["selective", "all", "none"]
 SAMKV_RECOMPUTE_MODES = ("selective", "all", "none")
 SamkvUpdate = Literal["overwrite", "fusion"]
 SAMKV_UPDATE_MODES = ("overwrite", "fusion")
+SamkvBlockScore = Literal["mean", "token-max"]
+SAMKV_BLOCK_SCORES = ("mean", "token-max")
 
 
 class RecoveryOptionsError(ValueError):
@@ -59,6 +61,7 @@ class RecoveryOptions:
     | ``samkv_budget`` | ``samkv``: ``None``: the paper's adaptive block count (Eq. 2-3, retained total / documents); a number in ``[0, 1]``: that fraction of the middle blocks, in every layer |
     | ``samkv_recompute`` | ``samkv``: ``selective`` (anchors and high-attention tokens of kept blocks), ``all`` kept tokens, or ``none`` |
     | ``samkv_update`` | ``samkv``: recomputed KV ``overwrite``s the cached KV, or ``fusion`` (Eq. 4) |
+    | ``samkv_block_score`` | ``samkv``: a block's score, ``mean`` (the paper: its tokens' mean key against the query) or ``token-max`` (not the paper: its best token's score; the anchors' likewise) |
     | ``samkv_outlier_sigma`` | ``samkv``: a kept middle token is recomputed when its attention in its own document exceeds the mean by this many standard deviations (PauTa: 3) |
 
     The ``redknot`` defaults and what the sweep in ``benchmarks/results/fidelity.json``
@@ -110,6 +113,7 @@ class RecoveryOptions:
     samkv_budget: float | None = None
     samkv_recompute: SamkvRecompute = "selective"
     samkv_update: SamkvUpdate = "overwrite"
+    samkv_block_score: SamkvBlockScore = "mean"
     samkv_outlier_sigma: float = 3.0
 
     def __post_init__(self) -> None:
@@ -171,6 +175,11 @@ class RecoveryOptions:
             raise RecoveryOptionsError(
                 f"samkv_recompute must be one of {', '.join(SAMKV_RECOMPUTE_MODES)}, "
                 f"got {self.samkv_recompute!r}"
+            )
+        if self.samkv_block_score not in SAMKV_BLOCK_SCORES:
+            raise RecoveryOptionsError(
+                f"samkv_block_score must be one of {', '.join(SAMKV_BLOCK_SCORES)}, "
+                f"got {self.samkv_block_score!r}"
             )
         if self.samkv_update not in SAMKV_UPDATE_MODES:
             raise RecoveryOptionsError(

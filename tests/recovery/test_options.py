@@ -32,6 +32,7 @@ from redknot.recovery import KNOBS, RecoveryOptions, RecoveryOptionsError
         ({"samkv_budget": 1.5}, r"samkv_budget must lie in \[0, 1\] or be None"),
         ({"samkv_recompute": "some"}, r"samkv_recompute must be one of selective, all, none"),
         ({"samkv_update": "blend"}, r"samkv_update must be one of overwrite, fusion"),
+        ({"samkv_block_score": "max"}, r"samkv_block_score must be one of mean, token-max"),
         ({"samkv_outlier_sigma": -1.0}, r"samkv_outlier_sigma must be >= 0"),
     ],
 )
@@ -108,10 +109,11 @@ def test_samkv_knobs_parse_on_the_command_line():
     args = build_parser().parse_args(
         ["fidelity", "--cases", "c.jsonl", "--head-map", "m.json", "--out", "o.json",
          "--policies", "samkv", "--samkv-bias", "off,on", "--samkv-budget", "none",
-         "--samkv-update", "fusion"]
+         "--samkv-update", "fusion", "--samkv-block-score", "mean,token-max"]
     )  # fmt: skip
     settings = settings_of(args)
-    assert [s.options.samkv_bias for s in settings[1:]] == [False, True]
+    assert [s.options.samkv_block_score for s in settings[1:]] == ["mean", "token-max"] * 2
+    assert [s.options.samkv_bias for s in settings[1:]] == [False, False, True, True]
     assert all(s.options.samkv_budget is None for s in settings[1:])
     assert all(s.options.samkv_update == "fusion" for s in settings[1:])
     with pytest.raises(SystemExit):

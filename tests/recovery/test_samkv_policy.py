@@ -41,6 +41,33 @@ def test_every_block_kept_and_recomputed_is_full_prefill(runner, prompt, full):
     assert not torch.equal(fused.generation.first_logits, full.generation.first_logits)
 
 
+def test_token_max_scores_rank_blocks_by_their_best_token(runner, prompt, full):
+    """``samkv_block_score="token-max"``: the policy's block scores are each block's best
+    token's score under the document's query, and its exact limit is still the dense prefill."""
+    from redknot.recovery.samkv import position_free, scores
+
+    policy, _ = serve_policy(
+        runner, "samkv", prompt, **BLOCK, samkv_budget=0.25, samkv_block_score="token-max"
+    )
+    mean_policy, _ = serve_policy(runner, "samkv", prompt, **BLOCK, samkv_budget=0.25)
+    queries = policy.report.queries  # [D, N, Hq, d], personalized
+    for d in policy.report.docs:
+        if not d.sparsifiable:
+            continue
+        cache = prompt.segments[d.index].cache
+        for n in range(runner.shape.num_layers):
+            free = position_free(runner.model.rope, cache.keys[n], torch.arange(d.length))
+            per_token = scores(queries[d.index, n], free)
+            want = per_token[d.init : d.middle_end].view(d.num_blocks, d.block).amax(dim=1)
+            got = policy.report.block_scores[d.index][n]
+            torch.testing.assert_close(got, want.cpu(), rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(policy.report.block_scores,
+                                                     mean_policy.report.block_scores))  # fmt: skip
+    knobs = {**BLOCK, "samkv_budget": 1.0, "samkv_recompute": "all"}
+    _, out = serve_policy(runner, "samkv", prompt, **knobs, samkv_block_score="token-max")
+    _close(out, full)
+
+
 def test_documents_all_anchor_and_selective_recompute_is_full_prefill(runner, prompt, full):
     policy, out = serve_policy(runner, "samkv", prompt, samkv_block=64)  # no middle block anywhere
     _close(out, full)

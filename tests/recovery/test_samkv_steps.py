@@ -17,6 +17,7 @@ from redknot.recovery.samkv import (
     scores,
     select_blocks,
     sparse_forward,
+    token_max_scores,
     top_p_ratio,
     visible_mask,
 )
@@ -86,6 +87,24 @@ def test_block_keys_and_scores_by_brute_force():
     for b in range(d.num_blocks):
         want = sum(float(query[h] @ blocks[h // 2, b]) for h in range(4))
         assert float(got[b]) == pytest.approx(want, rel=1e-5)
+
+
+def test_token_max_scores_by_brute_force():
+    """``samkv_block_score="token-max"``: a block's score is its best token's, the anchors'
+    the best anchor token's."""
+    d = cut_document(0, 0, 29, block=4, init_blocks=1, local_blocks=2)
+    keys = torch.randn(2, 29, 8, generator=_gen(5))
+    query = torch.randn(4, 8, generator=_gen(6))
+
+    def token(t):
+        return sum(float(query[h] @ keys[h // 2, t]) for h in range(4))
+
+    blocks, anchor = token_max_scores(query, keys, d)
+    for b in range(d.num_blocks):
+        want = max(token(t) for t in range(4 + 4 * b, 8 + 4 * b))
+        assert float(blocks[b]) == pytest.approx(want, rel=1e-5)
+    anchors = list(range(4)) + list(range(d.middle_end, 29))
+    assert anchor == pytest.approx(max(token(t) for t in anchors), rel=1e-5)
 
 
 def test_top_p_ratio_is_eq2():

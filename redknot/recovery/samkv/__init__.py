@@ -26,6 +26,7 @@ from redknot.recovery.samkv.selection import (
     normalised,
     scores,
     select_blocks,
+    token_max_scores,
     top_p_ratio,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "scores",
     "select_blocks",
     "sparse_forward",
+    "token_max_scores",
     "top_p_ratio",
     "visible_mask",
 ]

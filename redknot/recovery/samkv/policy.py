@@ -47,7 +47,13 @@ from redknot.recovery.record import LayerRecord
 from redknot.recovery.samkv.forward import LayerCounts, SparseLayout, sparse_forward
 from redknot.recovery.samkv.layout import DocumentBlocks, cut_document
 from redknot.recovery.samkv.query import personalized_queries, pooled, position_free
-from redknot.recovery.samkv.selection import BlockSelection, block_keys, scores, select_blocks
+from redknot.recovery.samkv.selection import (
+    BlockSelection,
+    block_keys,
+    scores,
+    select_blocks,
+    token_max_scores,
+)
 from redknot.reference import (
     AttentionProbe,
     LayerContext,
@@ -73,6 +79,7 @@ SAMKV_KNOBS = (
     "samkv_budget",
     "samkv_recompute",
     "samkv_update",
+    "samkv_block_score",
     "samkv_outlier_sigma",
 )
 
@@ -90,6 +97,7 @@ class SamkvReport:
     | ``recomputed``   | per layer, document tokens whose KV was recomputed              |
     | ``computed``     | per layer, document tokens that ran attention and FFN           |
     | ``block_scores`` | per document, every layer's middle-block scores ``[N, M_i]``    |
+    | ``queries``      | the documents' (personalized) queries ``[D, N, Hq, d]``, position-free |
     """
 
     docs: list[DocumentBlocks] = field(default_factory=list)
@@ -99,6 +107,7 @@ class SamkvReport:
     recomputed: list[int] = field(default_factory=list)
     computed: list[int] = field(default_factory=list)
     block_scores: list[Tensor] = field(default_factory=list)  # per document [N, M_i] (A.2)
+    queries: Tensor | None = None
 
     def fractions(self, num_layers: int) -> dict[str, float | None]:
         """``sequence_ratio`` (KV rows held / document tokens), ``recompute_ratio`` (recomputed
@@ -194,6 +203,7 @@ class SamKV(ReusePolicy):
             queries = personalized_queries(generic, local)
         else:
             queries = generic.expand(len(docs), *generic.shape)
+        self.report.queries = queries
         selection = self._select(m, docs, queries)
         self.report.selection = selection
         result_kv = self._recompute(m, docs, selection, mass)
@@ -319,6 +329,11 @@ class SamKV(ReusePolicy):
                     per_layer.append(torch.zeros(0))
                     continue
                 free = position_free(m.rope, cache.keys[layer], pos)
+                if self.options.samkv_block_score == "token-max":
+                    blocks, anchor = token_max_scores(queries[d.index, layer], free, d)
+                    per_layer.append(blocks.cpu())
+                    anchor_scores[layer, d.index] = anchor
+                    continue
                 blocks, anchor = block_keys(free, d)
                 per_layer.append(scores(queries[d.index, layer], blocks).cpu())
                 anchor_scores[layer, d.index] = float(

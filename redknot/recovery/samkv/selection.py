@@ -6,7 +6,7 @@ Per document ``i`` and layer ``n``, with ``Q^`` its personalized query (position
 | step        | what                                                                   |
 | ----------- | ---------------------------------------------------------------------- |
 | block keys  | each middle block is the mean of its tokens' keys; the anchor key is the mean of the initial and local tokens' keys |
-| scores      | ``s = sum_h <Q^_h, K_{h // g}>`` over query heads ``h`` (``g`` queries per KV head) |
+| scores      | ``s = sum_h <Q^_h, K_{h // g}>`` over query heads ``h`` (``g`` queries per KV head); with ``samkv_block_score="token-max"`` (not the paper) a block's best token's ``s`` instead |
 | Eq. 2       | ``P^(n) = (s_max - s_anc) / (s_max - s_min)`` if ``s_min < s_anc <= s_max``, else 0 (max / min over the middle blocks) |
 | Eq. 3       | ``P = mean of P^(n)`` over the stable layers ``N*``; document ``i`` retrieves its top ``ceil(P * M_i)`` blocks in every layer |
 | retention   | scores normalised per (document, layer) to ``(s - s_min) / (s_max - s_min)``; every layer keeps the best ``ceil(R / D)`` retrieved blocks across documents (``R`` retrieved in all, ``D`` documents with middle blocks) |
@@ -46,6 +46,16 @@ def scores(query: Tensor, keys: Tensor) -> Tensor:
     group = query.shape[0] // keys.shape[0]
     per_kv = query.to(torch.float32).view(keys.shape[0], group, -1).sum(dim=1)  # [Hkv, d]
     return torch.einsum("hd,hrd->r", per_kv, keys.to(torch.float32))
+
+
+def token_max_scores(query: Tensor, keys: Tensor, doc: DocumentBlocks) -> tuple[Tensor, float]:
+    """``samkv_block_score="token-max"`` (not the paper, which scores a block by its mean key
+    so that no lone token such as a punctuation mark decides it): each middle block scored by
+    its best token, ``max_t sum_h <Q^_h, k_t>``, and the anchors by theirs; ``keys``
+    ``[Hkv, n, d]`` position-free -> (``[M]`` float32, anchor score)."""
+    per_token = scores(query, keys)  # [n]
+    middle = per_token[doc.init : doc.middle_end].view(doc.num_blocks, doc.block)
+    return middle.amax(dim=1), float(per_token[doc.anchor_mask()].max())
 
 
 def top_p_ratio(block_scores: Tensor, anchor_score: float) -> float:
