@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,18 +55,20 @@ class ReuseGate:
         device_name: str,
         tp_size: int = 1,
         chunk: int | None = None,
-        host_probe: float | None = None,
+        host_probe: Callable[[], float] | None = None,
     ) -> ReuseGate:
         """From the served ``RedknotConfig``, the model's HF config and the rank's layout; the
         record is ``config.cost_record`` if given, else the device's shipped one, else the
-        fallback record (said in the startup log). ``host_probe``: this machine's
-        :func:`redknot.costmodel.host_probe.probe_ms` (the largest over the ranks), which
-        scales the record's host constants (:func:`~redknot.costmodel.host_probe.host_scale`);
-        None: not measured, the constants as recorded."""
+        fallback record (said in the startup log). ``host_probe`` measures this machine's
+        :func:`redknot.costmodel.host_probe.probe_ms` (the largest over the ranks); it is
+        called only for a record that carries its own probe, whose host constants it then
+        scales (:func:`~redknot.costmodel.host_probe.host_scale`). None: not measured, the
+        constants as recorded."""
         record, why = record_for(device_name, getattr(config, "cost_record", None))
         factor = 1.0
         if host_probe is not None:
-            factor, said = host_scale(host_probe, record.host_probe_ms)
+            measured = host_probe() if record.host_probe_ms else None
+            factor, said = host_scale(measured, record.host_probe_ms)
             record, why = record.scaled(factor), f"{why}; {said}"
         costs = ModelCosts.of(hf_config, layout, tp_size=tp_size)
         model = ReuseCostModel(costs, Recovery.of(config, layout.num_layers), record, chunk)

@@ -13,7 +13,8 @@ views, index writes and reads, small elementwise launches) on the serving device
 fitted with the probe beside it (``host_probe_ms``) lets the server scale the record's host
 constants by this machine's probe over the record's (:func:`host_scale`). Every
 tensor-parallel rank must take the same decision, so the ranks take the largest of their
-factors (the slowest host), one all-reduce at startup.
+factors (the slowest host), one all-reduce at startup. A record without a probe is used as it
+is, and the machine is not probed.
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ def probe_ms(device: torch.device | str, iters: int = ITERS, repeats: int = REPE
     return statistics.median(times)
 
 
-def host_scale(probe: float, recorded: float | None) -> tuple[float, str]:
+def host_scale(probe: float | None, recorded: float | None) -> tuple[float, str]:
     """The factor for a record's host constants and a sentence saying where it comes from:
-    ``probe / recorded`` clamped to :data:`SCALE_RANGE`; 1 when the record has no probe."""
-    if not recorded:
+    ``probe / recorded`` clamped to :data:`SCALE_RANGE`; 1 when the record has no probe (this
+    machine's is then not needed)."""
+    if not recorded or probe is None:
         return 1.0, "the record has no host probe: its host constants are used as they are"
     raw = probe / recorded
     lo, hi = SCALE_RANGE

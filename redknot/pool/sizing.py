@@ -26,6 +26,7 @@ same capacity; a rank with fewer global heads leaves the difference unused.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -344,7 +345,7 @@ def _reuse_gate(kvc: Any, layout: HeadLayout):
     return ReuseGate.build(
         config, kvc.model_config.hf_config, layout, device, tp_size=tp_size,
         chunk=getattr(args, "chunked_prefill_size", None),
-        host_probe=_host_probe(tp_size) if torch.cuda.is_available() else None,
+        host_probe=functools.partial(_host_probe, tp_size) if torch.cuda.is_available() else None,
     )  # fmt: skip
 
 

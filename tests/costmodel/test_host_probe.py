@@ -35,6 +35,7 @@ def test_the_factor_is_the_probes_ratio_within_its_range():
     assert factor == SCALE_RANGE[1] and "clamped" in said
     factor, said = host_scale(0.2, None)
     assert factor == 1.0 and "no host probe" in said
+    assert host_scale(None, None)[0] == 1.0
 
 
 def test_scaling_multiplies_every_host_constant_and_no_gpu_constant():
@@ -65,7 +66,16 @@ def _gate(record_path, host_probe):
     shape = ModelShape.from_hf_config(CFG_8B)
     layout = HeadLayout.from_head_map(synthetic_map(shape, 0.125, window=256, sink=64))
     config = RedknotConfig(policy="epic", all_global=True, cost_record=str(record_path))
-    return ReuseGate.build(config, CFG_8B, layout, "NVIDIA H100 80GB HBM3", host_probe=host_probe)
+    calls.clear()
+
+    def measure():
+        calls.append(host_probe)
+        return host_probe
+
+    return ReuseGate.build(config, CFG_8B, layout, "NVIDIA H100 80GB HBM3", host_probe=measure)
+
+
+calls: list[float] = []  # the probes _gate's servers measured
 
 
 def test_a_slower_host_recomputes_what_the_record_reuses(tmp_path, caplog):
@@ -82,8 +92,10 @@ def test_a_slower_host_recomputes_what_the_record_reuses(tmp_path, caplog):
     assert _gate(path, host_probe=0.2).host_scale == pytest.approx(2.0)
     assert slow.reuse_ms > 1.8 * same.reuse_ms and slow.plain_ms < 1.5 * same.plain_ms
     assert "host constants x2.00" in caplog.text
-    unprobed = _gate(RECORDS_DIR / f"{FALLBACK}.json", host_probe=0.2).decide(work)
-    assert unprobed.reuse_ms == pytest.approx(same.reuse_ms)  # no probe in the record: as is
+    assert calls == [0.2]  # measured once the record has a probe of its own
+    unprobed = _gate(RECORDS_DIR / f"{FALLBACK}.json", host_probe=0.2)
+    assert unprobed.decide(work).reuse_ms == pytest.approx(same.reuse_ms)  # no record probe: as is
+    assert calls == [] and unprobed.host_scale == 1.0  # and the machine is not probed
 
 
 def test_the_fit_takes_the_machines_probe_from_the_ttft_results():
