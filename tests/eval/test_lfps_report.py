@@ -40,12 +40,17 @@ def test_the_report_copies_each_figure_from_its_source():
         assert all(source[k] for k in ("device", "date", "commit", "command")), name
 
 
+def _copy_sources(to: Path) -> None:
+    """Every result the report reads, copied under ``to`` (to be altered there)."""
+    for name in (*lfps_report.RECALL.values(), *lfps_report.DECODE, *lfps_report.SERVE,
+                 lfps_report.HOST, *lfps_report.CAPACITY):  # fmt: skip
+        shutil.copy(lfps_report.RESULTS / name, to / name)
+
+
 def test_a_target_is_met_only_at_its_threshold(tmp_path):
     """The same sources with the shared list's recall set to 0.85 at every length and one
     variant losing two dense-correct answers: recall met, that variant's answers not."""
-    for name in (*lfps_report.RECALL.values(), *lfps_report.DECODE, *lfps_report.SERVE,
-                 lfps_report.HOST, *lfps_report.CAPACITY):  # fmt: skip
-        shutil.copy(lfps_report.RESULTS / name, tmp_path / name)
+    _copy_sources(tmp_path)
     path = tmp_path / "lfps_recall_kv_head.json"
     data = json.loads(path.read_text())
     for r in data["rows"]:
@@ -64,3 +69,14 @@ def test_a_target_is_met_only_at_its_threshold(tmp_path):
     assert targets[0]["kv_head"]["met"] is True
     assert targets[2]["topk (lfps_serve.json)"]["met"] is False
     assert targets[2]["lfps (lfps_serve.json)"]["met"] is True
+
+
+def test_a_measured_h100_capacity_replaces_the_not_measured_verdict(tmp_path, monkeypatch):
+    _copy_sources(tmp_path)
+    data = json.loads((tmp_path / "lfps_capacity_h200.json").read_text())
+    data["device"] = "NVIDIA H100 80GB HBM3"
+    (tmp_path / "lfps_capacity_h100.json").write_text(json.dumps(data))
+    monkeypatch.setitem(lfps_report.CAPACITY, "lfps_capacity_h100.json", "lfps-offload")
+    verdict = list(lfps_report.build(tmp_path)["targets"].values())[3]
+    assert verdict["NVIDIA H100 80GB HBM3"]["source"] == "lfps_capacity_h100.json"
+    assert verdict["NVIDIA H100 80GB HBM3"]["met"] is False
