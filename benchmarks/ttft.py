@@ -452,7 +452,8 @@ def main() -> None:
     profiled = set(split_variants(args.profile_variants or args.variants))
     probes = [host_probe()]  # this machine's host speed, before and after the engines
     results = {}
-    for name in split_variants(args.variants):
+    names = split_variants(args.variants)
+    for name in names:
         child_args = base + ["--child", name]
         if name not in profiled:
             child_args[child_args.index("--profile-dir") + 1] = ""
@@ -473,7 +474,7 @@ def main() -> None:
             results[name]["left_per_prompt"] = [int(m.group(1)) for m in found]
         print(name, json.dumps(results[name])[:400], flush=True)
         summary = summarize(cfg, results, args.reps)  # written after every variant
-        if name == split_variants(args.variants)[-1]:
+        if name == names[-1]:
             probes.append(host_probe())
         common.write_json(args.out, common.record(
             host_probe_ms=statistics.median(probes) if None not in probes else None,
