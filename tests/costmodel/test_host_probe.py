@@ -59,6 +59,8 @@ def test_a_record_with_a_bad_probe_is_refused_and_one_without_writes_none():
 
 
 def _gate(record_path, host_probe):
+    """A gate built for EPIC on the 8B shape whose machine probes at ``host_probe``, and the
+    list of the probes it took."""
     from redknot.config import RedknotConfig
     from redknot.headmap import ModelShape, synthetic_map
     from redknot.pool.layout import HeadLayout
@@ -66,16 +68,14 @@ def _gate(record_path, host_probe):
     shape = ModelShape.from_hf_config(CFG_8B)
     layout = HeadLayout.from_head_map(synthetic_map(shape, 0.125, window=256, sink=64))
     config = RedknotConfig(policy="epic", all_global=True, cost_record=str(record_path))
-    calls.clear()
+    calls: list[float] = []
 
     def measure():
         calls.append(host_probe)
         return host_probe
 
-    return ReuseGate.build(config, CFG_8B, layout, "NVIDIA H100 80GB HBM3", host_probe=measure)
-
-
-calls: list[float] = []  # the probes _gate's servers measured
+    gate = ReuseGate.build(config, CFG_8B, layout, "NVIDIA H100 80GB HBM3", host_probe=measure)
+    return gate, calls
 
 
 def test_a_slower_host_recomputes_what_the_record_reuses(tmp_path, caplog):
@@ -86,14 +86,15 @@ def test_a_slower_host_recomputes_what_the_record_reuses(tmp_path, caplog):
     path.write_text(json.dumps(replace(H100, host_probe_ms=0.1).to_json()))
     work = PromptWork(8 * 256 + 64, 0, tuple((i * 256, 256) for i in range(8)))
     with caplog.at_level("INFO"):
-        same = _gate(path, host_probe=0.1).decide(work)
-        slow = _gate(path, host_probe=0.2).decide(work)
+        same = _gate(path, host_probe=0.1)[0].decide(work)
+        slow_gate, calls = _gate(path, host_probe=0.2)
+        slow = slow_gate.decide(work)
     assert same.reuse and not slow.reuse, (same, slow)
-    assert _gate(path, host_probe=0.2).host_scale == pytest.approx(2.0)
+    assert slow_gate.host_scale == pytest.approx(2.0)
     assert slow.reuse_ms > 1.8 * same.reuse_ms and slow.plain_ms < 1.5 * same.plain_ms
     assert "host constants x2.00" in caplog.text
     assert calls == [0.2]  # measured once the record has a probe of its own
-    unprobed = _gate(RECORDS_DIR / f"{FALLBACK}.json", host_probe=0.2)
+    unprobed, calls = _gate(RECORDS_DIR / f"{FALLBACK}.json", host_probe=0.2)
     assert unprobed.decide(work).reuse_ms == pytest.approx(same.reuse_ms)  # no record probe: as is
     assert calls == [] and unprobed.host_scale == 1.0  # and the machine is not probed
 
