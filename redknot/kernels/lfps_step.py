@@ -17,14 +17,19 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
 from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.lfps_select import lfps_topk_kernel, lfps_union_kernel
-from redknot.kernels.triton.lfps_step import lfps_sparsity_kernel, lfps_update_kernel
+from redknot.kernels.triton.lfps_step import (
+    lfps_sparsity_kernel,
+    lfps_update_add_kernel,
+    lfps_update_stats_kernel,
+)
 from redknot.lfps.batch_state import LfpsBatchState
 from redknot.lfps.params import LfpsParams
 
-UPDATE_BLOCK_K = 512  # selected keys per inner step of the update kernel
+UPDATE_BLOCK_K = 256  # selected keys per program of the two update kernels
 # The Top-k kernel's launch, measured on an H100 (benchmarks/lfps_candidates_sweep.py, 8B shape,
 # B = 8, lfps_candidates_sweep.json): within 2% of the best setting swept at C = 10,484 (128K)
 # and 6% at C = 2,620 (32K); the first default (a whole row of up to 16,384 in registers, a warp
@@ -202,8 +207,12 @@ def lfps_select_update(
     state: LfpsBatchState,
     params: LfpsParams,
     filled: torch.Tensor | None = None,
+    *,
+    block: int = UPDATE_BLOCK_K,
 ) -> torch.Tensor:
-    """The selection from the Top-K of the rank, and Eq. 10 on ``state`` (in place).
+    """The selection from the Top-K of the rank, and Eq. 10 on ``state`` (in place), in two
+    launches over segments of ``block`` entries of the Top-K (the softmax over a row's
+    selection needs every segment's stats before any entry's attention is added).
 
     Parameters
     ----------
@@ -216,6 +225,7 @@ def lfps_select_update(
     bypass : [B, Hq] bool.
     filled : optional [B, Hs] int32: entries past this many are padding (``-1`` written, not
         read; ``lfps_union``'s count).
+    block : Top-K entries per program (a power of two).
 
     Returns
     -------
@@ -237,17 +247,31 @@ def lfps_select_update(
         return selected
     budget, fraction = row_budget_args(params, top_val.device)
     flags = bypass.view(torch.int8)
-    lfps_update_kernel[(Hs, B)](
+    segments = triton.cdiv(K, block)
+    stats = torch.empty(B, Hs, segments, state.rows, 2, dtype=torch.float32,
+                        device=top_val.device)  # fmt: skip
+    fill = selected if filled is None else filled
+    fill_stride = 0 if filled is None else filled.stride(0)
+    common = dict(HAS_FILLED=filled is not None, ROWS=state.rows,
+                  BLOCK_R=max(2, 1 << (state.rows - 1).bit_length()), BLOCK_K=block,
+                  FRACTION=fraction)  # fmt: skip
+    top = (top_val.stride(0), top_val.stride(1), candidates.stride(0), candidates.stride(1))
+    lfps_update_stats_kernel[(segments, Hs, B)](
+        top_val, top_at, candidates, logits, flags, seq_lens, budget, state.scale,
+        state.state_rows(), selected, fill, stats,
+        params.decay, params.num_sink, K,
+        *top, logits.stride(0), logits.stride(1), flags.stride(0), state.scale.stride(0),
+        selected.stride(0), selected.stride(1), fill_stride, stats.stride(0), stats.stride(1),
+        stats.stride(2), **common,
+    )  # fmt: skip
+    lfps_update_add_kernel[(segments, Hs, B)](
         top_val, top_at, candidates, count, logits, flags, seq_lens, budget,
-        state.vertical, state.slash, state.scale, state.state_rows(), selected,
-        selected if filled is None else filled,
+        state.vertical, state.slash, state.scale, state.state_rows(), fill, stats,
         params.decay, params.num_sink, K, C,
-        top_val.stride(0), top_val.stride(1), candidates.stride(0), candidates.stride(1),
-        count.stride(0), logits.stride(0), logits.stride(1), flags.stride(0),
+        *top, count.stride(0), logits.stride(0), logits.stride(1), flags.stride(0),
         state.vertical.stride(0), state.vertical.stride(1), state.slash.stride(0),
-        state.slash.stride(1), state.scale.stride(0), selected.stride(0), selected.stride(1),
-        0 if filled is None else filled.stride(0), HAS_FILLED=filled is not None,
-        ROWS=state.rows, BLOCK_R=max(2, 1 << (state.rows - 1).bit_length()),
-        BLOCK_K=UPDATE_BLOCK_K, FRACTION=fraction,
+        state.slash.stride(1), state.scale.stride(0), fill_stride, stats.stride(0),
+        stats.stride(1), stats.stride(2),
+        SEGMENTS_P2=max(2, 1 << (segments - 1).bit_length()), **common,
     )  # fmt: skip
     return selected

@@ -51,11 +51,13 @@ def test_sparsity_kernel_matches_reference(grp, dim, dtype):
     torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("block", [2, 8])
 @pytest.mark.parametrize("budget", [0.1, 3])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_select_update_kernel_matches_reference(rows, budget):
+def test_select_update_kernel_matches_reference(rows, budget, block):
     """Lists with padding, query heads bypassing alone or as a whole group, per-row budgets
-    below the width: the selection, the tables, the scales and the emptied lists agree."""
+    below the width, the Top-K in one segment or in three (each head's softmax merged across
+    them): the selection, the tables, the scales and the emptied lists agree."""
     B, Hq, Hkv, D, C, K, n_max = len(SEQ_LENS), 8, 2, 16, 24, 6, 160
     batch = make_paged(SEQ_LENS, Hkv, D, torch.float16, seed=6)
     q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(7)).half()
@@ -72,7 +74,7 @@ def test_select_update_kernel_matches_reference(rows, budget):
     mine, ref = state.clone(), state.clone()
     cand_k, count_k = cand.clone(), torch.full((B, Hq // rows), 7, dtype=torch.int32)
     selected = lfps_select_update(val, at, cand_k, count_k, logits, bypass, batch.seq_lens, mine,
-                                  params)  # fmt: skip
+                                  params, block=block)  # fmt: skip
     want, want_logits = select_topk(logits, cand, bypass, row_budgets(batch.seq_lens, params), K)
     update_tables_(ref, want, want_logits, bypass, batch.seq_lens, params.decay)
     assert torch.equal(selected, want)

@@ -5,12 +5,16 @@
 sinks and the last ``W`` keys: key ``p`` of a block of ``BLOCK_P >= S + W`` is sink ``p`` for
 ``p < S``, else position ``n - W + p - S`` (kept if non-sink).
 
-``lfps_update_kernel``, grid ``(Hs, B)``: from the Top-K of a selection head's rank
-(``lfps_select.lfps_topk_kernel``'s, or ``torch.topk``'s), the selected positions (each row's
-own budget of them) and Eq. 10 with the lazy decay (``redknot.lfps.batched.select_topk`` then
-``update_tables_``). Two passes over the ``K`` selected: the online max and sum of every query
-head's logits, then the mean attention of the non-bypassed heads added to the tables. A
-selection head whose heads all bypass is left as is and its candidate list emptied.
+``lfps_update_stats_kernel`` then ``lfps_update_add_kernel``, grid ``(segments, Hs, B)`` each:
+from the Top-K of a selection head's rank (``lfps_select.lfps_topk_kernel``'s, or
+``torch.topk``'s), the selected positions (each row's own budget of them) and Eq. 10 with the
+lazy decay (``redknot.lfps.batched.select_topk`` then ``update_tables_``). The first writes the
+selection and each segment's max and sum of exponentials of every query head's logits; the
+second merges them into each head's softmax and adds the mean attention of the non-bypassed
+heads to the tables. A program per segment of the Top-K, not per row: the adds are scattered
+reads and writes of the tables, and 64 programs (one per row at B = 8, 8 KV heads) left the GPU
+waiting on memory (46 us of a 383 us step at 128K, ``lfps_decode_stages.json``). A selection
+head whose heads all bypass is left as is and its candidate list emptied.
 """
 
 from __future__ import annotations
@@ -109,20 +113,36 @@ def row_budget(Budget, n, num_sink, FRACTION: tl.constexpr):
 
 
 @triton.jit
-def lfps_update_kernel(
-    Top_val, Top_at, Cand, Count, Logits, Bypass, Seq_lens, Budget, Vert, Slash, Scale, State_rows,
-    Selected, Filled,
-    decay, num_sink, width, capacity,
-    stride_tb, stride_th, stride_cb, stride_ch, stride_nb, stride_lb, stride_lh, stride_yb,
-    stride_vb, stride_vh, stride_sb, stride_sh, stride_scb, stride_eb, stride_eh, stride_fb,
+def selected_block(Top_val, Top_at, Cand_row, top_row, e, width, budget):
+    """Entries ``e`` of a row's Top-K: kept mask, list index and position (-1 where not kept)."""
+    in_k = e < width
+    val = tl.load(Top_val + top_row + e, mask=in_k, other=float("-inf"))
+    at = tl.load(Top_at + top_row + e, mask=in_k, other=0)
+    keep = in_k & (val > float("-inf")) & (e < budget)
+    pos = tl.load(Cand_row + at, mask=keep, other=-1)
+    return keep, at, pos
+
+
+@triton.jit
+def lfps_update_stats_kernel(
+    Top_val, Top_at, Cand, Logits, Bypass, Seq_lens, Budget, Scale, State_rows, Selected, Filled,
+    Stats,
+    decay, num_sink, width,
+    stride_tb, stride_th, stride_cb, stride_ch, stride_lb, stride_lh, stride_yb, stride_scb,
+    stride_eb, stride_eh, stride_fb, stride_ab, stride_ah, stride_as,
     HAS_FILLED: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FRACTION: tl.constexpr,
 ):  # fmt: skip
-    hs = tl.program_id(0)
-    b = tl.program_id(1)
+    """Program ``(s, hs, b)``: entries ``[s * BLOCK_K, (s + 1) * BLOCK_K)`` of the row's Top-K:
+    their selected positions, and each query head's max and sum of exponentials of their logits
+    (``Stats[b, hs, s, r] = (max, sum)``). Program 0 of a row with a non-bypassed head applies
+    the decay to its scale (the add kernel reads the decayed scale)."""
+    s = tl.program_id(0)
+    hs = tl.program_id(1)
+    b = tl.program_id(2)
     n = tl.load(Seq_lens + b).to(tl.int32)
     budget = row_budget(Budget, n, num_sink, FRACTION)
     r = tl.arange(0, BLOCK_R)
@@ -130,59 +150,94 @@ def lfps_update_kernel(
     head = hs * ROWS + r
     off = tl.load(Bypass + b * stride_yb + head, mask=r_ok, other=1)
     act = r_ok & (off == 0)
-    n_act = tl.sum(act.to(tl.int32), 0)
     top_row = b.to(tl.int64) * stride_tb + hs * stride_th
     cand_row = Cand + b.to(tl.int64) * stride_cb + hs * stride_ch
-    logit_rows = Logits + b.to(tl.int64) * stride_lb + head[:, None] * stride_lh
-    sel_row = Selected + b.to(tl.int64) * stride_eb + hs * stride_eh
-
+    e = s * BLOCK_K + tl.arange(0, BLOCK_K)
     end = width
     if HAS_FILLED:  # entries past the first Filled are padding: -1 written, nothing read
         end = tl.minimum(width, tl.load(Filled + b * stride_fb + hs))
-        for e0 in range(end, width, BLOCK_K):
-            e = e0 + tl.arange(0, BLOCK_K)
-            tl.store(sel_row + e, tl.full([BLOCK_K], -1, tl.int32), mask=e < width)
-    m_r = tl.zeros([BLOCK_R], dtype=tl.float32) + NO_KEY_MAX
-    l_r = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for e0 in range(0, end, BLOCK_K):
-        e = e0 + tl.arange(0, BLOCK_K)
-        in_k = e < width
-        val = tl.load(Top_val + top_row + e, mask=in_k, other=float("-inf"))
-        at = tl.load(Top_at + top_row + e, mask=in_k, other=0)
-        keep = in_k & (val > float("-inf")) & (e < budget)
-        pos = tl.load(cand_row + at, mask=keep, other=-1)
-        tl.store(sel_row + e, tl.where(keep, pos, -1), mask=in_k)
+    keep, at, pos = selected_block(Top_val, Top_at, cand_row, top_row, e, end, budget)
+    sel_row = Selected + b.to(tl.int64) * stride_eb + hs * stride_eh
+    tl.store(sel_row + e, tl.where(keep, pos, -1), mask=e < width)
+    logit_rows = Logits + b.to(tl.int64) * stride_lb + head[:, None] * stride_lh
+    x = tl.load(logit_rows + at[None, :], mask=act[:, None] & keep[None, :], other=float("-inf"))
+    m_r = tl.maximum(tl.max(x, 1), NO_KEY_MAX)
+    l_r = tl.sum(tl.exp(x - m_r[:, None]), 1)
+    stats = Stats + b.to(tl.int64) * stride_ab + hs * stride_ah + s * stride_as + r * 2
+    tl.store(stats, m_r, mask=r_ok)
+    tl.store(stats + 1, l_r, mask=r_ok)
+    if (s == 0) & (tl.sum(act.to(tl.int32), 0) > 0):
+        sb = tl.load(State_rows + b).to(tl.int64)  # the request's row of the state
+        tl.store(Scale + sb * stride_scb + hs, tl.load(Scale + sb * stride_scb + hs) * decay)
+
+
+@triton.jit
+def lfps_update_add_kernel(
+    Top_val, Top_at, Cand, Count, Logits, Bypass, Seq_lens, Budget, Vert, Slash, Scale, State_rows,
+    Filled, Stats,
+    decay, num_sink, width, capacity,
+    stride_tb, stride_th, stride_cb, stride_ch, stride_nb, stride_lb, stride_lh, stride_yb,
+    stride_vb, stride_vh, stride_sb, stride_sh, stride_scb, stride_fb, stride_ab, stride_ah,
+    stride_as,
+    HAS_FILLED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SEGMENTS_P2: tl.constexpr,
+    FRACTION: tl.constexpr,
+):  # fmt: skip
+    """Program ``(s, hs, b)``, after ``lfps_update_stats_kernel``: each query head's softmax
+    over the row's selection, merged from every segment's stats; the mean attention of the
+    non-bypassed heads at the segment's entries added to the tables (Eq. 10 with the lazy
+    decay). A row whose heads all bypass has its candidate list emptied instead (each program a
+    share of it, program 0 the count)."""
+    s = tl.program_id(0)
+    hs = tl.program_id(1)
+    b = tl.program_id(2)
+    segments = tl.num_programs(0)
+    n = tl.load(Seq_lens + b).to(tl.int32)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < ROWS
+    head = hs * ROWS + r
+    off = tl.load(Bypass + b * stride_yb + head, mask=r_ok, other=1)
+    act = r_ok & (off == 0)
+    n_act = tl.sum(act.to(tl.int32), 0)
+    cand_row = Cand + b.to(tl.int64) * stride_cb + hs * stride_ch
+    if n_act > 0:
+        budget = row_budget(Budget, n, num_sink, FRACTION)
+        seg = tl.arange(0, SEGMENTS_P2)
+        stats = Stats + b.to(tl.int64) * stride_ab + hs * stride_ah
+        at_rs = stats + seg[None, :] * stride_as + r[:, None] * 2
+        ok_rs = r_ok[:, None] & (seg[None, :] < segments)
+        m_s = tl.load(at_rs, mask=ok_rs, other=NO_KEY_MAX)
+        l_s = tl.load(at_rs + 1, mask=ok_rs, other=0.0)
+        m_r = tl.max(m_s, 1)
+        l_r = tl.sum(l_s * tl.exp(m_s - m_r[:, None]), 1)
+        l_safe = tl.where(l_r > 0.0, l_r, 1.0)
+        end = width
+        if HAS_FILLED:
+            end = tl.minimum(width, tl.load(Filled + b * stride_fb + hs))
+        top_row = b.to(tl.int64) * stride_tb + hs * stride_th
+        e = s * BLOCK_K + tl.arange(0, BLOCK_K)
+        keep, at, pos = selected_block(Top_val, Top_at, cand_row, top_row, e, end, budget)
+        logit_rows = Logits + b.to(tl.int64) * stride_lb + head[:, None] * stride_lh
         x = tl.load(logit_rows + at[None, :], mask=act[:, None] & keep[None, :],
                     other=float("-inf"))  # fmt: skip
-        m_new = tl.maximum(m_r, tl.max(x, 1))
-        l_r = l_r * tl.exp(m_r - m_new) + tl.sum(tl.exp(x - m_new[:, None]), 1)
-        m_r = m_new
-
-    if n_act > 0:
-        sb = tl.load(State_rows + b).to(tl.int64)  # the request's row of the state
-        scale = tl.load(Scale + sb * stride_scb + hs) * decay
-        tl.store(Scale + sb * stride_scb + hs, scale)
+        attn = tl.exp(x - m_r[:, None]) / l_safe[:, None]
+        sb = tl.load(State_rows + b).to(tl.int64)
+        scale = tl.load(Scale + sb * stride_scb + hs)  # decayed by the stats kernel
         coef = (1.0 - decay) * 0.5 / scale / n_act.to(tl.float32)
-        l_safe = tl.where(l_r > 0.0, l_r, 1.0)
+        add = tl.sum(tl.where(act[:, None] & keep[None, :], attn, 0.0), 0) * coef
         vert_row = Vert + sb * stride_vb + hs * stride_vh
         slash_row = Slash + sb * stride_sb + hs * stride_sh
-        for e0 in range(0, end, BLOCK_K):
-            e = e0 + tl.arange(0, BLOCK_K)
-            in_k = e < width
-            val = tl.load(Top_val + top_row + e, mask=in_k, other=float("-inf"))
-            at = tl.load(Top_at + top_row + e, mask=in_k, other=0)
-            keep = in_k & (val > float("-inf")) & (e < budget)
-            pos = tl.load(cand_row + at, mask=keep, other=0)
-            x = tl.load(logit_rows + at[None, :], mask=act[:, None] & keep[None, :],
-                        other=float("-inf"))  # fmt: skip
-            attn = tl.exp(x - m_r[:, None]) / l_safe[:, None]
-            add = tl.sum(tl.where(act[:, None] & keep[None, :], attn, 0.0), 0) * coef
-            old_v = tl.load(vert_row + pos, mask=keep, other=0.0)
-            tl.store(vert_row + pos, old_v + add, mask=keep)
-            old_s = tl.load(slash_row + (n - 1 - pos), mask=keep, other=0.0)
-            tl.store(slash_row + (n - 1 - pos), old_s + add, mask=keep)
+        old_v = tl.load(vert_row + pos, mask=keep, other=0.0)
+        tl.store(vert_row + pos, old_v + add, mask=keep)
+        old_s = tl.load(slash_row + (n - 1 - pos), mask=keep, other=0.0)
+        tl.store(slash_row + (n - 1 - pos), old_s + add, mask=keep)
     else:
-        for c0 in range(0, capacity, BLOCK_K):
+        share = tl.cdiv(capacity, segments)
+        for c0 in range(s * share, tl.minimum((s + 1) * share, capacity), BLOCK_K):
             c = c0 + tl.arange(0, BLOCK_K)
-            tl.store(cand_row + c, -1, mask=c < capacity)
-        tl.store(Count + b * stride_nb + hs, 0)
+            tl.store(cand_row + c, -1, mask=c < tl.minimum((s + 1) * share, capacity))
+        if s == 0:
+            tl.store(Count + b * stride_nb + hs, 0)
