@@ -252,9 +252,13 @@ def lfps_select_update(
                         device=top_val.device)  # fmt: skip
     fill = selected if filled is None else filled
     fill_stride = 0 if filled is None else filled.stride(0)
-    common = dict(HAS_FILLED=filled is not None, ROWS=state.rows,
-                  BLOCK_R=max(2, 1 << (state.rows - 1).bit_length()), BLOCK_K=block,
-                  FRACTION=fraction)  # fmt: skip
+    common = {
+        "HAS_FILLED": filled is not None,
+        "ROWS": state.rows,
+        "BLOCK_R": max(2, 1 << (state.rows - 1).bit_length()),
+        "BLOCK_K": block,
+        "FRACTION": fraction,
+    }
     top = (top_val.stride(0), top_val.stride(1), candidates.stride(0), candidates.stride(1))
     lfps_update_stats_kernel[(segments, Hs, B)](
         top_val, top_at, candidates, logits, flags, seq_lens, budget, state.scale,
