@@ -22,6 +22,7 @@ import triton
 
 from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.lfps_index import (
+    lfps_hist_kernel,
     lfps_mark_kernel,
     lfps_moments_kernel,
     lfps_score_kernel,
@@ -198,7 +199,7 @@ def lfps_candidates(
     rows : [B] int32, the table row of each request (``LfpsBatchState.index``); None: request
         ``b`` reads row ``b`` (``R = B``).
     chunk, block : table entries per program and per inner step (powers of two, block <= chunk).
-    num_warps : warps per program of the three launches.
+    num_warps : warps per program of the four launches.
 
     Returns
     -------
@@ -238,9 +239,13 @@ def lfps_candidates(
     )  # fmt: skip
     lfps_mark_kernel[grid](
         vertical, slash, scale, rows, seq_lens, offsets_tensor(params.offsets, dev), moments, codes,
-        chunk_count, chunk_hist, params.lam, params.num_sink, *tables, *m_strides, *c_strides,
+        chunk_count, params.lam, params.num_sink, *tables, *m_strides, *c_strides[:4],
         NUM_OFFSETS=len(params.offsets), CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block,
         NBINS=NUM_BINS, BINS_PER_OCTAVE=BINS_PER_OCTAVE, num_warps=num_warps,
+    )  # fmt: skip
+    lfps_hist_kernel[grid](
+        seq_lens, codes, chunk_count, chunk_hist, params.num_sink, capacity, *c_strides,
+        CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block, NBINS=NUM_BINS, num_warps=num_warps,
     )  # fmt: skip
     lfps_write_kernel[grid](
         seq_lens, codes, chunk_count, chunk_hist, out, count, params.num_sink, capacity,

@@ -36,7 +36,8 @@ RECORDED = [  # tests whose launches cover every kernel and its constexpr varian
 KERNELS = {
     "segpaged_decode_kernel", "segpaged_decode_merge_kernel", "segpaged_extend_kernel",
     "rope_align_kernel", "sparse_decode_kernel", "sparse_decode_merge_kernel",
-    "lfps_score_kernel", "lfps_moments_kernel", "lfps_mark_kernel", "lfps_write_kernel",
+    "lfps_score_kernel", "lfps_moments_kernel", "lfps_mark_kernel", "lfps_hist_kernel",
+    "lfps_write_kernel",
     "lfps_sparsity_kernel", "lfps_update_stats_kernel", "lfps_update_add_kernel",
     "lfps_topk_kernel", "lfps_union_kernel",
     "lfps_build_lse_kernel", "lfps_build_tables_kernel",

@@ -8,15 +8,17 @@ every row's logits, ``WRITE_MAX`` their maximum over the rows (over the rows who
 is 0 with ``HAS_BYPASS``: LFPS's rank of a shared selection).
 
 Eq. 7-9 of the score tables into a fixed-capacity list (the rule of
-``redknot.lfps.fixed_budget.candidates_reference``), in three launches over chunks of ``CHUNK``
+``redknot.lfps.fixed_budget.candidates_reference``), in four launches over chunks of ``CHUNK``
 table entries, grid ``(chunks, Hs, B)`` each, so that a row is spread over many programs:
 
 | kernel               | reads                        | writes                                    |
 | -------------------- | ---------------------------- | ----------------------------------------- |
 | ``lfps_moments``     | the chunk of both tables     | its mean and central sums of powers 2-4   |
 | ``lfps_mark``        | the row's chunk moments      | Eq. 8 thresholds merged from them; each   |
-|                      | (merged), the chunk of both  | entry's code (0, or 1 + priority bin),    |
-|                      | tables and its Eq. 9 shifts  | the chunk's count and bin histogram       |
+|                      | (merged), the chunk of both  | entry's code (0, or 1 + priority bin) and |
+|                      | tables and its Eq. 9 shifts  | the chunk's count                         |
+| ``lfps_hist``        | counts; codes if overflowing | the chunk's bin histogram, only where the |
+|                      |                              | row overflows its capacity                |
 | ``lfps_write``       | counts, histograms, codes    | the list (newest first) and the count     |
 
 Entries are indexed by ``i = j - num_sink`` for key positions ``j`` in ``[num_sink, n)``
@@ -229,10 +231,10 @@ def lfps_moments_kernel(
 
 @triton.jit
 def lfps_mark_kernel(
-    Vert, Slash, Scale, State_rows, Seq_lens, Offsets, Moments, Codes, Chunk_count, Chunk_hist,
+    Vert, Slash, Scale, State_rows, Seq_lens, Offsets, Moments, Codes, Chunk_count,
     lam, num_sink,
     stride_vb, stride_vh, stride_sb, stride_sh, stride_cb, stride_mb, stride_mh, stride_mc,
-    stride_db, stride_dh, stride_nb, stride_nh, stride_hb, stride_hh, stride_hc,
+    stride_db, stride_dh, stride_nb, stride_nh,
     NUM_OFFSETS: tl.constexpr,
     CHUNK: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
@@ -241,7 +243,7 @@ def lfps_mark_kernel(
     BINS_PER_OCTAVE: tl.constexpr,
 ):  # fmt: skip
     """Program ``(c, hs, b)``: Eq. 7-9 on the chunk's entries: ``Codes[b, hs, i]`` = 0 (not a
-    candidate) or 1 + its priority bin; the chunk's candidate count and bin histogram."""
+    candidate) or 1 + its priority bin; the chunk's candidate count."""
     c = tl.program_id(0)
     hs = tl.program_id(1)
     b = tl.program_id(2)
@@ -258,7 +260,6 @@ def lfps_mark_kernel(
     hi = tl.minimum(lo + CHUNK, m)
     lanes = tl.arange(0, BLOCK)
     count = tl.sum(lanes * 0, 0)
-    hist = tl.zeros([NBINS], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
         i = start + lanes
         cand, level = candidate_block(vert_row, slash_row, Offsets, i, m, scale, theta_v, theta_s,
@@ -266,10 +267,42 @@ def lfps_mark_kernel(
                                       BINS_PER_OCTAVE)  # fmt: skip
         tl.store(codes_row + i, tl.where(cand, level + 1, 0).to(tl.uint8), mask=i < hi)
         count += tl.sum(cand.to(tl.int32), 0)
-        hist += tl.histogram(level, NBINS, mask=cand)
     tl.store(Chunk_count + b * stride_nb + hs * stride_nh + c, count)
-    bins = tl.arange(0, NBINS)
-    tl.store(Chunk_hist + b.to(tl.int64) * stride_hb + hs * stride_hh + c * stride_hc + bins, hist)
+
+
+@triton.jit
+def lfps_hist_kernel(
+    Seq_lens, Codes, Chunk_count, Chunk_hist,
+    num_sink, capacity,
+    stride_db, stride_dh, stride_nb, stride_nh, stride_hb, stride_hh, stride_hc,
+    CHUNK: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NBINS: tl.constexpr,
+):  # fmt: skip
+    """Program ``(c, hs, b)``: the chunk's histogram of candidates by priority bin, from their
+    codes, only where the row's candidates overflow ``capacity`` (the write kernel reads the
+    histograms only there; elsewhere the program returns after reading the counts)."""
+    c = tl.program_id(0)
+    hs = tl.program_id(1)
+    b = tl.program_id(2)
+    m = tl.maximum(tl.load(Seq_lens + b).to(tl.int32) - num_sink, 0)
+    chunk = tl.arange(0, CHUNKS_P2)
+    counts = tl.load(Chunk_count + b * stride_nb + hs * stride_nh + chunk,
+                     mask=chunk < tl.cdiv(m, CHUNK), other=0)  # fmt: skip
+    if tl.sum(counts, 0) > capacity:
+        codes_row = Codes + b.to(tl.int64) * stride_db + hs * stride_dh
+        lanes = tl.arange(0, BLOCK)
+        hist = tl.zeros([NBINS], dtype=tl.int32)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, m)
+        for start in range(lo, hi, BLOCK):
+            i = start + lanes
+            code = tl.load(codes_row + i, mask=i < hi, other=0).to(tl.int32)
+            hist += tl.histogram(tl.maximum(code - 1, 0), NBINS, mask=code > 0)
+        bins = tl.arange(0, NBINS)
+        out = Chunk_hist + b.to(tl.int64) * stride_hb + hs * stride_hh + c * stride_hc
+        tl.store(out + bins, hist)
 
 
 @triton.jit
