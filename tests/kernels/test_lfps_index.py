@@ -7,11 +7,13 @@ import math
 
 import pytest
 import torch
+import triton
 
 from redknot.kernels.lfps_index import exact_topk, lfps_candidates, score_keys
 from redknot.kernels.sparse_reference import exact_topk_reference, score_keys_reference
+from redknot.kernels.triton.lfps_index import lfps_moments_kernel
 from redknot.lfps import LfpsParams
-from redknot.lfps.fixed_budget import candidates_reference
+from redknot.lfps.fixed_budget import candidates_reference, tables_by_position
 
 from .paged_data import make_paged
 from .test_sparse_decode import SINK, random_lists
@@ -91,6 +93,45 @@ def test_candidates_kernel_matches_rule(capacity, offsets, chunk, block):
     assert torch.equal(got, want)
     if capacity == 7:
         assert (count > capacity).any()
+
+
+def test_chunk_moments_match_float64():
+    """The moments kernel's one pass in float64 against two passes in float64, per chunk of
+    128: heavy-tailed tables whose stored values are large under a small scale (as between
+    renormalisations), a constant chunk (central sums exactly 0), a row of zeros, a chunk cut by
+    the row's end and chunks past it."""
+    lens, chunk, block, sink = [0, 300, 700], 128, 32, SINK
+    vert, slash, _ = random_tables(lens, 2, 720, seed=11, power=8.0)
+    vert, slash = vert * 1e6, slash * 1e6
+    vert[2, 1, sink + 128 : sink + 256] = 3.0  # a constant chunk (entries 128-255)
+    slash[2, 1, 700 - 1 - sink - 255 : 700 - sink - 128] = 7.0
+    vert[1, 0], slash[1, 0] = 0.0, 0.0
+    scale = torch.full((3, 2), 1e-6)
+    chunks = triton.cdiv(720 - sink, chunk)
+    moments = torch.empty(3, 2, chunks, 8)
+    rows = torch.arange(3, dtype=torch.int32)
+    seq = torch.tensor(lens)
+    lfps_moments_kernel[(chunks, 2, 3)](
+        vert, slash, scale, rows, seq, moments, sink, vert.stride(0), vert.stride(1),
+        slash.stride(0), slash.stride(1), scale.stride(0), *moments.stride()[:3],
+        CHUNK=chunk, BLOCK=block,
+    )  # fmt: skip
+    v, sl, _ = tables_by_position(vert, slash, scale, seq, sink)
+    for b, n in enumerate(lens):
+        m = max(n - sink, 0)
+        for h in range(2):
+            for c in range(chunks):
+                lo, hi = c * chunk, min((c + 1) * chunk, m)
+                for field, table in ((0, v), (4, sl)):
+                    x = table[b, h, sink + lo : sink + hi].double()
+                    if hi <= lo:
+                        want = torch.zeros(4, dtype=torch.float64)
+                    else:
+                        d = x - x.mean()
+                        want = torch.stack([x.mean(), *(d.pow(k).sum() for k in (2, 3, 4))])
+                    got = moments[b, h, c, field : field + 4].double()
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-30)
+    assert (moments[2, 1, 1, 1:4] == 0).all()  # the constant chunk
 
 
 # ---- GPU: the 8B shape ------------------------------------------------------------------------
