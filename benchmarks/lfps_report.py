@@ -32,6 +32,7 @@ DECODE = {  # result of benchmarks/lfps_decode.py -> the selections taken from i
 SERVE = ("lfps_serve.json", "lfps_serve_union.json", "lfps_serve_union_t32k.json")
 HOST = "lfps_decode_host.json"
 CAPACITY = {  # result of lfps_serve.py --mode capacity (offload and flashinfer, one machine)
+    "lfps_capacity_h100.json": "lfps-offload",
     "lfps_capacity_h200.json": "lfps-offload",
 }
 CAPACITY_TARGET = 4.0
@@ -125,8 +126,8 @@ def capacity(results: Path, sources: dict) -> dict:
         }
     verdict.setdefault("NVIDIA H100 80GB HBM3", {  # the GPU, until a file measures it
         "met": None,
-        "why": "not measured: the machines of two GPUs and 256 GiB of host memory came as H200s "
-        "twice; one H100 machine has 128 GiB of host memory (docs/lfps.md)",
+        "why": "not measured: no lfps_capacity_h100.json (a machine of two H100s and 256 GiB of "
+        "host memory runs benchmarks/lfps_capacity_x2.sh; docs/lfps.md)",
     })  # fmt: skip
     return verdict
 

@@ -356,6 +356,9 @@ def merge(runs: dict[str, dict]) -> dict:
     merged["date"] = max(run["date"] for run in runs.values())
     merged["merged_from"] = [{"path": p, "date": r["date"], "command": r["command"],
                               "settings": r["settings"]} for p, r in runs.items()]  # fmt: skip
+    notes = sorted({r["commit_note"] for r in runs.values() if r.get("commit_note")})
+    if notes:  # how a run's commit was recorded, where it says
+        merged["commit_note"] = " / ".join(notes)
     figures = assemble(first["settings"], variants, per_case, per_point, dict(engines),
                        per_capacity)  # fmt: skip
     return {**merged, **figures}
