@@ -96,7 +96,7 @@ def test_candidates_kernel_matches_rule(capacity, offsets, chunk, block):
 
 
 def test_chunk_moments_match_float64():
-    """The moments kernel's one pass in float64 against two passes in float64, per chunk of
+    """The moments kernel (two passes in float32) against two passes in float64, per chunk of
     128: heavy-tailed tables whose stored values are large under a small scale (as between
     renormalisations), a constant chunk (central sums exactly 0), a row of zeros, a chunk cut by
     the row's end and chunks past it."""

@@ -13,8 +13,7 @@ table entries, grid ``(chunks, Hs, B)`` each, so that a row is spread over many 
 
 | kernel               | reads                        | writes                                    |
 | -------------------- | ---------------------------- | ----------------------------------------- |
-| ``lfps_moments``     | the chunk of both tables,    | its mean and central sums of powers 2-4   |
-|                      | once                         |                                           |
+| ``lfps_moments``     | the chunk of both tables     | its mean and central sums of powers 2-4   |
 | ``lfps_mark``        | the row's chunk moments      | Eq. 8 thresholds merged from them; each   |
 |                      | (merged), the chunk of both  | entry's code (0, or 1 + priority bin) and |
 |                      | tables and its Eq. 9 shifts  | the chunk's count                         |
@@ -171,17 +170,6 @@ def row_thresholds(Moments_row, stride_mc, m, lam, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def central_sums(s1, s2, s3, s4, cnt):
-    """Mean and central sums of powers 2-4 of ``cnt`` values from their sums of powers 1-4
-    (float64; the even ones clamped at 0 against rounding)."""
-    mu = s1 / cnt
-    m2 = tl.maximum(s2 - mu * s1, 0.0)
-    m3 = s3 - 3.0 * mu * s2 + 2.0 * mu * mu * s1
-    m4 = tl.maximum(s4 - 4.0 * mu * s3 + 6.0 * mu * mu * s2 - 3.0 * mu * mu * mu * s1, 0.0)
-    return mu, m2, m3, m4
-
-
-@triton.jit
 def lfps_moments_kernel(
     Vert, Slash, Scale, State_rows, Seq_lens, Moments,
     num_sink,
@@ -204,48 +192,41 @@ def lfps_moments_kernel(
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, m)
     lanes = tl.arange(0, BLOCK)
-    # one pass: sums of powers 1-4 of each entry's offset from the chunk's first entry, in
-    # float64 (a constant chunk gives exact zeros; the offset keeps the cancellation below
-    # float32's precision on these tables), turned into central sums at the end
-    first = (lanes == 0) & (lo < m)
-    first_v, first_s = table_block(vert_row, slash_row, lo + lanes * 0, first, m, scale)
-    shift_v = tl.sum(first_v, 0).to(tl.float64)
-    shift_s = tl.sum(first_s, 0).to(tl.float64)
-    p_v = tl.zeros([BLOCK], dtype=tl.float64)
-    p2_v = tl.zeros([BLOCK], dtype=tl.float64)
-    p3_v = tl.zeros([BLOCK], dtype=tl.float64)
-    p4_v = tl.zeros([BLOCK], dtype=tl.float64)
-    p_s = tl.zeros([BLOCK], dtype=tl.float64)
-    p2_s = tl.zeros([BLOCK], dtype=tl.float64)
-    p3_s = tl.zeros([BLOCK], dtype=tl.float64)
-    p4_s = tl.zeros([BLOCK], dtype=tl.float64)
+    sum_v = tl.zeros([BLOCK], dtype=tl.float32)
+    sum_s = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK):
+        v, sl = table_block(vert_row, slash_row, start + lanes, start + lanes < hi, m, scale)
+        sum_v += v
+        sum_s += sl
+    cnt = tl.maximum(hi - lo, 1).to(tl.float32)
+    mean_v = tl.sum(sum_v, 0) / cnt
+    mean_s = tl.sum(sum_s, 0) / cnt
+    p2_v = tl.zeros([BLOCK], dtype=tl.float32)
+    p3_v = tl.zeros([BLOCK], dtype=tl.float32)
+    p4_v = tl.zeros([BLOCK], dtype=tl.float32)
+    p2_s = tl.zeros([BLOCK], dtype=tl.float32)
+    p3_s = tl.zeros([BLOCK], dtype=tl.float32)
+    p4_s = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(lo, hi, BLOCK):
         ok = start + lanes < hi
         v, sl = table_block(vert_row, slash_row, start + lanes, ok, m, scale)
-        dv = tl.where(ok, v.to(tl.float64) - shift_v, 0.0)
-        ds = tl.where(ok, sl.to(tl.float64) - shift_s, 0.0)
-        p_v += dv
-        p2_v += dv * dv
-        p3_v += dv * dv * dv
-        p4_v += dv * dv * dv * dv
-        p_s += ds
-        p2_s += ds * ds
-        p3_s += ds * ds * ds
-        p4_s += ds * ds * ds * ds
-    cnt = tl.maximum(hi - lo, 1).to(tl.float64)
-    mean_v, m2_v, m3_v, m4_v = central_sums(tl.sum(p_v, 0), tl.sum(p2_v, 0), tl.sum(p3_v, 0),
-                                            tl.sum(p4_v, 0), cnt)  # fmt: skip
-    mean_s, m2_s, m3_s, m4_s = central_sums(tl.sum(p_s, 0), tl.sum(p2_s, 0), tl.sum(p3_s, 0),
-                                            tl.sum(p4_s, 0), cnt)  # fmt: skip
+        cv = tl.where(ok, v - mean_v, 0.0)
+        cs = tl.where(ok, sl - mean_s, 0.0)
+        p2_v += cv * cv
+        p3_v += cv * cv * cv
+        p4_v += cv * cv * cv * cv
+        p2_s += cs * cs
+        p3_s += cs * cs * cs
+        p4_s += cs * cs * cs * cs
     out = Moments + b.to(tl.int64) * stride_mb + hs * stride_mh + c * stride_mc
-    tl.store(out, (shift_v + mean_v).to(tl.float32))
-    tl.store(out + 1, m2_v.to(tl.float32))
-    tl.store(out + 2, m3_v.to(tl.float32))
-    tl.store(out + 3, m4_v.to(tl.float32))
-    tl.store(out + 4, (shift_s + mean_s).to(tl.float32))
-    tl.store(out + 5, m2_s.to(tl.float32))
-    tl.store(out + 6, m3_s.to(tl.float32))
-    tl.store(out + 7, m4_s.to(tl.float32))
+    tl.store(out, mean_v)
+    tl.store(out + 1, tl.sum(p2_v, 0))
+    tl.store(out + 2, tl.sum(p3_v, 0))
+    tl.store(out + 3, tl.sum(p4_v, 0))
+    tl.store(out + 4, mean_s)
+    tl.store(out + 5, tl.sum(p2_s, 0))
+    tl.store(out + 6, tl.sum(p3_s, 0))
+    tl.store(out + 7, tl.sum(p4_s, 0))
 
 
 @triton.jit
