@@ -21,8 +21,8 @@ SamkvRecompute = Literal["selective", "all", "none"]
 SAMKV_RECOMPUTE_MODES = ("selective", "all", "none")
 SamkvUpdate = Literal["overwrite", "fusion"]
 SAMKV_UPDATE_MODES = ("overwrite", "fusion")
-SamkvBlockScore = Literal["mean", "token-max"]
-SAMKV_BLOCK_SCORES = ("mean", "token-max")
+SamkvBlockScore = Literal["mean", "token-max", "attention"]
+SAMKV_BLOCK_SCORES = ("mean", "token-max", "attention")
 
 
 class RecoveryOptionsError(ValueError):
@@ -61,7 +61,7 @@ class RecoveryOptions:
     | ``samkv_budget`` | ``samkv``: ``None``: the paper's adaptive block count (Eq. 2-3, retained total / documents); a number in ``[0, 1]``: that fraction of the middle blocks, in every layer |
     | ``samkv_recompute`` | ``samkv``: ``selective`` (anchors and high-attention tokens of kept blocks), ``all`` kept tokens, or ``none`` |
     | ``samkv_update`` | ``samkv``: recomputed KV ``overwrite``s the cached KV, or ``fusion`` (Eq. 4) |
-    | ``samkv_block_score`` | ``samkv``: a block's score, ``mean`` (the paper: its tokens' mean key against the query) or ``token-max`` (not the paper: its best token's score; the anchors' likewise) |
+    | ``samkv_block_score`` | ``samkv``: a block's score, ``mean`` (the paper: its tokens' mean key against the query) ``token-max`` (not the paper: its best token's score; the anchors' likewise) or ``attention`` (not the paper: the attention the question's tokens pay its tokens over every document's cached keys at their prompt positions, per token; the anchors' likewise) |
     | ``samkv_outlier_sigma`` | ``samkv``: a kept middle token is recomputed when its attention in its own document exceeds the mean by this many standard deviations (PauTa: 3) |
 
     The ``redknot`` defaults and what the sweep in ``benchmarks/results/fidelity.json``

@@ -68,6 +68,43 @@ def test_token_max_scores_rank_blocks_by_their_best_token(runner, prompt, full):
     _close(out, full)
 
 
+def test_attention_scores_are_the_questions_attention_written_out(runner, prompt, full):
+    """``samkv_block_score="attention"``: per layer, each query head's softmax of each question
+    token (at its prompt position) over every document's cached keys (at theirs), looped; a
+    block's score is its tokens' mean attention summed over heads and question tokens, the
+    anchors' likewise. Its exact limit is still the dense prefill."""
+    policy, _ = serve_policy(
+        runner, "samkv", prompt, **BLOCK, samkv_budget=0.25, samkv_block_score="attention"
+    )
+    rope, docs = runner.model.rope, policy.report.docs
+    group = runner.shape.num_attention_heads // runner.shape.num_kv_heads
+    q0 = prompt.question_start
+    for n in range(runner.shape.num_layers):
+        q_free = policy._question_q[n]  # [Hq, T, d] at position 0
+        keys = []
+        for d in docs:
+            k = prompt.segments[d.index].cache.keys[n].float()
+            keys += [rope.realign(k[:, j : j + 1], torch.tensor([j]), torch.tensor([d.start + j]))
+                     for j in range(d.length)]  # fmt: skip
+        keys = torch.cat(keys, dim=1)  # [Hkv, sum n, d]
+        mass = torch.zeros(keys.shape[1])
+        for h in range(q_free.shape[0]):
+            for t in range(q_free.shape[1]):
+                q = rope.realign(q_free[h : h + 1, t : t + 1], torch.tensor([0]),
+                                 torch.tensor([q0 + t]))[0, 0]  # fmt: skip
+                logits = keys[h // group] @ q / q.shape[0] ** 0.5
+                mass += torch.softmax(logits, dim=0)
+        for d, part in zip(docs, torch.split(mass, [d.length for d in docs])):
+            if not d.sparsifiable:
+                continue
+            want = part[d.init : d.middle_end].view(d.num_blocks, d.block).mean(dim=1)
+            got = policy.report.block_scores[d.index][n]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    knobs = {**BLOCK, "samkv_budget": 1.0, "samkv_recompute": "all"}
+    _, out = serve_policy(runner, "samkv", prompt, **knobs, samkv_block_score="attention")
+    _close(out, full)
+
+
 def test_documents_all_anchor_and_selective_recompute_is_full_prefill(runner, prompt, full):
     policy, out = serve_policy(runner, "samkv", prompt, samkv_block=64)  # no middle block anywhere
     _close(out, full)

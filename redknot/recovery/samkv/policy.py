@@ -34,6 +34,7 @@ when it caches the document.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -286,11 +287,16 @@ class SamKV(ReusePolicy):
         q_rows = torch.arange(rows.numel(), t, device=m.device)
         pooled_q: list[Tensor] = []
 
+        question_q: list[Tensor] = []
+
         def capture(layer: int, q: Tensor, positions: Tensor) -> None:
             pooled_q.append(pooled(m.rope, q[:, q_rows], positions[q_rows]))
+            if self.options.samkv_block_score == "attention":
+                question_q.append(position_free(m.rope, q[:, q_rows], positions[q_rows]))
 
         result = sparse_forward(m, layout, past=prompt.prefix, capture=capture)
         self._add_records(result.counts, probe_pairs=0)
+        self._question_q = question_q  # per layer [Hq, T, d] position-free (``attention``)
         return torch.stack(pooled_q)
 
     def _local_summaries(
@@ -320,7 +326,9 @@ class SamKV(ReusePolicy):
         n_layers = self.shape.num_layers
         anchor_scores = torch.zeros(n_layers, len(docs))
         block_scores = []
-        for d in docs:
+        if self.options.samkv_block_score == "attention":
+            block_scores = self._attention_scores(m, docs, anchor_scores)
+        for d in docs if not block_scores else ():
             cache = self.prompt.segments[d.index].cache
             pos = torch.arange(d.length, device=m.device)
             per_layer = []
@@ -353,6 +361,40 @@ class SamKV(ReusePolicy):
             block_scores, anchor_scores, stable_layers=list(stable),
             budget=self.options.samkv_budget,
         )  # fmt: skip
+
+    def _attention_scores(self, m, docs: list[DocumentBlocks], anchor_scores: Tensor) -> list:
+        """``samkv_block_score="attention"`` (not the paper): per layer, the question's queries
+        (from the anchors-only prefill) at their prompt positions against every document's
+        cached keys at theirs, one softmax over all of them per query head and question token;
+        a token's score is the attention it receives summed over heads and question tokens, a
+        block's the mean over its tokens, the anchors' the mean over theirs. Fills
+        ``anchor_scores`` and returns per document ``[N, M_i]``."""
+        n_layers = self.shape.num_layers
+        question = self.prompt.question_start
+        per_doc: list[list[Tensor]] = [[] for _ in docs]
+        for layer in range(n_layers):
+            q_free = self._question_q[layer]  # [Hq, T, d]
+            t = q_free.shape[1]
+            q_pos = torch.arange(question, question + t, device=m.device)
+            q = m.rope.realign(q_free, torch.zeros_like(q_pos), q_pos)
+            group = q.shape[0] // self.shape.num_kv_heads
+            logits = []
+            for d in docs:
+                cache = self.prompt.segments[d.index].cache
+                pos = torch.arange(d.length, device=m.device)
+                k = m.rope.realign(cache.keys[layer].to(torch.float32), pos, pos + d.start)
+                k = k.repeat_interleave(group, dim=0)  # [Hq, n, d]
+                logits.append(torch.einsum("htd,hnd->htn", q, k) / math.sqrt(q.shape[-1]))
+            probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1).sum(dim=(0, 1))  # [sum n]
+            for i, part in enumerate(torch.split(probs, [d.length for d in docs])):
+                d = docs[i]
+                if not d.sparsifiable:
+                    per_doc[i].append(torch.zeros(0))
+                    continue
+                middle = part[d.init : d.middle_end].view(d.num_blocks, d.block).mean(dim=1)
+                per_doc[i].append(middle.cpu())
+                anchor_scores[layer, d.index] = float(part[d.anchor_mask().to(part.device)].mean())
+        return [torch.stack(x) for x in per_doc]
 
     def _recompute(self, m, docs, selection: BlockSelection, mass) -> ReferenceKV:
         opts = self.options
@@ -388,6 +430,9 @@ class SamKV(ReusePolicy):
         probes = self.shape.num_attention_heads * sum(
             d.num_blocks + 1 for d in docs if d.sparsifiable
         )
+        if opts.samkv_block_score == "attention":  # every question token against every token
+            question = len(self.prompt.ids) - self.prompt.question_start
+            probes = self.shape.num_attention_heads * question * sum(d.length for d in docs)
         self._add_records(result.counts, probe_pairs=probes)
         is_doc = (doc >= 0)[rows]
         computed = layout.compute() & is_doc[None]
