@@ -360,16 +360,17 @@ def lfps_write_kernel(
     for start in range(0, hi - lo, BLOCK):
         i = hi - 1 - start - lanes  # newest first
         code = tl.load(codes_row + i, mask=i >= lo, other=0).to(tl.int32)
-        cand = code > 0
-        at_cut = cand & (code - 1 == cut)
-        a = at_cut.to(tl.int32)
-        rank = taken + tl.cumsum(a, 0) - a
-        kept = cand & (~over | (code - 1 > cut) | (at_cut & (rank < quota)))
+        kept = code > 0
+        if over:  # the cut bin's candidates in order: a second scan, only for such rows
+            at_cut = kept & (code - 1 == cut)
+            a = at_cut.to(tl.int32)
+            rank = taken + tl.cumsum(a, 0) - a
+            kept = kept & ((code - 1 > cut) | (at_cut & (rank < quota)))
+            taken += tl.sum(a, 0)
         k = kept.to(tl.int32)
         slot = written + tl.cumsum(k, 0) - k
         tl.store(out_row + slot, num_sink + i, mask=kept & (slot < capacity))
         written += tl.sum(k, 0)
-        taken += tl.sum(a, 0)
     if c == 0:
         for start in range(tl.minimum(total, capacity), capacity, BLOCK):
             tl.store(out_row + start + lanes, -1, mask=start + lanes < capacity)
