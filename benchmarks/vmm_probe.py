@@ -1,9 +1,10 @@
 """Can one KV store span GPU memory and pinned host memory? A probe of CUDA's virtual memory
 management, for a store that fills the GPU first and spills to the host (docs/lfps.md).
 
-The offloaded server (``--redknot-lfps-offload-gb``) keeps every token slot in host memory and
-leaves the GPU's KV budget unused (65 GB on an H200, ``lfps_capacity_h200.json``), because every
-kernel indexes one store tensor per layer. CUDA's driver can map physical allocations of both
+The offloaded server (``--redknot-lfps-offload-gb``) kept every token slot in host memory and
+left the GPU's KV budget unused (65 GB on an H200, ``lfps_capacity_h200.json``), because every
+kernel indexes one store tensor per layer; it now maps both into one store with
+``redknot.pool.vmm``, which this probe exercises on its own. CUDA's driver can map physical allocations of both
 kinds side by side in one reserved address range (``cuMemAddressReserve``, ``cuMemCreate`` with
 a device location and with ``CU_MEM_LOCATION_TYPE_HOST``, ``cuMemMap``, ``cuMemSetAccess``).
 This probe builds such a range of ``--device-mib`` then ``--host-mib``, views it as one CUDA
@@ -12,8 +13,8 @@ it back on the GPU and from the host (checked equal to the pattern), and times a
 part with CUDA events. Every driver call's result is recorded; a refused call ends the probe
 with its error code in the JSON instead of an exception.
 
-The driver is reached through ``ctypes`` (``libcuda.so.1``), so the probe depends on no
-particular ``cuda-python`` release matching the machine's driver.
+The mapping is the pool's own (``redknot.pool.vmm``, which reaches the driver through
+``ctypes``).
 
     python3 benchmarks/vmm_probe.py --out $OUT/vmm_probe.json
 """
@@ -30,64 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serving_common as common
 
-LOCATION_DEVICE, LOCATION_HOST = 1, 2  # CUmemLocationType
-ALLOCATION_PINNED = 1  # CUmemAllocationType
-ACCESS_READ_WRITE = 3  # CUmemAccess_flags
-GRANULARITY_MINIMUM = 0  # CUmemAllocationGranularity_flags
-
-
-class MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocFlags(ctypes.Structure):
-    _fields_ = [
-        ("compressionType", ctypes.c_ubyte),
-        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-        ("usage", ctypes.c_ushort),
-        ("reserved", ctypes.c_ubyte * 4),
-    ]
-
-
-class AllocationProp(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("requestedHandleTypes", ctypes.c_int),
-        ("location", MemLocation),
-        ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", AllocFlags),
-    ]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
-
-
-def prop_of(location_type: int, ordinal: int) -> AllocationProp:
-    """A pinned allocation's properties at a device (``ordinal``) or on the host (id unused)."""
-    prop = AllocationProp()
-    prop.type = ALLOCATION_PINNED
-    prop.location = MemLocation(location_type, ordinal if location_type == LOCATION_DEVICE else 0)
-    return prop
-
-
-def round_up(n: int, unit: int) -> int:
-    return -(-n // unit) * unit
-
-
-class Driver:
-    """The few driver calls the probe makes; each result code is kept in ``calls``."""
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.calls: list[dict] = []
-
-    def __call__(self, name: str, *args) -> int:
-        code = int(getattr(self.lib, name)(*args))
-        self.calls.append({"call": name, "result": code})
-        if code:
-            raise RuntimeError(f"{name} returned CUDA error {code}")
-        return code
+from redknot.pool.vmm import Driver, MappedRange, VmmError, granularity, round_up
 
 
 def probe(device_mib: int, host_mib: int, reps: int) -> dict:
@@ -100,53 +44,27 @@ def probe(device_mib: int, host_mib: int, reps: int) -> dict:
     out: dict = {"device_mib": device_mib, "host_mib": host_mib, "calls": cu.calls}
     try:
         mapped(torch, cu, ordinal, device_mib, host_mib, reps, out)
-    except RuntimeError as e:  # a refused call: its code is the last of ``calls``
+    except VmmError as e:  # a refused call: its code is the last of ``calls``
         out["error"] = str(e)
     return out
 
 
 def mapped(torch, cu: Driver, ordinal: int, device_mib: int, host_mib: int, reps: int,
            out: dict) -> None:  # fmt: skip
-    """Reserve, create, map and open the range, exercise it, and release it (into ``out``)."""
+    """Reserve, create, map and open the range (``redknot.pool.vmm.MappedRange``, the pool's
+    own), exercise it, and release it (into ``out``)."""
     version = ctypes.c_int()
     cu("cuDriverGetVersion", ctypes.byref(version))
     out["driver_version"] = version.value
-    props = {LOCATION_DEVICE: prop_of(LOCATION_DEVICE, ordinal),
-             LOCATION_HOST: prop_of(LOCATION_HOST, 0)}  # fmt: skip
-    grain = {}
-    for kind, prop in props.items():
-        g = ctypes.c_size_t()
-        cu("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop),
-           GRANULARITY_MINIMUM)  # fmt: skip
-        grain[kind] = g.value
-    unit = max(grain.values())
-    out["granularity"] = {"device": grain[LOCATION_DEVICE], "host": grain[LOCATION_HOST]}
-    sizes = {LOCATION_DEVICE: round_up(device_mib << 20, unit),
-             LOCATION_HOST: round_up(host_mib << 20, unit)}  # fmt: skip
-    total = sum(sizes.values())
-    base = ctypes.c_uint64()
-    cu("cuMemAddressReserve", ctypes.byref(base), ctypes.c_size_t(total), ctypes.c_size_t(unit),
-       ctypes.c_uint64(0), ctypes.c_uint64(0))  # fmt: skip
-    handles, offset = [], 0
-    for kind in (LOCATION_DEVICE, LOCATION_HOST):
-        h = ctypes.c_uint64()
-        cu("cuMemCreate", ctypes.byref(h), ctypes.c_size_t(sizes[kind]),
-           ctypes.byref(props[kind]), ctypes.c_uint64(0))  # fmt: skip
-        cu("cuMemMap", ctypes.c_uint64(base.value + offset), ctypes.c_size_t(sizes[kind]),
-           ctypes.c_size_t(0), h, ctypes.c_uint64(0))  # fmt: skip
-        handles.append(h)
-        offset += sizes[kind]
-    access = AccessDesc(MemLocation(LOCATION_DEVICE, ordinal), ACCESS_READ_WRITE)
-    cu("cuMemSetAccess", ctypes.c_uint64(base.value), ctypes.c_size_t(total),
-       ctypes.byref(access), ctypes.c_size_t(1))  # fmt: skip
+    unit = granularity(cu, ordinal)
+    out["granularity"] = unit
+    device_bytes, host_bytes = round_up(device_mib << 20, unit), round_up(host_mib << 20, unit)
+    rng = MappedRange(cu, ordinal, device_bytes, host_bytes)
     try:
-        out.update(exercise(torch, base.value, sizes[LOCATION_DEVICE], total, reps))
+        out.update(exercise(torch, rng.base.value, device_bytes, rng.total, reps))
     finally:
         torch.cuda.synchronize()
-        cu("cuMemUnmap", ctypes.c_uint64(base.value), ctypes.c_size_t(total))
-        for h in handles:
-            cu("cuMemRelease", h)
-        cu("cuMemAddressFree", ctypes.c_uint64(base.value), ctypes.c_size_t(total))
+        rng.release()
 
 
 def exercise(torch, base: int, device_bytes: int, total: int, reps: int) -> dict:
@@ -193,7 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     try:
         figures = probe(args.device_mib, args.host_mib, args.reps)
-    except OSError as e:  # no driver on this machine
+    except VmmError as e:  # no driver on this machine
         figures = {"error": str(e)}
     common.write_json(args.out, common.record(**figures))
     print(figures)

@@ -77,6 +77,7 @@ class RedknotKVPool(KVCache):
         enable_memory_saver: bool = False,
         segment_plan: SegmentPlan | None = None,
         host_kv: bool = False,
+        device_rows: int = 0,
     ):
         super().__init__(
             size,
@@ -123,11 +124,23 @@ class RedknotKVPool(KVCache):
         rows = (num_rings + num_snapshots) * self.ring_len
         # --redknot-lfps-offload-gb: the global store in pinned host memory, as CUDA tensors
         # every kernel reads over PCIe (redknot.pool.host_memory)
+        # (device_rows > 0: the store's first slots in GPU memory, the rest in host memory, one
+        # tensor per layer mapped by redknot.pool.vmm)
         self.host_kv = host_kv
+        self.device_rows = 0  # slots [0, device_rows) of a host store in GPU memory
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
             n = size + page_size
             shapes = [(n, layout.global_columns(i), d) for i in range(layout.num_layers)]
-            if host_kv:
+            if host_kv and device_rows > 0:
+                from redknot.pool.vmm import tiered_tensor
+
+                index = torch.device(device).index
+                index = torch.cuda.current_device() if index is None else index
+                k = [tiered_tensor(s, dtype, index, device_rows) for s in shapes]
+                v = [tiered_tensor(s, dtype, index, device_rows) for s in shapes]
+                self.k_global, self.v_global = [t for t, _ in k], [t for t, _ in v]
+                self.device_rows = min(rows for _, rows in k + v)
+            elif host_kv:
                 from redknot.pool.host_memory import pinned_host_tensor
 
                 self.k_global = [pinned_host_tensor(s, dtype, device) for s in shapes]
@@ -169,9 +182,15 @@ class RedknotKVPool(KVCache):
             self.ring_len,
             sum(layout.num_local(i) for i in range(layout.num_layers)),
             sum(2 * t.numel() * t.element_size() for t in self.k_global) / GB,
-            " in pinned host memory" if host_kv else "",
+            self._store_place(),
             sum(2 * t.numel() * t.element_size() for t in self.k_local) / GB,
         )
+
+    def _store_place(self) -> str:
+        """Where the global store is, for the startup log."""
+        if self.device_rows:
+            return f", slots below {self.device_rows} in GPU memory, the rest in pinned host memory"
+        return " in pinned host memory" if self.host_kv else ""
 
     # ---- SGLang's KVCache contract (the global store) ----------------------------------------
 

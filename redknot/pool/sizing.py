@@ -182,31 +182,43 @@ def lfps_shape(kvc: Any):
 LFPS_REQUESTS = 8  # --redknot-lfps-max-requests when not given and the KV is in GPU memory
 
 
-def lfps_request_rows(requested: int | None, host_bytes: int, token_bytes: int, context: int):
+def lfps_request_rows(
+    requested: int | None, host_bytes: int, token_bytes: int, context: int,
+    budget_bytes: int = 0, row_bytes: int = 0,
+) -> int:  # fmt: skip
     """Rows of LFPS state: ``--redknot-lfps-max-requests`` if given; else, with the KV in a
-    host store of ``host_bytes``, the full-context requests it holds (at least
+    host store of ``host_bytes``, the full-context requests the store holds (at least
     ``LFPS_REQUESTS``: requests beyond the rows decode densely, across PCIe there); else
-    ``LFPS_REQUESTS``."""
+    ``LFPS_REQUESTS``. With ``budget_bytes`` of GPU KV budget beside the host store (a tiered
+    store, ``redknot.pool.vmm``), each request takes a row of ``row_bytes`` from that budget and
+    its tokens from either memory: ``(host + budget) // (context tokens + row)`` requests."""
     if requested is not None:
         return requested
     if host_bytes:
-        return max(LFPS_REQUESTS, host_bytes // token_bytes // context)
+        full = host_bytes // token_bytes // context
+        if budget_bytes:
+            full = max(full, (host_bytes + budget_bytes) // (token_bytes * context + row_bytes))
+        return max(LFPS_REQUESTS, full)
     return LFPS_REQUESTS
 
 
-def reserve_lfps_bytes(kvc: Any, budget_bytes: int, host_bytes: int = 0) -> int:
+def reserve_lfps_bytes(kvc: Any, budget_bytes: int, host_bytes: int = 0,
+                       tiered: bool = False) -> int:  # fmt: skip
     """Bytes of the LFPS state (``--redknot-lfps-max-requests`` rows of tables as long as the
-    context in every layer, by default as many as a host store of ``host_bytes`` holds), taken
-    from the KV budget so that admission counts them."""
+    context in every layer, by default as many as a host store of ``host_bytes`` holds, and
+    with ``tiered`` the GPU budget's token slots beside it), taken from the KV budget so that
+    admission counts them."""
     from redknot.integration.server_args import published_config
     from redknot.lfps.serving import state_bytes
 
     shape = lfps_shape(kvc)
     if shape is None:
         return 0
+    row = state_bytes(shape, 1) - state_bytes(shape, 0)
     slots = lfps_request_rows(
-        published_config().lfps_max_requests, host_bytes, cell_size(kvc), shape.max_len
-    )
+        published_config().lfps_max_requests, host_bytes, cell_size(kvc), shape.max_len,
+        budget_bytes if tiered else 0, row,
+    )  # fmt: skip
     need = state_bytes(shape, slots)
     if need >= budget_bytes:
         raise ValueError(
@@ -241,22 +253,55 @@ def host_kv_bytes(kvc: Any) -> int:
     return want
 
 
+def tiered_store_usable(kvc: Any) -> bool:
+    """Whether this GPU's driver maps GPU and pinned host memory into one range (a store of 2
+    granules, one of each, made and released); where it does not, the offloaded store stays in
+    host memory only and the log says why."""
+    from redknot.pool import vmm
+
+    try:
+        cu = vmm.driver()
+        ordinal = torch.device(kvc.device).index
+        ordinal = torch.cuda.current_device() if ordinal is None else ordinal
+        unit = vmm.granularity(cu, ordinal)
+        vmm.MappedRange(cu, ordinal, unit, unit).release()
+    except (vmm.VmmError, RuntimeError) as e:
+        logger.warning(
+            "redknot: the GPU's KV budget cannot hold token slots beside the host store (%s); "
+            "the offloaded store is in host memory only",
+            e,
+        )
+        return False
+    return True
+
+
 def reserve_local_bytes(kvc: Any, budget_bytes: int) -> int:
     """Plan the LFPS state, the segment region and the request/snapshot slots; return the budget
     left for token slots (under ``--redknot-lfps-offload-gb``, the host's: the GPU budget then
     holds only the LFPS state)."""
     host = host_kv_bytes(kvc)
-    budget_bytes -= reserve_lfps_bytes(kvc, budget_bytes, host)
+    tiered = bool(host) and tiered_store_usable(kvc)
+    budget_bytes -= reserve_lfps_bytes(kvc, budget_bytes, host, tiered)
     if host:
         # offload needs every head global and no segment region (RedknotConfig): no rings
         state_of(kvc)["slots"] = SlotPlan(request_slots=None, snapshots=0, fixed_bytes=0)
-        logger.info(
-            "redknot: token slots in %.1f GiB of pinned host memory (--redknot-lfps-offload-gb); "
-            "%.2f GB of the GPU's KV budget left unused",
-            host / (1 << 30),
-            budget_bytes / (1 << 30),
-        )
-        return host
+        device = max(budget_bytes, 0) if tiered else 0
+        state_of(kvc)["device_token_slots"] = device // cell_size(kvc)
+        if tiered:
+            logger.info(
+                "redknot: token slots in %.2f GB of the GPU's KV budget first, then %.1f GiB of "
+                "pinned host memory (--redknot-lfps-offload-gb), one store (redknot.pool.vmm)",
+                device / (1 << 30),
+                host / (1 << 30),
+            )
+        else:
+            logger.info(
+                "redknot: token slots in %.1f GiB of pinned host memory "
+                "(--redknot-lfps-offload-gb); %.2f GB of the GPU's KV budget left unused",
+                host / (1 << 30),
+                budget_bytes / (1 << 30),
+            )
+        return host + device
     budget_bytes -= reserve_segment_bytes(kvc, budget_bytes).reserved_bytes
     plan = plan_slots(
         rank_layouts(kvc), kvc.kv_cache_dtype, budget_bytes, kvc.server_args.max_running_requests
@@ -297,6 +342,7 @@ def build_pool(kvc: Any, max_total_num_tokens: int, req_to_token_pool: Any):
         device=kvc.device,
         segment_plan=state_of(kvc).get("segments"),
         host_kv=bool(published_config().lfps_offload_gb),
+        device_rows=state_of(kvc).get("device_token_slots", 0),
     )
     lfps = state_of(kvc).get("lfps")
     if lfps is not None:

@@ -199,3 +199,52 @@ def test_lfps_rows_default_to_what_the_host_store_holds(monkeypatch):
         token = sizing.cell_size(kvc)
     _, rows = sizing.state_of(kvc)["lfps"]
     assert rows == 2 * GiB // token // 4096 and rows > 8
+
+
+def test_a_tiered_store_puts_token_slots_in_the_gpu_budget_first(monkeypatch, caplog):
+    """Where the driver maps both memories into one range, the GPU's KV budget left after the
+    LFPS state holds token slots beside the host store's, the LFPS rows count the full-context
+    requests both hold, and the log says so; where it does not, the store is host memory only
+    and the log says why."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from redknot.lfps.serving import state_bytes
+    from redknot.pool import vmm
+
+    row, token, ctx = 1000, 4096, 4096
+    assert sizing.lfps_request_rows(None, 2 * GiB, token, ctx, 1 * GiB, row) == (
+        3 * GiB // (token * ctx + row)
+    )  # 191, where the host store alone holds 128
+    assert sizing.lfps_request_rows(None, 2 * GiB, token, ctx, 0, row) == 128
+    config = RedknotConfig(**OFFLOAD, lfps_offload_gb=2.0)
+    monkeypatch.setenv(envs.REDKNOT_RESOLVED_CONFIG.name, config.to_json())
+    monkeypatch.setattr(host_memory, "meminfo_bytes", lambda field: 64 * GiB)
+    budget = 4 * GiB
+    with get_parallel().override(attn_tp_size=1, attn_tp_rank=0):
+        kvc = bare_configurator()
+        monkeypatch.setattr(sizing, "tiered_store_usable", lambda kvc: True)
+        with caplog.at_level("INFO"):
+            got = sizing.reserve_local_bytes(kvc, budget)
+        cell = sizing.cell_size(kvc)
+        shape, rows = sizing.state_of(kvc)["lfps"]
+        device = budget - state_bytes(shape, rows)
+        assert got == 2 * GiB + device
+        assert sizing.state_of(kvc)["device_token_slots"] == device // cell
+        per_row = state_bytes(shape, 1) - state_bytes(shape, 0)
+        assert rows == (2 * GiB + budget) // (cell * shape.max_len + per_row)
+        assert rows > 2 * GiB // cell // shape.max_len
+        assert "GPU's KV budget first" in caplog.text
+        caplog.clear()
+        kvc = bare_configurator()
+        monkeypatch.undo()
+        monkeypatch.setenv(envs.REDKNOT_RESOLVED_CONFIG.name, config.to_json())
+        monkeypatch.setattr(host_memory, "meminfo_bytes", lambda field: 64 * GiB)
+
+        def refused():
+            raise vmm.VmmError("cuMemCreate returned CUDA error 801")
+
+        monkeypatch.setattr(vmm, "driver", refused)
+        with caplog.at_level("INFO"):
+            assert sizing.reserve_local_bytes(kvc, budget) == 2 * GiB
+        assert "cannot hold token slots beside the host store (cuMemCreate" in caplog.text
+        assert sizing.state_of(kvc)["device_token_slots"] == 0
