@@ -192,13 +192,14 @@ def _quiet(*names: str) -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _pool(served: ServedAttention, layout: HeadLayout, batch: SyntheticBatch, host_kv=False):
+def _pool(served: ServedAttention, layout: HeadLayout, batch: SyntheticBatch, host_kv=False,
+          device_rows: int = 0):  # fmt: skip
     from redknot.pool.kv_pool import RedknotKVPool
 
     with _quiet("redknot.pool.kv_pool", "sglang.srt.mem_cache.memory_pool"):
         return RedknotKVPool(
             batch.num_slots, 1, served.kv_dtype, layout, num_rings=batch.req_to_token_cpu.shape[0],
-            num_snapshots=0, device=str(served.device), host_kv=host_kv,
+            num_snapshots=0, device=str(served.device), host_kv=host_kv, device_rows=device_rows,
         )  # fmt: skip
 
 
@@ -280,7 +281,11 @@ class DensePath:
         rows, width = batch.req_to_token_cpu.shape
         req_pool = ReqToTokenPool(rows - 1, width, str(served.device), enable_memory_saver=False)
         req_pool.req_to_token.copy_(batch.req_to_token_cpu)
-        self.pool = pool = _pool(served, layout, batch, host_kv=self.host_kv)
+        # a server whose offloaded store starts in GPU memory (redknot.pool.vmm) is checked over
+        # such a store: its first half in GPU memory, the rest in host memory
+        tiered = getattr(getattr(model_runner, "token_to_kv_pool", None), "device_rows", 0)
+        rows = batch.num_slots // 2 if self.host_kv and tiered else 0
+        self.pool = pool = _pool(served, layout, batch, host_kv=self.host_kv, device_rows=rows)
         self.req_to_token = req_pool.req_to_token
         runner = _RunnerWith(
             model_runner, req_to_token_pool=req_pool, token_to_kv_pool=pool,

@@ -322,19 +322,30 @@ def test_step_cuda_graph_replay_matches_eager(rows, union):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("store", ["host", "tiered"])
 @pytest.mark.parametrize("rows, union", [(1, 1), (4, 1), (4, 4)])
-def test_step_over_pinned_host_kv_equals_the_step_over_device_kv(rows, union):
+def test_step_over_pinned_host_kv_equals_the_step_over_device_kv(rows, union, store):
     """Issue 28 item 3: the Triton step reading K/V from pinned host memory (over PCIe, through
-    unified addressing), eagerly, through staging buffers (lists per KV head) and replayed from
-    a CUDA graph, gives what it gives over the same K/V in GPU memory: outputs, selections and
-    tables bit for bit."""
+    unified addressing), or from a tiered store (``redknot.pool.vmm``: its first 4,096 slots in
+    GPU memory, the rest in host memory, one tensor), eagerly, through staging buffers (lists
+    per KV head) and replayed from a CUDA graph, gives what it gives over the same K/V in GPU
+    memory: outputs, selections and tables bit for bit."""
     from redknot.kernels.sparse_decode import plan_sparse_decode
+    from redknot.pool.vmm import tiered_tensor
 
     dev, Hq, Hkv, D, B = "cuda", 32, 8, 128, 3
     lens = [6000, 700, 3000]
     n_max = max(lens) + 2
     batch = make_paged([n + 1 for n in lens], Hkv, D, torch.bfloat16, device=dev, seed=6)
-    host_k, host_v = batch.k_buffer.cpu().pin_memory(), batch.v_buffer.cpu().pin_memory()
+    if store == "host":
+        host_k, host_v = batch.k_buffer.cpu().pin_memory(), batch.v_buffer.cpu().pin_memory()
+    else:
+        shape, index = tuple(batch.k_buffer.shape), torch.cuda.current_device()
+        (host_k, on_k), (host_v, on_v) = (tiered_tensor(shape, torch.bfloat16, index, 4096)
+                                          for _ in range(2))  # fmt: skip
+        assert on_k == on_v == 4096 < shape[0]
+        host_k.copy_(batch.k_buffer)
+        host_v.copy_(batch.v_buffer)
     state = random_lfps_state(B, Hq, Hkv, D, rows, n_max, seed=7)
     for b, n in enumerate(lens):
         state.vertical[b, :, n - 1 :] = 0
