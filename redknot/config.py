@@ -329,10 +329,12 @@ class RedknotConfig:
         default=4,
     )
     lfps_offload_gb: float = _opt(
-        "--redknot-lfps: keep the KV of every token in this many GiB of pinned host memory (per "
-        "tensor-parallel rank) instead of GPU memory, so that more or longer requests are held "
-        "than the GPU fits; kernels read it over PCIe, and requests with LFPS state read only "
-        "the keys they score and attend. 0 (default): KV in GPU memory (docs/lfps.md).",
+        "--redknot-lfps: hold the KV in the GPU's KV budget and beyond it in this many GiB of "
+        "pinned host memory (per tensor-parallel rank), one store, so that more or longer "
+        "requests are held than the GPU fits; kernels read the host part over PCIe, and "
+        "requests with LFPS state read only the keys they score and attend. Where the driver "
+        "cannot map both memories into one range the KV is in host memory only (logged). 0 "
+        "(default): KV in GPU memory (docs/lfps.md).",
         default=0.0,
     )
     skip_startup_check: bool = _opt(
