@@ -451,13 +451,11 @@ class LfpsServing:
         larger batch), or None where staging does not pay."""
         if not self.stage_pays(batch, context):
             return None
-        from redknot.kernels.host_stage import first_rows
-
         key = (candidates, topk)
         held = self.eager_stage
         if held is None or held[0] != key or held[1][0].req_pool_indices.shape[0] < batch:
             held = self.eager_stage = (key, self._host_stages(batch, candidates, topk, device))
-        return tuple(first_rows(st, batch) for st in held[1])
+        return _first_rows(held[1], batch)
 
     # ---- decode in CUDA graphs ------------------------------------------------------------
 
@@ -519,9 +517,7 @@ class LfpsServing:
         held = self.graph_stage  # the graphs know no lengths: the context is the longest
         fits = held is not None and bs <= held[0].req_pool_indices.shape[0]
         if fits and self.stage_pays(bs, self.shape.max_len):
-            from redknot.kernels.host_stage import first_rows
-
-            stage = tuple(first_rows(st, bs) for st in held)
+            stage = _first_rows(held, bs)
         return self._attend(
             layer_id, q, k_buffer, v_buffer, req_pool_indices, seq_lens, self.graph_index[:bs],
             self.graph_dense[:bs], self.graph_topk, self.graph_candidates, self.shape.max_len,
@@ -572,3 +568,10 @@ class LfpsServing:
             q, k_buffer, v_buffer, *paged, picked, p.num_sink, sm_scale
         )
         return out
+
+
+def _first_rows(stages: tuple, batch: int) -> tuple:
+    """The first ``batch`` rows of each of a step's staging buffers."""
+    from redknot.kernels.host_stage import first_rows
+
+    return tuple(first_rows(st, batch) for st in stages)
