@@ -78,9 +78,8 @@ def test_attention_scores_are_the_questions_attention_written_out(runner, prompt
     )
     rope, docs = runner.model.rope, policy.report.docs
     group = runner.shape.num_attention_heads // runner.shape.num_kv_heads
-    q0 = prompt.question_start
     for n in range(runner.shape.num_layers):
-        q_free = policy._question_q[n]  # [Hq, T, d] at position 0
+        q_prompt = policy._question_q[n]  # [Hq, T, d] at the question's prompt positions
         keys = []
         for d in docs:
             k = prompt.segments[d.index].cache.keys[n].float()
@@ -88,10 +87,9 @@ def test_attention_scores_are_the_questions_attention_written_out(runner, prompt
                      for j in range(d.length)]  # fmt: skip
         keys = torch.cat(keys, dim=1)  # [Hkv, sum n, d]
         mass = torch.zeros(keys.shape[1])
-        for h in range(q_free.shape[0]):
-            for t in range(q_free.shape[1]):
-                q = rope.realign(q_free[h : h + 1, t : t + 1], torch.tensor([0]),
-                                 torch.tensor([q0 + t]))[0, 0]  # fmt: skip
+        for h in range(q_prompt.shape[0]):
+            for t in range(q_prompt.shape[1]):
+                q = q_prompt[h, t]
                 logits = keys[h // group] @ q / q.shape[0] ** 0.5
                 mass += torch.softmax(logits, dim=0)
         for d, part in zip(docs, torch.split(mass, [d.length for d in docs])):

@@ -288,15 +288,17 @@ class SamKV(ReusePolicy):
         pooled_q: list[Tensor] = []
 
         question_q: list[Tensor] = []
+        at_prompt = torch.arange(len(question), device=m.device) + prompt.question_start
 
         def capture(layer: int, q: Tensor, positions: Tensor) -> None:
             pooled_q.append(pooled(m.rope, q[:, q_rows], positions[q_rows]))
-            if self.options.samkv_block_score == "attention":
-                question_q.append(position_free(m.rope, q[:, q_rows], positions[q_rows]))
+            if self.options.samkv_block_score == "attention":  # at their prompt positions
+                q_float = q[:, q_rows].to(torch.float32)
+                question_q.append(m.rope.realign(q_float, positions[q_rows], at_prompt))
 
         result = sparse_forward(m, layout, past=prompt.prefix, capture=capture)
         self._add_records(result.counts, probe_pairs=0)
-        self._question_q = question_q  # per layer [Hq, T, d] position-free (``attention``)
+        self._question_q = question_q  # per layer [Hq, T, d] at the prompt (``attention``)
         return torch.stack(pooled_q)
 
     def _local_summaries(
@@ -325,14 +327,35 @@ class SamKV(ReusePolicy):
     def _select(self, m, docs: list[DocumentBlocks], queries: Tensor) -> BlockSelection:
         n_layers = self.shape.num_layers
         anchor_scores = torch.zeros(n_layers, len(docs))
-        block_scores = []
         if self.options.samkv_block_score == "attention":
             block_scores = self._attention_scores(m, docs, anchor_scores)
-        for d in docs if not block_scores else ():
+        else:
+            block_scores = self._key_scores(m, docs, queries, anchor_scores)
+        self.report.block_scores = block_scores
+        width, start = self.options.samkv_stable_layers, self.options.samkv_stable_from
+        if start is not None and start + width > n_layers:
+            raise ValueError(
+                f"samkv_stable_from {start} + samkv_stable_layers {width} exceeds the model's "
+                f"{n_layers} layers"
+            )
+        start = max(0, n_layers - width) if start is None else start
+        stable = range(start, min(n_layers, start + width))
+        return select_blocks(
+            block_scores, anchor_scores, stable_layers=list(stable),
+            budget=self.options.samkv_budget,
+        )  # fmt: skip
+
+    def _key_scores(self, m, docs: list[DocumentBlocks], queries: Tensor,
+                    anchor_scores: Tensor) -> list[Tensor]:  # fmt: skip
+        """``samkv_block_score`` ``mean`` (the paper) or ``token-max``: each document's blocks
+        scored by its personalized query against their position-free keys. Fills
+        ``anchor_scores`` and returns per document ``[N, M_i]``."""
+        block_scores = []
+        for d in docs:
             cache = self.prompt.segments[d.index].cache
             pos = torch.arange(d.length, device=m.device)
             per_layer = []
-            for layer in range(n_layers):
+            for layer in range(self.shape.num_layers):
                 if not d.sparsifiable:
                     per_layer.append(torch.zeros(0))
                     continue
@@ -348,19 +371,7 @@ class SamKV(ReusePolicy):
                     scores(queries[d.index, layer], anchor[:, None])[0]
                 )
             block_scores.append(torch.stack(per_layer))
-        self.report.block_scores = block_scores
-        width, start = self.options.samkv_stable_layers, self.options.samkv_stable_from
-        if start is not None and start + width > n_layers:
-            raise ValueError(
-                f"samkv_stable_from {start} + samkv_stable_layers {width} exceeds the model's "
-                f"{n_layers} layers"
-            )
-        start = max(0, n_layers - width) if start is None else start
-        stable = range(start, min(n_layers, start + width))
-        return select_blocks(
-            block_scores, anchor_scores, stable_layers=list(stable),
-            budget=self.options.samkv_budget,
-        )  # fmt: skip
+        return block_scores
 
     def _attention_scores(self, m, docs: list[DocumentBlocks], anchor_scores: Tensor) -> list:
         """``samkv_block_score="attention"`` (not the paper): per layer, the question's queries
@@ -369,14 +380,9 @@ class SamKV(ReusePolicy):
         a token's score is the attention it receives summed over heads and question tokens, a
         block's the mean over its tokens, the anchors' the mean over theirs. Fills
         ``anchor_scores`` and returns per document ``[N, M_i]``."""
-        n_layers = self.shape.num_layers
-        question = self.prompt.question_start
         per_doc: list[list[Tensor]] = [[] for _ in docs]
-        for layer in range(n_layers):
-            q_free = self._question_q[layer]  # [Hq, T, d]
-            t = q_free.shape[1]
-            q_pos = torch.arange(question, question + t, device=m.device)
-            q = m.rope.realign(q_free, torch.zeros_like(q_pos), q_pos)
+        for layer in range(self.shape.num_layers):
+            q = self._question_q[layer]  # [Hq, T, d] at the question's prompt positions
             group = q.shape[0] // self.shape.num_kv_heads
             logits = []
             for d in docs:
