@@ -132,10 +132,9 @@ class RedknotKVPool(KVCache):
             n = size + page_size
             shapes = [(n, layout.global_columns(i), d) for i in range(layout.num_layers)]
             if host_kv and device_rows > 0:
-                from redknot.pool.vmm import tiered_tensor
+                from redknot.pool.vmm import ordinal_of, tiered_tensor
 
-                index = torch.device(device).index
-                index = torch.cuda.current_device() if index is None else index
+                index = ordinal_of(device)
                 k = [tiered_tensor(s, dtype, index, device_rows) for s in shapes]
                 v = [tiered_tensor(s, dtype, index, device_rows) for s in shapes]
                 self.k_global, self.v_global = [t for t, _ in k], [t for t, _ in v]

@@ -260,11 +260,7 @@ def tiered_store_usable(kvc: Any) -> bool:
     from redknot.pool import vmm
 
     try:
-        cu = vmm.driver()
-        ordinal = torch.device(kvc.device).index
-        ordinal = torch.cuda.current_device() if ordinal is None else ordinal
-        unit = vmm.granularity(cu, ordinal)
-        vmm.MappedRange(cu, ordinal, unit, unit).release()
+        vmm.check_mapping(kvc.device)
     except (vmm.VmmError, RuntimeError) as e:
         logger.warning(
             "redknot: the GPU's KV budget cannot hold token slots beside the host store (%s); "

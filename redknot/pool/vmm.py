@@ -172,6 +172,21 @@ class MappedRange:
         self.release()
 
 
+def ordinal_of(device: str | torch.device) -> int:
+    """The CUDA ordinal of ``device`` (``"cuda"`` alone: the current device)."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def check_mapping(device: str | torch.device) -> None:
+    """Map one granule of GPU memory and one of pinned host memory side by side on ``device``
+    and release them; raises :class:`VmmError` where there is no driver or it refuses."""
+    cu = driver()
+    ordinal = ordinal_of(device)
+    unit = granularity(cu, ordinal)
+    MappedRange(cu, ordinal, unit, unit).release()
+
+
 def device_part(rows: int, row_bytes: int, device_rows: int, unit: int) -> int:
     """Rows of a tensor of ``rows`` rows of ``row_bytes`` that can be GPU memory when
     ``device_rows`` are asked for: at most ``rows``, and a whole number of granules."""

@@ -45,6 +45,7 @@ def bare_configurator():
     kvc.server_args = SimpleNamespace(attention_backend="redknot", max_running_requests=None)
     kvc.model_config = SimpleNamespace(hf_config=CONFIG, context_len=4096)
     kvc.kv_cache_dtype = torch.bfloat16
+    kvc.device = "cuda"
     return kvc
 
 
