@@ -4,9 +4,10 @@ management, for a store that fills the GPU first and spills to the host (docs/lf
 The offloaded server (``--redknot-lfps-offload-gb``) kept every token slot in host memory and
 left the GPU's KV budget unused (65 GB on an H200, ``lfps_capacity_h200.json``), because every
 kernel indexes one store tensor per layer; it now maps both into one store with
-``redknot.pool.vmm``, which this probe exercises on its own. CUDA's driver can map physical allocations of both
-kinds side by side in one reserved address range (``cuMemAddressReserve``, ``cuMemCreate`` with
-a device location and with ``CU_MEM_LOCATION_TYPE_HOST``, ``cuMemMap``, ``cuMemSetAccess``).
+``redknot.pool.vmm``, which this probe exercises on its own. CUDA's driver can map physical
+allocations of both kinds side by side in one reserved address range (``cuMemAddressReserve``,
+``cuMemCreate`` with a device location and with ``CU_MEM_LOCATION_TYPE_HOST``, ``cuMemMap``,
+``cuMemSetAccess``).
 This probe builds such a range of ``--device-mib`` then ``--host-mib``, views it as one CUDA
 tensor (``__cuda_array_interface__``), writes a pattern across it with PyTorch kernels and reads
 it back on the GPU and from the host (checked equal to the pattern), and times a read of each
