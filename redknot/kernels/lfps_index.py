@@ -35,6 +35,8 @@ SCORE_BLOCK_N = 64  # keys per scoring program
 CANDIDATE_CHUNK = 2048  # table entries per program of the candidate kernels
 CANDIDATE_BLOCK = 512  # table entries per inner step
 CANDIDATE_WARPS = 4  # warps per program of the candidate kernels
+# The moments kernel holds its whole chunk in registers (read once for both passes) by default
+MOMENTS_BLOCK = CANDIDATE_CHUNK
 
 
 @functools.cache
@@ -187,6 +189,7 @@ def lfps_candidates(
     chunk: int = CANDIDATE_CHUNK,
     block: int = CANDIDATE_BLOCK,
     num_warps: int = CANDIDATE_WARPS,
+    moments_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LFPS Eq. 7-9 into a fixed-capacity list (rule: ``redknot.lfps.fixed_budget``).
 
@@ -199,6 +202,8 @@ def lfps_candidates(
     rows : [B] int32, the table row of each request (``LfpsBatchState.index``); None: request
         ``b`` reads row ``b`` (``R = B``).
     chunk, block : table entries per program and per inner step (powers of two, block <= chunk).
+    moments_block : the moments kernel's inner step (default ``min(MOMENTS_BLOCK, chunk)``; at
+        ``chunk`` each table entry is read once, not once per pass).
     num_warps : warps per program of the four launches.
 
     Returns
@@ -215,7 +220,10 @@ def lfps_candidates(
         assert B == R, (B, R)
         rows = torch.arange(B, dtype=torch.int32, device=vertical.device)
     assert rows.shape == (B,) and rows.dtype == torch.int32 and capacity >= 1, (rows, capacity)
-    assert block <= chunk and chunk % block == 0 and block & (block - 1) == 0, (chunk, block)
+    if moments_block is None:
+        moments_block = min(MOMENTS_BLOCK, chunk)
+    for step in (block, moments_block):
+        assert step <= chunk and chunk % step == 0 and step & (step - 1) == 0, (chunk, step)
     dev = vertical.device
     out = torch.empty(B, Hs, capacity, dtype=torch.int32, device=dev)
     count = torch.empty(B, Hs, dtype=torch.int32, device=dev)
@@ -235,7 +243,7 @@ def lfps_candidates(
                  chunk_hist.stride(0), chunk_hist.stride(1), chunk_hist.stride(2))  # fmt: skip
     lfps_moments_kernel[grid](
         vertical, slash, scale, rows, seq_lens, moments, params.num_sink, *tables, *m_strides,
-        CHUNK=chunk, BLOCK=block, num_warps=num_warps,
+        CHUNK=chunk, BLOCK=moments_block, num_warps=num_warps,
     )  # fmt: skip
     lfps_mark_kernel[grid](
         vertical, slash, scale, rows, seq_lens, offsets_tensor(params.offsets, dev), moments, codes,

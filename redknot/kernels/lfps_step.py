@@ -15,6 +15,7 @@ References: ``redknot.lfps.batched.head_sparsity``, ``rank_topk_in_list_order``,
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,6 +23,7 @@ import triton
 from redknot.kernels.triton.common import upcast_dots
 from redknot.kernels.triton.lfps_select import lfps_topk_kernel, lfps_union_kernel
 from redknot.kernels.triton.lfps_step import (
+    lfps_attend_merge_kernel,
     lfps_sparsity_kernel,
     lfps_update_add_kernel,
     lfps_update_stats_kernel,
@@ -85,9 +87,10 @@ def lfps_sparsity(
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
     assert state.batch_size == B and state.mean_key.shape[1:] == (Hkv, D), state.mean_key.shape
     assert state.query_stat.shape[1] == Hq, state.query_stat.shape
-    sparsity = torch.zeros(B, Hq, dtype=torch.float32, device=q.device)
-    flags = torch.zeros(B, Hq, dtype=torch.int8, device=q.device)
-    bypass_out = torch.zeros(B, Hq, D, dtype=torch.float32, device=q.device)
+    alloc = torch.zeros if B == 0 or params.num_sink == 0 else torch.empty  # else all written
+    sparsity = alloc(B, Hq, dtype=torch.float32, device=q.device)
+    flags = alloc(B, Hq, dtype=torch.int8, device=q.device)
+    bypass_out = alloc(B, Hq, D, dtype=torch.float32, device=q.device)
     if B == 0 or params.num_sink == 0:  # no sink: no bypass (the reference's convention)
         return sparsity, flags.view(torch.bool) & (params.sparsity_threshold < 0), bypass_out
     grp = Hq // Hkv
@@ -196,6 +199,46 @@ def lfps_union(
     return top_val, top_at, filled
 
 
+@dataclass(frozen=True)
+class SelectedValues:
+    """Where :func:`lfps_update` reads what the attention over a selection needs besides the
+    logits: the values of Top-K entry ``e`` at position ``indices[b, hs, e]`` of ``v_buffer``
+    (through ``req_to_token``, where ``num_sink <= p < seq_lens[b]``), and the sinks' keys and
+    values (positions ``< min(num_sink, seq_lens[b])``). The store being read, or staging
+    buffers holding its rows (``redknot.kernels.host_stage``: ``st.k, st.v, st.req_to_token,
+    st.req_pool_indices, st.seq_lens, st.indices``)."""
+
+    q: torch.Tensor  # [B, Hq, D] fp16/bf16
+    k_buffer: torch.Tensor  # [slots, Hkv, D] like q
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor  # [R, ctx] int32
+    req_pool_indices: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B]
+    indices: torch.Tensor  # [B, Hs, K] int32
+    sm_scale: float
+    bypass_out: torch.Tensor  # [B, Hq, D] float32, the bypassed heads' output
+
+
+@dataclass(frozen=True)
+class LfpsSelection:
+    """What :func:`lfps_select` leaves for :func:`lfps_update`: its inputs, the selection and
+    each segment's softmax stats."""
+
+    top_val: torch.Tensor
+    top_at: torch.Tensor
+    candidates: torch.Tensor
+    count: torch.Tensor
+    logits: torch.Tensor
+    bypass: torch.Tensor
+    seq_lens: torch.Tensor
+    state: LfpsBatchState
+    params: LfpsParams
+    filled: torch.Tensor | None
+    block: int
+    selected: torch.Tensor  # [B, Hs, K] int32 positions, -1 past the budget or the candidates
+    stats: torch.Tensor  # [B, Hs, segments, rows, 2] float32 (max, sum of exponentials)
+
+
 def lfps_select_update(
     top_val: torch.Tensor,
     top_at: torch.Tensor,
@@ -210,9 +253,31 @@ def lfps_select_update(
     *,
     block: int = UPDATE_BLOCK_K,
 ) -> torch.Tensor:
-    """The selection from the Top-K of the rank, and Eq. 10 on ``state`` (in place), in two
-    launches over segments of ``block`` entries of the Top-K (the softmax over a row's
-    selection needs every segment's stats before any entry's attention is added).
+    """The selection from the Top-K of the rank, and Eq. 10 on ``state`` (in place):
+    :func:`lfps_select` then :func:`lfps_update`. Returns the selection."""
+    sel = lfps_select(top_val, top_at, candidates, count, logits, bypass, seq_lens, state, params,
+                      filled, block=block)  # fmt: skip
+    lfps_update(sel)
+    return sel.selected
+
+
+def lfps_select(
+    top_val: torch.Tensor,
+    top_at: torch.Tensor,
+    candidates: torch.Tensor,
+    count: torch.Tensor,
+    logits: torch.Tensor,
+    bypass: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state: LfpsBatchState,
+    params: LfpsParams,
+    filled: torch.Tensor | None = None,
+    *,
+    block: int = UPDATE_BLOCK_K,
+) -> LfpsSelection:
+    """The selection from the Top-K of the rank, with each segment of ``block`` entries' softmax
+    stats, and the decay of Eq. 10 (:func:`lfps_update` adds the attention: the softmax over a
+    row's selection needs every segment's stats before any entry's attention is added).
 
     Parameters
     ----------
@@ -226,10 +291,6 @@ def lfps_select_update(
     filled : optional [B, Hs] int32: entries past this many are padding (``-1`` written, not
         read; ``lfps_union``'s count).
     block : Top-K entries per program (a power of two).
-
-    Returns
-    -------
-    selected : [B, Hs, K] int32 positions, -1 past each row's budget or the valid candidates.
     """
     B, Hs, K = top_val.shape
     Hq, C = logits.shape[1:]
@@ -240,42 +301,121 @@ def lfps_select_update(
     assert state.batch_size == B and state.selection_heads == Hs and Hq == Hs * state.rows
     for t in (top_val, top_at, candidates, logits):
         assert t.stride(-1) == 1, t.stride()
-    selected = torch.empty(B, Hs, K, dtype=torch.int32, device=top_val.device)
     if filled is not None:
         assert filled.shape == (B, Hs) and filled.dtype == torch.int32 and filled.stride(1) == 1
-    if B == 0:
-        return selected
-    budget, fraction = row_budget_args(params, top_val.device)
-    flags = bypass.view(torch.int8)
+    selected = torch.empty(B, Hs, K, dtype=torch.int32, device=top_val.device)
     segments = triton.cdiv(K, block)
     stats = torch.empty(B, Hs, segments, state.rows, 2, dtype=torch.float32,
                         device=top_val.device)  # fmt: skip
+    sel = LfpsSelection(top_val, top_at, candidates, count, logits, bypass, seq_lens, state,
+                        params, filled, block, selected, stats)  # fmt: skip
+    if B == 0:
+        return sel
+    budget, fraction = row_budget_args(params, top_val.device)
+    flags = bypass.view(torch.int8)
     fill = selected if filled is None else filled
     fill_stride = 0 if filled is None else filled.stride(0)
-    common = {
-        "HAS_FILLED": filled is not None,
-        "ROWS": state.rows,
-        "BLOCK_R": max(2, 1 << (state.rows - 1).bit_length()),
-        "BLOCK_K": block,
-        "FRACTION": fraction,
-    }
-    top = (top_val.stride(0), top_val.stride(1), candidates.stride(0), candidates.stride(1))
     lfps_update_stats_kernel[(segments, Hs, B)](
         top_val, top_at, candidates, logits, flags, seq_lens, budget, state.scale,
         state.state_rows(), selected, fill, stats,
         params.decay, params.num_sink, K,
-        *top, logits.stride(0), logits.stride(1), flags.stride(0), state.scale.stride(0),
-        selected.stride(0), selected.stride(1), fill_stride, stats.stride(0), stats.stride(1),
-        stats.stride(2), **common,
+        *_top_strides(sel), logits.stride(0), logits.stride(1), flags.stride(0),
+        state.scale.stride(0), selected.stride(0), selected.stride(1), fill_stride,
+        stats.stride(0), stats.stride(1), stats.stride(2),
+        **_update_constants(sel, fraction, block_r=None),
     )  # fmt: skip
+    return sel
+
+
+def _top_strides(sel: LfpsSelection) -> tuple[int, ...]:
+    return (sel.top_val.stride(0), sel.top_val.stride(1), sel.candidates.stride(0),
+            sel.candidates.stride(1))  # fmt: skip
+
+
+def _update_constants(sel: LfpsSelection, fraction: bool, block_r: int | None) -> dict:
+    rows = sel.state.rows
+    return {
+        "HAS_FILLED": sel.filled is not None,
+        "ROWS": rows,
+        "BLOCK_R": block_r or max(2, 1 << (rows - 1).bit_length()),
+        "BLOCK_K": sel.block,
+        "FRACTION": fraction,
+    }
+
+
+def lfps_update(sel: LfpsSelection, attend: SelectedValues | None = None) -> torch.Tensor | None:
+    """Eq. 10's adds of :func:`lfps_select`'s selection to its state (in place); with
+    ``attend``, the same launch also weights the selection's values, and a second one gives
+    every head's output: the attention over its sinks and the selection (what
+    ``run_sparse_decode`` gives for the sinks and ``sel.selected``, without reading a key
+    again: the logits are the scoring's), or the bypass output for a bypassed head.
+
+    Returns
+    -------
+    out : [B, Hq, D] like ``attend.q`` (None without ``attend``).
+    """
+    top_val, state, logits = sel.top_val, sel.state, sel.logits
+    B, Hs, K = top_val.shape
+    Hq, C = logits.shape[1:]
+    segments = sel.stats.shape[2]
+    dev = top_val.device
+    if attend is not None:
+        q = attend.q
+        D = q.shape[2]
+        Hkv = attend.k_buffer.shape[1]
+        assert q.shape == (B, Hq) + (D,) and q.dtype in (torch.float16, torch.bfloat16)
+        for store in (attend.k_buffer, attend.v_buffer):
+            assert store.shape[1:] == (Hkv, D) and store.dtype == q.dtype, store.shape
+            assert store.stride(2) == 1 and Hq % Hkv == 0, store.stride()
+        assert attend.indices.shape == (B, Hs, K) and attend.indices.dtype == torch.int32
+        assert attend.indices.stride(2) == 1 and attend.req_to_token.dtype == torch.int32
+        assert attend.bypass_out.shape == (B, Hq, D), attend.bypass_out.shape
+        out = torch.empty_like(q)
+        part_o = torch.empty(B, Hq, segments, D, dtype=torch.float32, device=dev)
+        lse = torch.empty(B, Hq, dtype=torch.float32, device=dev)
+        values = (attend.v_buffer, attend.req_to_token, attend.req_pool_indices,
+                  attend.seq_lens, attend.indices, part_o, lse)  # fmt: skip
+        value_strides = (attend.v_buffer.stride(0), attend.v_buffer.stride(1),
+                         attend.req_to_token.stride(0), attend.indices.stride(0),
+                         attend.indices.stride(1), part_o.stride(0), part_o.stride(1),
+                         part_o.stride(2), lse.stride(0))  # fmt: skip
+        grp, head_dim = Hq // Hkv, D
+    else:
+        out = None
+        values = (top_val,) * 7  # not read
+        value_strides = (0,) * 9
+        grp, head_dim = 1, 16
+    if B == 0:
+        return out
+    budget, fraction = row_budget_args(sel.params, dev)
+    flags = sel.bypass.view(torch.int8)
+    fill = sel.selected if sel.filled is None else sel.filled
+    fill_stride = 0 if sel.filled is None else sel.filled.stride(0)
+    stats = sel.stats
     lfps_update_add_kernel[(segments, Hs, B)](
-        top_val, top_at, candidates, count, logits, flags, seq_lens, budget,
-        state.vertical, state.slash, state.scale, state.state_rows(), fill, stats,
-        params.decay, params.num_sink, K, C,
-        *top, count.stride(0), logits.stride(0), logits.stride(1), flags.stride(0),
-        state.vertical.stride(0), state.vertical.stride(1), state.slash.stride(0),
-        state.slash.stride(1), state.scale.stride(0), fill_stride, stats.stride(0),
-        stats.stride(1), stats.stride(2),
-        SEGMENTS_P2=max(2, 1 << (segments - 1).bit_length()), **common,
+        top_val, sel.top_at, sel.candidates, sel.count, logits, flags, sel.seq_lens, budget,
+        state.vertical, state.slash, state.scale, state.state_rows(), fill, stats, *values,
+        sel.params.decay, sel.params.num_sink, K, C,
+        *_top_strides(sel), sel.count.stride(0), logits.stride(0), logits.stride(1),
+        flags.stride(0), state.vertical.stride(0), state.vertical.stride(1),
+        state.slash.stride(0), state.slash.stride(1), state.scale.stride(0), fill_stride,
+        stats.stride(0), stats.stride(1), stats.stride(2), *value_strides,
+        SEGMENTS_P2=max(2, 1 << (segments - 1).bit_length()), ATTEND=attend is not None,
+        GRP=grp, HEAD_DIM=head_dim, UPCAST=attend is not None and upcast_dots(attend.q.dtype),
+        **_update_constants(sel, fraction, block_r=16 if attend is not None else None),
     )  # fmt: skip
-    return selected
+    if attend is None:
+        return None
+    a, bo = attend, attend.bypass_out
+    lfps_attend_merge_kernel[(B, Hq)](
+        a.q, a.k_buffer, a.v_buffer, a.req_to_token, a.req_pool_indices, a.seq_lens, part_o,
+        lse, flags, bo, out,
+        a.sm_scale, sel.params.num_sink, segments,
+        a.q.stride(0), a.q.stride(1), a.k_buffer.stride(0), a.k_buffer.stride(1),
+        a.v_buffer.stride(0), a.v_buffer.stride(1), a.req_to_token.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), lse.stride(0), flags.stride(0),
+        bo.stride(0), bo.stride(1), out.stride(0), out.stride(1),
+        GRP=grp, SINKS_P2=max(2, 1 << max(0, sel.params.num_sink - 1).bit_length()),
+        SEGMENTS_P2=max(2, 1 << (segments - 1).bit_length()), HEAD_DIM=head_dim,
+    )  # fmt: skip
+    return out

@@ -52,10 +52,12 @@ from redknot.kernels.host_stage import HostStage, stage_rows
 from redknot.kernels.lfps_index import lfps_candidates, score_and_rank
 from redknot.kernels.lfps_step import (
     TOPK_QUERY_ROWS_MAX_BLOCK,
-    lfps_select_update,
+    SelectedValues,
+    lfps_select,
     lfps_sparsity,
     lfps_topk,
     lfps_union,
+    lfps_update,
 )
 from redknot.kernels.sparse_decode import SparseDecodePlan, plan_sparse_decode, run_sparse_decode
 from redknot.kernels.sparse_reference import score_keys_reference, sparse_decode_reference
@@ -396,24 +398,26 @@ def lfps_decode_step(
             val, at, filled = lfps_union(marks, budgets.width)
         else:
             val, at = lfps_topk(rank, seq_lens, params, budgets.topk)
-        selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state,
-                                      chosen, filled)  # fmt: skip
-        if plan is None:
-            plan = plan_sparse_decode(
-                batch_size=B, num_q_heads=Hq, head_dim=D, rows=state.rows, width=budgets.width,
-                num_sink=params.num_sink, device=q.device,
-            )  # fmt: skip
+        sel = lfps_select(val, at, cand, count, logits, bypass, seq_lens, state, chosen, filled)
+        selected = attended = sel.selected
         if dense is not None:
-            selected = every_key(selected, dense, seq_lens, params.num_sink)
-            if filled is not None:  # their lists hold every key
-                filled = torch.where(dense[:, None], budgets.width, filled).to(torch.int32)
-        if stage is None:
-            out = run_sparse_decode(plan, q, k_buffer, v_buffer, *paged, selected, sm_scale,
-                                    filled=filled)  # fmt: skip
-        else:
-            st = stage_rows(stage[1], k_buffer, v_buffer, *paged, selected)
-            out = run_sparse_decode(plan, q, st.k, st.v, st.req_to_token, st.req_pool_indices,
-                                    st.seq_lens, st.indices, sm_scale, filled=filled)  # fmt: skip
+            attended = every_key(selected, dense, seq_lens, params.num_sink)
+        store = (k_buffer, v_buffer, *paged, attended)
+        if stage is not None:
+            st = stage_rows(stage[1], k_buffer, v_buffer, *paged, attended)
+            store = (st.k, st.v, st.req_to_token, st.req_pool_indices, st.seq_lens, st.indices)
+        out = lfps_update(sel, SelectedValues(q, *store, sm_scale, bypass_out))
+        if dense is not None:  # rows listing every key: attended by the sparse attention
+            if plan is None:
+                plan = plan_sparse_decode(
+                    batch_size=B, num_q_heads=Hq, head_dim=D, rows=state.rows,
+                    width=budgets.width, num_sink=params.num_sink, device=q.device,
+                )  # fmt: skip
+            listed = (dense.to(torch.int32) * budgets.width)[:, None]  # others: sinks only
+            listed = listed.repeat(1, state.selection_heads)
+            out_dense = run_sparse_decode(plan, q, *store, sm_scale, filled=listed)
+            out = torch.where(dense[:, None, None], out_dense, out)
+        selected = attended
     else:
         sparsity, bypass_out = head_sparsity(q, k_buffer, v_buffer, *paged, state, params, sm_scale)
         bypass = sparsity > params.sparsity_threshold
@@ -433,5 +437,5 @@ def lfps_decode_step(
         out, _ = sparse_decode_reference(
             q, k_buffer, v_buffer, *paged, selected, params.num_sink, sm_scale
         )
-    out = torch.where(bypass[..., None], bypass_out.to(out.dtype), out)
+        out = torch.where(bypass[..., None], bypass_out.to(out.dtype), out)
     return LfpsBatchResult(out, selected, cand, count, bypass, sparsity)

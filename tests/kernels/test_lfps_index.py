@@ -95,12 +95,13 @@ def test_candidates_kernel_matches_rule(capacity, offsets, chunk, block):
         assert (count > capacity).any()
 
 
-def test_chunk_moments_match_float64():
+@pytest.mark.parametrize("block", [32, 128])  # the chunk read once per pass, or once
+def test_chunk_moments_match_float64(block):
     """The moments kernel (two passes in float32) against two passes in float64, per chunk of
     128: heavy-tailed tables whose stored values are large under a small scale (as between
     renormalisations), a constant chunk (central sums exactly 0), a row of zeros, a chunk cut by
     the row's end and chunks past it."""
-    lens, chunk, block, sink = [0, 300, 700], 128, 32, SINK
+    lens, chunk, sink = [0, 300, 700], 128, SINK
     vert, slash, _ = random_tables(lens, 2, 720, seed=11, power=8.0)
     vert, slash = vert * 1e6, slash * 1e6
     vert[2, 1, sink + 128 : sink + 256] = 3.0  # a constant chunk (entries 128-255)

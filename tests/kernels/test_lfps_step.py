@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from redknot.kernels.lfps_index import score_and_rank
-from redknot.kernels.lfps_step import lfps_select_update, lfps_sparsity
-from redknot.kernels.sparse_reference import score_keys_reference
+from redknot.kernels.lfps_step import (
+    SelectedValues,
+    lfps_select,
+    lfps_select_update,
+    lfps_sparsity,
+    lfps_update,
+)
+from redknot.kernels.sparse_reference import score_keys_reference, sparse_decode_reference
 from redknot.lfps import LfpsParams
 from redknot.lfps.batched import head_sparsity, row_budgets, select_topk, update_tables_
 
@@ -85,6 +91,52 @@ def test_select_update_kernel_matches_reference(rows, budget, block):
     assert off[3, 0] and (cand_k[off] == -1).all() and (count_k[off] == 0).all()
     assert torch.equal(cand_k[~off], cand[~off]) and (count_k[~off] == 7).all()
     assert (mine.vertical != state.vertical).any()
+
+
+@pytest.mark.parametrize("block", [2, 16])  # three segments (no tl.dot), or one
+@pytest.mark.parametrize("rows, dtype", [(1, torch.float16), (4, torch.bfloat16)])
+def test_update_attends_the_selection_as_the_sparse_attention(rows, dtype, block):
+    """``lfps_update`` with values: every head's output is the attention over its sinks and the
+    selection (``sparse_decode_reference`` over ``sel.selected``), from the scoring's logits
+    and the values alone; a bypassed head gets its bypass output, a row without keys 0; the
+    tables get the same adds as without values. Rows without keys, shorter than the sinks,
+    longer; query heads bypassing alone and as a whole group; one segment or several."""
+    B, Hq, Hkv, D, C, K, n_max = len(SEQ_LENS), 8, 2, 32, 24, 6, 160
+    batch = make_paged(SEQ_LENS, Hkv, D, dtype, seed=21)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(22)).to(dtype)
+    cand = random_lists(SEQ_LENS, Hq // rows, C, seed=23)
+    paged = (batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+    g = torch.Generator().manual_seed(24)
+    bypass = torch.rand(B, Hq, generator=g) < 0.3
+    bypass[3, :rows] = True  # a whole selection head off
+    bypass_out = torch.randn(B, Hq, D, generator=g)
+    scale = 1 / D**0.5
+    logits, rank = score_and_rank(q, batch.k_buffer, *paged, cand, bypass, num_sink=4,
+                                  sm_scale=scale)  # fmt: skip
+    val, at = torch.topk(rank, K, dim=-1)
+    params = LfpsParams(budget=0.1)
+    state = random_lfps_state(B, Hq, Hkv, D, rows, n_max, seed=25)
+    tables, plain = state.clone(), state.clone()
+    count = torch.full((B, Hq // rows), 7, dtype=torch.int32)
+    sel = lfps_select(val, at, cand.clone(), count.clone(), logits, bypass, batch.seq_lens,
+                      tables, params, block=block)  # fmt: skip
+    values = SelectedValues(q, batch.k_buffer, batch.v_buffer, *paged, sel.selected, scale,
+                            bypass_out)  # fmt: skip
+    out = lfps_update(sel, values)
+    want, _ = sparse_decode_reference(q, batch.k_buffer, batch.v_buffer, *paged, sel.selected,
+                                      4, scale)  # fmt: skip
+    want = torch.where(bypass[..., None], bypass_out.to(dtype), want)
+    assert out.dtype == dtype and (sel.selected >= 0).any() and (~bypass).any()
+    # outputs near 2 in magnitude: 2 units in the last place of bf16 (the weights are rounded
+    # to bf16 before the product, as the sparse attention rounds its own), 2 of fp16
+    atol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=0)
+    assert (out[0][~bypass[0]] == 0).all()  # no key: 0
+    # the adds are those of the launch without values
+    again = lfps_select(val, at, cand.clone(), count.clone(), logits, bypass, batch.seq_lens,
+                        plain, params, block=block)  # fmt: skip
+    assert lfps_update(again) is None
+    assert torch.equal(tables.vertical, plain.vertical) and torch.equal(tables.slash, plain.slash)
 
 
 @pytest.mark.parametrize("rows", [1, 4])

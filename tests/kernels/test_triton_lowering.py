@@ -39,6 +39,7 @@ KERNELS = {
     "lfps_score_kernel", "lfps_moments_kernel", "lfps_mark_kernel", "lfps_hist_kernel",
     "lfps_write_kernel",
     "lfps_sparsity_kernel", "lfps_update_stats_kernel", "lfps_update_add_kernel",
+    "lfps_attend_merge_kernel",
     "lfps_topk_kernel", "lfps_union_kernel",
     "lfps_build_lse_kernel", "lfps_build_tables_kernel",
 }  # fmt: skip

@@ -180,7 +180,8 @@ def lfps_moments_kernel(
     """Program ``(c, hs, b)``: mean and central sums of powers 2-4 of both tables over the row's
     entries ``[c * CHUNK, (c + 1) * CHUNK)``: ``Moments[b, hs, c] = (mean_v, M2_v, M3_v, M4_v,
     mean_s, M2_s, M3_s, M4_s)`` (zeros for a chunk past the row). The tables of request ``b``
-    are row ``State_rows[b]`` of the state."""
+    are row ``State_rows[b]`` of the state. With ``BLOCK == CHUNK`` the chunk is read once and
+    both passes run on registers; else it is read once per pass."""
     c = tl.program_id(0)
     hs = tl.program_id(1)
     b = tl.program_id(2)
@@ -192,32 +193,53 @@ def lfps_moments_kernel(
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, m)
     lanes = tl.arange(0, BLOCK)
-    sum_v = tl.zeros([BLOCK], dtype=tl.float32)
-    sum_s = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK):
-        v, sl = table_block(vert_row, slash_row, start + lanes, start + lanes < hi, m, scale)
-        sum_v += v
-        sum_s += sl
     cnt = tl.maximum(hi - lo, 1).to(tl.float32)
-    mean_v = tl.sum(sum_v, 0) / cnt
-    mean_s = tl.sum(sum_s, 0) / cnt
-    p2_v = tl.zeros([BLOCK], dtype=tl.float32)
-    p3_v = tl.zeros([BLOCK], dtype=tl.float32)
-    p4_v = tl.zeros([BLOCK], dtype=tl.float32)
-    p2_s = tl.zeros([BLOCK], dtype=tl.float32)
-    p3_s = tl.zeros([BLOCK], dtype=tl.float32)
-    p4_s = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK):
-        ok = start + lanes < hi
-        v, sl = table_block(vert_row, slash_row, start + lanes, ok, m, scale)
-        cv = tl.where(ok, v - mean_v, 0.0)
-        cs = tl.where(ok, sl - mean_s, 0.0)
-        p2_v += cv * cv
-        p3_v += cv * cv * cv
-        p4_v += cv * cv * cv * cv
-        p2_s += cs * cs
-        p3_s += cs * cs * cs
-        p4_s += cs * cs * cs * cs
+    # sums of differences from the chunk's first entry: a constant chunk's are exactly 0
+    pv, ps = table_block(vert_row, slash_row, lo, lo < hi, m, scale)
+    if BLOCK == CHUNK:  # the chunk read once, held in registers for both passes
+        ok = lo + lanes < hi
+        v, sl = table_block(vert_row, slash_row, lo + lanes, ok, m, scale)
+        dv = tl.where(ok, v - pv, 0.0)
+        ds = tl.where(ok, sl - ps, 0.0)
+        shift_v = tl.sum(dv, 0) / cnt
+        shift_s = tl.sum(ds, 0) / cnt
+        cv = tl.where(ok, dv - shift_v, 0.0)
+        cs = tl.where(ok, ds - shift_s, 0.0)
+        p2_v = cv * cv
+        p3_v = p2_v * cv
+        p4_v = p2_v * p2_v
+        p2_s = cs * cs
+        p3_s = p2_s * cs
+        p4_s = p2_s * p2_s
+    else:
+        sum_v = tl.zeros([BLOCK], dtype=tl.float32)
+        sum_s = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK):
+            ok = start + lanes < hi
+            v, sl = table_block(vert_row, slash_row, start + lanes, ok, m, scale)
+            sum_v += tl.where(ok, v - pv, 0.0)
+            sum_s += tl.where(ok, sl - ps, 0.0)
+        shift_v = tl.sum(sum_v, 0) / cnt
+        shift_s = tl.sum(sum_s, 0) / cnt
+        p2_v = tl.zeros([BLOCK], dtype=tl.float32)
+        p3_v = tl.zeros([BLOCK], dtype=tl.float32)
+        p4_v = tl.zeros([BLOCK], dtype=tl.float32)
+        p2_s = tl.zeros([BLOCK], dtype=tl.float32)
+        p3_s = tl.zeros([BLOCK], dtype=tl.float32)
+        p4_s = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK):
+            ok = start + lanes < hi
+            v, sl = table_block(vert_row, slash_row, start + lanes, ok, m, scale)
+            cv = tl.where(ok, (v - pv) - shift_v, 0.0)
+            cs = tl.where(ok, (sl - ps) - shift_s, 0.0)
+            p2_v += cv * cv
+            p3_v += cv * cv * cv
+            p4_v += cv * cv * cv * cv
+            p2_s += cs * cs
+            p3_s += cs * cs * cs
+            p4_s += cs * cs * cs * cs
+    mean_v = pv + shift_v
+    mean_s = ps + shift_s
     out = Moments + b.to(tl.int64) * stride_mb + hs * stride_mh + c * stride_mc
     tl.store(out, mean_v)
     tl.store(out + 1, tl.sum(p2_v, 0))

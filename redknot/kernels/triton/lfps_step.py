@@ -175,22 +175,37 @@ def lfps_update_stats_kernel(
 def lfps_update_add_kernel(
     Top_val, Top_at, Cand, Count, Logits, Bypass, Seq_lens, Budget, Vert, Slash, Scale, State_rows,
     Filled, Stats,
+    V_buf, Req_to_token, Req_pool_indices, Seq_lens_v, Vidx, Part_o, Lse,
     decay, num_sink, width, capacity,
     stride_tb, stride_th, stride_cb, stride_ch, stride_nb, stride_lb, stride_lh, stride_yb,
     stride_vb, stride_vh, stride_sb, stride_sh, stride_scb, stride_fb, stride_ab, stride_ah,
     stride_as,
+    stride_us, stride_uh, stride_r2t, stride_xb, stride_xh, stride_pob, stride_poh, stride_pos,
+    stride_eb,
     HAS_FILLED: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SEGMENTS_P2: tl.constexpr,
     FRACTION: tl.constexpr,
+    ATTEND: tl.constexpr,
+    GRP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Program ``(s, hs, b)``, after ``lfps_update_stats_kernel``: each query head's softmax
     over the row's selection, merged from every segment's stats; the mean attention of the
     non-bypassed heads at the segment's entries added to the tables (Eq. 10 with the lazy
     decay). A row whose heads all bypass has its candidate list emptied instead (each program a
-    share of it, program 0 the count)."""
+    share of it, program 0 the count).
+
+    ``ATTEND``: the same softmax weights the values of the segment's entries, so the sparse
+    attention over the selection needs no key: entry ``e``'s value is at position
+    ``Vidx[b, hs, e]`` of ``V_buf`` through ``Req_to_token`` (read where ``num_sink <= p <
+    Seq_lens_v[b]``). Each non-bypassed head's weighted sum goes to ``Part_o[b, head, s]``
+    (its softmax is the selection's: the sum over the segments is the attention over the
+    selection) and program 0 writes its log-sum-exp to ``Lse[b, head]`` (``-inf``: no key, or
+    every head of the row bypasses; then no part is written)."""
     s = tl.program_id(0)
     hs = tl.program_id(1)
     b = tl.program_id(2)
@@ -234,10 +249,85 @@ def lfps_update_add_kernel(
         tl.store(vert_row + pos, old_v + add, mask=keep)
         old_s = tl.load(slash_row + (n - 1 - pos), mask=keep, other=0.0)
         tl.store(slash_row + (n - 1 - pos), old_s + add, mask=keep)
+        if ATTEND:
+            vpos = tl.load(Vidx + b.to(tl.int64) * stride_xb + hs * stride_xh + e, mask=keep,
+                           other=-1)  # fmt: skip
+            v_ok = keep & (vpos >= num_sink) & (vpos < tl.load(Seq_lens_v + b).to(tl.int32))
+            req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+            slot = tl.load(Req_to_token + req_row * stride_r2t + vpos, mask=v_ok, other=0)
+            d = tl.arange(0, HEAD_DIM)
+            kv_head = ((hs * ROWS) // GRP).to(tl.int64)
+            v = tl.load(V_buf + kv_head * stride_uh + slot.to(tl.int64)[:, None] * stride_us
+                        + d[None, :], mask=v_ok[:, None], other=0.0)  # fmt: skip
+            p = tl.where(act[:, None] & v_ok[None, :], attn, 0.0)
+            if BLOCK_K >= 16:  # tl.dot's least K
+                o = mma(p.to(v.dtype), v, tl.zeros([BLOCK_R, HEAD_DIM], tl.float32), UPCAST)
+            else:
+                o = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None], 1)
+            part = b.to(tl.int64) * stride_pob + head * stride_poh + s * stride_pos
+            tl.store(Part_o + part[:, None] + d[None, :], o, mask=r_ok[:, None])
+            if s == 0:
+                lse = tl.where(l_r > 0.0, m_r + tl.log(l_safe), float("-inf"))
+                tl.store(Lse + b * stride_eb + head, lse, mask=r_ok)
     else:
+        if ATTEND:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if s == 0:
+                tl.store(Lse + b * stride_eb + head, tl.full([BLOCK_R], float("-inf"), tl.float32),
+                         mask=r_ok)  # fmt: skip
         share = tl.cdiv(capacity, segments)
         for c0 in range(s * share, tl.minimum((s + 1) * share, capacity), BLOCK_K):
             c = c0 + tl.arange(0, BLOCK_K)
             tl.store(cand_row + c, -1, mask=c < tl.minimum((s + 1) * share, capacity))
         if s == 0:
             tl.store(Count + b * stride_nb + hs, 0)
+
+
+@triton.jit
+def lfps_attend_merge_kernel(
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens_v, Part_o, Lse, Bypass, Bypass_out,
+    Out,
+    sm_scale, num_sink, segments,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t, stride_pob,
+    stride_poh, stride_pos, stride_eb, stride_yb, stride_bb, stride_bh, stride_ob, stride_oh,
+    GRP: tl.constexpr,
+    SINKS_P2: tl.constexpr,
+    SEGMENTS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Program ``(b, head)``, after ``lfps_update_add_kernel`` with ``ATTEND``: the head's
+    output. A bypassed head takes its sink-plus-mean output (``Bypass_out``); any other
+    attends its sinks (positions ``< min(num_sink, Seq_lens_v[b])``, keys and values read here)
+    and its selection, whose attention is the sum of its segments' parts, weighted by the two
+    log-sum-exps (0 where it attends nothing)."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    out_row = Out + b.to(tl.int64) * stride_ob + head * stride_oh
+    if tl.load(Bypass + b * stride_yb + head) != 0:
+        bypass = tl.load(Bypass_out + b.to(tl.int64) * stride_bb + head * stride_bh + d)
+        tl.store(out_row + d, bypass.to(Out.dtype.element_ty))
+    else:
+        kv_head = (head // GRP).to(tl.int64)
+        t = tl.arange(0, SINKS_P2)
+        sink_ok = (t < num_sink) & (t < tl.load(Seq_lens_v + b).to(tl.int32))
+        req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+        slot = tl.load(Req_to_token + req_row * stride_r2t + t, mask=sink_ok, other=0).to(tl.int64)
+        k = tl.load(K_buf + kv_head * stride_kh + slot[:, None] * stride_ks + d[None, :],
+                    mask=sink_ok[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + head * stride_qh + d).to(tl.float32)
+        x = tl.where(sink_ok, tl.sum(q[None, :] * k, 1) * sm_scale, float("-inf"))
+        lse = tl.load(Lse + b * stride_eb + head)
+        top = tl.maximum(tl.max(x, 0), lse)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_sink = tl.exp(x - top)
+        w_sel = tl.exp(lse - top)
+        v = tl.load(V_buf + kv_head * stride_vh + slot[:, None] * stride_vs + d[None, :],
+                    mask=sink_ok[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        seg = tl.arange(0, SEGMENTS_P2)
+        part = Part_o + b.to(tl.int64) * stride_pob + head * stride_poh
+        written = tl.where(lse > float("-inf"), segments, 0)  # parts written (none: no key)
+        parts = tl.load(part + seg[:, None] * stride_pos + d[None, :],
+                        mask=seg[:, None] < written, other=0.0)  # fmt: skip
+        num = w_sel * tl.sum(parts, 0) + tl.sum(w_sink[:, None] * v, 0)
+        den = w_sel + tl.sum(w_sink, 0)
+        tl.store(out_row + d, (num / tl.where(den > 0.0, den, 1.0)).to(Out.dtype.element_ty))
