@@ -93,31 +93,28 @@ def test_select_update_kernel_matches_reference(rows, budget, block):
     assert (mine.vertical != state.vertical).any()
 
 
-@pytest.mark.parametrize("block", [2, 16])  # three segments (no tl.dot), or one
-@pytest.mark.parametrize("rows, dtype", [(1, torch.float16), (4, torch.bfloat16)])
-def test_update_attends_the_selection_as_the_sparse_attention(rows, dtype, block):
-    """``lfps_update`` with values: every head's output is the attention over its sinks and the
-    selection (``sparse_decode_reference`` over ``sel.selected``), from the scoring's logits
-    and the values alone; a bypassed head gets its bypass output, a row without keys 0; the
-    tables get the same adds as without values. Rows without keys, shorter than the sinks,
-    longer; query heads bypassing alone and as a whole group; one segment or several."""
-    B, Hq, Hkv, D, C, K, n_max = len(SEQ_LENS), 8, 2, 32, 24, 6, 160
-    batch = make_paged(SEQ_LENS, Hkv, D, dtype, seed=21)
-    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(22)).to(dtype)
-    cand = random_lists(SEQ_LENS, Hq // rows, C, seed=23)
+def attend_case(lens, rows, dtype, block, *, Hq=8, Hkv=2, D=32, C=24, K=6, device="cpu"):
+    """The selection's attention through ``lfps_update`` and the reference of it, and whether
+    the tables got the adds of the launch without values: ``(out, want, bypass, same_adds)``.
+    Query heads bypass alone and as a whole group (request 3's first selection head)."""
+    B = len(lens)
+    batch = make_paged(lens, Hkv, D, dtype, device=device, seed=21)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(22)).to(dtype).to(device)
+    cand = random_lists(lens, Hq // rows, C, seed=23, device=device)
     paged = (batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
     g = torch.Generator().manual_seed(24)
     bypass = torch.rand(B, Hq, generator=g) < 0.3
-    bypass[3, :rows] = True  # a whole selection head off
-    bypass_out = torch.randn(B, Hq, D, generator=g)
+    bypass[3, :rows] = True
+    bypass_out = torch.randn(B, Hq, D, generator=g).to(device)
+    bypass = bypass.to(device)
     scale = 1 / D**0.5
     logits, rank = score_and_rank(q, batch.k_buffer, *paged, cand, bypass, num_sink=4,
                                   sm_scale=scale)  # fmt: skip
     val, at = torch.topk(rank, K, dim=-1)
     params = LfpsParams(budget=0.1)
-    state = random_lfps_state(B, Hq, Hkv, D, rows, n_max, seed=25)
+    state = random_lfps_state(B, Hq, Hkv, D, rows, max(lens) + 10, seed=25).to(device)
     tables, plain = state.clone(), state.clone()
-    count = torch.full((B, Hq // rows), 7, dtype=torch.int32)
+    count = torch.full((B, Hq // rows), 7, dtype=torch.int32, device=device)
     sel = lfps_select(val, at, cand.clone(), count.clone(), logits, bypass, batch.seq_lens,
                       tables, params, block=block)  # fmt: skip
     values = SelectedValues(q, batch.k_buffer, batch.v_buffer, *paged, sel.selected, scale,
@@ -127,16 +124,40 @@ def test_update_attends_the_selection_as_the_sparse_attention(rows, dtype, block
                                       4, scale)  # fmt: skip
     want = torch.where(bypass[..., None], bypass_out.to(dtype), want)
     assert out.dtype == dtype and (sel.selected >= 0).any() and (~bypass).any()
+    again = lfps_select(val, at, cand.clone(), count.clone(), logits, bypass, batch.seq_lens,
+                        plain, params, block=block)  # fmt: skip
+    assert lfps_update(again) is None
+    same = torch.equal(tables.vertical, plain.vertical) and torch.equal(tables.slash, plain.slash)
+    return out, want, bypass, same
+
+
+@pytest.mark.parametrize("block", [2, 16])  # three segments (no tl.dot), or one
+@pytest.mark.parametrize("rows, dtype", [(1, torch.float16), (4, torch.bfloat16)])
+def test_update_attends_the_selection_as_the_sparse_attention(rows, dtype, block):
+    """``lfps_update`` with values: every head's output is the attention over its sinks and the
+    selection (``sparse_decode_reference`` over ``sel.selected``), from the scoring's logits
+    and the values alone; a bypassed head gets its bypass output, a row without keys 0; the
+    tables get the same adds as without values. Rows without keys, shorter than the sinks,
+    longer; query heads bypassing alone and as a whole group; one segment or several."""
+    out, want, bypass, same_adds = attend_case(SEQ_LENS, rows, dtype, block)
     # outputs near 2 in magnitude: 2 units in the last place of bf16 (the weights are rounded
     # to bf16 before the product, as the sparse attention rounds its own), 2 of fp16
     atol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=0)
     assert (out[0][~bypass[0]] == 0).all()  # no key: 0
-    # the adds are those of the launch without values
-    again = lfps_select(val, at, cand.clone(), count.clone(), logits, bypass, batch.seq_lens,
-                        plain, params, block=block)  # fmt: skip
-    assert lfps_update(again) is None
-    assert torch.equal(tables.vertical, plain.vertical) and torch.equal(tables.slash, plain.slash)
+    assert same_adds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_update_attends_the_selection_gpu_8b_shape(rows):
+    """The same at the 8B head shape on the GPU: 32 query / 8 KV heads, D 128, bf16, Top-600
+    of 4,096 candidates in segments of 256 (the step's launch)."""
+    lens = [1, 300, 4097, 32768, 20011]
+    out, want, _, same_adds = attend_case(lens, rows, torch.bfloat16, 256, Hq=32, Hkv=8, D=128,
+                                          C=4096, K=600, device="cuda")  # fmt: skip
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=0)
+    assert same_adds
 
 
 @pytest.mark.parametrize("rows", [1, 4])
