@@ -28,6 +28,10 @@ staging buffers first (``redknot.kernels.host_stage``). Each host method's outpu
 equal to the same method's over the GPU copy (``host_equal_*``) before it is timed.
 With ``--stages``, ``lfps_stages_<sel>`` splits an LFPS step into its kernels (ms per call from
 ``torch.profiler``, eager calls without the L2 flush: shares, not figures to compare).
+With ``--update-settings BLOCK:WARPS,...``, ``update_settings_kv_head`` times the ``kv_head``
+step at each launch setting of its add launch (``UPDATE_BLOCK_K`` Top-K entries and
+``UPDATE_WARPS`` warps per program; it adds Eq. 10 and weights the selection's values), each
+output compared with the default's first (``max_abs_diff``, over a copy of the same state).
 
 ``<sel>`` is ``kv_head`` (one selection per KV head shared by its 4 query heads),
 ``kv_head_union`` (lists and tables per KV head, each query head's own Top-k of the list, their
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -284,6 +289,11 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
         attempt(row, f"lfps_{sel}", timer, lambda f=lfps_call: f)
         if args.stages:
             row[f"lfps_stages_{sel}"] = stage_times(lfps_call, dev)
+        if sel == "kv_head" and args.update_settings:
+            step = functools.partial(lfps_decode_step, layer.q, layer.k_buffer, layer.v_buffer,
+                                     *layer.paged, params=params, budgets=bud, plan=plan)
+            row[f"update_settings_{sel}"] = update_settings(step, state, args.update_settings,
+                                                            timer)  # fmt: skip
         del state
 
     if args.host_kv:
@@ -394,6 +404,31 @@ def host_kv_methods(row: dict, layer: Layer, args, shape: dict, timer, params, b
     attempt(row, "full_host", timer, lambda: full_host)
 
 
+def update_settings(step, state, settings: list[tuple[int, int]], timer: Timer) -> list[dict]:
+    """The step (``step(state)``) at each ``(UPDATE_BLOCK_K, UPDATE_WARPS)``: its output's
+    largest difference from the default setting's on a copy of ``state``, and its time."""
+    from redknot.kernels import lfps_step
+
+    default = (lfps_step.UPDATE_BLOCK_K, lfps_step.UPDATE_WARPS)
+    want = step(state.clone()).output.float()
+    out = []
+    try:
+        for block, warps in settings:
+            lfps_step.UPDATE_BLOCK_K, lfps_step.UPDATE_WARPS = block, warps
+            entry = {"block": block, "num_warps": warps}
+            try:
+                got = step(state.clone()).output.float()
+                entry["max_abs_diff"] = float((got - want).abs().max())
+                entry["ms"], _ = timer(lambda: step(state))
+            except Exception as e:  # noqa: BLE001 (a setting that fails is a finding)
+                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print("update setting", entry, flush=True)
+            out.append(entry)
+    finally:
+        lfps_step.UPDATE_BLOCK_K, lfps_step.UPDATE_WARPS = default
+    return out
+
+
 def stage_times(call, device: str, calls: int = 10, top: int = 16) -> dict[str, float]:
     """Milliseconds per call of each kernel (GPU; operator self time on the CPU) of ``call``,
     from ``torch.profiler`` over ``calls`` eager calls after one warm-up: where a method's time
@@ -450,6 +485,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also record LFPS's time per kernel (torch.profiler, eager)",
     )
+    ap.add_argument("--update-settings", default="",
+                    help="BLOCK:WARPS,... launch settings of the kv_head step's add launch to "
+                    "time (see the module docstring)")  # fmt: skip
     ap.add_argument("--host-kv", action="store_true",
                     help="also LFPS, its attention and full attention over K/V in pinned host "
                     "memory (issue 28 item 3)")  # fmt: skip
@@ -458,6 +496,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="tiny shape (4 query / 2 KV heads, D = 64) for a smoke run")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/lfps_decode.json")
     args = ap.parse_args(argv)
+    args.update_settings = [tuple(map(int, item.split(":"))) for item in
+                            args.update_settings.split(",") if item]  # fmt: skip
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     from redknot.kernels.sparse_decode import SparseDecodeConfig

@@ -32,6 +32,7 @@ from redknot.lfps.batch_state import LfpsBatchState
 from redknot.lfps.params import LfpsParams
 
 UPDATE_BLOCK_K = 256  # selected keys per program of the two update kernels
+UPDATE_WARPS = 4  # warps per program of the add launch
 # The Top-k kernel's launch, measured on an H100 (benchmarks/lfps_candidates_sweep.py, 8B shape,
 # B = 8, lfps_candidates_sweep.json): within 2% of the best setting swept at C = 10,484 (128K)
 # and 6% at C = 2,620 (32K); the first default (a whole row of up to 16,384 in registers, a warp
@@ -251,7 +252,7 @@ def lfps_select_update(
     params: LfpsParams,
     filled: torch.Tensor | None = None,
     *,
-    block: int = UPDATE_BLOCK_K,
+    block: int | None = None,
 ) -> torch.Tensor:
     """The selection from the Top-K of the rank, and Eq. 10 on ``state`` (in place):
     :func:`lfps_select` then :func:`lfps_update`. Returns the selection."""
@@ -273,7 +274,7 @@ def lfps_select(
     params: LfpsParams,
     filled: torch.Tensor | None = None,
     *,
-    block: int = UPDATE_BLOCK_K,
+    block: int | None = None,
 ) -> LfpsSelection:
     """The selection from the Top-K of the rank, with each segment of ``block`` entries' softmax
     stats, and the decay of Eq. 10 (:func:`lfps_update` adds the attention: the softmax over a
@@ -290,8 +291,9 @@ def lfps_select(
     bypass : [B, Hq] bool.
     filled : optional [B, Hs] int32: entries past this many are padding (``-1`` written, not
         read; ``lfps_union``'s count).
-    block : Top-K entries per program (a power of two).
+    block : Top-K entries per program (a power of two; default ``UPDATE_BLOCK_K``).
     """
+    block = block or UPDATE_BLOCK_K
     B, Hs, K = top_val.shape
     Hq, C = logits.shape[1:]
     assert top_at.shape == (B, Hs, K) and top_at.dtype == torch.int64, top_at.dtype
@@ -403,6 +405,7 @@ def lfps_update(sel: LfpsSelection, attend: SelectedValues | None = None) -> tor
         SEGMENTS_P2=max(2, 1 << (segments - 1).bit_length()), ATTEND=attend is not None,
         GRP=grp, HEAD_DIM=head_dim, UPCAST=attend is not None and upcast_dots(attend.q.dtype),
         **_update_constants(sel, fraction, block_r=16 if attend is not None else None),
+        num_warps=UPDATE_WARPS,
     )  # fmt: skip
     if attend is None:
         return None

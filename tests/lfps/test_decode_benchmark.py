@@ -52,6 +52,15 @@ def test_stage_profile_names_the_step_operators(tmp_path):
     assert "aten::empty" in stages and all(t > 0 for t in stages.values()), stages
 
 
+def test_update_settings_are_each_checked_against_the_default_and_timed(tmp_path):
+    args = ("--update-settings", "8:4,4:2", "--lengths", "300", "--batches", "2",
+            "--selections", "kv_head")  # fmt: skip
+    data = run_script("lfps_decode.py", tmp_path / "lfps_decode.json", *args)
+    settings = data["rows"][0]["update_settings_kv_head"]
+    assert [(s["block"], s["num_warps"]) for s in settings] == [(8, 4), (4, 2)]
+    assert all(s["ms"] > 0 and s["max_abs_diff"] < 2e-3 for s in settings), settings
+
+
 def test_candidate_sweep_checks_each_setting_against_the_default(tmp_path):
     data = run_script("lfps_candidates_sweep.py", tmp_path / "sweep.json")
     (row,) = data["rows"]
