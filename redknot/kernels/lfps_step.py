@@ -31,8 +31,12 @@ from redknot.kernels.triton.lfps_step import (
 from redknot.lfps.batch_state import LfpsBatchState
 from redknot.lfps.params import LfpsParams
 
-UPDATE_BLOCK_K = 256  # selected keys per program of the two update kernels
-UPDATE_WARPS = 4  # warps per program of the add launch
+# Top-K entries per program of the two update kernels and warps of the add launch, measured on
+# an H100 (lfps_update_sweep.json, 128K x 8, the step at 9 settings): 128 x 4 warps was the
+# fastest (0.290 ms a step against 0.305 at 256 x 4, where it stood before the add launch also
+# weighted the values); 64 x 2 was within 0.1%.
+UPDATE_BLOCK_K = 128
+UPDATE_WARPS = 4
 # The Top-k kernel's launch, measured on an H100 (benchmarks/lfps_candidates_sweep.py, 8B shape,
 # B = 8, lfps_candidates_sweep.json): within 2% of the best setting swept at C = 10,484 (128K)
 # and 6% at C = 2,620 (32K); the first default (a whole row of up to 16,384 in registers, a warp
@@ -204,9 +208,10 @@ def lfps_union(
 class SelectedValues:
     """Where :func:`lfps_update` reads what the attention over a selection needs besides the
     logits: the values of Top-K entry ``e`` at position ``indices[b, hs, e]`` of ``v_buffer``
-    (through ``req_to_token``, where ``num_sink <= p < seq_lens[b]``), and the sinks' keys and
-    values (positions ``< min(num_sink, seq_lens[b])``). The store being read, or staging
-    buffers holding its rows (``redknot.kernels.host_stage``: ``st.k, st.v, st.req_to_token,
+    (through ``req_to_token``, where ``num_sink <= p < seq_lens[b]``; ``indices`` None: at its
+    selected position, in the store the tables index), and the sinks' keys and values
+    (positions ``< min(num_sink, seq_lens[b])``). The store being read, or staging buffers
+    holding its rows (``redknot.kernels.host_stage``: ``st.k, st.v, st.req_to_token,
     st.req_pool_indices, st.seq_lens, st.indices``)."""
 
     q: torch.Tensor  # [B, Hq, D] fp16/bf16
@@ -215,7 +220,7 @@ class SelectedValues:
     req_to_token: torch.Tensor  # [R, ctx] int32
     req_pool_indices: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B]
-    indices: torch.Tensor  # [B, Hs, K] int32
+    indices: torch.Tensor | None  # [B, Hs, K] int32, or None: the selection's positions
     sm_scale: float
     bypass_out: torch.Tensor  # [B, Hq, D] float32, the bypassed heads' output
 
@@ -369,18 +374,19 @@ def lfps_update(sel: LfpsSelection, attend: SelectedValues | None = None) -> tor
         for store in (attend.k_buffer, attend.v_buffer):
             assert store.shape[1:] == (Hkv, D) and store.dtype == q.dtype, store.shape
             assert store.stride(2) == 1 and Hq % Hkv == 0, store.stride()
-        assert attend.indices.shape == (B, Hs, K) and attend.indices.dtype == torch.int32
-        assert attend.indices.stride(2) == 1 and attend.req_to_token.dtype == torch.int32
+        idx = sel.selected if attend.indices is None else attend.indices
+        assert idx.shape == (B, Hs, K) and idx.dtype == torch.int32 and idx.stride(2) == 1
+        assert attend.req_to_token.dtype == torch.int32
         assert attend.bypass_out.shape == (B, Hq, D), attend.bypass_out.shape
         out = torch.empty_like(q)
         part_o = torch.empty(B, Hq, segments, D, dtype=torch.float32, device=dev)
         lse = torch.empty(B, Hq, dtype=torch.float32, device=dev)
         values = (attend.v_buffer, attend.req_to_token, attend.req_pool_indices,
-                  attend.seq_lens, attend.indices, part_o, lse)  # fmt: skip
+                  attend.seq_lens, idx, part_o, lse)  # fmt: skip
         value_strides = (attend.v_buffer.stride(0), attend.v_buffer.stride(1),
-                         attend.req_to_token.stride(0), attend.indices.stride(0),
-                         attend.indices.stride(1), part_o.stride(0), part_o.stride(1),
-                         part_o.stride(2), lse.stride(0))  # fmt: skip
+                         attend.req_to_token.stride(0), idx.stride(0), idx.stride(1),
+                         part_o.stride(0), part_o.stride(1), part_o.stride(2),
+                         lse.stride(0))  # fmt: skip
         grp, head_dim = Hq // Hkv, D
     else:
         out = None
@@ -403,7 +409,7 @@ def lfps_update(sel: LfpsSelection, attend: SelectedValues | None = None) -> tor
         state.slash.stride(0), state.slash.stride(1), state.scale.stride(0), fill_stride,
         stats.stride(0), stats.stride(1), stats.stride(2), *value_strides,
         SEGMENTS_P2=max(2, 1 << (segments - 1).bit_length()), ATTEND=attend is not None,
-        GRP=grp, HEAD_DIM=head_dim, UPCAST=attend is not None and upcast_dots(attend.q.dtype),
+        DIRECT=attend is not None and attend.indices is None, GRP=grp, HEAD_DIM=head_dim, UPCAST=attend is not None and upcast_dots(attend.q.dtype),
         **_update_constants(sel, fraction, block_r=16 if attend is not None else None),
         num_warps=UPDATE_WARPS,
     )  # fmt: skip

@@ -402,20 +402,22 @@ def lfps_decode_step(
         selected = attended = sel.selected
         if dense is not None:
             attended = every_key(selected, dense, seq_lens, params.num_sink)
-        store = (k_buffer, v_buffer, *paged, attended)
+        store, listed = (k_buffer, v_buffer, *paged), attended
+        values = None  # the selection's own positions in the store
         if stage is not None:
             st = stage_rows(stage[1], k_buffer, v_buffer, *paged, attended)
-            store = (st.k, st.v, st.req_to_token, st.req_pool_indices, st.seq_lens, st.indices)
-        out = lfps_update(sel, SelectedValues(q, *store, sm_scale, bypass_out))
+            store = (st.k, st.v, st.req_to_token, st.req_pool_indices, st.seq_lens)
+            listed = values = st.indices
+        out = lfps_update(sel, SelectedValues(q, *store, values, sm_scale, bypass_out))
         if dense is not None:  # rows listing every key: attended by the sparse attention
             if plan is None:
                 plan = plan_sparse_decode(
                     batch_size=B, num_q_heads=Hq, head_dim=D, rows=state.rows,
                     width=budgets.width, num_sink=params.num_sink, device=q.device,
                 )  # fmt: skip
-            listed = (dense.to(torch.int32) * budgets.width)[:, None]  # others: sinks only
-            listed = listed.repeat(1, state.selection_heads)
-            out_dense = run_sparse_decode(plan, q, *store, sm_scale, filled=listed)
+            filled = (dense.to(torch.int32) * budgets.width)[:, None]  # others: sinks only
+            filled = filled.repeat(1, state.selection_heads)
+            out_dense = run_sparse_decode(plan, q, *store, listed, sm_scale, filled=filled)
             out = torch.where(dense[:, None, None], out_dense, out)
         selected = attended
     else:

@@ -93,8 +93,10 @@ def test_select_update_kernel_matches_reference(rows, budget, block):
     assert (mine.vertical != state.vertical).any()
 
 
-def attend_case(lens, rows, dtype, block, *, Hq=8, Hkv=2, D=32, C=24, K=6, device="cpu"):
-    """The selection's attention through ``lfps_update`` and the reference of it; the tables
+def attend_case(lens, rows, dtype, block, *, Hq=8, Hkv=2, D=32, C=24, K=6, device="cpu",
+                direct=False):  # fmt: skip
+    """The selection's attention through ``lfps_update`` (``direct``: values found through the
+    selection's own positions, else through a list of them) and the reference of it; the tables
     after it and after the launch without values: ``(out, want, bypass, tables, plain)``.
     Query heads bypass alone and as a whole group (request 3's first selection head)."""
     B = len(lens)
@@ -117,8 +119,8 @@ def attend_case(lens, rows, dtype, block, *, Hq=8, Hkv=2, D=32, C=24, K=6, devic
     count = torch.full((B, Hq // rows), 7, dtype=torch.int32, device=device)
     sel = lfps_select(val, at, cand.clone(), count.clone(), logits, bypass, batch.seq_lens,
                       tables, params, block=block)  # fmt: skip
-    values = SelectedValues(q, batch.k_buffer, batch.v_buffer, *paged, sel.selected, scale,
-                            bypass_out)  # fmt: skip
+    values = SelectedValues(q, batch.k_buffer, batch.v_buffer, *paged,
+                            None if direct else sel.selected, scale, bypass_out)  # fmt: skip
     out = lfps_update(sel, values)
     want, _ = sparse_decode_reference(q, batch.k_buffer, batch.v_buffer, *paged, sel.selected,
                                       4, scale)  # fmt: skip
@@ -138,15 +140,15 @@ def same_adds(tables, plain) -> None:
     assert torch.equal(tables.scale, plain.scale)
 
 
-@pytest.mark.parametrize("block", [2, 16])  # three segments (no tl.dot), or one
+@pytest.mark.parametrize("block, direct", [(2, False), (16, True)])  # 3 segments (no tl.dot), 1
 @pytest.mark.parametrize("rows, dtype", [(1, torch.float16), (4, torch.bfloat16)])
-def test_update_attends_the_selection_as_the_sparse_attention(rows, dtype, block):
+def test_update_attends_the_selection_as_the_sparse_attention(rows, dtype, block, direct):
     """``lfps_update`` with values: every head's output is the attention over its sinks and the
     selection (``sparse_decode_reference`` over ``sel.selected``), from the scoring's logits
     and the values alone; a bypassed head gets its bypass output, a row without keys 0; the
     tables get the same adds as without values. Rows without keys, shorter than the sinks,
     longer; query heads bypassing alone and as a whole group; one segment or several."""
-    out, want, bypass, tables, plain = attend_case(SEQ_LENS, rows, dtype, block)
+    out, want, bypass, tables, plain = attend_case(SEQ_LENS, rows, dtype, block, direct=direct)
     # outputs near 2 in magnitude: 2 units in the last place of bf16 (the weights are rounded
     # to bf16 before the product, as the sparse attention rounds its own), 2 of fp16
     atol = 2e-2 if dtype == torch.bfloat16 else 2e-3
@@ -156,13 +158,14 @@ def test_update_attends_the_selection_as_the_sparse_attention(rows, dtype, block
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
-def test_update_attends_the_selection_gpu_8b_shape(rows):
+@pytest.mark.parametrize("rows, direct", [(1, False), (4, True)])
+def test_update_attends_the_selection_gpu_8b_shape(rows, direct):
     """The same at the 8B head shape on the GPU: 32 query / 8 KV heads, D 128, bf16, Top-600
     of 4,096 candidates in segments of 256 (the step's launch)."""
     lens = [1, 300, 4097, 32768, 20011]
     out, want, _, tables, plain = attend_case(lens, rows, torch.bfloat16, 256, Hq=32, Hkv=8,
-                                              D=128, C=4096, K=600, device="cuda")  # fmt: skip
+                                              D=128, C=4096, K=600, device="cuda",
+                                              direct=direct)  # fmt: skip
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=0)
     same_adds(tables, plain)
 

@@ -189,6 +189,7 @@ def lfps_update_add_kernel(
     SEGMENTS_P2: tl.constexpr,
     FRACTION: tl.constexpr,
     ATTEND: tl.constexpr,
+    DIRECT: tl.constexpr,
     GRP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -202,7 +203,7 @@ def lfps_update_add_kernel(
     ``ATTEND``: the same softmax weights the values of the segment's entries, so the sparse
     attention over the selection needs no key: entry ``e``'s value is at position
     ``Vidx[b, hs, e]`` of ``V_buf`` through ``Req_to_token`` (read where ``num_sink <= p <
-    Seq_lens_v[b]``). Each non-bypassed head's weighted sum goes to ``Part_o[b, head, s]``
+    Seq_lens_v[b]``; ``DIRECT``: at its selected position, in the store the tables index). Each non-bypassed head's weighted sum goes to ``Part_o[b, head, s]``
     (its softmax is the selection's: the sum over the segments is the attention over the
     selection) and program 0 writes its log-sum-exp to ``Lse[b, head]`` (``-inf``: no key, or
     every head of the row bypasses; then no part is written)."""
@@ -235,6 +236,21 @@ def lfps_update_add_kernel(
         top_row = b.to(tl.int64) * stride_tb + hs * stride_th
         e = s * BLOCK_K + tl.arange(0, BLOCK_K)
         keep, at, pos = selected_block(Top_val, Top_at, cand_row, top_row, e, end, budget)
+        if ATTEND:  # the values' loads first, to overlap the tables' adds
+            if DIRECT:
+                v_ok = keep
+                vpos = pos
+            else:
+                vpos = tl.load(Vidx + b.to(tl.int64) * stride_xb + hs * stride_xh + e, mask=keep,
+                               other=-1)  # fmt: skip
+                n_v = tl.load(Seq_lens_v + b).to(tl.int32)
+                v_ok = keep & (vpos >= num_sink) & (vpos < n_v)
+            req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+            slot = tl.load(Req_to_token + req_row * stride_r2t + vpos, mask=v_ok, other=0)
+            d = tl.arange(0, HEAD_DIM)
+            kv_head = ((hs * ROWS) // GRP).to(tl.int64)
+            v = tl.load(V_buf + kv_head * stride_uh + slot.to(tl.int64)[:, None] * stride_us
+                        + d[None, :], mask=v_ok[:, None], other=0.0)  # fmt: skip
         logit_rows = Logits + b.to(tl.int64) * stride_lb + head[:, None] * stride_lh
         x = tl.load(logit_rows + at[None, :], mask=act[:, None] & keep[None, :],
                     other=float("-inf"))  # fmt: skip
@@ -250,15 +266,6 @@ def lfps_update_add_kernel(
         old_s = tl.load(slash_row + (n - 1 - pos), mask=keep, other=0.0)
         tl.store(slash_row + (n - 1 - pos), old_s + add, mask=keep)
         if ATTEND:
-            vpos = tl.load(Vidx + b.to(tl.int64) * stride_xb + hs * stride_xh + e, mask=keep,
-                           other=-1)  # fmt: skip
-            v_ok = keep & (vpos >= num_sink) & (vpos < tl.load(Seq_lens_v + b).to(tl.int32))
-            req_row = tl.load(Req_pool_indices + b).to(tl.int64)
-            slot = tl.load(Req_to_token + req_row * stride_r2t + vpos, mask=v_ok, other=0)
-            d = tl.arange(0, HEAD_DIM)
-            kv_head = ((hs * ROWS) // GRP).to(tl.int64)
-            v = tl.load(V_buf + kv_head * stride_uh + slot.to(tl.int64)[:, None] * stride_us
-                        + d[None, :], mask=v_ok[:, None], other=0.0)  # fmt: skip
             p = tl.where(act[:, None] & v_ok[None, :], attn, 0.0)
             if BLOCK_K >= 16:  # tl.dot's least K
                 o = mma(p.to(v.dtype), v, tl.zeros([BLOCK_R, HEAD_DIM], tl.float32), UPCAST)
