@@ -1,15 +1,17 @@
 """Launches of the per-head pieces of LFPS's batched decode step (``redknot.lfps.batched``):
-Eq. 5-6 with the bypass output, the Top-k of the candidates' rank, and the selection with
-Eq. 10. One launch each, fixed shapes, capturable in a CUDA graph.
+Eq. 5-6 with the bypass output, the Top-k of the candidates' rank, the selection with Eq. 10,
+and the attention over the selection. Fixed shapes, capturable in a CUDA graph.
 
 >>> sparsity, bypass, bypass_out = lfps_sparsity(q, k_buffer, v_buffer, req_to_token,
 ...                                              req_pool_indices, seq_lens, state, params, scale)
 >>> val, at = lfps_topk(rank, seq_lens, params, k)        # rank from score_and_rank
->>> selected = lfps_select_update(val, at, cand, count, logits, bypass, seq_lens, state, params)
+>>> sel = lfps_select(val, at, cand, count, logits, bypass, seq_lens, state, params)
+>>> out = lfps_update(sel, SelectedValues(q, k_buffer, v_buffer, req_to_token,
+...                                       req_pool_indices, seq_lens, None, scale, bypass_out))
 
 References: ``redknot.lfps.batched.head_sparsity``, ``rank_topk_in_list_order``,
-``select_topk`` and ``update_tables_``. Kernels: ``redknot.kernels.triton.lfps_step`` and
-``lfps_select``.
+``select_topk``, ``update_tables_`` and ``redknot.kernels.sparse_reference
+.sparse_decode_reference``. Kernels: ``redknot.kernels.triton.lfps_step`` and ``lfps_select``.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def lfps_topk(
 
     Reference: ``redknot.lfps.batched.rank_topk_in_list_order``. The set is
     ``torch.topk(rank, k)``'s cut to the row's budget, ties at the cut going to the lowest
-    indices; ``lfps_select_update`` takes it in place of ``torch.topk``'s output.
+    indices; ``lfps_select`` takes it in place of ``torch.topk``'s output.
 
     Parameters
     ----------
@@ -186,7 +188,7 @@ def lfps_union(
     -------
     top_val : [B, Hs, width] float32, 0 per marked entry, then ``-inf``.
     top_at : [B, Hs, width] int64, their indices in the row, then 0.
-    filled : [B, Hs] int32, the marked entries (``filled`` of ``lfps_select_update`` and
+    filled : [B, Hs] int32, the marked entries (``filled`` of ``lfps_select`` and
         ``run_sparse_decode``).
     """
     B, Hs, C = marks.shape
@@ -243,28 +245,6 @@ class LfpsSelection:
     block: int
     selected: torch.Tensor  # [B, Hs, K] int32 positions, -1 past the budget or the candidates
     stats: torch.Tensor  # [B, Hs, segments, rows, 2] float32 (max, sum of exponentials)
-
-
-def lfps_select_update(
-    top_val: torch.Tensor,
-    top_at: torch.Tensor,
-    candidates: torch.Tensor,
-    count: torch.Tensor,
-    logits: torch.Tensor,
-    bypass: torch.Tensor,
-    seq_lens: torch.Tensor,
-    state: LfpsBatchState,
-    params: LfpsParams,
-    filled: torch.Tensor | None = None,
-    *,
-    block: int | None = None,
-) -> torch.Tensor:
-    """The selection from the Top-K of the rank, and Eq. 10 on ``state`` (in place):
-    :func:`lfps_select` then :func:`lfps_update`. Returns the selection."""
-    sel = lfps_select(top_val, top_at, candidates, count, logits, bypass, seq_lens, state, params,
-                      filled, block=block)  # fmt: skip
-    lfps_update(sel)
-    return sel.selected
 
 
 def lfps_select(
@@ -409,7 +389,8 @@ def lfps_update(sel: LfpsSelection, attend: SelectedValues | None = None) -> tor
         state.slash.stride(0), state.slash.stride(1), state.scale.stride(0), fill_stride,
         stats.stride(0), stats.stride(1), stats.stride(2), *value_strides,
         SEGMENTS_P2=max(2, 1 << (segments - 1).bit_length()), ATTEND=attend is not None,
-        DIRECT=attend is not None and attend.indices is None, GRP=grp, HEAD_DIM=head_dim, UPCAST=attend is not None and upcast_dots(attend.q.dtype),
+        DIRECT=attend is not None and attend.indices is None, GRP=grp, HEAD_DIM=head_dim,
+        UPCAST=attend is not None and upcast_dots(attend.q.dtype),
         **_update_constants(sel, fraction, block_r=16 if attend is not None else None),
         num_warps=UPDATE_WARPS,
     )  # fmt: skip

@@ -19,9 +19,12 @@ the PyTorch functions of this module are their references):
 | scores, Top-k  | every key scored, masked     | ``score_and_rank`` on the list, ``lfps_topk``:|
 |                |                              | each row's own budget (``<= K``) by a radix   |
 |                |                              | select, in list order                         |
-| Eq. 10         | whole tables decayed         | ``lfps_select_update``: lazy decay, only the  |
-|                |                              | selected entries written                      |
-| attention      | sinks + Top-k                | ``run_sparse_decode``, then the bypass output |
+| Eq. 10         | whole tables decayed         | ``lfps_select``, ``lfps_update``: lazy decay, |
+|                |                              | only the selected entries written             |
+| attention      | sinks + Top-k                | ``lfps_update``: from the scoring's logits    |
+|                |                              | and the selected values, sinks and bypass     |
+|                |                              | output merged (``run_sparse_decode`` for rows |
+|                |                              | listing every key)                            |
 
 With ``rows = 1`` and ``C`` at least every row's candidate count this is the reference exactly
 (``tests/lfps/test_batched.py``). With ``rows = Hq / Hkv`` (one selection per KV head, read once

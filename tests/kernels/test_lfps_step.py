@@ -11,7 +11,6 @@ from redknot.kernels.lfps_index import score_and_rank
 from redknot.kernels.lfps_step import (
     SelectedValues,
     lfps_select,
-    lfps_select_update,
     lfps_sparsity,
     lfps_update,
 )
@@ -79,8 +78,10 @@ def test_select_update_kernel_matches_reference(rows, budget, block):
     state = random_lfps_state(B, Hq, Hkv, D, rows, n_max, seed=10)
     mine, ref = state.clone(), state.clone()
     cand_k, count_k = cand.clone(), torch.full((B, Hq // rows), 7, dtype=torch.int32)
-    selected = lfps_select_update(val, at, cand_k, count_k, logits, bypass, batch.seq_lens, mine,
-                                  params, block=block)  # fmt: skip
+    sel = lfps_select(val, at, cand_k, count_k, logits, bypass, batch.seq_lens, mine, params,
+                      block=block)  # fmt: skip
+    lfps_update(sel)
+    selected = sel.selected
     want, want_logits = select_topk(logits, cand, bypass, row_budgets(batch.seq_lens, params), K)
     update_tables_(ref, want, want_logits, bypass, batch.seq_lens, params.decay)
     assert torch.equal(selected, want)

@@ -203,10 +203,11 @@ def lfps_update_add_kernel(
     ``ATTEND``: the same softmax weights the values of the segment's entries, so the sparse
     attention over the selection needs no key: entry ``e``'s value is at position
     ``Vidx[b, hs, e]`` of ``V_buf`` through ``Req_to_token`` (read where ``num_sink <= p <
-    Seq_lens_v[b]``; ``DIRECT``: at its selected position, in the store the tables index). Each non-bypassed head's weighted sum goes to ``Part_o[b, head, s]``
-    (its softmax is the selection's: the sum over the segments is the attention over the
-    selection) and program 0 writes its log-sum-exp to ``Lse[b, head]`` (``-inf``: no key, or
-    every head of the row bypasses; then no part is written)."""
+    Seq_lens_v[b]``; ``DIRECT``: at its selected position, in the store the tables index).
+    Each non-bypassed head's weighted sum goes to ``Part_o[b, head, s]`` (its softmax is the
+    selection's: the sum over the segments is the attention over the selection) and program 0
+    writes its log-sum-exp to ``Lse[b, head]`` (``-inf``: no key, or every head of the row
+    bypasses; then no part is written)."""
     s = tl.program_id(0)
     hs = tl.program_id(1)
     b = tl.program_id(2)
