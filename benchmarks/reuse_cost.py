@@ -84,7 +84,7 @@ def host_probe_of(results: list[dict]) -> float | None:
 def variant_model(name: str, cfg: dict, chunk: int | None):
     """(costs, recovery, reuses, uses flashinfer's attention) of a ``benchmarks/ttft.py``
     variant on the model of ``cfg``."""
-    base, knobs = ttft.parse_variant(name)
+    base, knobs = ttft.parse_variant(name.split("@")[0])  # flashinfer@N: a merged run's
     fraction, all_global, reuse, dense_layers, skipped, policy = ttft.VARIANTS[base]
     shape = ModelShape.from_hf_config(cfg)
     g = 1.0 if all_global or fraction is None else fraction
@@ -101,17 +101,27 @@ def variant_model(name: str, cfg: dict, chunk: int | None):
     return costs, recovery, reuse, fraction is None
 
 
-def points_of(results: list[dict], question: int) -> list[tuple[str, str, PromptWork, float]]:
-    """``(variant, point, prompt, measured ms)`` of every measured point whose reusing prompts
-    all hit (and, with a gate, were all served with reuse)."""
+def points_of(results: list[dict], question: int) -> list[tuple]:
+    """``(variant, point, prompt, measured ms, baseline)`` of every measured point whose reusing
+    prompts all hit (and, with a gate, were all served with reuse). ``baseline`` names the
+    flashinfer run a point is compared with, as ``benchmarks/ttft.py`` compares it: a merged
+    result's ``baselines``, else its own file's ``flashinfer``, else the first file's."""
+    first = next((f for f, r in enumerate(results) if "flashinfer" in r["variants"]), None)
     out = []
-    for res in results:
+    for f, res in enumerate(results):
+        own = f if "flashinfer" in res["variants"] else first
         for name, var in res["variants"].items():
+            if name.split("@")[0] == "flashinfer":
+                baseline = (f, name)
+            elif name in res.get("baselines", {}):
+                baseline = (f, res["baselines"][name])
+            else:
+                baseline = (own, "flashinfer")
             for key, row in var.get("points", {}).items():
                 if row.get("every_segment_hit") is False:
                     continue
                 if (
-                    name != "flashinfer"
+                    baseline[1] != name
                     and any(s != "reuse" for s in row.get("served", []))
                     and (ttft.VARIANTS[ttft.parse_variant(name)[0]][2])
                 ):
@@ -120,13 +130,14 @@ def points_of(results: list[dict], question: int) -> list[tuple[str, str, Prompt
                 per = length // segments
                 segs = tuple((1 + i * per, per) for i in range(segments))
                 work = PromptWork(row["prompt_tokens"], 0, segs)
-                out.append((name, key, work, statistics.median(row["ttft_samples_s"]) * 1e3))
+                ms = statistics.median(row["ttft_samples_s"]) * 1e3
+                out.append((name, key, work, ms, baseline))
     return out
 
 
 def predict(values: dict, models: dict, points) -> list[float]:
     out = []
-    for name, _, work, _ in points:
+    for name, _, work, _, _ in points:
         costs, recovery, reuse, flashinfer = models[name]
         v = dict(values)
         if flashinfer:
@@ -143,20 +154,21 @@ def decisions(values: dict, models: dict, points, margin: float) -> list[dict]:
     ``1 - margin`` of recomputing), next to the measured reuse TTFT and the flashinfer TTFT of
     the same point (what recomputing costs where the engine recomputes on FlashInfer);
     ``right``: the gate chose the faster of the two as measured."""
-    plain = {key: ms for name, key, _, ms in points if name == "flashinfer"}
+    plain = {(base, key): ms for name, key, _, ms, base in points if base[1] == name}
     record = to_record(values, "fit", margin, {})
     out = []
-    for name, key, work, ms in points:
+    for name, key, work, ms, base in points:
         costs, recovery, reuse, _ = models[name]
-        if not reuse or key not in plain:
+        if not reuse or (base, key) not in plain:
             continue
+        plain_ms = plain[base, key]
         model = ReuseCostModel(costs, recovery, record)
         reuses = bool(
             model.batch_ms([work], [True]) <= (1 - margin) * model.batch_ms([work], [False])
         )
         out.append({"variant": name, "point": key, "gate": "reuse" if reuses else "recompute",
-                    "reuse_ms": round(ms, 2), "flashinfer_ms": round(plain[key], 2),
-                    "right": reuses == bool(ms < plain[key])})  # fmt: skip
+                    "reuse_ms": round(ms, 2), "flashinfer_ms": round(plain_ms, 2),
+                    "right": reuses == bool(ms < plain_ms)})  # fmt: skip
     return out
 
 
@@ -220,7 +232,7 @@ def main() -> None:
         values, unmoved = fit(points, models, fixed)
     rows = [
         {"variant": n, "point": k, "measured_ms": round(m, 2), "predicted_ms": round(p, 2)}
-        for (n, k, _, m), p in zip(points, predict(values, models, points))
+        for (n, k, _, m, _), p in zip(points, predict(values, models, points))
     ]
     for r in rows:
         print(

@@ -105,3 +105,37 @@ def test_the_fit_takes_the_machines_probe_from_the_ttft_results():
 
     assert host_probe_of([{"host_probe_ms": 0.1}, {"host_probe_ms": 0.3}]) == 0.2
     assert host_probe_of([{"host_probe_ms": 0.1}, {}]) is None
+
+
+def _ttft_result(variants: dict, baselines: dict | None = None) -> dict:
+    """A ``benchmarks/ttft.py`` result of ``{variant: TTFT ms}`` at one point (1K x 8)."""
+    row = {"length": 1024, "segments": 8, "prompt_tokens": 1088, "every_segment_hit": True}
+    res = {"variants": {n: {"points": {"1024x8": {**row, "ttft_samples_s": [ms / 1e3]}}}
+                        for n, ms in variants.items()}}  # fmt: skip
+    if baselines is not None:
+        res["baselines"] = baselines
+    return res
+
+
+def test_the_fit_compares_each_variant_with_its_own_runs_flashinfer():
+    """As ``benchmarks/ttft.py`` compares them: a run's variants with that run's flashinfer, a
+    run without one with the first run's, a merged run's by its ``baselines`` (``flashinfer@N``,
+    a name the fit reads as flashinfer)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from reuse_cost import points_of
+
+    runs = [_ttft_result({"flashinfer": 30.0, "epic[reuse_gate=always]": 40.0}),
+            _ttft_result({"cacheblend[reuse_gate=always]": 50.0}),
+            _ttft_result({"sparsex[reuse_gate=always]": 60.0, "flashinfer": 70.0})]  # fmt: skip
+    merged = _ttft_result(
+        {"flashinfer": 30.0, "cacheblend[reuse_gate=always]": 50.0,
+         "sparsex[reuse_gate=always]": 60.0, "flashinfer@3": 70.0},
+        baselines={"flashinfer": "flashinfer", "cacheblend[reuse_gate=always]": "flashinfer",
+                   "sparsex[reuse_gate=always]": "flashinfer@3", "flashinfer@3": "flashinfer@3"},
+    )  # fmt: skip
+    for results in (runs, [merged]):
+        points = points_of(results, 64)
+        base_ms = {p[4]: p[3] for p in points if p[4][1] == p[0]}
+        paired = {p[0].split("[")[0]: base_ms[p[4]] for p in points if p[4][1] != p[0]}
+        assert paired["sparsex"] == 70.0 and paired["cacheblend"] == 30.0, paired
+        assert paired.get("epic", 30.0) == 30.0
