@@ -139,3 +139,13 @@ def test_the_fit_compares_each_variant_with_its_own_runs_flashinfer():
         paired = {p[0].split("[")[0]: base_ms[p[4]] for p in points if p[4][1] != p[0]}
         assert paired["sparsex"] == 70.0 and paired["cacheblend"] == 30.0, paired
         assert paired.get("epic", 30.0) == 30.0
+
+
+def test_the_check_takes_flashinfers_throughput_where_the_record_fitted_or_held_it():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from reuse_cost import flashinfer_tflops
+
+    held = replace(H100, provenance={"held": {"attn_tflops_flashinfer": 600.0}})
+    fitted = replace(H100, provenance={"fitted": {"attn_tflops_flashinfer": 178.9}})
+    assert flashinfer_tflops(held) == 600.0 and flashinfer_tflops(fitted) == 178.9
+    assert flashinfer_tflops(replace(H100, provenance={})) == H100.attn_tflops
