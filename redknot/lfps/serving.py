@@ -202,7 +202,7 @@ class DecodePlan:
     topk: int  # K
     candidates: int  # C
     width: int  # the longest row's keys (exact Top-k scores every position below it)
-    sparse: object  # SparseDecodePlan of LfpsBudgets.width (None off CUDA: references need none)
+    sparse: object  # SparseDecodePlan of LfpsBudgets.width (None: off CUDA, or mode lfps)
 
 
 class LfpsServing:
@@ -389,6 +389,10 @@ class LfpsServing:
         lfps_rows = torch.tensor(lfps, dtype=torch.long, device=dev)
         index = [self.row_of[rids[i]] for i in lfps]
         self._step()
+        # the LFPS step attends an eager batch's selections from its own logits (no row here
+        # lists every key): only exact Top-k runs the sparse attention
+        width = self._budgets(candidates, topk).width
+        sparse = self._sparse_plan(len(lfps), width, dev) if self.mode == "topk" else None
         return DecodePlan(
             lfps_rows=lfps_rows,
             index=torch.tensor(index, dtype=torch.int32, device=dev),
@@ -399,7 +403,7 @@ class LfpsServing:
             topk=topk,
             candidates=candidates,
             width=longest,
-            sparse=self._sparse_plan(len(lfps), self._budgets(candidates, topk).width, dev),
+            sparse=sparse,
         )
 
     def _budgets(self, candidates: int, topk: int):
