@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from redknot.lfps import LfpsParams, build_state, lfps_step
-from redknot.lfps.metrics import recall_vs_exact_topk
+from redknot.lfps.metrics import recall_vs_exact_topk, recall_vs_group_topk
 
 
 def prompt_ids(tokenizer, cases: Path, num_tokens: int) -> torch.Tensor:
@@ -104,7 +104,9 @@ def run_lfps_shared(
     reference): one candidate list and one Top-k per KV head, serving its ``Hq / Hkv`` query
     heads, with ``C = factor * K`` candidates as the decode benchmark runs it. Recall is each
     query head's own (its exact Top-k, at ``params.budget``, against the shared selection of
-    ``widen`` times that budget); ``overflow_share``: steps and KV heads whose candidates
+    ``widen`` times that budget); ``recall_group_topk``: each KV head's, against the exact Top-k
+    of the engine's ``topk`` with lists per KV head (a key ranked by its highest logit over the
+    group); ``overflow_share``: steps and KV heads whose candidates
     exceeded ``C`` (the list then keeps the highest priorities). ``union``: each query head
     takes its own Top-k of the list, the KV head attends their union (``attended_share``: its
     keys over the budget)."""
@@ -126,7 +128,7 @@ def run_lfps_shared(
     req_to_token = torch.arange(T, dtype=torch.int32)[None]
     top = params.budget_for(prompt_len + steps - params.num_sink)
     budgets = LfpsBudgets(candidates=min(factor * top, T), topk=top, union=rows if union else 1)
-    recalls, cand, bypass, over, attended = [], [], [], [], []
+    recalls, group_recalls, cand, bypass, over, attended = [], [], [], [], [], []
     for t in range(prompt_len, prompt_len + steps):
         seq = torch.tensor([t + 1])
         res = lfps_decode_step(q[None, :, t], k_buffer, v_buffer, req_to_token,
@@ -135,12 +137,15 @@ def run_lfps_shared(
         chosen = torch.zeros(H // rows, t + 1, dtype=torch.bool)
         sel = res.selected[0].long()
         chosen.scatter_(1, sel.clamp(min=0), sel >= 0)
-        chosen = chosen.repeat_interleave(rows, 0)
         kk = exact.budget_for(t + 1 - params.num_sink)
-        rec = recall_vs_exact_topk(q[:, t], k[:, : t + 1], chosen, kk, params.num_sink)
         active = ~res.bypass[0]
+        grouped = recall_vs_group_topk(q[:, t], k[:, : t + 1], chosen, kk, params.num_sink,
+                                       rows, active)  # fmt: skip
+        chosen = chosen.repeat_interleave(rows, 0)
+        rec = recall_vs_exact_topk(q[:, t], k[:, : t + 1], chosen, kk, params.num_sink)
         if bool(active.any()):
             recalls.append(float(rec[active].mean()))
+            group_recalls.append(float(grouped.nanmean()))
         count = res.candidate_count[0].float()
         attended.append(float((sel >= 0).sum(-1).float().mean()) / kk)
         cand.append(float(count.mean()) / (t + 1))
@@ -148,6 +153,7 @@ def run_lfps_shared(
         bypass.append(float(res.bypass.float().mean()))
     return {
         "recall": sum(recalls) / max(len(recalls), 1),
+        "recall_group_topk": sum(group_recalls) / max(len(group_recalls), 1),
         "candidate_share": sum(cand) / len(cand),
         "bypass_share": sum(bypass) / len(bypass),
         "overflow_share": sum(over) / len(over),

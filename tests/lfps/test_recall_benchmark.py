@@ -24,6 +24,7 @@ def test_one_query_head_per_list_and_room_for_all_is_the_reference():
     assert shared["overflow_share"] == 0.0
     for key in ("recall", "candidate_share", "bypass_share"):
         assert shared[key] == pytest.approx(ref[key], abs=1e-6), key
+    assert shared["recall_group_topk"] == pytest.approx(ref["recall"], abs=1e-6)
 
 
 def test_a_shared_list_over_capacity_is_counted():
