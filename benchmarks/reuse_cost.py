@@ -101,29 +101,38 @@ def variant_model(name: str, cfg: dict, chunk: int | None):
     return costs, recovery, reuse, fraction is None
 
 
-def points_of(results: list[dict], question: int) -> list[tuple]:
+def points_of(results: list[dict], question: int, tags: list[str] | None = None) -> list[tuple]:
     """``(variant, point, prompt, measured ms, baseline)`` of every measured point whose reusing
     prompts all hit (and, with a gate, were all served with reuse). ``baseline`` names the
     flashinfer run a point is compared with, as ``benchmarks/ttft.py`` compares it: a merged
-    result's ``baselines``, else its own file's ``flashinfer``, else the first file's."""
-    first = next((f for f, r in enumerate(results) if "flashinfer" in r["variants"]), None)
+    result's ``baselines``, else its own file's ``flashinfer``, else the first file's of the
+    same tag. ``tags`` (one per result, e.g. its model) prefix the variant names, so that the
+    results of several models are fitted together and each is compared with its own model's
+    flashinfer."""
+    tags = tags or [""] * len(results)
+    first = {}
+    for f, r in enumerate(results):
+        if "flashinfer" in r["variants"]:
+            first.setdefault(tags[f], f)
     out = []
     for f, res in enumerate(results):
-        own = f if "flashinfer" in res["variants"] else first
-        for name, var in res["variants"].items():
-            if name.split("@")[0] == "flashinfer":
+        tag = tags[f]
+        own = f if "flashinfer" in res["variants"] else first.get(tag)
+        for raw, var in res["variants"].items():
+            name = tag + raw
+            if raw.split("@")[0] == "flashinfer":
                 baseline = (f, name)
-            elif name in res.get("baselines", {}):
-                baseline = (f, res["baselines"][name])
+            elif raw in res.get("baselines", {}):
+                baseline = (f, tag + res["baselines"][raw])
             else:
-                baseline = (own, "flashinfer")
+                baseline = (own, tag + "flashinfer")
             for key, row in var.get("points", {}).items():
                 if row.get("every_segment_hit") is False:
                     continue
                 if (
                     baseline[1] != name
                     and any(s != "reuse" for s in row.get("served", []))
-                    and (ttft.VARIANTS[ttft.parse_variant(name)[0]][2])
+                    and (ttft.VARIANTS[ttft.parse_variant(raw)[0]][2])
                 ):
                     continue  # a gate served some of them without reuse: not a reuse time
                 length, segments = row["length"], row["segments"]
@@ -205,7 +214,11 @@ def fit(points, models: dict, fixed: dict) -> tuple[dict, list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--fit", required=True, help="comma-separated benchmarks/ttft.py results")
+    ap.add_argument(
+        "--fit", required=True,
+        help="comma-separated benchmarks/ttft.py results, each PATH or PATH@MODEL_DIR (a result "
+        "of another model than --model's, fitted with the others)",
+    )  # fmt: skip
     ap.add_argument("--model", default=common.DEFAULT_MODEL, help="model dir with config.json")
     ap.add_argument(
         "--fix", default="", help="constants held, e.g. bandwidth_gbs=2800,host_plain=0.3"
@@ -214,15 +227,19 @@ def main() -> None:
     ap.add_argument("--check", default=None, help="a record to compare with, nothing fitted")
     ap.add_argument("--out", default=None, help="where to write the fitted record")
     args = ap.parse_args()
-    cfg = json.loads(Path(args.model, "config.json").read_text())
-    results = [json.loads(Path(p).read_text()) for p in args.fit.split(",")]
+    inputs = [item.partition("@")[::2] for item in args.fit.split(",")]
+    paths = [path for path, _ in inputs]
+    model_dirs = [model or args.model for _, model in inputs]
+    tags = [Path(m).name + ":" if m != args.model else "" for m in model_dirs]
+    configs = {m: json.loads(Path(m, "config.json").read_text()) for m in set(model_dirs)}
+    results = [json.loads(Path(p).read_text()) for p in paths]
     devices = {r["device"] for r in results}
     if len(devices) != 1:
         raise SystemExit(f"--fit: results of several devices {sorted(devices)}: fit one device")
     question = results[0].get("question", 64)
-    names = {n for r in results for n in r["variants"]}
-    models = {n: variant_model(n, cfg, None) for n in names}
-    points = points_of(results, question)
+    models = {tag + n: variant_model(n, configs[m], None)
+              for r, m, tag in zip(results, model_dirs, tags) for n in r["variants"]}  # fmt: skip
+    points = points_of(results, question, tags)
     if args.check:
         record = CostRecord.read(args.check)
         values = {"fixed_ms": record.fixed_ms, "gemm_tflops": record.gemm_tflops,
@@ -258,8 +275,9 @@ def main() -> None:
     if args.check or not args.out:
         return
     provenance = common.record(
-        inputs=[{"path": p, "commit": r.get("commit"), "date": r.get("date"),
-                 "command": r.get("command")} for p, r in zip(args.fit.split(","), results)],
+        inputs=[{"path": p, "model": Path(m).name, "commit": r.get("commit"),
+                 "date": r.get("date"), "command": r.get("command")}
+                for p, m, r in zip(paths, model_dirs, results)],
         model=Path(args.model).name,
         fitted={k: round(v, 4) for k, v in values.items() if k not in fixed},
         held=fixed,

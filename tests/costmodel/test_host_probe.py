@@ -53,7 +53,7 @@ def test_a_record_with_a_bad_probe_is_refused_and_one_without_writes_none():
     for bad in (0, -1.0, "fast", True):
         with pytest.raises(CostRecordError, match="host_probe_ms"):
             CostRecord.from_json({**H100.to_json(), "host_probe_ms": bad}, source="r.json")
-    assert "host_probe_ms" not in H100.to_json()
+    assert "host_probe_ms" not in replace(H100, host_probe_ms=None).to_json()
     again = CostRecord.from_json(json.loads(json.dumps(replace(H100, host_probe_ms=0.2).to_json())))
     assert again.host_probe_ms == 0.2
 
@@ -94,7 +94,9 @@ def test_a_slower_host_recomputes_what_the_record_reuses(tmp_path, caplog):
     assert slow.reuse_ms > 1.8 * same.reuse_ms and slow.plain_ms < 1.5 * same.plain_ms
     assert "host constants x2.00" in caplog.text
     assert calls == [0.2]  # measured once the record has a probe of its own
-    unprobed, calls = _gate(RECORDS_DIR / f"{FALLBACK}.json", host_probe=0.2)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(replace(H100, host_probe_ms=None).to_json()))
+    unprobed, calls = _gate(bare, host_probe=0.2)
     assert unprobed.decide(work).reuse_ms == pytest.approx(same.reuse_ms)  # no record probe: as is
     assert calls == [] and unprobed.host_scale == 1.0  # and the machine is not probed
 
@@ -139,6 +141,31 @@ def test_the_fit_compares_each_variant_with_its_own_runs_flashinfer():
         paired = {p[0].split("[")[0]: base_ms[p[4]] for p in points if p[4][1] != p[0]}
         assert paired["sparsex"] == 70.0 and paired["cacheblend"] == 30.0, paired
         assert paired.get("epic", 30.0) == 30.0
+
+
+def test_results_of_two_models_are_each_compared_with_their_own_models_flashinfer():
+    """``--fit PATH@MODEL``: a second model's variants are named with its tag, and a run of it
+    without a flashinfer of its own pairs with the first flashinfer of the same model, never
+    with the other model's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from reuse_cost import points_of
+
+    runs = [_ttft_result({"flashinfer": 30.0, "epic[reuse_gate=always]": 40.0}),
+            _ttft_result({"flashinfer": 10.0, "epic[reuse_gate=always]": 25.0}),
+            _ttft_result({"cacheblend[reuse_gate=always]": 50.0})]  # fmt: skip
+    points = points_of(runs, 64, ["", "small:", "small:"])
+    names = [p[0] for p in points]
+    assert names == [
+        "flashinfer",
+        "epic[reuse_gate=always]",
+        "small:flashinfer",
+        "small:epic[reuse_gate=always]",
+        "small:cacheblend[reuse_gate=always]",
+    ]
+    base_ms = {p[4]: p[3] for p in points if p[4][1] == p[0]}
+    paired = {p[0]: base_ms[p[4]] for p in points if p[4][1] != p[0]}
+    assert paired == {"epic[reuse_gate=always]": 30.0, "small:epic[reuse_gate=always]": 10.0,
+                      "small:cacheblend[reuse_gate=always]": 10.0}  # fmt: skip
 
 
 def test_the_check_takes_flashinfers_throughput_where_the_record_fitted_or_held_it():
