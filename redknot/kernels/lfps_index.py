@@ -249,11 +249,13 @@ def lfps_candidates(
         vertical, slash, scale, rows, seq_lens, offsets_tensor(params.offsets, dev), moments, codes,
         chunk_count, params.lam, params.num_sink, *tables, *m_strides, *c_strides[:4],
         NUM_OFFSETS=len(params.offsets), CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block,
-        NBINS=NUM_BINS, BINS_PER_OCTAVE=BINS_PER_OCTAVE, num_warps=num_warps,
+        num_warps=num_warps,
     )  # fmt: skip
     lfps_hist_kernel[grid](
-        seq_lens, codes, chunk_count, chunk_hist, params.num_sink, capacity, *c_strides,
-        CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block, NBINS=NUM_BINS, num_warps=num_warps,
+        vertical, slash, scale, rows, seq_lens, moments, codes, chunk_count, chunk_hist,
+        params.lam, params.num_sink, capacity, *tables, *m_strides, *c_strides,
+        CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block, NBINS=NUM_BINS,
+        BINS_PER_OCTAVE=BINS_PER_OCTAVE, num_warps=num_warps,
     )  # fmt: skip
     lfps_write_kernel[grid](
         seq_lens, codes, chunk_count, chunk_hist, out, count, params.num_sink, capacity,

@@ -15,10 +15,10 @@ table entries, grid ``(chunks, Hs, B)`` each, so that a row is spread over many 
 | -------------------- | ---------------------------- | ----------------------------------------- |
 | ``lfps_moments``     | the chunk of both tables     | its mean and central sums of powers 2-4   |
 | ``lfps_mark``        | the row's chunk moments      | Eq. 8 thresholds merged from them; each   |
-|                      | (merged), the chunk of both  | entry's code (0, or 1 + priority bin) and |
+|                      | (merged), the chunk of both  | entry's code (0, or 1: a candidate) and   |
 |                      | tables and its Eq. 9 shifts  | the chunk's count                         |
-| ``lfps_hist``        | counts; codes if overflowing | the chunk's bin histogram, only where the |
-|                      |                              | row overflows its capacity                |
+| ``lfps_hist``        | counts; where the row        | there: each candidate's code 1 + its      |
+|                      | overflows, codes and tables  | priority bin, the chunk's bin histogram   |
 | ``lfps_write``       | counts, histograms, codes    | the list (newest first) and the count     |
 
 Entries are indexed by ``i = j - num_sink`` for key positions ``j`` in ``[num_sink, n)``
@@ -109,10 +109,8 @@ def table_block(Vert_row, Slash_row, i, ok, m, scale):
 def candidate_block(
     Vert_row, Slash_row, Offsets, i, m, scale, theta_v, theta_s, mu_v, mu_s,
     NUM_OFFSETS: tl.constexpr,
-    NBINS: tl.constexpr,
-    BINS_PER_OCTAVE: tl.constexpr,
 ):  # fmt: skip
-    """Eq. 7-9 at entries ``i``: ``(candidate mask, priority bin)``."""
+    """Eq. 7-9 at entries ``i``: the candidate mask."""
     ok = (i >= 0) & (i < m)
     v, sl = table_block(Vert_row, Slash_row, i, ok, m, scale)
     init = ok & ((v > theta_v) | (sl > theta_s))
@@ -124,12 +122,17 @@ def candidate_block(
         ok2 = (i - o >= 0) & (i - o < m) & (o != 0)
         v2, sl2 = table_block(Vert_row, Slash_row, i - o, ok2, m, scale)
         shifted = shifted | (ok2 & ((v2 > theta_v) | (sl2 > theta_s)))
-    cand = init | (keep & shifted)
+    return init | (keep & shifted)
+
+
+@triton.jit
+def priority_level(v, sl, mu_v, mu_s, NBINS: tl.constexpr, BINS_PER_OCTAVE: tl.constexpr):
+    """An entry's priority bin (``redknot.lfps.fixed_budget.priority_bins``)."""
     r_v = tl.where(mu_v > 0.0, v / tl.where(mu_v > 0.0, mu_v, 1.0), 0.0)
     r_s = tl.where(mu_s > 0.0, sl / tl.where(mu_s > 0.0, mu_s, 1.0), 0.0)
     level = tl.math.log2(tl.maximum(tl.maximum(r_v, r_s), 1e-30)) * BINS_PER_OCTAVE
     level = tl.minimum(tl.maximum(level, 0.0), NBINS - 1.0)
-    return cand, level.to(tl.int32)
+    return level.to(tl.int32)
 
 
 @triton.jit
@@ -261,11 +264,10 @@ def lfps_mark_kernel(
     CHUNK: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
     BLOCK: tl.constexpr,
-    NBINS: tl.constexpr,
-    BINS_PER_OCTAVE: tl.constexpr,
 ):  # fmt: skip
     """Program ``(c, hs, b)``: Eq. 7-9 on the chunk's entries: ``Codes[b, hs, i]`` = 0 (not a
-    candidate) or 1 + its priority bin; the chunk's candidate count."""
+    candidate) or 1; the chunk's candidate count. (Priority bins are needed only where a row
+    overflows its capacity: ``lfps_hist`` codes them there.)"""
     c = tl.program_id(0)
     hs = tl.program_id(1)
     b = tl.program_id(2)
@@ -284,27 +286,28 @@ def lfps_mark_kernel(
     count = tl.sum(lanes * 0, 0)
     for start in range(lo, hi, BLOCK):
         i = start + lanes
-        cand, level = candidate_block(vert_row, slash_row, Offsets, i, m, scale, theta_v, theta_s,
-                                      mean_v, mean_s, NUM_OFFSETS, NBINS,
-                                      BINS_PER_OCTAVE)  # fmt: skip
-        tl.store(codes_row + i, tl.where(cand, level + 1, 0).to(tl.uint8), mask=i < hi)
+        cand = candidate_block(vert_row, slash_row, Offsets, i, m, scale, theta_v, theta_s,
+                               mean_v, mean_s, NUM_OFFSETS)  # fmt: skip
+        tl.store(codes_row + i, cand.to(tl.uint8), mask=i < hi)
         count += tl.sum(cand.to(tl.int32), 0)
     tl.store(Chunk_count + b * stride_nb + hs * stride_nh + c, count)
 
 
 @triton.jit
 def lfps_hist_kernel(
-    Seq_lens, Codes, Chunk_count, Chunk_hist,
-    num_sink, capacity,
+    Vert, Slash, Scale, State_rows, Seq_lens, Moments, Codes, Chunk_count, Chunk_hist,
+    lam, num_sink, capacity,
+    stride_vb, stride_vh, stride_sb, stride_sh, stride_cb, stride_mb, stride_mh, stride_mc,
     stride_db, stride_dh, stride_nb, stride_nh, stride_hb, stride_hh, stride_hc,
     CHUNK: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
     BLOCK: tl.constexpr,
     NBINS: tl.constexpr,
+    BINS_PER_OCTAVE: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(c, hs, b)``: the chunk's histogram of candidates by priority bin, from their
-    codes, only where the row's candidates overflow ``capacity`` (the write kernel reads the
-    histograms only there; elsewhere the program returns after reading the counts)."""
+    """Program ``(c, hs, b)``, only where the row's candidates overflow ``capacity`` (elsewhere
+    it returns after reading the counts; the write kernel reads bins only there): each of the
+    chunk's candidates coded 1 + its priority bin, and the chunk's histogram of them by bin."""
     c = tl.program_id(0)
     hs = tl.program_id(1)
     b = tl.program_id(2)
@@ -313,6 +316,12 @@ def lfps_hist_kernel(
     counts = tl.load(Chunk_count + b * stride_nb + hs * stride_nh + chunk,
                      mask=chunk < tl.cdiv(m, CHUNK), other=0)  # fmt: skip
     if tl.sum(counts, 0) > capacity:
+        sb = tl.load(State_rows + b).to(tl.int64)
+        scale = tl.load(Scale + sb * stride_cb + hs)
+        vert_row = Vert + sb * stride_vb + hs * stride_vh + num_sink
+        slash_row = Slash + sb * stride_sb + hs * stride_sh
+        moments_row = Moments + b.to(tl.int64) * stride_mb + hs * stride_mh
+        mean_v, _, mean_s, _ = row_thresholds(moments_row, stride_mc, m, lam, CHUNK, CHUNKS_P2)
         codes_row = Codes + b.to(tl.int64) * stride_db + hs * stride_dh
         lanes = tl.arange(0, BLOCK)
         hist = tl.zeros([NBINS], dtype=tl.int32)
@@ -320,8 +329,11 @@ def lfps_hist_kernel(
         hi = tl.minimum(lo + CHUNK, m)
         for start in range(lo, hi, BLOCK):
             i = start + lanes
-            code = tl.load(codes_row + i, mask=i < hi, other=0).to(tl.int32)
-            hist += tl.histogram(tl.maximum(code - 1, 0), NBINS, mask=code > 0)
+            cand = tl.load(codes_row + i, mask=i < hi, other=0) > 0
+            v, sl = table_block(vert_row, slash_row, i, cand, m, scale)
+            level = priority_level(v, sl, mean_v, mean_s, NBINS, BINS_PER_OCTAVE)
+            tl.store(codes_row + i, (level + 1).to(tl.uint8), mask=cand)
+            hist += tl.histogram(level, NBINS, mask=cand)
         bins = tl.arange(0, NBINS)
         out = Chunk_hist + b.to(tl.int64) * stride_hb + hs * stride_hh + c * stride_hc
         tl.store(out + bins, hist)
