@@ -1,0 +1,62 @@
+"""What the reuse gate decides on a device record: predicted TTFT with reuse / recomputed, and the
+decision, for prompts of 8 cached segments plus a 64-token question, per policy (CPU, no GPU).
+
+    python benchmarks/gate_table.py --record redknot/costmodel/records/nvidia-h100-80gb-hbm3.json
+
+``--model`` takes any model directory with a ``config.json`` (default: the 8B shape); redknot's
+row uses the synthetic 1/8 map with 8 dense layers, as the serving default on that shape. Prints
+one markdown table (``R``: served with reuse, ``P``: recomputed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serving_common as common
+
+from redknot.costmodel.gate import ReuseGate
+from redknot.costmodel.model import ModelCosts, PromptWork, Recovery, ReuseCostModel
+from redknot.costmodel.record import CostRecord
+from redknot.headmap import ModelShape, synthetic_map
+from redknot.pool.layout import HeadLayout
+
+ROWS = (("redknot (dense layers 8)", "redknot", 8), ("EPIC", "epic", None),
+        ("CacheBlend", "cacheblend", None), ("SparseX", "sparsex", None))  # fmt: skip
+
+
+def gate_of(cfg: dict, record: CostRecord, policy: str, dense_layers: int | None) -> ReuseGate:
+    shape = ModelShape.from_hf_config(cfg)
+    layout = HeadLayout.from_head_map(synthetic_map(shape, 0.125, window=256, sink=64))
+    dense = shape.num_layers if dense_layers is None else dense_layers
+    recovery = Recovery(policy, shape.num_layers, dense)
+    return ReuseGate(ReuseCostModel(ModelCosts.of(cfg, layout), recovery, record))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--record", required=True)
+    ap.add_argument("--model", default=common.DEFAULT_MODEL, help="model dir with config.json")
+    ap.add_argument("--sizes", default="1024,2048,4096,8192,16384,32768,65536")
+    ap.add_argument("--question", type=int, default=64)
+    args = ap.parse_args()
+    cfg = json.loads(Path(args.model, "config.json").read_text())
+    record = CostRecord.read(args.record)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"| {Path(args.model).name} | " + " | ".join(f"{s / 1024:g}K" for s in sizes) + " |")
+    print("| --- " * (len(sizes) + 1) + "|")
+    for label, policy, dense_layers in ROWS:
+        gate = gate_of(cfg, record, policy, dense_layers)
+        cells = []
+        for size in sizes:
+            per = size // 8
+            work = PromptWork(size + args.question, 0, tuple((i * per, per) for i in range(8)))
+            d = gate.decide(work)
+            cells.append(f"{'R' if d.reuse else 'P'} {d.reuse_ms:.0f}/{d.plain_ms:.0f}")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
