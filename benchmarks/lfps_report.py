@@ -54,6 +54,13 @@ def recall(results: Path, sources: dict) -> tuple[dict, dict]:
         worst = min(r["recall"] for r in rows)
         verdict[sel] = {"worst": round(worst, 4), "met": worst >= RECALL_TARGET, "source": name,
                         "candidate_factor": data["params"].get("candidate_factor")}  # fmt: skip
+        if all("recall_group_topk" in r for r in rows):  # a shared list against its group's
+            group = [r["recall_group_topk"] for r in rows]
+            table[f"{sel}_vs_group_topk"] = {str(r["length"]): round(g, 4)
+                                             for r, g in zip(rows, group)}  # fmt: skip
+            verdict[f"{sel}_vs_group_topk"] = {"worst": round(min(group), 4),
+                                               "met": min(group) >= RECALL_TARGET,
+                                               "source": name}  # fmt: skip
     return table, verdict
 
 
