@@ -580,7 +580,8 @@ def engine_info(result: dict) -> dict:
     lfps = [x[:300] for x in lines if "lfps" in x.lower() and "ServerArgs" not in x]
     info = {"peak_running": max(running, default=None), "lfps_log_lines": lfps[:10]}
     if "error" in result:
-        info.update(error=result["error"], log_tail=result["log_tail"])
+        info.update(error=result["error"], error_lines=result.get("error_lines", []),
+                    log_tail=result["log_tail"])  # fmt: skip
     return info
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -127,16 +128,36 @@ def run_child(script: str, args: list[str], log_grep: str | tuple[str, ...] | No
         text=True,
         env=os.environ.copy(),
     )
+    text = proc.stdout + proc.stderr
+    greps = (log_grep,) if isinstance(log_grep, str) else (log_grep or ())
+    log_lines = [x for x in text.splitlines() if any(g in x for g in greps)]
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT ") :])
             if log_grep:
-                text = proc.stdout + proc.stderr
-                greps = (log_grep,) if isinstance(log_grep, str) else log_grep
-                result["log_lines"] = [x for x in text.splitlines() if any(g in x for g in greps)]
+                result["log_lines"] = log_lines
             return result
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    return {"error": f"exit {proc.returncode}", "log_tail": tail}
+    failed = {"error": f"exit {proc.returncode}", "log_tail": text[-3000:],
+              "error_lines": error_lines(text)}  # fmt: skip
+    if log_grep:
+        failed["log_lines"] = log_lines
+    return failed
+
+
+ERROR_MARKS = re.compile(r"Error|error:|Traceback|FAILED|build stopped|Killed|out of memory")
+
+
+def error_lines(text: str, each_end: int = 20) -> list[str]:
+    """The lines of a failed child's output that name an error (exception lines, a compiler's
+    ``error:``, ``ninja: build stopped``, an out-of-memory), each after the line before it: the
+    first ``each_end`` such lines and the last ``each_end``. A failure's cause is often far
+    above the tail a crash leaves (a compile error before the engine's own traceback), so a
+    failed run keeps both ends."""
+    lines = text.splitlines()
+    hits = [i for i, line in enumerate(lines) if ERROR_MARKS.search(line)]
+    keep = sorted(set(hits[:each_end] + hits[-each_end:]))
+    rows = sorted({j for i in keep for j in (i - 1, i) if j >= 0})
+    return [lines[j][:300] for j in rows]
 
 
 def register_segments(engine, docs: list[list[int]], namespace: str) -> None:
