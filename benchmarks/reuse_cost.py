@@ -16,7 +16,10 @@ constants, and each point's measured and predicted TTFT.
     python benchmarks/reuse_cost.py --fit /tmp/cost_ttft.json \\
         --out redknot/costmodel/records/nvidia-h100-80gb-hbm3.json
 
-``--check RECORD --fit FILES`` prints measured against predicted without fitting.
+``--check RECORD --fit FILES`` prints measured against predicted without fitting. A result of
+another model than ``--model``'s is given as ``PATH@MODEL_DIR`` and fitted with the others (the
+shipped H100 record: the 8B shape and SmolLM2, whose host-bound prompts identify the host
+constants that the 8B points leave free; docs/performance.md has its command).
 """
 
 from __future__ import annotations
