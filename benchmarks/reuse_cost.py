@@ -233,7 +233,11 @@ def main() -> None:
     inputs = [item.partition("@")[::2] for item in args.fit.split(",")]
     paths = [path for path, _ in inputs]
     model_dirs = [model or args.model for _, model in inputs]
-    tags = [Path(m).name + ":" if m != args.model else "" for m in model_dirs]
+    names = {}  # model dir -> its tag's name, unique even where two dirs share a base name
+    for m in dict.fromkeys(model_dirs):
+        name = Path(m).name
+        names[m] = name if name not in names.values() else f"{name}#{len(names)}"
+    tags = [names[m] + ":" if m != args.model else "" for m in model_dirs]
     configs = {m: json.loads(Path(m, "config.json").read_text()) for m in set(model_dirs)}
     results = [json.loads(Path(p).read_text()) for p in paths]
     devices = {r["device"] for r in results}
