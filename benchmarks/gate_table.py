@@ -3,9 +3,11 @@ decision, for prompts of 8 cached segments plus a 64-token question, per policy 
 
     python benchmarks/gate_table.py --record redknot/costmodel/records/nvidia-h100-80gb-hbm3.json
 
-``--model`` takes any model directory with a ``config.json`` (default: the 8B shape); redknot's
-row uses the synthetic 1/8 map with 8 dense layers, as the serving default on that shape. Prints
-one markdown table (``R``: served with reuse, ``P``: recomputed)."""
+Each row is a ``benchmarks/ttft.py`` variant modelled as ``reuse_cost.py`` models it for the fit
+(its head layout as the server runs it: every head global under EPIC, CacheBlend and SparseX,
+the synthetic 1/8 map with 8 dense layers for redknot). ``--model`` takes any model directory
+with a ``config.json`` (default: the 8B shape). Prints one markdown table (``R``: served with
+reuse, ``P``: recomputed)."""
 
 from __future__ import annotations
 
@@ -16,23 +18,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_common as common
+from reuse_cost import variant_model
 
 from redknot.costmodel.gate import ReuseGate
-from redknot.costmodel.model import ModelCosts, PromptWork, Recovery, ReuseCostModel
+from redknot.costmodel.model import PromptWork, ReuseCostModel
 from redknot.costmodel.record import CostRecord
-from redknot.headmap import ModelShape, synthetic_map
-from redknot.pool.layout import HeadLayout
 
-ROWS = (("redknot (dense layers 8)", "redknot", 8), ("EPIC", "epic", None),
-        ("CacheBlend", "cacheblend", None), ("SparseX", "sparsex", None))  # fmt: skip
+ROWS = (("redknot (1/8 map, dense layers 8)", "redknot-g0.125-reuse-sparse-cached"),
+        ("EPIC", "epic"), ("CacheBlend", "cacheblend"), ("SparseX", "sparsex"))  # fmt: skip
 
 
-def gate_of(cfg: dict, record: CostRecord, policy: str, dense_layers: int | None) -> ReuseGate:
-    shape = ModelShape.from_hf_config(cfg)
-    layout = HeadLayout.from_head_map(synthetic_map(shape, 0.125, window=256, sink=64))
-    dense = shape.num_layers if dense_layers is None else dense_layers
-    recovery = Recovery(policy, shape.num_layers, dense)
-    return ReuseGate(ReuseCostModel(ModelCosts.of(cfg, layout), recovery, record))
+def gate_of(cfg: dict, record: CostRecord, variant: str) -> ReuseGate:
+    """The gate a server of ``variant`` builds on ``record`` (no host scaling)."""
+    costs, recovery, _, _ = variant_model(variant, cfg, None)
+    return ReuseGate(ReuseCostModel(costs, recovery, record))
 
 
 def main() -> None:
@@ -47,8 +46,8 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"| {Path(args.model).name} | " + " | ".join(f"{s / 1024:g}K" for s in sizes) + " |")
     print("| --- " * (len(sizes) + 1) + "|")
-    for label, policy, dense_layers in ROWS:
-        gate = gate_of(cfg, record, policy, dense_layers)
+    for label, variant in ROWS:
+        gate = gate_of(cfg, record, variant)
         cells = []
         for size in sizes:
             per = size // 8
