@@ -47,4 +47,3 @@ def recall_vs_group_topk(
     exact = torch.topk(group, k, dim=-1).indices
     hit = torch.gather(chosen[:, num_sink:], 1, exact).float().mean(-1)
     return torch.where(active.view(-1, rows).any(1), hit, float("nan"))
-
