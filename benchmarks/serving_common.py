@@ -155,7 +155,7 @@ def error_lines(text: str, each_end: int = 20) -> list[str]:
     failed run keeps both ends."""
     lines = text.splitlines()
     hits = [i for i, line in enumerate(lines) if ERROR_MARKS.search(line)]
-    keep = sorted(set(hits[:each_end] + hits[-each_end:]))
+    keep = set(hits[:each_end] + hits[-each_end:])
     rows = sorted({j for i in keep for j in (i - 1, i) if j >= 0})
     return [lines[j][:300] for j in rows]
 
