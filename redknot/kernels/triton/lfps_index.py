@@ -118,7 +118,7 @@ def candidate_block(
     shifted = init & False
     for k in tl.static_range(NUM_OFFSETS):
         o = tl.load(Offsets + k)
-        # offset 0 would add ``keep & init``, already in ``cand``: its read is skipped
+        # offset 0 would add ``keep & init``, already in ``init``: its read is skipped
         ok2 = (i - o >= 0) & (i - o < m) & (o != 0)
         v2, sl2 = table_block(Vert_row, Slash_row, i - o, ok2, m, scale)
         shifted = shifted | (ok2 & ((v2 > theta_v) | (sl2 > theta_s)))
