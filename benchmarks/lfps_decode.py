@@ -291,7 +291,7 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
             row[f"lfps_stages_{sel}"] = stage_times(lfps_call, dev)
         if sel == "kv_head" and args.update_settings:
             step = functools.partial(lfps_decode_step, layer.q, layer.k_buffer, layer.v_buffer,
-                                     *layer.paged, params=params, budgets=bud, plan=plan)
+                                     *layer.paged, params=params, budgets=bud, plan=plan)  # fmt: skip
             row[f"update_settings_{sel}"] = update_settings(step, state, args.update_settings,
                                                             timer)  # fmt: skip
         del state
