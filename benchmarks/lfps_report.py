@@ -35,6 +35,7 @@ CAPACITY = {  # result of lfps_serve.py --mode capacity (offload and flashinfer,
     "lfps_capacity_h100.json": "lfps-offload",
     "lfps_capacity_h200.json": "lfps-offload",
 }
+TIERED = "lfps_capacity_tiered_h100.json"  # the tiered store alone (no flashinfer in its run)
 CAPACITY_TARGET = 4.0
 RECALL_TARGET, SPEEDUP_TARGET, LONG, BATCH = 0.85, 5.0, 131072, 8
 
@@ -139,6 +140,31 @@ def capacity(results: Path, sources: dict) -> dict:
     return verdict
 
 
+def tiered(results: Path, sources: dict) -> dict:
+    """The tiered store's concurrent 128K requests (GPU KV budget first, then host memory) on a
+    machine of less host memory, beside flashinfer's on the same GPU model from the capacity run
+    of ``lfps_capacity_h100.json`` (another machine: its pool depends on the GPU only)."""
+    if not (results / TIERED).exists():
+        return {"measured": False}
+    data = load(results, TIERED, sources)
+    (row,) = data["per_capacity"]
+    dense = json.loads((results / "lfps_capacity_h100.json").read_text())
+    dense_row = dense["summary"]["capacity"]["lfps-offload"]
+    lines = data["engines"]["capacity"][row["variant"]]["lfps_log_lines"]
+    return {
+        "device": data["device"],
+        "store": next((x.split("redknot: ")[-1] for x in lines if "token slots in" in x), None),
+        "requests_sent": row["requests"],
+        "length": row["length"],
+        "kv_pool_tokens": row["kv_pool_tokens"],
+        "offload_concurrent": row["peak_decoding"],
+        "dense_concurrent": dense_row["dense_concurrent"],
+        "ratio": round(row["peak_decoding"] / dense_row["dense_concurrent"], 3),
+        "source": TIERED,
+        "dense_source": "lfps_capacity_h100.json",
+    }
+
+
 def build(results: Path) -> dict:
     sources: dict = {}
     recall_table, recall_verdict = recall(results, sources)
@@ -162,6 +188,7 @@ def build(results: Path) -> dict:
         "accuracy": accuracy,
         "decode_tokens_per_s": throughput,
         "host_kv_decode_ms": host(results, sources),
+        "tiered_capacity": tiered(results, sources),
     }
 
 

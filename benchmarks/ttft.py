@@ -240,6 +240,7 @@ def child(args) -> None:
         gate = engine.get_server_info()["internal_states"][0].get("redknot_reuse_gate", {})
         counts = {k: info.get(k, 0) for k in STORE_COUNTERS}
         counts.update({k: gate.get(k, 0) for k in GATE_COUNTERS})
+        counts["host_scale"] = gate.get("host_scale")
         return counts
 
     server_warmup_s = common.launch_server_warmup(engine)
@@ -288,6 +289,15 @@ def child(args) -> None:
                             if n > compiled.get(k, 0)
                         }  # fmt: skip
                         compiled = now
+            plain = []
+            if args.own_recompute and reuse:  # the same prompt shape, nothing stored: how this
+                # engine computes a prompt without reuse (what its gate compares reuse with)
+                for rep in range(args.reps + 1):
+                    fresh = [rand(1)[0]] + rand(len(ids) - 1 - args.question) + rand(args.question)
+                    t0 = time.perf_counter()
+                    engine.generate(input_ids=fresh, sampling_params=dict(one))
+                    if rep:  # the first is a warm-up
+                        plain.append(time.perf_counter() - t0)
             if args.profile_dir and not args.profile_warmup:  # one more, under the profiler
                 ids[0] = rand(1)[0]  # a prefix no earlier prompt had
                 start_profile(
@@ -303,6 +313,9 @@ def child(args) -> None:
                 "ttft_samples_s": times,
                 "warmup_ttft_s": warmup_s,  # the point's first prompt (the engine's first too)
             }
+            if plain:
+                row["own_recompute_ttft_s"] = statistics.median(plain)
+                row["own_recompute_samples_s"] = plain
             if args.compile_log:
                 row["triton_compiled_in_warmup"] = first_compiles
                 row["warmup_started_at"] = warmup_at
@@ -315,6 +328,8 @@ def child(args) -> None:
                 row["served"] = ["reuse"] * gate["served_with_reuse"] + ["recomputed"] * gate[
                     "served_without_reuse"
                 ]
+                if after.get("host_scale") is not None:  # the gate's factor on the record's host
+                    row["gate_host_scale"] = after["host_scale"]  # constants (its own probe)
             out[point_key(length, segments)] = row
             print(args.child, length, segments, row["ttft_s"], flush=True)
     finally:
@@ -408,6 +423,13 @@ def main() -> None:
         help="give each engine an empty Triton cache and record the kernels compiled at "
         "startup and in each point's first (warm-up) prompt (name -> new variants)",
     )
+    ap.add_argument(
+        "--own-recompute",
+        action="store_true",
+        help="also time, in each reusing engine, prompts of each point's shape with nothing "
+        "stored (fresh tokens, no marks): that engine's own recompute, what its reuse gate "
+        "weighs reuse against, free of the engine-to-engine spread of small prompts",
+    )
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument(
         "--merge",
@@ -446,7 +468,7 @@ def main() -> None:
         "profile_dir",
     ) + [
         f"--{flag}"
-        for flag in ("compile-log", "profile-warmup")
+        for flag in ("compile-log", "profile-warmup", "own-recompute")
         if getattr(args, flag.replace("-", "_"))
     ]
     profiled = set(split_variants(args.profile_variants or args.variants))
@@ -528,7 +550,7 @@ def merge(cfg: dict, runs: dict[str, dict]) -> dict:
     summary recomputed, so that every variant is compared with the ``flashinfer`` of the run
     that measured it, or of the first run where its own run has none (a later run's
     ``flashinfer`` is kept as ``flashinfer@N``, N its place in ``--merge``; ``baselines`` says
-    which each variant is compared with). Each run keeps its date and command in
+    which each variant is compared with). Each run keeps its date, command and host probe in
     ``merged_from``."""
     first = next(iter(runs.values()))
     for path, run in runs.items():
@@ -553,9 +575,11 @@ def merge(cfg: dict, runs: dict[str, dict]) -> dict:
         dict.fromkeys(",".join(r["points"] for r in runs.values()).split(","))
     )
     merged["date"] = max(run["date"] for run in runs.values())  # of the last measurement
-    merged["merged_from"] = [
-        {"path": path, "date": run["date"], "command": run["command"]} for path, run in runs.items()
-    ]
+    merged["merged_from"] = [  # each run's own host probe too (the top level keeps the first's)
+        {"path": path, "date": run["date"], "command": run["command"],
+         "host_probe_ms": run.get("host_probe_ms")}
+        for path, run in runs.items()
+    ]  # fmt: skip
     merged["variants"] = variants
     merged["baselines"] = baselines
     merged["summary"] = summarize(cfg, variants, first["reps"], baselines)
@@ -600,6 +624,11 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
             if "served" in row:  # the reuse gate's decisions (redknot.costmodel.gate)
                 entry["served_with_reuse"] = row["served"].count("reuse")
                 entry["served_recomputed"] = row["served"].count("recomputed")
+            if "gate_host_scale" in row:
+                entry["gate_host_scale"] = row["gate_host_scale"]
+            if "own_recompute_ttft_s" in row:  # the same engine without reuse
+                entry["own_recompute_ttft_s"] = row["own_recompute_ttft_s"]
+                entry["speedup_vs_own_recompute"] = row["own_recompute_ttft_s"] / row["ttft_s"]
             if mine:
                 entry["ffn_token_layers_skipped"] = statistics.median(mine)
                 token_layers = n * cfg["num_hidden_layers"]

@@ -53,6 +53,26 @@ def test_summary_ratios_against_flashinfer_at_the_same_point():
     assert summary["flashinfer"]["32768x8"]["speedup_vs_flashinfer"] == pytest.approx(1.0)
 
 
+def test_summary_compares_reuse_with_the_same_engines_own_recompute():
+    results = {
+        "flashinfer": {"points": {"2048x8": _row(2048, 8, 0.060)}},
+        "sparsex": {
+            "points": {
+                "2048x8": _row(2048, 8, 0.045, own_recompute_ttft_s=0.090, gate_host_scale=1.27,
+                               served=["reuse"] * 4),  # fmt: skip
+                "1024x8": _row(1024, 8, 0.040),  # run without --own-recompute
+            }
+        },
+    }
+    summary = summarize(CFG, results, reps=3)
+    mine = summary["sparsex"]["2048x8"]
+    assert mine["speedup_vs_own_recompute"] == pytest.approx(2.0)  # 0.090 / 0.045
+    assert mine["speedup_vs_flashinfer"] == pytest.approx(0.060 / 0.045)
+    assert mine["own_recompute_ttft_s"] == 0.090 and mine["gate_host_scale"] == 1.27
+    assert "speedup_vs_own_recompute" not in summary["sparsex"]["1024x8"]
+    assert "own_recompute_ttft_s" not in summary["flashinfer"]["2048x8"]
+
+
 def test_merged_runs_compare_each_variant_with_flashinfer_and_refuse_other_commits():
     def run(date, variants, **over):
         base = {"device": "H100", "commit": "abc", "date": date, "command": f"ttft {date}",

@@ -37,6 +37,14 @@ def test_the_report_copies_each_figure_from_its_source():
         assert (verdict["offload_concurrent"], verdict["dense_concurrent"]) == (
             offload["peak_decoding"], offload["dense_concurrent"])  # fmt: skip
         assert verdict["met"] is (offload["peak_decoding"] >= 4 * offload["dense_concurrent"])
+    tiered = json.loads((lfps_report.RESULTS / lfps_report.TIERED).read_text())
+    dense = json.loads((lfps_report.RESULTS / "lfps_capacity_h100.json").read_text())
+    got = report["tiered_capacity"]
+    assert got["offload_concurrent"] == tiered["per_capacity"][0]["peak_decoding"]
+    assert got["dense_concurrent"] == dense["summary"]["capacity"]["lfps-offload"][
+        "dense_concurrent"]  # fmt: skip
+    assert got["ratio"] == round(got["offload_concurrent"] / got["dense_concurrent"], 3)
+    assert "GPU's KV budget first" in got["store"]
     for name, source in report["sources"].items():
         assert all(source[k] for k in ("device", "date", "commit", "command")), name
 
