@@ -241,6 +241,7 @@ def child(args) -> None:
         counts = {k: info.get(k, 0) for k in STORE_COUNTERS}
         counts.update({k: gate.get(k, 0) for k in GATE_COUNTERS})
         counts["host_scale"] = gate.get("host_scale")
+        counts["measured"] = gate.get("measured")  # --redknot-reuse-gate measured
         return counts
 
     server_warmup_s = common.launch_server_warmup(engine)
@@ -330,6 +331,8 @@ def child(args) -> None:
                 ]
                 if after.get("host_scale") is not None:  # the gate's factor on the record's host
                     row["gate_host_scale"] = after["host_scale"]  # constants (its own probe)
+                if after.get("measured") is not None:  # what its measured correction holds
+                    row["gate_measured"] = after["measured"]
             out[point_key(length, segments)] = row
             print(args.child, length, segments, row["ttft_s"], flush=True)
     finally:

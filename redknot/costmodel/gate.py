@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redknot.costmodel.host_probe import host_scale
+from redknot.costmodel.measured import ForwardTimer, MeasuredCorrection, TimedForward, cuda_marker
 from redknot.costmodel.model import ModelCosts, PromptWork, Recovery, ReuseCostModel
 from redknot.costmodel.record import record_for
 
@@ -45,6 +46,8 @@ class ReuseGate:
         self.served_with_reuse = 0
         self.served_inert = 0  # marked requests of an inert server (none looked up)
         self.host_scale = 1.0  # the factor on the record's host constants (host_probe)
+        # --redknot-reuse-gate measured: the server's own forward times (redknot.costmodel.measured)
+        self.timer: ForwardTimer | None = None
 
     @classmethod
     def build(
@@ -56,6 +59,7 @@ class ReuseGate:
         tp_size: int = 1,
         chunk: int | None = None,
         host_probe: Callable[[], float] | None = None,
+        clock: Callable[[], Any] | None = None,
     ) -> ReuseGate:
         """From the served ``RedknotConfig``, the model's HF config and the rank's layout; the
         record is ``config.cost_record`` if given, else the device's shipped one, else the
@@ -63,7 +67,10 @@ class ReuseGate:
         :func:`redknot.costmodel.host_probe.probe_ms` (the largest over the ranks); it is
         called only for a record that carries its own probe, whose host constants it then
         scales (:func:`~redknot.costmodel.host_probe.host_scale`). None: not measured, the
-        constants as recorded."""
+        constants as recorded. Under ``--redknot-reuse-gate measured`` with one
+        tensor-parallel rank, ``clock`` (default :func:`~redknot.costmodel.measured.cuda_marker`)
+        times the forwards whose ratios to the record correct it
+        (:mod:`redknot.costmodel.measured`)."""
         record, why = record_for(device_name, getattr(config, "cost_record", None))
         factor = 1.0
         if host_probe is not None:
@@ -74,6 +81,17 @@ class ReuseGate:
         model = ReuseCostModel(costs, Recovery.of(config, layout.num_layers), record, chunk)
         gate = cls(model, why)
         gate.host_scale = factor
+        corrected = getattr(config, "reuse_gate", "auto") == "measured"
+        if corrected and tp_size == 1:
+            gate.timer = ForwardTimer(MeasuredCorrection(), gate.predict, clock or cuda_marker)
+            why += "; corrected by this server's measured forward times"
+        elif corrected:
+            why += (
+                f"; not corrected by measured forward times under tensor parallelism "
+                f"({tp_size} ranks would each measure their own and could decide apart)"
+            )
+            logger.warning("redknot: --redknot-reuse-gate measured: %s", why.rsplit("; ", 1)[1])
+        gate.source = why
         shortest = gate.min_segment_tokens(8192)
         pays = (
             f"segments of {shortest}+ tokens pay in an 8K prompt"
@@ -95,9 +113,17 @@ class ReuseGate:
         # one request: model.choose([work]) reduces to this comparison (two predictions)
         reuse_ms = self.model.batch_ms([work], [True])
         plain_ms = self._plain_ms(work.computed, work.prefix)  # hits change nothing without reuse
+        said = ""
+        if self.timer is not None:
+            self.timer.harvest()
+            r_reuse, r_plain = self.timer.correction.ratios(work.computed)
+            if (r_reuse, r_plain) != (1.0, 1.0):
+                said = f"; the record's x{r_reuse:.2f} and x{r_plain:.2f} as measured here"
+            reuse_ms, plain_ms = reuse_ms * r_reuse, plain_ms * r_plain
         told = (
             f"reuse predicted {reuse_ms:.1f} ms vs {plain_ms:.1f} ms recomputing "
-            f"({work.reused} reused of {work.computed} computed tokens, {len(work.segments)} segments)"
+            f"({work.reused} reused of {work.computed} computed tokens, {len(work.segments)} "
+            f"segments{said})"
         )
         if reuse_ms <= (1 - self.model.record.margin) * plain_ms:
             self.served_with_reuse += 1
@@ -145,6 +171,40 @@ class ReuseGate:
     def count_inert(self) -> None:
         """A marked request of a server whose markup is inert (its marks not looked up)."""
         self.served_inert += 1
+
+    def predict(self, forward: TimedForward) -> float:
+        """The record's time for a timed forward (:mod:`redknot.costmodel.measured`)."""
+        works = list(forward.works)
+        return self.model.batch_ms(works, [forward.path == "reuse"] * len(works))
+
+    def describe(self, forward_batch: Any, pool: Any) -> TimedForward | None:
+        """What an extend forward computes, for timing it: ``reuse`` when every request reuses
+        its hits and the forward ends every prompt, ``recompute`` when none reads a segment;
+        None for any other forward (decode, mixed batches, a reusing prompt in chunks, a
+        forward that also captures a segment), which is not timed."""
+        if forward_batch.forward_mode.name != "EXTEND":
+            return None
+        slots = getattr(forward_batch, "redknot_req_slots", None)
+        prefix, lens = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
+        if slots is None or prefix is None or lens is None or len(slots) != len(lens):
+            return None
+        works, reused = [], 0
+        for rpi, p, e in zip(slots, prefix, lens):
+            if pool.capture_jobs.get(rpi) is not None:
+                return None
+            uses = pool.segment_reads.get(rpi)
+            if not uses:
+                works.append(PromptWork(int(e), int(p)))
+                continue
+            if uses[0].prompt_len != p + e:
+                return None  # a chunk of a reusing prompt: the model predicts whole prompts
+            reused += 1
+            hits = [(u.start, u.entry.num_tokens) for u in uses]
+            works.append(work_of(int(p) + int(e), int(p), hits))
+        if 0 < reused < len(works):
+            return None
+        path = "reuse" if reused else "recompute"
+        return TimedForward(path, tuple(works), sum(w.computed for w in works))
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (one gate per scheduler, kept for its life)
     def _plain_ms(self, computed: int, prefix_len: int) -> float:

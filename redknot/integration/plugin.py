@@ -138,6 +138,25 @@ def _around_decode_can_run_graph(original, self, forward_batch):
     return original(self, forward_batch)
 
 
+def _around_model_forward(original, self, forward_batch, *args, **kwargs):
+    """Under ``--redknot-reuse-gate measured`` the reuse gate times each extend forward it can
+    predict (:mod:`redknot.costmodel.measured`): CUDA events around the forward, read back on a
+    later call once reached (never waited for)."""
+    pool = getattr(self, "token_to_kv_pool", None)
+    gate = getattr(pool, "reuse_gate", None)
+    timer = getattr(gate, "timer", None)
+    if timer is None:
+        return original(self, forward_batch, *args, **kwargs)
+    timer.harvest()
+    forward = gate.describe(forward_batch, pool)
+    if forward is None:
+        return original(self, forward_batch, *args, **kwargs)
+    begin = timer.start()
+    result = original(self, forward_batch, *args, **kwargs)
+    timer.finish(begin, forward)
+    return result
+
+
 def _after_forward_batch_init(result, cls, batch, *args, **kwargs):
     """Every forward batch carries its requests' slots on the host (``redknot_req_slots``, read
     by :func:`redknot.attention.slots.request_slots`): the backend plans a batch's segment work
@@ -166,6 +185,11 @@ HOOKS: tuple[Hook, ...] = (
         "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
         "AFTER",
         _after_forward_batch_init,
+    ),
+    Hook(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        "AROUND",
+        _around_model_forward,
     ),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", "AROUND", _around_req_slot_alloc),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free", "AFTER", _after_req_slot_free),

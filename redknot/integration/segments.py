@@ -59,6 +59,17 @@ def _after_get_internal_state(result: Any, self: Any, recv_req: Any) -> Any:
             "served_inert": gate.served_inert,
             "host_scale": gate.host_scale,
         }
+        timer = getattr(gate, "timer", None)
+        if timer is not None:  # --redknot-reuse-gate measured: what it has measured so far
+            timer.harvest()
+            fix = timer.correction
+            result.internal_state[GATE_KEY]["measured"] = {
+                "forwards": fix.counts(),
+                "dropped": fix.dropped,
+                "ratios": {  # (reuse, recompute) factors on the record at these prompt sizes
+                    str(n): fix.ratios(n) for n in (1024, 2048, 4096, 8192, 16384, 32768)
+                },
+            }
     if envs.REDKNOT_RESOLVED_CONFIG.get() is not None:  # always, in a launched server
         from redknot.integration.server_args import published_config
 

@@ -54,12 +54,12 @@ def test_summary_ratios_against_flashinfer_at_the_same_point():
 
 
 def test_summary_compares_reuse_with_the_same_engines_own_recompute():
+    gate = {"gate_host_scale": 1.27, "served": ["reuse"] * 4}
     results = {
         "flashinfer": {"points": {"2048x8": _row(2048, 8, 0.060)}},
         "sparsex": {
             "points": {
-                "2048x8": _row(2048, 8, 0.045, own_recompute_ttft_s=0.090, gate_host_scale=1.27,
-                               served=["reuse"] * 4),  # fmt: skip
+                "2048x8": _row(2048, 8, 0.045, own_recompute_ttft_s=0.090, **gate),
                 "1024x8": _row(1024, 8, 0.040),  # run without --own-recompute
             }
         },

@@ -1,0 +1,158 @@
+"""The reuse gate's correction by the forward times its own server measures.
+
+A device record (:mod:`redknot.costmodel.record`) holds for the machine it was fitted on. On
+other machines of the same GPU, and between engines on one machine, the host-bound extends of
+prompts of a few thousand tokens move by 30-70% (``benchmarks/results/ttft_own_recompute_h100.json``:
+SparseX's reuse of a 2K x 8 prompt took 40.9, 53.2 and 70.3 ms in three engines on H100s), and
+the host probe taken at startup does not follow these moves. Near the break-even the gate then
+reuses where this server recomputes faster.
+
+Under ``--redknot-reuse-gate measured`` the server times every extend forward it runs (two CUDA
+events around ``ModelRunner.forward``; read back when done, never waited for) and keeps, per
+path, the ratio of the measured time to the record's prediction for that forward:
+``reuse`` (every request of the batch reused its hits) and ``recompute`` (none had any). A
+decision for a prompt computing ``n`` tokens scales each path's prediction by the median ratio
+of that path's recent forwards of ``n / 2`` to ``2 n`` tokens (:data:`SPAN`), once there are
+:data:`MIN_SAMPLES` of them; a path without such forwards takes the other path's ratio (the
+same engine's host speed), and with neither the record is used as it is. The ratios stay
+local in size because the record's errors are not the same at every size.
+
+Each path learns only from forwards it served: a gate that stops reusing at some size gets no
+more reuse samples there, so it recomputes where reuse was measured slower, which is the safe
+side. Tensor-parallel ranks would each measure their own times and could decide one request
+differently, so the correction runs with one rank only (:meth:`ReuseGate.build` says so).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+PATHS = ("reuse", "recompute")
+WINDOW = 64  # forwards kept per path (the newest)
+MIN_SAMPLES = 3  # forwards of similar size before a path's ratio is used
+SPAN = 2.0  # a sample counts for decisions within this factor of its computed tokens
+RATIO_RANGE = (0.25, 8.0)  # ratios outside are dropped (a first-use compile, a stall)
+MAX_PENDING = 64  # forwards timed and not yet read back (more: the oldest are dropped)
+
+
+@dataclass(frozen=True)
+class Sample:
+    tokens: int  # tokens the forward computed
+    ratio: float  # measured / predicted
+
+
+class MeasuredCorrection:
+    """Per path, the recent forwards' measured-to-predicted ratios; thread-safe (the forward may
+    run on another thread than the scheduler's decisions)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self._samples = {path: deque(maxlen=window) for path in PATHS}
+        self._lock = threading.Lock()
+        self.dropped = 0  # samples outside RATIO_RANGE
+
+    def add(self, path: str, tokens: int, measured_ms: float, predicted_ms: float) -> None:
+        if predicted_ms <= 0 or tokens <= 0:
+            return
+        ratio = measured_ms / predicted_ms
+        lo, hi = RATIO_RANGE
+        with self._lock:
+            if not lo <= ratio <= hi:
+                self.dropped += 1
+                return
+            self._samples[path].append(Sample(tokens, ratio))
+
+    def _ratio(self, path: str, tokens: int) -> float | None:
+        near = [s.ratio for s in self._samples[path] if tokens / SPAN <= s.tokens <= tokens * SPAN]
+        return statistics.median(near) if len(near) >= MIN_SAMPLES else None
+
+    def ratios(self, tokens: int) -> tuple[float, float]:
+        """``(reuse, recompute)`` factors on the record's predictions for a prompt computing
+        ``tokens`` tokens (1.0 each while nothing of that size was measured)."""
+        with self._lock:
+            reuse, plain = self._ratio("reuse", tokens), self._ratio("recompute", tokens)
+        if reuse is None and plain is None:
+            return 1.0, 1.0
+        return (reuse if reuse is not None else plain), (plain if plain is not None else reuse)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {path: len(s) for path, s in self._samples.items()}
+
+
+@dataclass(frozen=True)
+class TimedForward:
+    """What one timed forward computed: enough to predict it once its time is read back."""
+
+    path: str
+    works: tuple  # PromptWork per request
+    tokens: int
+
+
+class ForwardTimer:
+    """Times forwards with a pair of markers each and feeds :class:`MeasuredCorrection` when a
+    forward's end has been reached. ``clock``: a callable returning a started marker with
+    ``query() -> bool`` (reached) and ``elapsed_ms(end)`` (CUDA events on a GPU,
+    :func:`cuda_marker`); ``predict(forward) -> ms``: the record's prediction."""
+
+    def __init__(
+        self,
+        correction: MeasuredCorrection,
+        predict: Callable[[TimedForward], float],
+        clock: Callable[[], Any],
+    ) -> None:
+        self.correction, self.predict, self.clock = correction, predict, clock
+        self._pending: deque = deque()
+        self._harvesting = threading.Lock()  # the forward's thread and the scheduler's both read
+
+    def start(self) -> Any:
+        return self.clock()
+
+    def finish(self, begin: Any, forward: TimedForward) -> None:
+        self._pending.append((begin, self.clock(), forward))
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()
+
+    def harvest(self) -> int:
+        """Read back every finished forward, oldest first; the number read (0 also while another
+        thread reads them)."""
+        if not self._harvesting.acquire(blocking=False):
+            return 0
+        n = 0
+        try:
+            while self._pending:
+                begin, end, forward = self._pending[0]
+                if not end.query():
+                    break
+                self._pending.popleft()
+                ms = begin.elapsed_ms(end)
+                self.correction.add(forward.path, forward.tokens, ms, self.predict(forward))
+                n += 1
+        finally:
+            self._harvesting.release()
+        return n
+
+
+class _CudaMarker:
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        import torch
+
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record()
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def elapsed_ms(self, end: _CudaMarker) -> float:
+        return self.event.elapsed_time(end.event)
+
+
+def cuda_marker() -> _CudaMarker:
+    """A CUDA event recorded on the current stream now."""
+    return _CudaMarker()

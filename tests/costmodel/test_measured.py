@@ -1,0 +1,205 @@
+"""``--redknot-reuse-gate measured``: the reuse gate corrected by the forward times its server
+measures (``redknot.costmodel.measured``), with a clock whose markers the test sets."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from redknot.config import RedknotConfig
+from redknot.costmodel.gate import ReuseGate
+from redknot.costmodel.measured import (
+    MIN_SAMPLES,
+    RATIO_RANGE,
+    ForwardTimer,
+    MeasuredCorrection,
+    TimedForward,
+)
+from redknot.costmodel.model import PromptWork
+from redknot.segcache.reuse import SegmentUse
+
+from .test_gate import CFG_8B, H100
+
+
+class Marker:
+    """A clock marker at time ``at`` (ms); ``reached`` says whether the GPU got there."""
+
+    def __init__(self, clock):
+        self.at, self.reached, clock.made = clock.now, False, clock.made + [self]
+
+    def query(self):
+        return self.reached
+
+    def elapsed_ms(self, end):
+        return end.at - self.at
+
+
+class Clock:
+    def __init__(self):
+        self.now, self.made = 0.0, []
+
+    def __call__(self):
+        return Marker(self)
+
+    def reach_all(self):
+        for m in self.made:
+            m.reached = True
+
+
+def _gate(tmp_path, reuse_gate="measured", tp_size=1, clock=None):
+    from redknot.headmap import ModelShape, synthetic_map
+    from redknot.pool.layout import HeadLayout
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(replace(H100, host_probe_ms=None).to_json()))
+    shape = ModelShape.from_hf_config(CFG_8B)
+    layout = HeadLayout.from_head_map(synthetic_map(shape, 0.125, window=256, sink=64))
+    config = RedknotConfig(policy="epic", all_global=True, cost_record=str(path),
+                           reuse_gate=reuse_gate)  # fmt: skip
+    return ReuseGate.build(config, CFG_8B, layout, "NVIDIA H100 80GB HBM3", tp_size=tp_size,
+                           clock=clock)  # fmt: skip
+
+
+def prompt(segment: int, n: int = 8, question: int = 64) -> PromptWork:
+    return PromptWork(n * segment + question, 0, tuple((i * segment, segment) for i in range(n)))
+
+
+def _time(gate, clock, forward: TimedForward, factor: float) -> None:
+    """One timed forward that took ``factor`` times the record's prediction."""
+    begin = gate.timer.start()
+    clock.now += factor * gate.predict(forward)
+    gate.timer.finish(begin, forward)
+
+
+def test_ratios_are_local_in_size_and_need_a_few_samples():
+    c = MeasuredCorrection()
+    assert c.ratios(2000) == (1.0, 1.0)
+    for _ in range(MIN_SAMPLES - 1):
+        c.add("reuse", 2000, 20.0, 10.0)
+    assert c.ratios(2000) == (1.0, 1.0)  # not enough yet
+    c.add("reuse", 2500, 30.0, 10.0)
+    # median of 2, 2, 3; the recompute path, unmeasured, takes the same engine's ratio
+    assert c.ratios(2000) == (2.0, 2.0)
+    assert c.ratios(8000) == (1.0, 1.0)  # nothing within a factor of two of 8000 tokens
+    for _ in range(MIN_SAMPLES):
+        c.add("recompute", 1500, 11.0, 10.0)
+    assert c.ratios(2000) == pytest.approx((2.0, 1.1))
+    _, hi = RATIO_RANGE
+    c.add("recompute", 2000, 10.0 * hi * 2, 10.0)  # a first-use compile: dropped
+    assert c.dropped == 1 and c.counts() == {"reuse": MIN_SAMPLES, "recompute": MIN_SAMPLES}
+
+
+def test_a_forward_is_read_back_only_once_reached_and_in_order():
+    seen = []
+    clock = Clock()
+    correction = MeasuredCorrection()
+    timer = ForwardTimer(correction, lambda f: seen.append(f) or 10.0, clock)
+    first = TimedForward("reuse", (prompt(256),), 2112)
+    begin = timer.start()
+    clock.now = 25.0
+    timer.finish(begin, first)
+    assert timer.harvest() == 0 and not seen  # the GPU is not there yet
+    clock.reach_all()
+    assert timer.harvest() == 1 and seen == [first]
+    assert correction._samples["reuse"][0].ratio == pytest.approx(2.5)
+    assert timer.harvest() == 0
+
+
+def test_measured_slow_reuse_turns_a_reuse_decision_into_recompute(tmp_path):
+    """EPIC at 2K x 8 on the 8B shape: the record reuses it. Forwards of that size measured
+    twice the record's prediction when reusing and as predicted when recomputing: the gate
+    recomputes it, says why, and reuses again once reuse is measured fast."""
+    clock = Clock()
+    gate = _gate(tmp_path, clock=clock)
+    work = prompt(256)
+    first = gate.decide(work)
+    assert first.reuse and "measured here" not in first.reason
+    reused = TimedForward("reuse", (work,), work.computed)
+    plain = TimedForward("recompute", (PromptWork(work.computed),), work.computed)
+    for _ in range(MIN_SAMPLES):
+        _time(gate, clock, reused, 2.0)
+        _time(gate, clock, plain, 1.0)
+    assert gate.decide(work).reuse  # nothing read back yet: the markers are not reached
+    clock.reach_all()
+    d = gate.decide(work)
+    assert not d.reuse and "x2.00 and x1.00 as measured here" in d.reason
+    assert d.reuse_ms == pytest.approx(2.0 * first.reuse_ms)
+    assert d.plain_ms == pytest.approx(first.plain_ms)
+    for _ in range(2 * MIN_SAMPLES):  # the newest forwards are fast again
+        _time(gate, clock, reused, 0.8)
+    clock.reach_all()
+    assert gate.decide(work).reuse
+
+
+def test_without_the_option_or_with_several_ranks_nothing_is_timed(tmp_path, caplog):
+    assert _gate(tmp_path, reuse_gate="auto").timer is None
+    with caplog.at_level("WARNING", logger="redknot.costmodel.gate"):
+        gate = _gate(tmp_path, tp_size=2)
+    assert gate.timer is None and "tensor parallelism" in caplog.text
+    assert "not corrected" in gate.source
+
+
+def _batch(mode, slots, prefix, lens):
+    return SimpleNamespace(
+        forward_mode=SimpleNamespace(name=mode), redknot_req_slots=slots,
+        extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens,
+    )  # fmt: skip
+
+
+def _pool(reads=None, captures=None):
+    return SimpleNamespace(segment_reads=reads or {}, capture_jobs=captures or {})
+
+
+def _uses(prompt_len, segments=((1, 100), (101, 100))):
+    return [SegmentUse(start, SimpleNamespace(num_tokens=n), prompt_len) for start, n in segments]
+
+
+def test_describe_times_only_what_the_record_predicts(tmp_path):
+    gate = _gate(tmp_path, clock=Clock())
+    # two plain requests, one after an exact-prefix hit
+    got = gate.describe(_batch("EXTEND", [3, 4], [0, 50], [300, 100]), _pool())
+    assert got.path == "recompute" and got.tokens == 400
+    assert got.works == (PromptWork(300, 0), PromptWork(100, 50))
+    # a reusing request whose extend ends its prompt
+    got = gate.describe(_batch("EXTEND", [3], [0], [265]), _pool({3: _uses(265)}))
+    assert got.path == "reuse" and got.tokens == 265
+    assert got.works[0].reused == 200
+    assert gate.predict(got) == pytest.approx(gate.model.batch_ms([got.works[0]], [True]))
+    none = [
+        (_batch("DECODE", [3], [0], [1]), _pool()),
+        (_batch("MIXED", [3], [0], [265]), _pool()),
+        (_batch("EXTEND", [3, 4], [0, 0], [265, 10]), _pool({3: _uses(265)})),  # mixed paths
+        (_batch("EXTEND", [3], [0], [200]), _pool({3: _uses(265)})),  # a chunk of the prompt
+        (_batch("EXTEND", [3], [0], [265]), _pool(captures={3: object()})),  # it captures
+    ]
+    for batch, pool in none:
+        assert gate.describe(batch, pool) is None
+
+
+def test_the_forward_hook_times_what_the_gate_describes(tmp_path):
+    from redknot.integration.plugin import _around_model_forward
+
+    clock = Clock()
+    gate = _gate(tmp_path, clock=clock)
+    pool = _pool({3: _uses(265)})
+    pool.reuse_gate = gate
+    runner = SimpleNamespace(token_to_kv_pool=pool)
+
+    def forward(self, batch, **kwargs):
+        clock.now += 40.0
+        return "logits"
+
+    assert _around_model_forward(forward, runner, _batch("EXTEND", [3], [0], [265])) == "logits"
+    assert _around_model_forward(forward, runner, _batch("DECODE", [3], [0], [1])) == "logits"
+    assert len(gate.timer._pending) == 1  # the decode step is not timed
+    clock.reach_all()
+    _around_model_forward(forward, runner, _batch("DECODE", [3], [0], [1]))  # reads it back
+    (sample,) = gate.timer.correction._samples["reuse"]
+    assert sample.tokens == 265
+    assert sample.ratio == pytest.approx(40.0 / gate.predict(gate.describe(
+        _batch("EXTEND", [3], [0], [265]), pool)))  # fmt: skip
+    off = SimpleNamespace(token_to_kv_pool=SimpleNamespace(reuse_gate=None))
+    assert _around_model_forward(forward, off, _batch("EXTEND", [3], [0], [265])) == "logits"
