@@ -86,14 +86,15 @@ VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reu
 }
 
 
+GATE_KNOBS = ("reuse_gate", "cost_record")  # cost_record: a record file on the GPU machine
 POLICY_KNOBS = {  # the server's knobs of each policy (--redknot-<knob>)
-    "naive": ("reuse_gate",),
-    "epic": ("epic_k", "reuse_gate"),
-    "cacheblend": ("blend_check_layer", "blend_ratio", "reuse_gate"),
-    "sparsex": ("sparseq_boundary", "sparseq_k", "sparseq_block", "reuse_gate"),
+    "naive": GATE_KNOBS,
+    "epic": ("epic_k", *GATE_KNOBS),
+    "cacheblend": ("blend_check_layer", "blend_ratio", *GATE_KNOBS),
+    "sparsex": ("sparseq_boundary", "sparseq_k", "sparseq_block", *GATE_KNOBS),
 }
 RECOVERY_KNOBS = (  # -reuse variants
-    "local_kv", "restore_thresh", "restore_edge", "restore_heads", "reuse_gate",
+    "local_kv", "restore_thresh", "restore_edge", "restore_heads", *GATE_KNOBS,
 )  # fmt: skip
 
 
@@ -241,7 +242,7 @@ def child(args) -> None:
         counts = {k: info.get(k, 0) for k in STORE_COUNTERS}
         counts.update({k: gate.get(k, 0) for k in GATE_COUNTERS})
         counts["host_scale"] = gate.get("host_scale")
-        counts["measured"] = gate.get("measured")  # --redknot-reuse-gate measured
+        counts["measured"] = gate.get("measured")  # the gate's measured correction
         return counts
 
     server_warmup_s = common.launch_server_warmup(engine)

@@ -27,7 +27,7 @@ LFPS_SELECTION_CHOICES = ("query-head", "kv-head", "kv-head-union")
 CAPTURE_CHOICES = ("on", "off")  # redknot.api.capture
 SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 LOCAL_KV_CHOICES = ("cached", "fresh")  # redknot.recovery.options.LOCAL_KV_SOURCES
-REUSE_GATE_CHOICES = ("auto", "measured", "always")  # redknot.costmodel.gate
+REUSE_GATE_CHOICES = ("auto", "record", "always")  # redknot.costmodel.gate
 SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
 TOKEN_POLICIES = ("naive", "epic", "cacheblend", "sparsex")  # redknot.attention.token_policy
 POLICY_CHOICES = ("redknot", *TOKEN_POLICIES)
@@ -185,10 +185,10 @@ class RedknotConfig:
     reuse_gate: str = _opt(
         "Segment reuse: 'auto' serves a marked request with its stored segments only when the "
         "cost model (redknot.costmodel, the device's measured record) predicts reuse faster "
-        "than recomputing the prompt, else recomputes it (logged with the reason); 'measured' "
-        "decides so with the record's predictions corrected by the forward times this server "
-        "measures (one tensor-parallel rank; redknot.costmodel.measured); 'always' reuses every "
-        "hit (for measuring).",
+        "than recomputing the prompt, else recomputes it (logged with the reason), the "
+        "record's predictions corrected by the forward times this server measures "
+        "(redknot.costmodel.measured; with one tensor-parallel rank, else the record alone); "
+        "'record' decides by the record alone; 'always' reuses every hit (for measuring).",
         default="auto",
     )
     cost_record: str | None = _opt(

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from redknot.costmodel.host_probe import host_scale
 from redknot.costmodel.measured import ForwardTimer, MeasuredCorrection, TimedForward, cuda_marker
 from redknot.costmodel.model import ModelCosts, PromptWork, Recovery, ReuseCostModel
@@ -46,7 +48,7 @@ class ReuseGate:
         self.served_with_reuse = 0
         self.served_inert = 0  # marked requests of an inert server (none looked up)
         self.host_scale = 1.0  # the factor on the record's host constants (host_probe)
-        # --redknot-reuse-gate measured: the server's own forward times (redknot.costmodel.measured)
+        # --redknot-reuse-gate auto: the server's own forward times (redknot.costmodel.measured)
         self.timer: ForwardTimer | None = None
 
     @classmethod
@@ -67,10 +69,10 @@ class ReuseGate:
         :func:`redknot.costmodel.host_probe.probe_ms` (the largest over the ranks); it is
         called only for a record that carries its own probe, whose host constants it then
         scales (:func:`~redknot.costmodel.host_probe.host_scale`). None: not measured, the
-        constants as recorded. Under ``--redknot-reuse-gate measured`` with one
-        tensor-parallel rank, ``clock`` (default :func:`~redknot.costmodel.measured.cuda_marker`)
-        times the forwards whose ratios to the record correct it
-        (:mod:`redknot.costmodel.measured`)."""
+        constants as recorded. Under ``--redknot-reuse-gate auto`` (the default) with one
+        tensor-parallel rank, ``clock`` (default :func:`~redknot.costmodel.measured.cuda_marker`
+        on a GPU; none, nothing timed, without one) times the forwards whose ratios to the
+        record correct it (:mod:`redknot.costmodel.measured`)."""
         record, why = record_for(device_name, getattr(config, "cost_record", None))
         factor = 1.0
         if host_probe is not None:
@@ -81,16 +83,20 @@ class ReuseGate:
         model = ReuseCostModel(costs, Recovery.of(config, layout.num_layers), record, chunk)
         gate = cls(model, why)
         gate.host_scale = factor
-        corrected = getattr(config, "reuse_gate", "auto") == "measured"
-        if corrected and tp_size == 1:
-            gate.timer = ForwardTimer(MeasuredCorrection(), gate.predict, clock or cuda_marker)
-            why += "; corrected by this server's measured forward times"
-        elif corrected:
+        if clock is None and torch.cuda.is_available():
+            clock = cuda_marker
+        if getattr(config, "reuse_gate", "auto") != "auto":
+            why += "; by the record alone (--redknot-reuse-gate record)"
+        elif tp_size > 1:
             why += (
-                f"; not corrected by measured forward times under tensor parallelism "
-                f"({tp_size} ranks would each measure their own and could decide apart)"
+                f"; by the record alone under tensor parallelism ({tp_size} ranks would each "
+                "measure their own forward times and could decide a request apart)"
             )
-            logger.warning("redknot: --redknot-reuse-gate measured: %s", why.rsplit("; ", 1)[1])
+        elif clock is None:
+            why += "; by the record alone (no GPU to time forwards on)"
+        else:
+            gate.timer = ForwardTimer(MeasuredCorrection(), gate.predict, clock)
+            why += "; corrected by this server's measured forward times"
         gate.source = why
         shortest = gate.min_segment_tokens(8192)
         pays = (

@@ -2,19 +2,22 @@
 
 A device record (:mod:`redknot.costmodel.record`) holds for the machine it was fitted on. On
 other machines of the same GPU, and between engines on one machine, the host-bound extends of
-prompts of a few thousand tokens move by 30-70% (``benchmarks/results/ttft_own_recompute_h100.json``:
-SparseX's reuse of a 2K x 8 prompt took 40.9, 53.2 and 70.3 ms in three engines on H100s), and
-the host probe taken at startup does not follow these moves. Near the break-even the gate then
-reuses where this server recomputes faster.
+prompts of a few thousand tokens move by 30-70%
+(``benchmarks/results/ttft_own_recompute_h100.json``: SparseX's reuse of a 2K x 8 prompt took
+40.9, 53.2 and 70.3 ms in three engines on H100s), and the host probe taken at startup does not
+follow these moves. Near the break-even the gate then reuses where this server recomputes faster.
 
-Under ``--redknot-reuse-gate measured`` the server times every extend forward it runs (two CUDA
-events around ``ModelRunner.forward``; read back when done, never waited for) and keeps, per
+Under ``--redknot-reuse-gate auto`` (the default) the server times every extend forward it runs
+(two CUDA events around ``ModelRunner.forward``; read back when done, never waited for) and
+keeps, per
 path, the ratio of the measured time to the record's prediction for that forward:
 ``reuse`` (every request of the batch reused its hits) and ``recompute`` (none had any). A
 decision for a prompt computing ``n`` tokens scales each path's prediction by the median ratio
 of that path's recent forwards of ``n / 2`` to ``2 n`` tokens (:data:`SPAN`), once there are
-:data:`MIN_SAMPLES` of them; a path without such forwards takes the other path's ratio (the
-same engine's host speed), and with neither the record is used as it is. The ratios stay
+:data:`MIN_SAMPLES` of them. A path without such forwards errs towards recomputing: an
+unmeasured reuse is taken as slow as the record or as the measured recompute, whichever is
+slower, and an unmeasured recompute as fast as the record or as the measured reuse, whichever
+is faster. With neither the record is used as it is. The ratios stay
 local in size because the record's errors are not the same at every size.
 
 Each path learns only from forwards it served: a gate that stops reusing at some size gets no
@@ -77,7 +80,13 @@ class MeasuredCorrection:
             reuse, plain = self._ratio("reuse", tokens), self._ratio("recompute", tokens)
         if reuse is None and plain is None:
             return 1.0, 1.0
-        return (reuse if reuse is not None else plain), (plain if plain is not None else reuse)
+        # a way not measured at this size errs towards recomputing: reuse at least as slow as
+        # the record or as recomputing was measured, recomputing no slower than either
+        if plain is None:
+            return reuse, min(reuse, 1.0)
+        if reuse is None:
+            return max(plain, 1.0), plain
+        return reuse, plain
 
     def counts(self) -> dict[str, int]:
         with self._lock:

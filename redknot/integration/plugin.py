@@ -139,7 +139,7 @@ def _around_decode_can_run_graph(original, self, forward_batch):
 
 
 def _around_model_forward(original, self, forward_batch, *args, **kwargs):
-    """Under ``--redknot-reuse-gate measured`` the reuse gate times each extend forward it can
+    """Under ``--redknot-reuse-gate auto`` (one GPU) the reuse gate times each extend forward it can
     predict (:mod:`redknot.costmodel.measured`): CUDA events around the forward, read back on a
     later call once reached (never waited for)."""
     pool = getattr(self, "token_to_kv_pool", None)

@@ -60,7 +60,7 @@ def _after_get_internal_state(result: Any, self: Any, recv_req: Any) -> Any:
             "host_scale": gate.host_scale,
         }
         timer = getattr(gate, "timer", None)
-        if timer is not None:  # --redknot-reuse-gate measured: what it has measured so far
+        if timer is not None:  # its correction by measured forwards: what it holds so far
             timer.harvest()
             fix = timer.correction
             result.internal_state[GATE_KEY]["measured"] = {

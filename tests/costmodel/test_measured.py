@@ -1,4 +1,4 @@
-"""``--redknot-reuse-gate measured``: the reuse gate corrected by the forward times its server
+"""``--redknot-reuse-gate auto``: the reuse gate corrected by the forward times its server
 measures (``redknot.costmodel.measured``), with a clock whose markers the test sets."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Clock:
             m.reached = True
 
 
-def _gate(tmp_path, reuse_gate="measured", tp_size=1, clock=None):
+def _gate(tmp_path, reuse_gate="auto", tp_size=1, clock=None):
     from redknot.headmap import ModelShape, synthetic_map
     from redknot.pool.layout import HeadLayout
 
@@ -81,12 +81,19 @@ def test_ratios_are_local_in_size_and_need_a_few_samples():
         c.add("reuse", 2000, 20.0, 10.0)
     assert c.ratios(2000) == (1.0, 1.0)  # not enough yet
     c.add("reuse", 2500, 30.0, 10.0)
-    # median of 2, 2, 3; the recompute path, unmeasured, takes the same engine's ratio
-    assert c.ratios(2000) == (2.0, 2.0)
+    # median of 2, 2, 3; recomputing, unmeasured, is taken as the record predicts it (the
+    # faster of the record and the measured reuse: the side that recomputes more)
+    assert c.ratios(2000) == (2.0, 1.0)
     assert c.ratios(8000) == (1.0, 1.0)  # nothing within a factor of two of 8000 tokens
     for _ in range(MIN_SAMPLES):
         c.add("recompute", 1500, 11.0, 10.0)
     assert c.ratios(2000) == pytest.approx((2.0, 1.1))
+    fast = MeasuredCorrection()
+    for _ in range(MIN_SAMPLES):
+        fast.add("reuse", 2000, 5.0, 10.0)
+        fast.add("recompute", 8000, 7.0, 10.0)
+    assert fast.ratios(2000) == (0.5, 0.5)  # a fast engine: reuse fast, recompute no slower
+    assert fast.ratios(8000) == pytest.approx((1.0, 0.7))  # reuse unmeasured: not below 1
     _, hi = RATIO_RANGE
     c.add("recompute", 2000, 10.0 * hi * 2, 10.0)  # a first-use compile: dropped
     assert c.dropped == 1 and c.counts() == {"reuse": MIN_SAMPLES, "recompute": MIN_SAMPLES}
@@ -134,12 +141,14 @@ def test_measured_slow_reuse_turns_a_reuse_decision_into_recompute(tmp_path):
     assert gate.decide(work).reuse
 
 
-def test_without_the_option_or_with_several_ranks_nothing_is_timed(tmp_path, caplog):
-    assert _gate(tmp_path, reuse_gate="auto").timer is None
-    with caplog.at_level("WARNING", logger="redknot.costmodel.gate"):
-        gate = _gate(tmp_path, tp_size=2)
-    assert gate.timer is None and "tensor parallelism" in caplog.text
-    assert "not corrected" in gate.source
+def test_the_record_alone_several_ranks_or_no_gpu_time_nothing(tmp_path, caplog):
+    alone = _gate(tmp_path, "record", clock=Clock())
+    assert alone.timer is None and "(--redknot-reuse-gate record)" in alone.source
+    with caplog.at_level("INFO", logger="redknot.costmodel.gate"):
+        gate = _gate(tmp_path, tp_size=2, clock=Clock())
+    assert gate.timer is None and "under tensor parallelism" in caplog.text
+    assert _gate(tmp_path, clock=Clock()).timer is not None
+    assert _gate(tmp_path).timer is None  # this machine: no GPU, no clock given
 
 
 def _batch(mode, slots, prefix, lens):

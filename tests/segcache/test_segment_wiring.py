@@ -299,7 +299,7 @@ def test_get_internal_state_hook_adds_the_store_stats(sglang_plugins):
     assert out.internal_state["redknot_reuse_gate"] == {
         "served_with_reuse": 2, "served_without_reuse": 3, "served_inert": 4, "host_scale": 1.5,
     }  # fmt: skip
-    # --redknot-reuse-gate measured: the forwards measured so far and the factors they give
+    # its correction by measured forwards: the forwards so far and the factors they give
     from redknot.costmodel.measured import ForwardTimer, MeasuredCorrection
 
     fix = MeasuredCorrection()
@@ -309,7 +309,7 @@ def test_get_internal_state_hook_adds_the_store_stats(sglang_plugins):
     out = segments._after_get_internal_state(result, SimpleNamespace(tree_cache=cache), None)
     measured = out.internal_state["redknot_reuse_gate"]["measured"]
     assert measured["forwards"] == {"reuse": 3, "recompute": 0} and measured["dropped"] == 0
-    assert measured["ratios"]["2048"] == (3.0, 3.0) and measured["ratios"]["8192"] == (1.0, 1.0)
+    assert measured["ratios"]["2048"] == (3.0, 1.0) and measured["ratios"]["8192"] == (1.0, 1.0)
     msgspec.msgpack.encode(out.internal_state)
     # a tree cache without a store (SGLang's chunk cache) leaves the result alone
     chunk = SimpleNamespace(tree_cache=SimpleNamespace())
