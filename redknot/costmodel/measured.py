@@ -8,8 +8,9 @@ prompts of a few thousand tokens move by 30-70%
 follow these moves. Near the break-even the gate then reuses where this server recomputes faster.
 
 Under ``--redknot-reuse-gate auto`` (the default) the server times every extend forward it runs
-(two CUDA events around ``ModelRunner.forward``; read back when done, never waited for) and
-keeps, per
+(CUDA events read back when reached, never waited for: from the allocation of the request's
+slot, where its segments are looked up, for a request's first extend, else from the forward's
+start, to the forward's end; ``redknot.integration.plugin``) and keeps, per
 path, the ratio of the measured time to the record's prediction for that forward:
 ``reuse`` (every request of the batch reused its hits) and ``recompute`` (none had any). A
 decision for a prompt computing ``n`` tokens scales each path's prediction by the median ratio

@@ -92,7 +92,10 @@ def _around_req_slot_alloc(original, self, reqs):
     result = original(self, reqs)
     cache = getattr(self, "redknot_cache", None)
     if result is not None and cache is not None:
+        timer = getattr(getattr(cache.pool, "reuse_gate", None), "timer", None)
         for req in fresh:
+            if timer is not None:  # the span the gate times starts before the lookups
+                req.redknot_t0 = timer.start()
             if cache.pool.layout.restore:  # no head promoted by the slot's last request
                 cache.pool.promoted_resets.append(req.req_pool_idx)
             if cache.uses_snapshots:
@@ -140,8 +143,9 @@ def _around_decode_can_run_graph(original, self, forward_batch):
 
 def _around_model_forward(original, self, forward_batch, *args, **kwargs):
     """Under ``--redknot-reuse-gate auto`` (one GPU) the reuse gate times each extend forward it can
-    predict (:mod:`redknot.costmodel.measured`): CUDA events around the forward, read back on a
-    later call once reached (never waited for)."""
+    predict (:mod:`redknot.costmodel.measured`): from a CUDA event recorded when the batch's
+    first request got its slot (a request's first extend; else at the forward's start) to one
+    after the forward, read back on a later call once reached (never waited for)."""
     pool = getattr(self, "token_to_kv_pool", None)
     gate = getattr(pool, "reuse_gate", None)
     timer = getattr(gate, "timer", None)
@@ -151,7 +155,7 @@ def _around_model_forward(original, self, forward_batch, *args, **kwargs):
     forward = gate.describe(forward_batch, pool)
     if forward is None:
         return original(self, forward_batch, *args, **kwargs)
-    begin = timer.start()
+    begin = getattr(forward_batch, "redknot_t0", None) or timer.start()
     result = original(self, forward_batch, *args, **kwargs)
     timer.finish(begin, forward)
     return result
@@ -164,6 +168,13 @@ def _after_forward_batch_init(result, cls, batch, *args, **kwargs):
     reqs = getattr(batch, "reqs", None)
     if result is not None and reqs is not None:
         result.redknot_req_slots = [req.req_pool_idx for req in reqs]
+        # the reuse gate's timing (redknot.costmodel.measured): a request's first extend is
+        # timed from its slot's allocation, when its segments were looked up
+        starts = [getattr(req, "redknot_t0", None) for req in reqs]
+        result.redknot_t0 = next((s for s in starts if s is not None), None)
+        for req in reqs:
+            if getattr(req, "redknot_t0", None) is not None:
+                req.redknot_t0 = None
 
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"

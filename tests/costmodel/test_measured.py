@@ -212,3 +212,52 @@ def test_the_forward_hook_times_what_the_gate_describes(tmp_path):
         _batch("EXTEND", [3], [0], [265]), pool)))  # fmt: skip
     off = SimpleNamespace(token_to_kv_pool=SimpleNamespace(reuse_gate=None))
     assert _around_model_forward(forward, off, _batch("EXTEND", [3], [0], [265])) == "logits"
+
+
+def test_a_requests_first_extend_is_timed_from_its_slots_allocation(tmp_path):
+    """The marker taken when the request got its slot (where its segments were looked up) opens
+    the span of its first extend's forward; the forward batch takes it from its requests once."""
+    from redknot.integration.plugin import _after_forward_batch_init, _around_model_forward
+
+    clock = Clock()
+    gate = _gate(tmp_path, clock=clock)
+    pool = _pool({3: _uses(265)})
+    pool.reuse_gate = gate
+    runner = SimpleNamespace(token_to_kv_pool=pool)
+    req = SimpleNamespace(req_pool_idx=3, redknot_t0=gate.timer.start())  # at allocation
+    clock.now += 12.0  # the lookups, the batch's planning
+    batch = _batch("EXTEND", [3], [0], [265])
+    _after_forward_batch_init(batch, None, SimpleNamespace(reqs=[req]))
+    assert req.redknot_t0 is None and batch.redknot_t0 is not None  # taken once
+
+    def forward(self, batch, **kwargs):
+        clock.now += 40.0
+
+    _around_model_forward(forward, runner, batch)
+    clock.reach_all()
+    gate.timer.harvest()
+    (sample,) = gate.timer.correction._samples["reuse"]
+    assert sample.ratio == pytest.approx(52.0 / gate.predict(gate.describe(batch, pool)))
+    again = _batch("EXTEND", [3], [265], [10])
+    _after_forward_batch_init(again, None, SimpleNamespace(reqs=[req]))
+    assert again.redknot_t0 is None  # a later extend of the request: from its forward's start
+
+
+def test_a_new_request_slot_starts_its_span_when_the_gate_times(tmp_path):
+    from redknot.integration.plugin import _around_req_slot_alloc
+
+    clock = Clock()
+    segments = SimpleNamespace(enabled=False)
+    for gate, timed in ((_gate(tmp_path, clock=clock), True), (None, False)):
+        pool = SimpleNamespace(reuse_gate=gate, layout=SimpleNamespace(restore=False))
+        cache = SimpleNamespace(pool=pool, uses_snapshots=False, segments=segments)
+        slots = SimpleNamespace(redknot_cache=cache)
+        reqs = [SimpleNamespace(req_pool_idx=None)]
+
+        def alloc(self, reqs):
+            for i, r in enumerate(reqs):
+                r.req_pool_idx = i
+            return [r.req_pool_idx for r in reqs]
+
+        assert _around_req_slot_alloc(alloc, slots, reqs) == [0]
+        assert (getattr(reqs[0], "redknot_t0", None) in clock.made) is timed
