@@ -19,7 +19,8 @@ of that path's recent forwards of ``n / 2`` to ``2 n`` tokens (:data:`SPAN`), on
 unmeasured reuse is taken as slow as the record or as the measured recompute, whichever is
 slower, and an unmeasured recompute as fast as the record or as the measured reuse, whichever
 is faster. With neither the record is used as it is. The ratios stay
-local in size because the record's errors are not the same at every size.
+local in size because the record's errors are not the same at every size. The first forward of
+each path in each power-of-two size class is not kept (first-use costs of a new shape).
 
 Each path learns only from forwards it served: a gate that stops reusing at some size gets no
 more reuse samples there, so it recomputes where reuse was measured slower, which is the safe
@@ -40,7 +41,7 @@ PATHS = ("reuse", "recompute")
 WINDOW = 64  # forwards kept per path (the newest)
 MIN_SAMPLES = 3  # forwards of similar size before a path's ratio is used
 SPAN = 2.0  # a sample counts for decisions within this factor of its computed tokens
-RATIO_RANGE = (0.25, 8.0)  # ratios outside are dropped (a first-use compile, a stall)
+RATIO_RANGE = (0.25, 8.0)  # ratios outside are dropped (a compile, a stall)
 MAX_PENDING = 64  # forwards timed and not yet read back (more: the oldest are dropped)
 
 
@@ -56,16 +57,23 @@ class MeasuredCorrection:
 
     def __init__(self, window: int = WINDOW) -> None:
         self._samples = {path: deque(maxlen=window) for path in PATHS}
+        self._seen: set[tuple[str, int]] = set()  # (path, size class) with a forward before
         self._lock = threading.Lock()
-        self.dropped = 0  # samples outside RATIO_RANGE
+        self.dropped = 0  # first forwards of a size class, and ratios outside RATIO_RANGE
 
     def add(self, path: str, tokens: int, measured_ms: float, predicted_ms: float) -> None:
+        """One forward's time. The first of each path in each size class (a power of two of
+        tokens) is dropped: the first forward of a new shape pays first-use costs (kernel
+        compiles and plans, the allocator growing) that would otherwise hold a size at
+        recomputing for good, since a recomputed size gets no more reuse samples."""
         if predicted_ms <= 0 or tokens <= 0:
             return
         ratio = measured_ms / predicted_ms
         lo, hi = RATIO_RANGE
+        size_class = (path, tokens.bit_length())
         with self._lock:
-            if not lo <= ratio <= hi:
+            if size_class not in self._seen or not lo <= ratio <= hi:
+                self._seen.add(size_class)
                 self.dropped += 1
                 return
             self._samples[path].append(Sample(tokens, ratio))

@@ -74,8 +74,29 @@ def _time(gate, clock, forward: TimedForward, factor: float) -> None:
     gate.timer.finish(begin, forward)
 
 
-def test_ratios_are_local_in_size_and_need_a_few_samples():
+def warmed(*classes) -> MeasuredCorrection:
+    """A correction past the first forward of each ``(path, tokens)`` size class (dropped)."""
     c = MeasuredCorrection()
+    for path, tokens in classes:
+        c.add(path, tokens, 1.0, 1.0)
+    assert c.dropped == len(classes) and not any(c.counts().values())
+    return c
+
+
+def test_the_first_forward_of_each_size_class_is_not_kept():
+    c = MeasuredCorrection()
+    for _ in range(MIN_SAMPLES):
+        c.add("reuse", 2000, 80.0, 10.0)  # a first-use compile at a new size, then steady
+    assert c.counts()["reuse"] == MIN_SAMPLES - 1 and c.ratios(2000) == (1.0, 1.0)
+    c.add("reuse", 1100, 80.0, 10.0)  # 1024-2047 tokens: the same class, kept
+    c.add("reuse", 2100, 80.0, 10.0)  # 2048-4095: a new class, dropped
+    c.add("recompute", 2000, 10.0, 10.0)  # the other path has classes of its own: dropped
+    assert c.counts() == {"reuse": MIN_SAMPLES, "recompute": 0} and c.dropped == 3
+    assert c.ratios(2000) == (8.0, 1.0)
+
+
+def test_ratios_are_local_in_size_and_need_a_few_samples():
+    c = warmed(("reuse", 2000), ("reuse", 2500), ("recompute", 1500))
     assert c.ratios(2000) == (1.0, 1.0)
     for _ in range(MIN_SAMPLES - 1):
         c.add("reuse", 2000, 20.0, 10.0)
@@ -88,21 +109,21 @@ def test_ratios_are_local_in_size_and_need_a_few_samples():
     for _ in range(MIN_SAMPLES):
         c.add("recompute", 1500, 11.0, 10.0)
     assert c.ratios(2000) == pytest.approx((2.0, 1.1))
-    fast = MeasuredCorrection()
+    fast = warmed(("reuse", 2000), ("recompute", 8000))
     for _ in range(MIN_SAMPLES):
         fast.add("reuse", 2000, 5.0, 10.0)
         fast.add("recompute", 8000, 7.0, 10.0)
     assert fast.ratios(2000) == (0.5, 0.5)  # a fast engine: reuse fast, recompute no slower
     assert fast.ratios(8000) == pytest.approx((1.0, 0.7))  # reuse unmeasured: not below 1
     _, hi = RATIO_RANGE
-    c.add("recompute", 2000, 10.0 * hi * 2, 10.0)  # a first-use compile: dropped
-    assert c.dropped == 1 and c.counts() == {"reuse": MIN_SAMPLES, "recompute": MIN_SAMPLES}
+    c.add("recompute", 2000, 10.0 * hi * 2, 10.0)  # a compile, a stall: dropped
+    assert c.dropped == 4 and c.counts() == {"reuse": MIN_SAMPLES, "recompute": MIN_SAMPLES}
 
 
 def test_a_forward_is_read_back_only_once_reached_and_in_order():
     seen = []
     clock = Clock()
-    correction = MeasuredCorrection()
+    correction = warmed(("reuse", 2112))
     timer = ForwardTimer(correction, lambda f: seen.append(f) or 10.0, clock)
     first = TimedForward("reuse", (prompt(256),), 2112)
     begin = timer.start()
@@ -126,6 +147,7 @@ def test_measured_slow_reuse_turns_a_reuse_decision_into_recompute(tmp_path):
     assert first.reuse and "measured here" not in first.reason
     reused = TimedForward("reuse", (work,), work.computed)
     plain = TimedForward("recompute", (PromptWork(work.computed),), work.computed)
+    gate.timer.correction = warmed(("reuse", work.computed), ("recompute", work.computed))
     for _ in range(MIN_SAMPLES):
         _time(gate, clock, reused, 2.0)
         _time(gate, clock, plain, 1.0)
@@ -193,6 +215,7 @@ def test_the_forward_hook_times_what_the_gate_describes(tmp_path):
 
     clock = Clock()
     gate = _gate(tmp_path, clock=clock)
+    gate.timer.correction = warmed(("reuse", 265))
     pool = _pool({3: _uses(265)})
     pool.reuse_gate = gate
     runner = SimpleNamespace(token_to_kv_pool=pool)
@@ -221,6 +244,7 @@ def test_a_requests_first_extend_is_timed_from_its_slots_allocation(tmp_path):
 
     clock = Clock()
     gate = _gate(tmp_path, clock=clock)
+    gate.timer.correction = warmed(("reuse", 265))
     pool = _pool({3: _uses(265)})
     pool.reuse_gate = gate
     runner = SimpleNamespace(token_to_kv_pool=pool)
