@@ -210,15 +210,21 @@ def test_describe_times_only_what_the_record_predicts(tmp_path):
         assert gate.describe(batch, pool) is None
 
 
-def test_the_forward_hook_times_what_the_gate_describes(tmp_path):
-    from redknot.integration.plugin import _around_model_forward
-
+def _served(tmp_path):
+    """A gate that times, past the first forward of a 265-token reuse, and a model runner whose
+    pool holds it and request slot 3's two segment reads."""
     clock = Clock()
     gate = _gate(tmp_path, clock=clock)
     gate.timer.correction = warmed(("reuse", 265))
     pool = _pool({3: _uses(265)})
     pool.reuse_gate = gate
-    runner = SimpleNamespace(token_to_kv_pool=pool)
+    return clock, gate, pool, SimpleNamespace(token_to_kv_pool=pool)
+
+
+def test_the_forward_hook_times_what_the_gate_describes(tmp_path):
+    from redknot.integration.plugin import _around_model_forward
+
+    clock, gate, pool, runner = _served(tmp_path)
 
     def forward(self, batch, **kwargs):
         clock.now += 40.0
@@ -242,12 +248,7 @@ def test_a_requests_first_extend_is_timed_from_its_slots_allocation(tmp_path):
     the span of its first extend's forward; the forward batch takes it from its requests once."""
     from redknot.integration.plugin import _after_forward_batch_init, _around_model_forward
 
-    clock = Clock()
-    gate = _gate(tmp_path, clock=clock)
-    gate.timer.correction = warmed(("reuse", 265))
-    pool = _pool({3: _uses(265)})
-    pool.reuse_gate = gate
-    runner = SimpleNamespace(token_to_kv_pool=pool)
+    clock, gate, pool, runner = _served(tmp_path)
     req = SimpleNamespace(req_pool_idx=3, redknot_t0=gate.timer.start())  # at allocation
     clock.now += 12.0  # the lookups, the batch's planning
     batch = _batch("EXTEND", [3], [0], [265])
