@@ -142,8 +142,8 @@ def _around_decode_can_run_graph(original, self, forward_batch):
 
 
 def _around_model_forward(original, self, forward_batch, *args, **kwargs):
-    """Under ``--redknot-reuse-gate auto`` (one GPU) the reuse gate times each extend forward it can
-    predict (:mod:`redknot.costmodel.measured`): from a CUDA event recorded when the batch's
+    """Under ``--redknot-reuse-gate auto`` (one GPU) the reuse gate times each extend forward it
+    can predict (:mod:`redknot.costmodel.measured`): from a CUDA event recorded when the batch's
     first request got its slot (a request's first extend; else at the forward's start) to one
     after the forward, read back on a later call once reached (never waited for)."""
     pool = getattr(self, "token_to_kv_pool", None)
@@ -170,11 +170,13 @@ def _after_forward_batch_init(result, cls, batch, *args, **kwargs):
         result.redknot_req_slots = [req.req_pool_idx for req in reqs]
         # the reuse gate's timing (redknot.costmodel.measured): a request's first extend is
         # timed from its slot's allocation, when its segments were looked up
-        starts = [getattr(req, "redknot_t0", None) for req in reqs]
-        result.redknot_t0 = next((s for s in starts if s is not None), None)
-        for req in reqs:
-            if getattr(req, "redknot_t0", None) is not None:
-                req.redknot_t0 = None
+        result.redknot_t0 = None
+        if result.forward_mode.is_extend():
+            for req in reqs:
+                start = getattr(req, "redknot_t0", None)
+                if start is not None:
+                    result.redknot_t0 = result.redknot_t0 or start
+                    req.redknot_t0 = None
 
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"

@@ -174,8 +174,9 @@ def test_the_record_alone_several_ranks_or_no_gpu_time_nothing(tmp_path, caplog)
 
 
 def _batch(mode, slots, prefix, lens):
+    kind = SimpleNamespace(name=mode, is_extend=lambda: mode in ("EXTEND", "MIXED"))
     return SimpleNamespace(
-        forward_mode=SimpleNamespace(name=mode), redknot_req_slots=slots,
+        forward_mode=kind, redknot_req_slots=slots,
         extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens,
     )  # fmt: skip
 
