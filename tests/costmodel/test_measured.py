@@ -287,3 +287,20 @@ def test_a_new_request_slot_starts_its_span_when_the_gate_times(tmp_path):
 
         assert _around_req_slot_alloc(alloc, slots, reqs) == [0]
         assert (getattr(reqs[0], "redknot_t0", None) in clock.made) is timed
+
+
+@pytest.mark.gpu
+def test_cuda_markers_time_work_on_the_current_stream():
+    """The server's clock: events on the current stream, reached once the GPU passes them."""
+    import torch
+
+    from redknot.costmodel.measured import cuda_marker
+
+    x = torch.randn(2048, 2048, device="cuda")
+    begin = cuda_marker()
+    for _ in range(20):
+        x = x @ x / 2048
+    end = cuda_marker()
+    torch.cuda.synchronize()
+    assert begin.query() and end.query()
+    assert begin.elapsed_ms(end) > 0.0
