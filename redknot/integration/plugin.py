@@ -171,7 +171,8 @@ def _after_forward_batch_init(result, cls, batch, *args, **kwargs):
         # the reuse gate's timing (redknot.costmodel.measured): a request's first extend is
         # timed from its slot's allocation, when its segments were looked up
         result.redknot_t0 = None
-        if result.forward_mode.is_extend():
+        mode = getattr(result, "forward_mode", None)
+        if mode is not None and mode.is_extend():
             for req in reqs:
                 start = getattr(req, "redknot_t0", None)
                 if start is not None:
