@@ -148,8 +148,9 @@ def tiered(results: Path, sources: dict) -> dict:
         return {"measured": False}
     data = load(results, TIERED, sources)
     (row,) = data["per_capacity"]
-    dense = json.loads((results / "lfps_capacity_h100.json").read_text())
-    dense_row = dense["summary"]["capacity"]["lfps-offload"]
+    dense_row = load(results, "lfps_capacity_h100.json", sources)["summary"]["capacity"][
+        "lfps-offload"
+    ]
     lines = data["engines"]["capacity"][row["variant"]]["lfps_log_lines"]
     return {
         "device": data["device"],

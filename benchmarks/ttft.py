@@ -295,7 +295,7 @@ def child(args) -> None:
             if args.own_recompute and reuse:  # the same prompt shape, nothing stored: how this
                 # engine computes a prompt without reuse (what its gate compares reuse with)
                 for rep in range(args.reps + 1):
-                    fresh = [rand(1)[0]] + rand(len(ids) - 1 - args.question) + rand(args.question)
+                    fresh = rand(len(ids))
                     t0 = time.perf_counter()
                     engine.generate(input_ids=fresh, sampling_params=dict(one))
                     if rep:  # the first is a warm-up
