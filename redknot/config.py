@@ -29,7 +29,7 @@ SKIPPED_CHOICES = ("cached", "residual")  # redknot.attention.ffn_schedule
 LOCAL_KV_CHOICES = ("cached", "fresh")  # redknot.recovery.options.LOCAL_KV_SOURCES
 REUSE_GATE_CHOICES = ("auto", "record", "always")  # redknot.costmodel.gate
 SEGMENT_HEAD_CHOICES = ("local", "all")  # what a cached segment keeps (redknot.pool.segment_region)
-TOKEN_POLICIES = ("naive", "epic", "cacheblend", "sparsex")  # redknot.attention.token_policy
+TOKEN_POLICIES = ("naive", "epic", "cacheblend", "sparsex", "samkv")  # attention.token_policy
 POLICY_CHOICES = ("redknot", *TOKEN_POLICIES)
 # Reference-path policies the server does not serve, and why (python -m redknot.eval runs them)
 REFERENCE_ONLY_POLICIES = {
@@ -37,10 +37,6 @@ REFERENCE_ONLY_POLICIES = {
     "not kept in the server: it does not move the fidelity-TTFT front (README, 'Reuse policies "
     "side by side'); evaluate it on the reference path with python -m redknot.eval fidelity "
     "--policies full,redknot+sparseq",
-    "samkv": "serving only the selected blocks of the reused documents (docs/samkv.md) "
-    "needs per-request KV compaction in the pool and SGLang's token accounting, not built yet; "
-    "evaluate it on the reference path with python -m redknot.eval fidelity --policies "
-    "full,samkv",
 }
 logger = logging.getLogger(__name__)
 
@@ -147,7 +143,9 @@ class RedknotConfig:
         "'naive' (no segment token), 'epic' (the first --redknot-epic-k of every segment), "
         "'cacheblend' (the --redknot-blend-ratio of largest KV deviation in "
         "--redknot-blend-check-layer), 'sparsex' (SparseX's sparse-Q selection after "
-        "--redknot-sparseq-boundary full layers). Token-level policies serve every head global.",
+        "--redknot-sparseq-boundary full layers), 'samkv' (SamKV: a request holds only its "
+        "documents' anchors and the --redknot-samkv-budget of their middle blocks each layer "
+        "chooses; docs/samkv.md). Token-level policies serve every head global.",
         default="redknot",
     )
     epic_k: int = _opt(
@@ -176,6 +174,25 @@ class RedknotConfig:
     sparseq_block: int = _opt(
         "Policy 'sparsex': reused rows recomputed on each side of a run of non-reused rows.",
         default=16,
+    )
+    samkv_block: int = _opt("Policy 'samkv': tokens per block of a document.", default=64)
+    samkv_budget: float = _opt(
+        "Policy 'samkv': fraction of each document's middle blocks a request holds (each layer "
+        "chooses which, from the question's queries).",
+        default=0.15,
+    )
+    samkv_init_blocks: int = _opt(
+        "Policy 'samkv': blocks at each document's start kept and recomputed (anchors).",
+        default=1,
+    )
+    samkv_local_blocks: int = _opt(
+        "Policy 'samkv': blocks at each document's end kept and recomputed (anchors).",
+        default=2,
+    )
+    samkv_bias: bool = _opt(
+        "Policy 'samkv': the personalized bias of the paper's Eq. 1 (the other documents' local "
+        "queries) added to the question's query.",
+        default=True,
     )
     namespaces: str | None = _opt(
         "Comma-separated segment namespaces requests may use ('default' is always there). "
@@ -437,7 +454,7 @@ class RedknotConfig:
                 parse()
             except ValueError as e:
                 raise RedknotConfigError(str(e)) from None
-        for name in ("mass_thresh", "blend_ratio", "restore_thresh"):
+        for name in ("mass_thresh", "blend_ratio", "restore_thresh", "samkv_budget"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -451,7 +468,8 @@ class RedknotConfig:
                           ("lfps_max_requests", 1), ("lfps_candidate_factor", 1),
                           ("restore_heads", 0),
                           ("blend_check_layer", 0), ("sparseq_boundary", 1), ("sparseq_k", 0),
-                          ("sparseq_block", 0)):  # fmt: skip
+                          ("sparseq_block", 0), ("samkv_block", 1), ("samkv_init_blocks", 0),
+                          ("samkv_local_blocks", 0)):  # fmt: skip
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < low):  # fmt: skip

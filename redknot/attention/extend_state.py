@@ -34,6 +34,8 @@ class ExtendState:
     # the pool has restore columns) and the probes of the requests this extend completes
     row_req: torch.Tensor | None = None
     restore: object | None = None  # redknot.attention.restore.RestorePlan
+    keep_cpu: torch.Tensor | None = None  # token policies: [T] bool, rows computed (when some left)
+    samkv: object | None = None  # redknot.recovery.samkv.served.BatchChoice
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 from redknot.recovery.cacheblend import kv_deviation
+from redknot.recovery.samkv.served import layer_choice, plan_batch
 from redknot.recovery.sparseq import select_tokens
 from redknot.segcache import registration, reuse
 from redknot.segcache.registration import SegmentWrites
@@ -311,7 +312,30 @@ class SegPagedRunner:
                 self.restore_edge, self.device,
             )  # fmt: skip
         if reads is not None and self.policy is not None and self.policy.chooses_at_plan:
-            self._keep(self.policy.planned_kept(reads.pos_off_cpu))
+            self._keep(self.policy.planned_kept(reads.pos_off_cpu, reads.middle_cpu))
+            if self.policy.name == "samkv" and reads.middle_cpu is not None:
+                self._plan_samkv(rpis, prefix_cpu, lens_cpu)
+
+    def _plan_samkv(self, rpis: list[int], prefix_cpu, lens_cpu) -> None:
+        """SamKV's inputs of every layer's choice (``redknot.recovery.samkv.served``), after
+        the anchors were kept (:meth:`_keep`: the middle slots left recovery before layer 0)."""
+        state = self.extend_state
+        reads, keep = state.segment_reads, state.keep_cpu
+        if keep is None:  # nothing left: every middle slot is some request's last row
+            return
+        uses = [self.pool.segment_reads.get(rpi, ()) for rpi in rpis]
+        leaving = ~keep[reads.tokens_cpu]
+        state.samkv = plan_batch(
+            uses, [int(x) for x in prefix_cpu], [int(x) for x in lens_cpu], keep,
+            reads.tokens_cpu, leaving, self.policy.samkv.bias, self.device,
+        )  # fmt: skip
+        skipped = state.samkv.skipped if state.samkv is not None else []
+        if skipped:
+            logger.info(
+                "redknot samkv: %d request(s) of this extend keep the blocks their prompt was cut "
+                "with (the extend does not hold their documents and question together)",
+                len(skipped),
+            )
 
     def _plan_captures(self, fb: ForwardBatch, prefix_cpu, lens_cpu):
         """Rows of the snapshot captures whose branch point this extend computes."""
@@ -395,8 +419,12 @@ class SegPagedRunner:
                 tok, li = state.segment_reads.tokens_gpu[:, None], self.pool.local_index[lid]
                 fresh = (k[tok, li], v[tok, li])  # [N, L_l, D] each, one gather
         if state.segment_reads is not None:
+            left = None
+            if state.samkv is not None and held is not None:
+                with phase("redknot.samkv_choice"):
+                    left = self._samkv_choice(lid, q, held.left)
             with phase("redknot.reuse_kv"):
-                self._reuse_kv(lid, k, v, state.segment_reads, held)
+                self._reuse_kv(lid, k, v, state.segment_reads, held, left)
         if probing:
             with phase("redknot.restore"):
                 self._restore(lid, q, k, v, fresh, held, layer.scaling)
@@ -638,6 +666,7 @@ class SegPagedRunner:
         state.kept_tokens = int(kept.sum())
         counts = rows_per_request(keep_cpu, plan.qo_indptr_cpu).tolist()
         if sum(counts) < plan.num_tokens:
+            state.keep_cpu = keep_cpu
             device = reads.tokens_gpu.device
             leaving = ~keep_cpu[reads.tokens_cpu]  # not ~kept: each request's last row stays
             self._hold(to_device(keep_cpu, device), counts, to_device(leaving, device),
@@ -710,7 +739,24 @@ class SegPagedRunner:
             SCHEDULE.left,
         )
 
-    def _reuse_kv(self, lid: int, k, v, reads: SegmentReads, held: HeldRows | None) -> None:
+    def _samkv_choice(self, lid: int, q, left: SegmentReads) -> SegmentReads:
+        """The reads that left recovery with SamKV's middle slots pointing at this layer's
+        chosen blocks (``q``: the layer's queries of the rows it computes)."""
+        choice = self.extend_state.samkv
+        reduce = self._sum_over_ranks() if self.tp_size > 1 else None
+        idx = layer_choice(
+            q, self.pool.segments.k[lid], choice.inputs, self.rope.cos_sin_cache,
+            self.rope.is_neox, reduce,
+        )  # fmt: skip
+        rows, pos_off = left.rows_gpu.clone(), left.pos_off_gpu.clone()
+        rows[choice.slot_index] = choice.flat_rows[idx]
+        pos_off[choice.slot_index] = choice.flat_pos[idx]
+        return SegmentReads(left.tokens_gpu, rows, pos_off, left.pos_on_gpu)
+
+    def _reuse_kv(
+        self, lid: int, k, v, reads: SegmentReads, held: HeldRows | None,
+        left_reads: SegmentReads | None = None,
+    ) -> None:  # fmt: skip
         """Reused segment tokens take the cached K/V, re-rotated to their positions in this
         prompt (in place in this layer's ``k``, ``v``: [T, H_kv, D]): local heads for every
         segment token (``local_kv="cached"``; under ``"fresh"`` they keep what this layer
@@ -721,7 +767,7 @@ class SegPagedRunner:
         if self.local_kv == "cached" and len(self.consts[lid].local):
             self._align(lid, k, v, self.consts[lid].local, reads)
         if held is not None and held.left.tokens_gpu.numel() and len(left):
-            self._align(lid, k, v, left, held.left)
+            self._align(lid, k, v, left, left_reads or held.left)
 
     def left_heads(self, lid: int) -> AlignedHeads:
         """The heads that tokens which left recovery take from the cache in layer ``lid``: the

@@ -15,6 +15,7 @@ and nothing of them is computed.
 | ``epic``     | when the batch is planned | 0                         | the first ``epic_k`` of every reused segment |
 | ``cacheblend`` | in ``blend_check_layer`` | ``blend_check_layer + 1`` | per request, the ``round(blend_ratio * S)`` of its ``S`` reused tokens whose fresh K/V deviates most from the cached, aligned K/V (``redknot.recovery.cacheblend.kv_deviation``; ties: the lower row) |
 | ``sparsex``  | in ``sparseq_boundary - 1`` | ``sparseq_boundary``    | per request, SparseX's sparse-Q set from that layer's queries and keys (``redknot.recovery.sparseq.select_tokens``: top ``sparseq_k`` by the non-reused rows' attention, ``sparseq_block`` rows of overflow, the tail fallback) |
+| ``samkv``    | when the batch is planned; each layer fills the middle slots | 0 | every document's anchors; its middle slots take the blocks each layer chooses (``redknot.recovery.samkv.served``: the request holds only those rows) |
 
 Token-level policies treat every head alike, so they are served with every head global. The
 reference path's hybrid ``redknot+sparseq`` is not served
@@ -32,6 +33,7 @@ import torch
 from redknot.config import TOKEN_POLICIES, RedknotConfig
 from redknot.recovery.cacheblend import blend_count
 from redknot.recovery.importance import top_rows
+from redknot.recovery.samkv.served import SamkvKnobs
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class TokenPolicy:
     sparseq_boundary: int
     sparseq_k: int
     sparseq_block: int
+    samkv: SamkvKnobs | None = None
 
     def __post_init__(self) -> None:
         assert self.name in TOKEN_POLICIES, self.name
@@ -54,9 +57,13 @@ class TokenPolicy:
         """The configured token-level policy (None: redknot's recovery)."""
         if config.policy not in TOKEN_POLICIES:
             return None
+        samkv = SamkvKnobs(
+            config.samkv_block, config.samkv_budget, config.samkv_init_blocks,
+            config.samkv_local_blocks, config.samkv_bias,
+        )  # fmt: skip
         return cls(
             config.policy, config.epic_k, config.blend_check_layer, config.blend_ratio,
-            config.sparseq_boundary, config.sparseq_k, config.sparseq_block,
+            config.sparseq_boundary, config.sparseq_k, config.sparseq_block, samkv,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -67,12 +74,22 @@ class TokenPolicy:
             f"the {self.blend_ratio:g} of each request's reused tokens of largest KV deviation",
             "sparsex": f"every token recomputed below layer {self.sparseq_boundary}, then the "
             f"sparse-Q set (top {self.sparseq_k}, overflow {self.sparseq_block})",
+            "samkv": self._describe_samkv(),
         }[self.name]
+
+    def _describe_samkv(self) -> str:
+        k = self.samkv
+        if k is None:
+            return "SamKV"
+        return (
+            f"each document's anchors ({k.init_blocks} + {k.local_blocks} blocks of {k.block}) "
+            f"recomputed, {k.budget:g} of its middle blocks held, chosen per layer"
+        )
 
     @property
     def chooses_at_plan(self) -> bool:
         """True: the choice needs no layer's K/V (made when the batch is planned)."""
-        return self.name in ("naive", "epic")
+        return self.name in ("naive", "epic", "samkv")
 
     @property
     def select_layer(self) -> int:
@@ -81,11 +98,16 @@ class TokenPolicy:
             return self.sparseq_boundary - 1
         return self.blend_check_layer if self.name == "cacheblend" else -1
 
-    def planned_kept(self, pos_off: torch.Tensor) -> torch.Tensor:
+    def planned_kept(
+        self, pos_off: torch.Tensor, middle: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[R]`` bool over the reads (``pos_off``: each read token's position in its
-        segment): the tokens ``naive`` and ``epic`` keep."""
+        segment; ``middle``: SamKV's middle slots): the tokens ``naive``, ``epic`` and
+        ``samkv`` keep (SamKV: every read but the middle slots, i.e. the anchors)."""
         if self.name == "epic":
             return pos_off < self.epic_k
+        if self.name == "samkv":
+            return torch.ones_like(pos_off, dtype=torch.bool) if middle is None else ~middle
         return torch.zeros_like(pos_off, dtype=torch.bool)
 
     def blend_kept(

@@ -6,7 +6,7 @@ Two servers of the same model take part:
 | --------- | ------------------- | ------------------------------------------------------------ |
 | ``full``  | ``reference_url``   | the composed prompt, no segments (run it with ``--attention-backend flashinfer`` or ``redknot --redknot-all-global``) |
 | ``redknot`` | ``url``           | every segment registered first (``POST /redknot/segments``), then the prompt with its segments marked over ``input_ids`` |
-| ``naive``, ``epic``, ``cacheblend``, ``sparsex`` | ``url`` | as ``redknot``, on a server started with that ``--redknot-policy`` |
+| ``naive``, ``epic``, ``cacheblend``, ``sparsex``, ``samkv`` | ``url`` | as ``redknot``, on a server started with that ``--redknot-policy`` (``samkv``: the answer's ``sequence_ratio`` recorded) |
 
 The recovery knobs are the redknot server's own options (``--redknot-dense-layers`` ...): a
 server serves one setting, recorded from its ``/server_info``. Prompts are composed exactly as
@@ -235,9 +235,20 @@ class ServerBackend(FidelityBackend):
             first_logits=None,
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),
             tokens=tokens,
+            fractions=_served_fractions(chunks) if marked else {},
             ttft_s=ttft,
             wall_s=time.perf_counter() - started,
         )
+
+
+def _served_fractions(chunks: list[dict[str, Any]]) -> dict[str, float | None]:
+    """``sequence_ratio`` of a SamKV server's answer (its reuse report), else nothing."""
+    for chunk in chunks:
+        reports = (chunk.get("meta_info") or {}).get("redknot_reuse") or []
+        samkv = reports[0].get("samkv") if reports and isinstance(reports[0], dict) else None
+        if samkv and samkv.get("sequence_ratio") is not None:
+            return {"sequence_ratio": samkv["sequence_ratio"]}
+    return {}
 
 
 def _sse(lines: Iterator[bytes]) -> Iterator[dict[str, Any]]:

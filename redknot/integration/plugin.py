@@ -22,6 +22,7 @@ from redknot.integration import capture_order
 from redknot.integration import segments as segment_hooks
 from redknot.integration import server_args as sa_hooks
 from redknot.segcache import registration, reuse
+from redknot.segcache import samkv as samkv_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +242,7 @@ HOOKS: tuple[Hook, ...] = (
         capture_order.around_get_new_batch_prefill,
     ),
     *(Hook(*h) for h in segment_hooks.HOOKS),
+    *(Hook(*h) for h in samkv_hooks.HOOKS),
     *(Hook(*h) for h in api_hooks.HOOKS),
 )
 

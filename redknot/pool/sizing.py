@@ -381,6 +381,12 @@ def _reuse_gate(kvc: Any, layout: HeadLayout):
     if config.reuse_gate == "always":
         logger.info("redknot: reuse gate off (--redknot-reuse-gate always): every hit is reused")
         return None
+    if config.policy == "samkv":  # its point is the memory a request holds, not its speed
+        logger.info(
+            "redknot: reuse gate off for --redknot-policy samkv: every request whose documents "
+            "are stored holds only their anchors and chosen blocks (no cost record of samkv)"
+        )
+        return None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     args = kvc.server_args
     tp_size = getattr(args, "tp_size", 1) or 1

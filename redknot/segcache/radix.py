@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from redknot.pool.kv_pool import CaptureJob, RedknotKVPool
-from redknot.segcache import registration, reuse
+from redknot.segcache import registration, reuse, samkv
 from redknot.segcache.store import SegmentStore
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,10 @@ class RedknotRadixCache(RadixCache):
         self.pool.capture_jobs.clear()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        cap = samkv.prefix_cap(params.req)
+        if cap is not None:  # a SamKV-cut prompt: its rows past the first document are not its
+            limit = params.key.limit  # tokens' K/V
+            params.key.limit = cap if limit is None else min(limit, cap)
         result = super().match_prefix(params)
         if registration.is_registration(params.req):
             # A registration computes its whole prompt (redknot.segcache.registration).
@@ -118,6 +122,8 @@ class RedknotRadixCache(RadixCache):
         reuse.finish(self, req.req_pool_idx)
         self._last_inserted = None
         self._inside_insert_path = True
+        if samkv.is_cut(req):  # a middle row holds a different token in each layer
+            is_insert = False
         try:
             super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         finally:

@@ -54,6 +54,7 @@ import torch
 
 from redknot.attention.ffn_schedule import SparseFfn
 from redknot.kernels.extend import to_device
+from redknot.recovery.samkv.served import ServedDoc
 from redknot.segcache import registration
 from redknot.segcache.entry import SegmentEntry
 
@@ -65,6 +66,27 @@ class SegmentUse:
     start: int  # the segment's first token in the prompt
     entry: SegmentEntry
     prompt_len: int = 0  # tokens of the whole prompt (0: unknown, no sparse FFN)
+    # SamKV (redknot.recovery.samkv.served): the document's rows in the served prompt hold
+    # its anchors and kept blocks only; None: every token of the segment, in order
+    doc: ServedDoc | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the prompt the segment spans."""
+        return self.entry.num_tokens if self.doc is None else self.doc.served_tokens
+
+    def offsets(self, online: np.ndarray) -> np.ndarray:
+        """The segment offset whose cached K/V prompt rows ``online`` start from."""
+        if self.doc is None:
+            return online - self.start
+        return self.doc.served_offsets()[online - self.start]
+
+    def middle(self, online: np.ndarray) -> np.ndarray:
+        """Which of ``online`` are SamKV middle slots (each layer fills them with its choice)."""
+        if self.doc is None:
+            return np.zeros(online.shape, dtype=bool)
+        rel = online - self.start
+        return (rel >= self.doc.init) & (rel < self.doc.init + self.doc.slots)
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,7 @@ class SegmentReads:
     sparse: tuple[SparseFfn, ...] = ()
     tokens_cpu: torch.Tensor | None = None  # tokens_gpu on the host
     pos_off_cpu: torch.Tensor | None = None  # pos_off_gpu on the host
+    middle_cpu: torch.Tensor | None = None  # [R] bool: SamKV middle slots (None: there are none)
 
     def select(self, index: torch.Tensor) -> SegmentReads:
         """The reads ``index`` (int64 on the device) only, without the sparse-FFN inputs or
@@ -101,6 +124,10 @@ def start(cache: Any, req: Any) -> None:
     )
 
     if getattr(req, "sampling_params", None) is None:
+        return
+    plan = getattr(req, SAMKV_ATTR, None)
+    if plan is not None:
+        _start_samkv(cache, req, plan)
         return
     gate = getattr(cache.pool, "reuse_gate", None)
     prompt_len, prefix = len(req.origin_input_ids), _prefix_len(req)
@@ -146,6 +173,11 @@ def start(cache: Any, req: Any) -> None:
     else:
         for use in uses:
             store.acquire(use.entry)
+        if uses and getattr(cache.pool, "reuse_policy", None) == "samkv":
+            _samkv_declined(req)  # served as a shorter prompt, or not reused at all
+            for use in uses:
+                store.release(use.entry)
+            uses = []
         if uses and not _pays(cache, req, uses):
             for use in uses:
                 store.release(use.entry)
@@ -161,6 +193,40 @@ def start(cache: Any, req: Any) -> None:
 
 
 REPORT_KEY = "redknot_reuse"  # meta_info key of the report (module docstring)
+SAMKV_ATTR = "redknot_samkv"  # on a request served as SamKV's shorter prompt: its ServedPlan
+SAMKV_NOTE = "redknot_samkv_note"  # on a request SamKV could not serve so: why
+
+
+def _start_samkv(cache: Any, req: Any, plan: Any) -> None:
+    """A request served as SamKV's shorter prompt (``redknot.segcache.samkv``) got its slot:
+    hold its documents. One evicted since the prompt was cut is served from the rows the
+    prompt holds, computed afresh (its anchors and first kept blocks), and said so."""
+    store = cache.segments
+    uses, gone = [], []
+    for doc in plan.docs:
+        entry = store.lookup_id(doc.namespace, doc.segment_id, doc.num_tokens)
+        if entry is None:
+            gone.append(doc.source)
+            continue
+        store.acquire(entry)
+        uses.append(SegmentUse(doc.start, entry, plan.served_tokens, doc=doc))
+    if gone:
+        logger.warning(
+            "redknot samkv: request %s: document(s) at %s evicted while the request waited; "
+            "their kept rows are computed without the cache", req.rid, gone,
+        )  # fmt: skip
+    if uses:
+        cache.pool.segment_reads[req.req_pool_idx] = uses
+    _report(req, cache.pool, len(plan.docs), len(uses), uses)
+    report = req.customized_info[REPORT_KEY][0]
+    report["samkv"] = {**plan.report(), "evicted": gone}
+
+
+def _samkv_declined(req: Any) -> None:
+    """A samkv server's request with hits that was not cut (``SAMKV_NOTE`` says why): its
+    prompt is computed in full, without the cache (exact)."""
+    note = getattr(req, SAMKV_NOTE, None) or "not cut by the samkv policy"
+    logger.info("redknot samkv: request %s served without segment reuse: %s", req.rid, note)
 
 
 def _report(
@@ -177,17 +243,22 @@ def _report(
     report: dict[str, Any] = {
         "segments_marked": marked,
         "segments_hit": hits,
-        "reused_tokens": sum(
-            max(0, u.start + u.entry.num_tokens - max(u.start, prefix)) for u in uses
-        ),
+        "reused_tokens": sum(max(0, u.start + u.num_rows - max(u.start, prefix)) for u in uses),
         "segments": [
-            {"namespace": u.entry.namespace, "start": u.start, "tokens": u.entry.num_tokens}
+            {
+                "namespace": u.entry.namespace,
+                "start": u.start if u.doc is None else u.doc.source,  # in the client's prompt
+                "tokens": u.entry.num_tokens,
+            }
             for u in uses
         ],
         "policy": getattr(pool, "reuse_policy", None) if uses else None,
     }
     if stored:
         report["stored"] = [{"namespace": m.namespace, "start": m.start} for m in stored]
+    note = getattr(req, SAMKV_NOTE, None)
+    if note is not None:
+        report["samkv"] = {"note": note}
     decision = getattr(req, "redknot_reuse", None)
     if decision is not None:
         report["gate"] = {
@@ -248,14 +319,15 @@ def plan_reads(
         positions = []
         for use in uses:
             lo = max(use.start, p)
-            hi = min(use.start + use.entry.num_tokens, p + e)
+            hi = min(use.start + use.num_rows, p + e)
             if lo < hi:
                 online = np.arange(lo, hi, dtype=np.int64)
-                offline = online - use.start
-                parts.append((offset + online - p, use.entry.rows_of(offline), offline, online))
+                offline = use.offsets(online)
+                parts.append((offset + online - p, use.entry.rows_of(offline), offline, online,
+                              use.middle(online)))  # fmt: skip
                 positions.append(online)
         if positions and uses[0].prompt_len == p + e:
-            question = max(u.start + u.entry.num_tokens for u in uses)
+            question = max(u.start + u.num_rows for u in uses)
             probe = max(min(question, p + e - recent_n), p)
             cand = np.concatenate(positions)
             cand = to_device(torch.from_numpy(cand[cand < probe]), device)
@@ -263,11 +335,14 @@ def plan_reads(
         offset += e
     if not parts:
         return None
-    tokens, rows, pos_off, pos_on = (
+    tokens, rows, pos_off, pos_on, middle = (
         torch.from_numpy(np.concatenate(column)) for column in zip(*parts)
     )
     on_device = (to_device(x, device) for x in (tokens, rows, pos_off, pos_on))
-    return SegmentReads(*on_device, sparse=tuple(sparse), tokens_cpu=tokens, pos_off_cpu=pos_off)
+    return SegmentReads(
+        *on_device, sparse=tuple(sparse), tokens_cpu=tokens, pos_off_cpu=pos_off,
+        middle_cpu=middle if bool(middle.any()) else None,
+    )  # fmt: skip
 
 
 def finish(cache: Any, req_pool_idx: int | None) -> None:

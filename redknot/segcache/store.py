@@ -193,6 +193,15 @@ class SegmentStore:
         )  # fmt: skip
         return self._looked_up(namespace, rec if hit else None, num_tokens)
 
+    def is_ready(self, namespace: str, segment_id: str, num_tokens: int) -> bool:
+        """Whether :meth:`lookup_id` would find the segment now; counts nothing (SamKV cuts a
+        prompt on it before the request runs, and looks it up when it does)."""
+        rec = self._by_id.get(segment_id)
+        return (
+            rec is not None and rec.ready and rec.namespace == check_namespace(namespace)
+            and rec.num_tokens == num_tokens
+        )  # fmt: skip
+
     def _looked_up(self, namespace: str, rec: _Record | None, tokens: int) -> SegmentEntry | None:
         saved = tokens * self.bytes_per_token if rec is not None else 0
         self._counters.add(
