@@ -117,7 +117,10 @@ def child(args, name: str) -> dict:
         if name != "flashinfer":
             common.register_segments(engine, docs, NAMESPACE)  # the flush dropped them
         batch, _ = prompts(vocab, docs, args.batch, args.question_tokens, seed=2)
-        result["batch"] = {"batch": args.batch, **stream_figures(*sessions(engine, batch, sampling))}
+        result["batch"] = {
+            "batch": args.batch,
+            **stream_figures(*sessions(engine, batch, sampling)),
+        }
         burst, _ = prompts(vocab, docs, args.requests, args.question_tokens, seed=3)
         submitted, streams = sessions(engine, burst, sampling, deadline_s=args.deadline)
         begun = [s for s in streams if any(k >= 1 for _, k in s)]

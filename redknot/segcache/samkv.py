@@ -34,10 +34,13 @@ logger = logging.getLogger(__name__)
 
 def knobs() -> SamkvKnobs | None:
     """The served policy's knobs, or None when it is not ``samkv``."""
+    from redknot import envs
     from redknot.integration.server_args import published_config
 
+    if envs.REDKNOT_RESOLVED_CONFIG.get() is None:  # not a redknot server
+        return None
     config = published_config()
-    if config is None or config.policy != "samkv":
+    if config.policy != "samkv":
         return None
     return SamkvKnobs(
         config.samkv_block, config.samkv_budget, config.samkv_init_blocks,
@@ -50,9 +53,11 @@ def cut(scheduler: Any, req: Any, knobs: SamkvKnobs | None = None) -> None:
     (a request the cut cannot serve keeps its prompt and is computed in full)."""
     from redknot.api.marks import SegmentMarkError, registration_of, segments_of
 
-    knobs = knobs or _KNOBS.get()
     store = getattr(getattr(scheduler, "tree_cache", None), "segments", None)
-    if knobs is None or store is None or getattr(req, "sampling_params", None) is None:
+    if store is None or getattr(req, "sampling_params", None) is None:
+        return  # not redknot's tree cache (another backend), or no segment region
+    knobs = knobs or _KNOBS.get()
+    if knobs is None:
         return
     if getattr(req, SAMKV_ATTR, None) is not None:  # a retracted request, cut already
         return

@@ -140,3 +140,19 @@ def test_a_cut_request_waits_for_a_batch_that_holds_it_whole():
     plain = SimpleNamespace(origin_input_ids=[1] * 100, output_ids=[], prefix_indices=[])
     adder.rem_chunk_tokens = 10  # an uncut request is chunked as SGLang does
     assert samkv.around_add_one_req(original, adder, plain, False, None) == "added"
+
+
+def test_another_backends_scheduler_is_left_alone(monkeypatch):
+    """The hook runs in every SGLang scheduler the plugin is loaded in: one without redknot's
+    tree cache, or a redknot server of another policy, neither reads nor cuts anything."""
+    from redknot import envs
+
+    scheduler, req, prompt = request()
+    scheduler.tree_cache = SimpleNamespace()  # SGLang's own radix cache: no segment store
+    samkv._before_add_request_to_queue(scheduler, req)
+    assert list(req.origin_input_ids) == prompt
+    monkeypatch.setattr(samkv, "_KNOBS", samkv._Knobs())
+    monkeypatch.delenv(envs.REDKNOT_RESOLVED_CONFIG.name, raising=False)
+    scheduler, req, prompt = request()
+    samkv._before_add_request_to_queue(scheduler, req)  # no resolved configuration: not redknot
+    assert list(req.origin_input_ids) == prompt and not samkv.is_cut(req)
