@@ -79,7 +79,7 @@ def child(args, name: str) -> dict:
         "mem_fraction_static": args.mem_fraction_static,
         "chunked_prefill_size": args.chunk,
         "disable_prefill_cuda_graph": True,
-        "cuda_graph_max_bs_decode": args.requests,
+        "cuda_graph_max_bs_decode": min(args.requests, 32),  # larger batches run eagerly
         "log_level": "info",
         "decode_log_interval": 1,
     }

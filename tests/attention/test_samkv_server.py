@@ -232,6 +232,8 @@ def test_layer_choice_matches_a_direct_computation():
         block_pos=block_pos, block_doc=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]),
         doc_request=torch.tensor([0, 0, 1]), doc_request_cpu=[0, 0, 1],
         block_first=[0, 3, 5, 8], kept_cpu=[1, 1, 2], num_requests=2, bias=True,
+        question_count=torch.tensor([3.0, 1.0]), local_count=torch.tensor([2.0, 1.0, 1.0]),
+        block_first_gpu=torch.tensor([0, 3, 5]), kept_gpu=torch.tensor([1, 1, 2]),
     )  # fmt: skip
     got = layer_choice(q, region, inputs, cache, True)
 

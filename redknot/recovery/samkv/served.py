@@ -211,6 +211,10 @@ class LayerInputs:
     kept_cpu: list[int]
     num_requests: int
     bias: bool
+    question_count: Tensor  # [B] float32: question rows of each request
+    local_count: Tensor  # [Dn] float32: local anchors of each document (at least 1)
+    block_first_gpu: Tensor  # [Dn] int64: block_first without its end
+    kept_gpu: Tensor  # [Dn] int64: kept_cpu
 
     @property
     def num_slots(self) -> int:
@@ -241,15 +245,13 @@ def layer_choice(
     nq = inputs.question.numel()
     generic = torch.zeros(inputs.num_requests, hq, d, device=q.device)
     generic.index_add_(0, inputs.question_req, free[:nq])
-    counts = torch.bincount(inputs.question_req, minlength=inputs.num_requests).clamp_min(1)
-    generic /= counts[:, None, None]
+    generic /= inputs.question_count[:, None, None]
     num_docs = inputs.doc_request.numel()
     queries = generic[inputs.doc_request]  # [Dn, Hq, d]
     if inputs.bias:
         local = torch.zeros(num_docs, hq, d, device=q.device)
         local.index_add_(0, inputs.local_doc, free[nq:])
-        per_doc = torch.bincount(inputs.local_doc, minlength=num_docs).clamp_min(1)
-        local /= per_doc[:, None, None]
+        local /= inputs.local_count[:, None, None]
         queries = biased(queries, local, inputs)
     nb, block = inputs.block_rows.shape
     keys = region_k[inputs.block_rows.flatten()]  # [C * block, H, d]
@@ -280,13 +282,13 @@ def chosen_tokens(score: Tensor, inputs: LayerInputs) -> Tensor:
     """From block scores ``[C]``: each document's ``kept`` best blocks (ties: the earlier
     block), as token indices into ``block_rows.flatten()``, documents and blocks in order."""
     nb, block = inputs.block_rows.shape
+    # best first, then grouped by document (stable sorts: ties stay in block order)
+    order = torch.sort(score, descending=True, stable=True).indices
+    order = order[torch.sort(inputs.block_doc[order], stable=True).indices]
+    doc = inputs.block_doc[order]
+    rank = torch.arange(nb, device=score.device) - inputs.block_first_gpu[doc]
     keep = torch.zeros(nb, dtype=torch.bool, device=score.device)
-    for first, kept, end in zip(inputs.block_first, inputs.kept_cpu, inputs.block_first[1:]):
-        if kept == end - first:
-            keep[first:end] = True
-        elif kept:
-            order = torch.sort(score[first:end], descending=True, stable=True).indices
-            keep[first + order[:kept]] = True
+    keep[order] = rank < inputs.kept_gpu[doc]
     blocks = torch.nonzero_static(keep, size=sum(inputs.kept_cpu))[:, 0]
     return (blocks[:, None] * block + torch.arange(block, device=score.device)).flatten()
 
@@ -373,7 +375,14 @@ def plan_batch(
         block_pos=to(block_pos_t), block_doc=to(cat(block_doc)),
         doc_request=to(torch.tensor(doc_request)), doc_request_cpu=doc_request,
         block_first=block_first, kept_cpu=kept, num_requests=nreq, bias=bias,
+        question_count=to(_counts(question)), local_count=to(_counts(local)),
+        block_first_gpu=to(torch.tensor(block_first[:-1])), kept_gpu=to(torch.tensor(kept)),
     )  # fmt: skip
     block = rows_all.shape[1]
     flat_pos = (block_pos_t[:, None] + torch.arange(block)).flatten()
     return BatchChoice(inputs, to(slot_index), to(rows_all.flatten()), to(flat_pos), skipped)
+
+
+def _counts(parts: list[np.ndarray]) -> Tensor:
+    """Rows of each group (at least 1, so that an empty group's mean is zero), float32."""
+    return torch.tensor([max(1, p.size) for p in parts], dtype=torch.float32)
