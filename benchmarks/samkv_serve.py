@@ -169,6 +169,20 @@ def summarize(runs: dict[str, dict]) -> dict:
     return out
 
 
+def merge(parts: list[dict]) -> dict:
+    """Runs of one commit and device split over calls, joined (each run's command kept)."""
+    for key in ("device", "commit"):
+        values = {p[key] for p in parts}
+        if len(values) != 1:
+            raise SystemExit(f"--merge: the runs differ in {key}: {sorted(values)}")
+    runs = {}
+    for part in parts:
+        for name, run in part["runs"].items():
+            runs[name] = {**run, "command": part["command"], "date": part["date"]}
+    return {"device": parts[0]["device"], "date": max(p["date"] for p in parts),
+            "commit": parts[0]["commit"], "runs": runs, "summary": summarize(runs)}  # fmt: skip
+
+
 def peak_running(lines: list[str]) -> int | None:
     found = [int(m.group(1)) for line in lines for m in [RUNNING.search(line)] if m]
     return max(found) if found else None
@@ -197,12 +211,9 @@ def main() -> None:
         print("RESULT " + json.dumps(child(args, args.child)), flush=True)
         return
     if args.merge:
-        runs = {}
-        for path in args.merge.split(","):
-            runs.update(json.loads(Path(path).read_text())["runs"])
-        command = " ".join([Path(sys.executable).name] + sys.argv)
-        data = common.record(runs=runs, summary=summarize(runs))
-        common.write_json(args.out, {**data, "command": command})
+        data = merge([json.loads(Path(p).read_text()) for p in args.merge.split(",")])
+        data["command"] = " ".join([Path(sys.executable).name] + sys.argv)
+        common.write_json(args.out, data)
         print(json.dumps(data["summary"], indent=1))
         return
     forward = common.forward_args(

@@ -12,8 +12,11 @@ from redknot import envs
 
 def git_commit(path: str | Path | None = None) -> tuple[str | None, bool | None]:
     """``(commit, dirty)`` of the git checkout holding ``path`` (default: this package);
-    outside a checkout (an installed wheel, a source copy) ``(REDKNOT_COMMIT, None)``, or
-    ``(None, None)`` when that is not set either."""
+    ``(REDKNOT_COMMIT, None)`` when that is set (a run that names its commit, such as a GPU
+    machine's source copy, whose own git metadata may be stale) or outside a checkout (an
+    installed wheel); ``(None, None)`` when neither gives one."""
+    if envs.REDKNOT_COMMIT.get():
+        return envs.REDKNOT_COMMIT.get(), None
     where = Path(path) if path else Path(redknot.__file__).resolve().parent
     try:
         commit = subprocess.run(

@@ -167,3 +167,7 @@ def test_commit_of_a_source_copy_without_git_comes_from_redknot_commit(tmp_path,
     assert git_commit(tmp_path) == (None, None)  # not a checkout, nothing set
     monkeypatch.setenv("REDKNOT_COMMIT", "7873c50")
     assert git_commit(tmp_path) == ("7873c50", None)
+    # a checkout whose metadata is not the run's (a GPU machine's copy): the named commit wins
+    assert git_commit() == ("7873c50", None)
+    monkeypatch.delenv("REDKNOT_COMMIT")
+    assert git_commit()[0] not in (None, "7873c50")  # this checkout's own
