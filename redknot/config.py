@@ -189,10 +189,10 @@ class RedknotConfig:
         "Policy 'samkv': blocks at each document's end kept and recomputed (anchors).",
         default=2,
     )
-    samkv_bias: bool = _opt(
-        "Policy 'samkv': the personalized bias of the paper's Eq. 1 (the other documents' local "
-        "queries) added to the question's query.",
-        default=True,
+    samkv_bias: str = _opt(
+        "Policy 'samkv': 'on' adds the personalized bias of the paper's Eq. 1 (the other "
+        "documents' local queries) to the question's query; 'off' leaves it out.",
+        default="on",
     )
     namespaces: str | None = _opt(
         "Comma-separated segment namespaces requests may use ('default' is always there). "
@@ -423,6 +423,11 @@ class RedknotConfig:
             raise RedknotConfigError(
                 f"--redknot-segment-heads {self.segment_heads!r} is not one of "
                 f"{', '.join(SEGMENT_HEAD_CHOICES)}"
+            )
+        if self.samkv_bias not in CAPTURE_CHOICES:
+            raise RedknotConfigError(
+                f"--redknot-samkv-bias {self.samkv_bias!r} is not one of "
+                f"{', '.join(CAPTURE_CHOICES)}"
             )
         if self.capture not in CAPTURE_CHOICES:
             raise RedknotConfigError(

@@ -330,6 +330,8 @@ class SegPagedRunner:
             reads.tokens_cpu, leaving, self.policy.samkv.bias, self.device,
         )  # fmt: skip
         skipped = state.samkv.skipped if state.samkv is not None else []
+        if state.samkv is not None and state.samkv.inputs is None:
+            state.samkv = None  # nothing to choose in this extend
         if skipped:
             logger.info(
                 "redknot samkv: %d request(s) of this extend keep the blocks their prompt was cut "

@@ -44,7 +44,7 @@ def knobs() -> SamkvKnobs | None:
         return None
     return SamkvKnobs(
         config.samkv_block, config.samkv_budget, config.samkv_init_blocks,
-        config.samkv_local_blocks, config.samkv_bias,
+        config.samkv_local_blocks, config.samkv_bias == "on",
     )  # fmt: skip
 
 

@@ -279,6 +279,7 @@ def test_plan_batch_maps_each_documents_slots_among_the_reads_that_left():
     q_rows = torch.arange(d.start + d.served_tokens, n)
     assert choice.inputs.question.tolist() == held[q_rows].tolist()
     # an extend that starts inside the document keeps the cut's first blocks
-    assert plan_batch([[use]], [d.start + 1], [n - d.start - 1], keep[d.start + 1 :],
-                      read_tokens - d.start - 1, middle, True, "cpu") is None  # fmt: skip
+    split = plan_batch([[use]], [d.start + 1], [n - d.start - 1], keep[d.start + 1 :],
+                       read_tokens - d.start - 1, middle, True, "cpu")  # fmt: skip
+    assert split.inputs is None and split.skipped == [0]
     assert isinstance(d, ServedDoc)

@@ -156,3 +156,23 @@ def test_another_backends_scheduler_is_left_alone(monkeypatch):
     scheduler, req, prompt = request()
     samkv._before_add_request_to_queue(scheduler, req)  # no resolved configuration: not redknot
     assert list(req.origin_input_ids) == prompt and not samkv.is_cut(req)
+
+
+def test_the_samkv_policy_resolves_its_knobs_and_refuses_bad_ones():
+    from redknot.attention.token_policy import TokenPolicy
+    from redknot.config import RedknotConfig, RedknotConfigError
+
+    config = RedknotConfig(policy="samkv", samkv_block=32, samkv_budget=0.2)
+    assert config.all_global and config.segment_heads == "all"  # a token-level policy
+    policy = TokenPolicy.of(config)
+    assert policy.samkv == SamkvKnobs(32, 0.2, 1, 2, True) and policy.chooses_at_plan
+    assert "0.2 of its middle blocks" in policy.describe()
+    assert not TokenPolicy.of(RedknotConfig(policy="samkv", samkv_bias="off")).samkv.bias
+    for bad, flag in (({"samkv_budget": 1.5}, "--redknot-samkv-budget"),
+                      ({"samkv_block": 0}, "--redknot-samkv-block"),
+                      ({"samkv_local_blocks": -1}, "--redknot-samkv-local-blocks"),
+                      ({"samkv_bias": "yes"}, "--redknot-samkv-bias")):  # fmt: skip
+        with pytest.raises(RedknotConfigError, match=flag):
+            RedknotConfig(policy="samkv", **bad)
+    with pytest.raises(RedknotConfigError, match="--redknot-segment-fraction 0"):
+        RedknotConfig(policy="samkv", segment_fraction=0)

@@ -300,10 +300,10 @@ class BatchChoice:
     rows and segment offsets of every middle token (``flat_rows``, ``flat_pos``, ``[C * block]``,
     indexed by :func:`layer_choice`'s result)."""
 
-    inputs: LayerInputs
-    slot_index: Tensor
-    flat_rows: Tensor
-    flat_pos: Tensor
+    inputs: LayerInputs | None  # None: no request of the batch chooses (``skipped`` says why)
+    slot_index: Tensor | None
+    flat_rows: Tensor | None
+    flat_pos: Tensor | None
     skipped: list[int]  # requests (batch index) whose extend does not hold their whole choice
 
 
@@ -318,7 +318,8 @@ def plan_batch(
     the reads; ``leaving``: ``[R]`` bool, the reads that left recovery.
 
     A request chooses when this extend holds its documents and its question (anything else,
-    a prefix hit inside a document or a chunk, keeps the first blocks the prompt was cut with)."""
+    a prefix hit inside a document or a chunk, keeps the first blocks the prompt was cut with;
+    ``inputs`` is None when no request chooses but some were skipped)."""
     held_index = torch.cumsum(keep.to(torch.int64), 0) - 1  # batch row -> row of q
     question, question_req, local, local_doc, positions_q, positions_l = [], [], [], [], [], []
     block_rows, block_pos, block_doc, doc_request, block_first, kept = [], [], [], [], [0], []
@@ -357,7 +358,7 @@ def plan_batch(
                 nreq += 1
         offset += e
     if not doc_request:
-        return None
+        return None if not skipped else BatchChoice(None, None, None, None, skipped)
     cat = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64))
     rows_q = held_index[cat(question + local)]
     nq = sum(x.size for x in question)
