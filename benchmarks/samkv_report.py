@@ -86,8 +86,10 @@ def build() -> dict:
             "value": s["decode_tokens_per_s_vs_cacheblend"], "batch": s["batch"],
             "met": s["decode_tokens_per_s_vs_cacheblend"] >= 3},
     }  # fmt: skip
-    device = (f"serving: {serve['device']}; served fidelity: {served['source']['device']}; "
-              "reference fidelity: CPU")
+    device = (
+        f"serving: {serve['device']}; served fidelity: {served['source']['device']}; "
+        "reference fidelity: CPU"
+    )
     return {"date": serve["date"], "device": device,
             "commit": serve["commit"], "command": "python benchmarks/samkv_report.py",
             "served_fidelity": served, "reference_fidelity": reference, "serving": serving,

@@ -21,7 +21,12 @@ Per variant:
 
 ``summary`` gives each variant's figures and their ratios to CacheBlend's and flashinfer's.
 
+``--mode sizes``: each variant's TTFT alone (median of ``--alone``) at 8 documents of each of
+``--doc-sizes`` tokens, samkv with ``--redknot-samkv-min-tokens 0`` (cut at every size), and
+its speedup over flashinfer's: where the cut starts to pay.
+
     python3 benchmarks/gpu_run.py bench samkv_serve --variants flashinfer,cacheblend,samkv
+    python3 benchmarks/gpu_run.py bench samkv_serve --mode sizes --variants flashinfer,samkv
     python benchmarks/samkv_serve.py --merge A.json,B.json --out benchmarks/results/samkv_serve.json
 """
 
@@ -48,8 +53,8 @@ VARIANTS = {
 LOG_GREP = ("redknot", "gen throughput")
 
 
-def documents(vocab: int, count: int, tokens: int) -> list[list[int]]:
-    rng = random.Random(7)  # the same documents for every variant
+def documents(vocab: int, count: int, tokens: int, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)  # the same documents for every variant
     return [[rng.randrange(100, vocab - 100) for _ in range(tokens)] for _ in range(count)]
 
 
@@ -69,6 +74,55 @@ def prompts(vocab: int, docs: list[list[int]], count: int, question: int, seed: 
             marks = [SegmentMark(s["start"], s["end"], NAMESPACE, segment_id(NAMESPACE, d))
                      for s, d in zip(spans, docs)]  # fmt: skip
     return out, encode_marks(marks)
+
+
+def alone_ttft(engine, vocab: int, docs, args, name: str, seed: int) -> dict:
+    """``--alone`` requests one after the other (after one that pays first-use costs)."""
+    sampling = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
+    alone, custom = prompts(vocab, docs, args.alone + 1, args.question_tokens, seed=seed)
+    if name != "flashinfer":
+        sampling["custom_params"] = custom
+    rows = []
+    for i, ids in enumerate(alone):
+        t0 = time.perf_counter()
+        out = engine.generate(input_ids=ids, sampling_params=sampling)
+        report = (out["meta_info"].get("redknot_reuse") or [{}])[0]
+        if i:
+            rows.append({"ttft_s": time.perf_counter() - t0, "reuse": report})
+    return {
+        "ttft_s": statistics.median(r["ttft_s"] for r in rows),
+        "ttft_samples_s": [round(r["ttft_s"], 5) for r in rows],
+        "prompt_tokens": len(alone[0]),
+        "reuse_report": rows[0]["reuse"],
+    }
+
+
+def child_sizes(args, name: str) -> dict:
+    """``--mode sizes``: TTFT alone at each ``--doc-sizes`` (8 documents of that many tokens)."""
+    import sglang as sgl
+
+    sizes = [int(x) for x in args.doc_sizes.split(",")]
+    options = {**VARIANTS[name], "mem_fraction_static": args.mem_fraction_static,
+               "chunked_prefill_size": args.chunk, "disable_prefill_cuda_graph": True,
+               "cuda_graph_max_bs_decode": 4, "log_level": "info"}  # fmt: skip
+    if name != "flashinfer":
+        options["redknot_segment_fraction"] = args.segment_fraction
+        options["redknot_samkv_min_tokens"] = 0  # measured at every size
+    context = args.docs * max(sizes) + 16 + args.question_tokens + 64
+    engine = sgl.Engine(**common.engine_kwargs(args.model, context, **options))
+    vocab = vocab_size(args.model)
+    result: dict = {"variant": name, "sizes": {}}
+    try:
+        common.launch_server_warmup(engine)
+        for i, size in enumerate(sizes):
+            docs = documents(vocab, args.docs, size, seed=100 + i)
+            if name != "flashinfer":
+                common.register_segments(engine, docs, NAMESPACE)
+            result["sizes"][str(size * args.docs)] = alone_ttft(engine, vocab, docs, args, name, i)
+            print(name, size, result["sizes"][str(size * args.docs)]["ttft_s"], flush=True)
+    finally:
+        engine.shutdown()
+    return result
 
 
 def child(args, name: str) -> dict:
@@ -95,24 +149,10 @@ def child(args, name: str) -> dict:
         common.launch_server_warmup(engine)
         if name != "flashinfer":
             common.register_segments(engine, docs, NAMESPACE)
+        result["alone"] = alone_ttft(engine, vocab, docs, args, name, seed=1)
         sampling = {"temperature": 0.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-        alone, custom = prompts(vocab, docs, args.alone + 1, args.question_tokens, seed=1)
         if name != "flashinfer":
-            sampling["custom_params"] = custom
-        rows = []
-        for i, ids in enumerate(alone):  # the first one pays first-use compiles: not counted
-            t0 = time.perf_counter()
-            out = engine.generate(input_ids=ids, sampling_params={**sampling, "max_new_tokens": 1})
-            report = (out["meta_info"].get("redknot_reuse") or [{}])[0]
-            if i:
-                rows.append({"ttft_s": time.perf_counter() - t0, "prompt_tokens": len(ids),
-                             "reuse": report})  # fmt: skip
-        result["alone"] = {
-            "ttft_s": statistics.median(r["ttft_s"] for r in rows),
-            "ttft_samples_s": [round(r["ttft_s"], 5) for r in rows],
-            "prompt_tokens": rows[0]["prompt_tokens"],
-            "reuse_report": rows[0]["reuse"],
-        }
+            sampling["custom_params"] = prompts(vocab, docs, 1, args.question_tokens, seed=1)[1]
         engine.flush_cache()
         if name != "flashinfer":
             common.register_segments(engine, docs, NAMESPACE)  # the flush dropped them
@@ -133,8 +173,30 @@ def child(args, name: str) -> dict:
     return result
 
 
+def summarize_sizes(runs: dict[str, dict]) -> dict:
+    """``--mode sizes``: per variant and prompt's document tokens, TTFT and its speedup over
+    flashinfer's."""
+    base = runs.get("flashinfer", {}).get("sizes", {})
+    out = {}
+    for name, run in runs.items():
+        if "error" in run:
+            out[name] = {"error": run["error"]}
+            continue
+        out[name] = {}
+        for size, row in run["sizes"].items():
+            fig = {"ttft_s": row["ttft_s"], "prompt_tokens": row["prompt_tokens"],
+                   "served_tokens": (row["reuse_report"].get("samkv") or {}).get(
+                       "served_tokens", row["prompt_tokens"])}  # fmt: skip
+            if size in base:
+                fig["speedup_vs_flashinfer"] = round(base[size]["ttft_s"] / row["ttft_s"], 3)
+            out[name][size] = fig
+    return out
+
+
 def summarize(runs: dict[str, dict]) -> dict:
     """Per variant the figures, and ratios to CacheBlend's and flashinfer's."""
+    if any("sizes" in run for run in runs.values()):
+        return summarize_sizes(runs)
     out = {}
     for name, run in runs.items():
         if "error" in run:
@@ -190,6 +252,8 @@ def peak_running(lines: list[str]) -> int | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--mode", choices=("serve", "sizes"), default="serve")
+    ap.add_argument("--doc-sizes", default="256,512,1024,2048", help="sizes mode: tokens a doc")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--model", default=common.DEFAULT_MODEL, help="dummy weights")
     ap.add_argument("--docs", type=int, default=8)
@@ -208,7 +272,8 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args, args.child)), flush=True)
+        run = child_sizes if args.mode == "sizes" else child
+        print("RESULT " + json.dumps(run(args, args.child)), flush=True)
         return
     if args.merge:
         data = merge([json.loads(Path(p).read_text()) for p in args.merge.split(",")])
@@ -218,7 +283,8 @@ def main() -> None:
         return
     forward = common.forward_args(
         args, "model", "docs", "doc_tokens", "question_tokens", "new_tokens", "alone", "batch",
-        "requests", "deadline", "mem_fraction_static", "segment_fraction", "chunk",
+        "requests", "deadline", "mem_fraction_static", "segment_fraction", "chunk", "mode",
+        "doc_sizes",
     )  # fmt: skip
     runs: dict = {}
     for name in args.variants.split(","):

@@ -189,6 +189,12 @@ class RedknotConfig:
         "Policy 'samkv': blocks at each document's end kept and recomputed (anchors).",
         default=2,
     )
+    samkv_min_tokens: int = _opt(
+        "Policy 'samkv': a request is served as its documents' anchors and kept blocks only when "
+        "its stored documents hold at least this many tokens; below, it is computed in full "
+        "(exact).",
+        default=0,
+    )
     samkv_bias: str = _opt(
         "Policy 'samkv': 'on' adds the personalized bias of the paper's Eq. 1 (the other "
         "documents' local queries) to the question's query; 'off' leaves it out.",
@@ -474,7 +480,7 @@ class RedknotConfig:
                           ("restore_heads", 0),
                           ("blend_check_layer", 0), ("sparseq_boundary", 1), ("sparseq_k", 0),
                           ("sparseq_block", 0), ("samkv_block", 1), ("samkv_init_blocks", 0),
-                          ("samkv_local_blocks", 0)):  # fmt: skip
+                          ("samkv_local_blocks", 0), ("samkv_min_tokens", 0)):  # fmt: skip
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < low):  # fmt: skip

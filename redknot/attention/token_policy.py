@@ -59,7 +59,7 @@ class TokenPolicy:
             return None
         samkv = SamkvKnobs(
             config.samkv_block, config.samkv_budget, config.samkv_init_blocks,
-            config.samkv_local_blocks, config.samkv_bias == "on",
+            config.samkv_local_blocks, config.samkv_bias == "on", config.samkv_min_tokens,
         )  # fmt: skip
         return cls(
             config.policy, config.epic_k, config.blend_check_layer, config.blend_ratio,

@@ -15,7 +15,9 @@ on the request (``reuse.SAMKV_ATTR``); when the request gets its slot,
 | it finishes                   | ``RedknotRadixCache.cache_finished_req`` | its KV is not put in the radix tree: a middle row holds a different token in each layer |
 
 A request is served in full, without the cache (exact), and the reason logged and reported
-(``meta_info["redknot_reuse"][0]["samkv"]["note"]``) when it asks for input-token logprobs of
+(``meta_info["redknot_reuse"][0]["samkv"]["note"]``) when the cut would drop nothing (no
+question after the documents, or documents too short for a middle block), when its stored
+documents hold fewer than ``--redknot-samkv-min-tokens`` tokens, when it asks for input-token logprobs of
 rows before its last document's end (they are cut; the HTTP side refuses those already),
 carries embeddings or images, belongs to a session, or when the served
 prompt with ``max_new_tokens`` does not fit one prefill chunk (``--chunked-prefill-size``).
@@ -44,7 +46,7 @@ def knobs() -> SamkvKnobs | None:
         return None
     return SamkvKnobs(
         config.samkv_block, config.samkv_budget, config.samkv_init_blocks,
-        config.samkv_local_blocks, config.samkv_bias == "on",
+        config.samkv_local_blocks, config.samkv_bias == "on", config.samkv_min_tokens,
     )  # fmt: skip
 
 
@@ -75,7 +77,7 @@ def cut(scheduler: Any, req: Any, knobs: SamkvKnobs | None = None) -> None:
     if not hits:
         return
     plan = plan_documents(len(req.origin_input_ids), hits, knobs)
-    note = _refusal(scheduler, req, plan)
+    note = _refusal(scheduler, req, plan, knobs)
     if note is not None:
         setattr(req, SAMKV_NOTE, note)
         return
@@ -90,8 +92,16 @@ def cut(scheduler: Any, req: Any, knobs: SamkvKnobs | None = None) -> None:
     )  # fmt: skip
 
 
-def _refusal(scheduler: Any, req: Any, plan) -> str | None:
+def _refusal(scheduler: Any, req: Any, plan, knobs: SamkvKnobs) -> str | None:
     """Why ``req`` cannot be served as the cut prompt ``plan``, or None."""
+    if plan.dropped == 0:
+        return plan.note or "nothing to drop"
+    held = sum(d.num_tokens for d in plan.docs)
+    if held < knobs.min_tokens:
+        return (
+            f"its stored documents hold {held} tokens, fewer than --redknot-samkv-min-tokens "
+            f"{knobs.min_tokens}: computed in full, which is faster at that size"
+        )
     start = getattr(req, "logprob_start_len", -1)
     last = max(d.source + d.num_tokens for d in plan.docs)
     safe = min(last, plan.prompt_tokens - 1)  # as the HTTP side checks (api.generate)

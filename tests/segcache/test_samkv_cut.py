@@ -176,3 +176,24 @@ def test_the_samkv_policy_resolves_its_knobs_and_refuses_bad_ones():
             RedknotConfig(policy="samkv", **bad)
     with pytest.raises(RedknotConfigError, match="--redknot-segment-fraction 0"):
         RedknotConfig(policy="samkv", segment_fraction=0)
+
+
+@pytest.mark.parametrize(
+    "knobs, why",
+    [
+        (SamkvKnobs(4, 0.25, 1, 1, True, min_tokens=81), "--redknot-samkv-min-tokens 81"),
+        (SamkvKnobs(4, 1.0, 1, 1, True), "nothing to drop"),  # every block kept
+        (SamkvKnobs(64, 0.25, 1, 1, True), "too short"),  # no document has a middle block
+    ],
+)
+def test_a_cut_that_saves_nothing_or_too_little_is_not_made(knobs, why, caplog):
+    scheduler, req, prompt = request()
+    samkv.cut(scheduler, req, knobs)
+    assert list(req.origin_input_ids) == prompt and not samkv.is_cut(req)
+    with caplog.at_level("INFO"):
+        reuse.start(scheduler.tree_cache, req)
+    assert 3 not in scheduler.tree_cache.pool.segment_reads
+    assert why in req.customized_info[reuse.REPORT_KEY][0]["samkv"]["note"]
+    cut_at_80 = request()[1]  # 80 document tokens are enough at min_tokens 80
+    samkv.cut(scheduler, cut_at_80, SamkvKnobs(4, 0.25, 1, 1, True, min_tokens=80))
+    assert samkv.is_cut(cut_at_80)

@@ -132,6 +132,7 @@ class SamkvKnobs:
     init_blocks: int
     local_blocks: int
     bias: bool
+    min_tokens: int = 0  # a request's hit documents must hold this many tokens to be cut
 
 
 def plan_documents(
@@ -158,7 +159,10 @@ def plan_documents(
         shift += n - doc.served_tokens
         docs.append(doc)
     if note is None and shift == 0:
-        note = "no document has a middle block to drop (too short for the block size)"
+        if any(d.num_blocks for d in docs):
+            note = "the budget keeps every middle block: nothing to drop"
+        else:
+            note = "no document has a middle block to drop (too short for the block size)"
     return ServedPlan(prompt_tokens, tuple(docs), prompt_tokens - shift, note)
 
 
