@@ -192,8 +192,10 @@ class RedknotConfig:
     samkv_min_tokens: int = _opt(
         "Policy 'samkv': a request is served as its documents' anchors and kept blocks only when "
         "its stored documents hold at least this many tokens; below, it is computed in full "
-        "(exact).",
-        default=0,
+        "(exact). Measured on the 8B shape (one H100, 8 documents, samkv_sizes.json): the cut "
+        "answered 1.92x sooner than flashinfer at 8K document tokens, 1.09x at 4K (one of three "
+        "samples slower), and a prompt of 2K cannot drop a block of 64.",
+        default=8192,
     )
     samkv_bias: str = _opt(
         "Policy 'samkv': 'on' adds the personalized bias of the paper's Eq. 1 (the other "

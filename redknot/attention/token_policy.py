@@ -83,7 +83,10 @@ class TokenPolicy:
             return "SamKV"
         return (
             f"each document's anchors ({k.init_blocks} + {k.local_blocks} blocks of {k.block}) "
-            f"recomputed, {k.budget:g} of its middle blocks held, chosen per layer"
+            f"recomputed, {k.budget:g} of its middle blocks held, chosen per layer; requests "
+            f"whose stored documents hold fewer than {k.min_tokens} tokens computed in full "
+            "(--redknot-samkv-min-tokens: below 8K the cut was measured no faster than "
+            "recomputing, docs/samkv.md)"
         )
 
     @property
