@@ -83,6 +83,7 @@ KNOB_TYPES: dict[str, Callable[[str], Any]] = {
     "samkv_budget": _optional(float),
     "samkv_recompute": str,
     "samkv_update": str,
+    "samkv_spread": str,
     "samkv_block_score": str,
     "samkv_outlier_sigma": float,
 }

@@ -17,8 +17,10 @@ LocalKV = Literal["cached", "fresh"]
 LOCAL_KV_SOURCES = ("cached", "fresh")
 Skipped = Literal["residual", "cached"]
 SKIPPED_MODES = ("residual", "cached")
-SamkvRecompute = Literal["selective", "all", "none"]
-SAMKV_RECOMPUTE_MODES = ("selective", "all", "none")
+SamkvRecompute = Literal["selective", "anchors", "all", "none"]
+SAMKV_RECOMPUTE_MODES = ("selective", "anchors", "all", "none")
+SamkvSpread = Literal["layer", "document"]
+SAMKV_SPREADS = ("layer", "document")
 SamkvUpdate = Literal["overwrite", "fusion"]
 SAMKV_UPDATE_MODES = ("overwrite", "fusion")
 SamkvBlockScore = Literal["mean", "token-max", "attention"]
@@ -59,7 +61,8 @@ class RecoveryOptions:
     | ``samkv_stable_from`` | ``samkv``: the first of the ``samkv_stable_layers`` layers of ``N*`` (``None``: the last layers); ``redknot.recovery.samkv.calibrate`` (appendix A.2) chooses it per model |
     | ``samkv_bias``   | ``samkv``: add the personalized bias of Eq. 1 to the query vector of each document |
     | ``samkv_budget`` | ``samkv``: ``None``: the paper's adaptive block count (Eq. 2-3, retained total / documents); a number in ``[0, 1]``: that fraction of the middle blocks, in every layer |
-    | ``samkv_recompute`` | ``samkv``: ``selective`` (anchors and high-attention tokens of kept blocks), ``all`` kept tokens, or ``none`` |
+    | ``samkv_recompute`` | ``samkv``: ``selective`` (anchors and high-attention tokens of kept blocks), ``anchors`` only (the server's rule), ``all`` kept tokens, or ``none`` |
+    | ``samkv_spread`` | ``samkv`` with a budget: ``layer`` (the paper: every layer keeps the budget's blocks across documents, normalised scores) or ``document`` (the server's rule: each document keeps the budget's share of its own blocks in every layer) |
     | ``samkv_update`` | ``samkv``: recomputed KV ``overwrite``s the cached KV, or ``fusion`` (Eq. 4) |
     | ``samkv_block_score`` | ``samkv``: a block's score, ``mean`` (the paper: its tokens' mean key against the query) ``token-max`` (not the paper: its best token's score; the anchors' likewise) or ``attention`` (not the paper: the attention the question's tokens pay its tokens over every document's cached keys at their prompt positions, per token; the anchors' likewise) |
     | ``samkv_outlier_sigma`` | ``samkv``: a kept middle token is recomputed when its attention in its own document exceeds the mean by this many standard deviations (PauTa: 3) |
@@ -112,6 +115,7 @@ class RecoveryOptions:
     samkv_bias: bool = True
     samkv_budget: float | None = None
     samkv_recompute: SamkvRecompute = "selective"
+    samkv_spread: SamkvSpread = "layer"
     samkv_update: SamkvUpdate = "overwrite"
     samkv_block_score: SamkvBlockScore = "mean"
     samkv_outlier_sigma: float = 3.0
@@ -175,6 +179,15 @@ class RecoveryOptions:
             raise RecoveryOptionsError(
                 f"samkv_recompute must be one of {', '.join(SAMKV_RECOMPUTE_MODES)}, "
                 f"got {self.samkv_recompute!r}"
+            )
+        if self.samkv_spread not in SAMKV_SPREADS:
+            raise RecoveryOptionsError(
+                f"samkv_spread must be one of {', '.join(SAMKV_SPREADS)}, got {self.samkv_spread!r}"
+            )
+        if self.samkv_spread == "document" and self.samkv_budget is None:
+            raise RecoveryOptionsError(
+                "samkv_spread 'document' shares a budget among each document's own blocks: set "
+                "samkv_budget (the adaptive count is cut across documents)"
             )
         if self.samkv_block_score not in SAMKV_BLOCK_SCORES:
             raise RecoveryOptionsError(

@@ -4,6 +4,8 @@ holds, its ratios, and its fallbacks on bad input."""
 
 from __future__ import annotations
 
+import math
+
 import logging
 
 import pytest
@@ -214,11 +216,18 @@ def test_a_prefix_hit_and_an_uncached_document_are_kept_whole(runner, prompt, fu
     )
 
 
-def test_the_server_refuses_samkv_at_startup_and_says_why():
-    from redknot.config import RedknotConfig, RedknotConfigError
-
-    with pytest.raises(RedknotConfigError, match=r"samkv is not served: .*fidelity --policies"):
-        RedknotConfig(policy="samkv")
+def test_the_server_rules_on_the_reference_path_keep_each_documents_share(runner, prompt):
+    """``samkv_spread document`` with ``samkv_recompute anchors`` (the server's rules): every
+    layer keeps each document's own ``ceil(budget * M_i)`` blocks and recomputes its anchors
+    only; with the whole budget nothing is dropped."""
+    policy, _ = serve_policy(runner, "samkv", prompt, **BLOCK, samkv_budget=0.25,
+                             samkv_spread="document", samkv_recompute="anchors")  # fmt: skip
+    report = policy.report
+    for d, kept in zip(report.docs, policy.report.selection.kept):
+        if d.num_blocks:
+            assert (kept.sum(dim=1) == math.ceil(0.25 * d.num_blocks)).all()
+    anchors = sum(int(d.anchor_mask().sum()) for d in report.docs)
+    assert all(r == anchors for r in report.recomputed)  # every layer: the anchors only
 
 
 def test_stable_from_chooses_the_layers_eq3_averages(runner, prompt):

@@ -168,6 +168,26 @@ def test_selection_by_brute_force(seed, budget):
         assert all(bool(k.all()) for k in got.kept)
 
 
+@pytest.mark.parametrize("budget", [0.0, 0.3, 1.0])
+def test_a_per_document_share_keeps_each_documents_own_best_blocks(budget):
+    """The server's rule (``per_document``): each document keeps ``ceil(budget * M_i)`` of its
+    own blocks in every layer, best first (ties: the earlier block), written out."""
+    g = _gen(3)
+    sizes = [5, 0, 7, 3]
+    block_scores = [torch.randn(4, m, generator=g) for m in sizes]
+    block_scores[0][1, :2] = 0.5  # a tie
+    anchor_scores = torch.randn(4, len(sizes), generator=g)
+    got = select_blocks(block_scores, anchor_scores, stable_layers=[3], budget=budget,
+                        per_document=True)  # fmt: skip
+    for s, k, m in zip(block_scores, got.kept, sizes):
+        count = min(m, math.ceil(budget * m - 1e-9))
+        for n in range(4):
+            row = s[n].tolist()
+            best = sorted(range(m), key=lambda b: (-row[b], b))[:count]
+            assert k[n].tolist() == [b in best for b in range(m)]
+    assert got.per_layer == sum(min(m, math.ceil(budget * m - 1e-9)) for m in sizes)
+
+
 def test_a_single_document_keeps_what_its_top_p_retrieves():
     s = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]]).repeat(2, 1)
     got = select_blocks([s], torch.tensor([[1.5], [1.5]]), stable_layers=[0, 1])

@@ -79,6 +79,7 @@ SAMKV_KNOBS = (
     "samkv_bias",
     "samkv_budget",
     "samkv_recompute",
+    "samkv_spread",
     "samkv_update",
     "samkv_block_score",
     "samkv_outlier_sigma",
@@ -343,6 +344,7 @@ class SamKV(ReusePolicy):
         return select_blocks(
             block_scores, anchor_scores, stable_layers=list(stable),
             budget=self.options.samkv_budget,
+            per_document=self.options.samkv_spread == "document",
         )  # fmt: skip
 
     def _key_scores(self, m, docs: list[DocumentBlocks], queries: Tensor,
@@ -424,6 +426,10 @@ class SamKV(ReusePolicy):
             keep[:, sel] = kept
             if opts.samkv_recompute == "all":
                 rec[:, sel] = kept
+            elif opts.samkv_recompute == "anchors":  # the server's rule
+                chosen = torch.zeros_like(kept)
+                chosen[:, anchor] = True
+                rec[:, sel] = chosen
             elif opts.samkv_recompute == "selective":
                 chosen = torch.zeros_like(kept)
                 chosen[:, anchor] = True

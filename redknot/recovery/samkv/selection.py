@@ -12,7 +12,8 @@ Per document ``i`` and layer ``n``, with ``Q^`` its personalized query (position
 | retention   | scores normalised per (document, layer) to ``(s - s_min) / (s_max - s_min)``; every layer keeps the best ``ceil(R / D)`` retrieved blocks across documents (``R`` retrieved in all, ``D`` documents with middle blocks) |
 
 With ``budget`` set, every middle block is a candidate and each layer keeps the best
-``ceil(budget * sum M_i)`` by normalised score (1: every block). Ties go to the larger raw
+``ceil(budget * sum M_i)`` by normalised score (1: every block); with ``per_document`` (the
+server's rule) each document keeps its own best ``ceil(budget * M_i)`` instead. Ties go to the larger raw
 score, then to the earlier block. The paper takes ``s_max`` / ``s_min`` from the blocks of
 highest and lowest static importance (A.1, power-law fits of attention columns); here they are
 the highest and lowest scores under ``Q^`` itself.
@@ -103,9 +104,12 @@ def select_blocks(
     *,
     stable_layers: Sequence[int],
     budget: float | None = None,
+    per_document: bool = False,
 ) -> BlockSelection:
     """``block_scores``: per document ``[N, M_i]`` (``M_i`` may be 0); ``anchor_scores``:
-    ``[N, D]``; ``stable_layers``: the layers ``N*`` of Eq. 3."""
+    ``[N, D]``; ``stable_layers``: the layers ``N*`` of Eq. 3. ``per_document`` (with a
+    ``budget``; the server's rule, not the paper): each document keeps its best
+    ``ceil(budget * M_i)`` blocks in every layer by its own scores."""
     num_docs = len(block_scores)
     num_layers = anchor_scores.shape[0]
     layer_ratios = torch.zeros(num_layers, num_docs, dtype=torch.float64)
@@ -123,6 +127,15 @@ def select_blocks(
         retrieved = list(sizes)
         per_layer = math.ceil(budget * sum(sizes) - 1e-9)
     kept = [torch.zeros(num_layers, m, dtype=torch.bool) for m in sizes]
+    if per_document:
+        assert budget is not None, "a per-document share needs a budget"
+        for i, s in enumerate(block_scores):
+            count = min(sizes[i], math.ceil(budget * sizes[i] - 1e-9))
+            for n in range(num_layers):
+                order = torch.sort(s[n].to(torch.float64), descending=True, stable=True).indices
+                kept[i][n, order[:count]] = True
+        per_layer = sum(min(m, math.ceil(budget * m - 1e-9)) for m in sizes)
+        return BlockSelection(layer_ratios, ratios, retrieved, per_layer, kept)
     for n in range(num_layers):
         candidates = []  # (normalised, raw, -doc, -block)
         for i, s in enumerate(block_scores):
