@@ -4,9 +4,8 @@ holds, its ratios, and its fallbacks on bad input."""
 
 from __future__ import annotations
 
-import math
-
 import logging
+import math
 
 import pytest
 import torch
