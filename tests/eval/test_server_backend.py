@@ -270,7 +270,7 @@ def test_cli_runs_the_server_backend(servers, tmp_path, monkeypatch):
     assert all(s["options"] is None for s in result["settings"])
     assert result["per_case"][0]["settings"]["redknot"]["top10"] == 0.5
     assert server_backend.SERVER_POLICIES == (
-        "full", "redknot", "naive", "epic", "cacheblend", "sparsex",
+        "full", "redknot", "naive", "epic", "cacheblend", "sparsex", "samkv",
     )  # fmt: skip
 
 
