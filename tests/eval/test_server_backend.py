@@ -312,3 +312,12 @@ def test_cli_reference_backend_needs_a_map(tmp_path):
     cases.write_text(json.dumps(CASE.to_json()) + "\n")
     with pytest.raises(SystemExit, match="--head-map is required"):
         main(["fidelity", "--cases", str(cases), "--out", "o.json"])
+
+
+def test_a_samkv_answer_records_the_kv_it_held():
+    from redknot.eval.server_backend import _served_fractions
+
+    report = {"segments_hit": 2, "samkv": {"sequence_ratio": 0.23, "served_tokens": 900}}
+    chunks = [{"meta_info": {"redknot_reuse": [report]}}, {"meta_info": {}}]
+    assert _served_fractions(chunks) == {"sequence_ratio": 0.23}
+    assert _served_fractions([{"meta_info": {"redknot_reuse": [{"segments_hit": 1}]}}]) == {}
