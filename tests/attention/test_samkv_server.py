@@ -278,6 +278,10 @@ def test_plan_batch_maps_each_documents_slots_among_the_reads_that_left():
     held = torch.cumsum(keep.long(), 0) - 1
     q_rows = torch.arange(d.start + d.served_tokens, n)
     assert choice.inputs.question.tolist() == held[q_rows].tolist()
+    # a retracted request's prefill again (two output tokens after its prompt) chooses too
+    again = plan_batch([[use]], [0], [n + 2], torch.cat([keep, torch.ones(2, dtype=torch.bool)]),
+                       read_tokens, middle, True, "cpu")  # fmt: skip
+    assert again.skipped == [] and again.inputs.question.numel() == q_rows.numel() + 2
     # an extend that starts inside the document keeps the cut's first blocks
     split = plan_batch([[use]], [d.start + 1], [n - d.start - 1], keep[d.start + 1 :],
                        read_tokens - d.start - 1, middle, True, "cpu")  # fmt: skip

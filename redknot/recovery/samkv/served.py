@@ -169,14 +169,19 @@ def plan_documents(
 def served_ids(ids: Sequence[int], plan: ServedPlan) -> array:
     """The served prompt's token ids: each document's anchors and its first ``kept_blocks``
     blocks (the middle rows' ids stand for whatever a layer chose there; no layer computes
-    them), everything else as it is."""
-    out, at = array("q"), 0
+    them), everything else as it is. One gather in NumPy (a 32K prompt is cut in the
+    scheduler's loop)."""
+    if isinstance(ids, array) and ids.typecode == "q":
+        src = np.frombuffer(ids, dtype=np.int64)
+    else:
+        src = np.asarray(ids, dtype=np.int64)
+    parts, at = [], 0
     for doc in plan.docs:
-        out.extend(ids[at : doc.source])
-        offsets = doc.served_offsets() + doc.source
-        out.extend(ids[int(i)] for i in offsets)
+        parts += [np.arange(at, doc.source), doc.served_offsets() + doc.source]
         at = doc.source + doc.num_tokens
-    out.extend(ids[at:])
+    parts.append(np.arange(at, src.size))
+    out = array("q")
+    out.frombytes(src[np.concatenate(parts).astype(np.int64)].tobytes())
     assert len(out) == plan.served_tokens, (len(out), plan.served_tokens)
     return out
 
@@ -333,7 +338,8 @@ def plan_batch(
         docs = [u for u in mine if getattr(u, "doc", None) is not None]
         if docs:
             whole = docs[-1].start + docs[-1].doc.served_tokens >= p + e
-            if p > docs[0].start or p + e != docs[0].prompt_len or whole:
+            # p + e past the prompt: a retracted request's prefill again, its output included
+            if p > docs[0].start or p + e < docs[0].prompt_len or whole:
                 skipped.append(b)
             else:
                 q_rows = np.arange(docs[-1].start + docs[-1].doc.served_tokens, p + e)
