@@ -27,6 +27,7 @@ segments (automatic chunks included):
 | ``segments``      | the reused ones: ``namespace``, ``start`` (prompt offset), ``tokens`` |
 | ``policy``        | the recovery policy that served them, or ``null`` when nothing was reused |
 | ``gate``          | the reuse gate's decision (``reuse`` / ``recompute``, predicted ms, reason); absent without a gate or without hits |
+| ``samkv``         | ``--redknot-policy samkv``: the cut (``prompt_tokens``, ``served_tokens``, ``kept_blocks``, ``blocks``, ``sequence_ratio``, ``evicted``), or only the ``note`` saying why the prompt was computed in full |
 | ``stored``        | the missed segments this request's own prefill stores (``namespace``, ``start``): automatic chunks due for capture under ``--redknot-auto-capture-in-place`` (``redknot.segcache.registration.store_in_place``); absent when none |
 
 A prompt that no hit could make worth reusing (``ReuseGate.hopeless``: the cheapest reusing

@@ -13,6 +13,7 @@ on the request (``reuse.SAMKV_ATTR``); when the request gets its slot,
 | its prefix is matched         | ``RedknotRadixCache.match_prefix``     | never past its first document (:func:`prefix_cap`) |
 | a prefill batch is filled     | ``PrefillAdder.add_one_req`` (around)  | never split into chunks: one forward chooses every layer's blocks from the question's queries, so it waits for a batch with room (:func:`around_add_one_req`) |
 | it finishes                   | ``RedknotRadixCache.cache_finished_req`` | its KV is not put in the radix tree: a middle row holds a different token in each layer |
+| its answer is streamed        | ``_GenerationStreamAccumulator.accept`` (after) | the usage's ``prompt_tokens`` is the prompt sent, not the rows held |
 
 A request is served in full, without the cache (exact), and the reason logged and reported
 (``meta_info["redknot_reuse"][0]["samkv"]["note"]``) when the cut would drop nothing (no
@@ -171,6 +172,15 @@ def around_add_one_req(original, self: Any, req: Any, *args, **kwargs):
     return original(self, req, *args, **kwargs)
 
 
+def _after_stream_accept(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """The answer's usage counts the prompt the client sent, not the rows a cut request held
+    (those are in its reuse report)."""
+    req = kwargs.get("req", args[0] if args else None)
+    plan = getattr(req, SAMKV_ATTR, None)
+    if plan is not None and self.prompt_tokens:
+        self.prompt_tokens[-1] = plan.prompt_tokens
+
+
 # (target, HookType name, function), turned into plugin.Hook entries by the plugin.
 HOOKS: tuple[tuple[str, str, Any], ...] = (
     (
@@ -179,4 +189,10 @@ HOOKS: tuple[tuple[str, str, Any], ...] = (
         _before_add_request_to_queue,
     ),
     ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "AROUND", around_add_one_req),
+    (
+        "sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator"
+        ".accept",
+        "AFTER",
+        _after_stream_accept,
+    ),
 )

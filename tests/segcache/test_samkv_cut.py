@@ -197,3 +197,16 @@ def test_a_cut_that_saves_nothing_or_too_little_is_not_made(knobs, why, caplog):
     cut_at_80 = request()[1]  # 80 document tokens are enough at min_tokens 80
     samkv.cut(scheduler, cut_at_80, SamkvKnobs(4, 0.25, 1, 1, True, min_tokens=80))
     assert samkv.is_cut(cut_at_80)
+
+
+def test_the_answer_counts_the_prompt_sent_not_the_rows_held():
+    scheduler, req, prompt = request()
+    samkv.cut(scheduler, req, KNOBS)
+    acc = SimpleNamespace(prompt_tokens=[len(req.origin_input_ids)])  # what SGLang appended
+    samkv._after_stream_accept(None, acc, req=req)
+    assert acc.prompt_tokens == [len(prompt)]
+    plain = request(docs_ready=False)[1]
+    plain.sampling_params.custom_params = {}
+    acc = SimpleNamespace(prompt_tokens=[7])
+    samkv._after_stream_accept(None, acc, req=plain)
+    assert acc.prompt_tokens == [7]
