@@ -181,6 +181,7 @@ def _after_stream_accept(result: Any, self: Any, *args: Any, **kwargs: Any) -> N
         self.prompt_tokens[-1] = plan.prompt_tokens
 
 
+_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer"
 # (target, HookType name, function), turned into plugin.Hook entries by the plugin.
 HOOKS: tuple[tuple[str, str, Any], ...] = (
     (
@@ -189,10 +190,5 @@ HOOKS: tuple[tuple[str, str, Any], ...] = (
         _before_add_request_to_queue,
     ),
     ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "AROUND", around_add_one_req),
-    (
-        "sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator"
-        ".accept",
-        "AFTER",
-        _after_stream_accept,
-    ),
+    (f"{_STREAMER}._GenerationStreamAccumulator.accept", "AFTER", _after_stream_accept),
 )
