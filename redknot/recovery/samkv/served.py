@@ -25,11 +25,14 @@ Where this differs from the paper (and from the reference path, which follows it
   the blocks the layers below chose), not from a separate prefill of the question over the
   anchors only; a layer chooses before its attention, so the question attends what it chose;
 - each document keeps the same number of blocks in every layer (the budget's share of its
-  own blocks), not a per-layer cut across documents: a slot then holds a token of the same
-  document in every layer, which is what lets one row of ``req_to_token`` serve every layer;
+  own blocks), not a per-layer cut across documents, and the count is the budget, not Eq. 2-3's
+  adaptive Top-P (which needs every layer's scores before the first runs): a slot then holds a
+  token of the same document in every layer, which is what lets one row of ``req_to_token``
+  serve every layer (the reference path runs this rule as ``samkv_spread="document"``);
 - the anchors and every non-document row are recomputed; middle tokens are not (the
   reference's ``selective`` rule also recomputes high-attention middle tokens, which needs
-  per-layer rows for the recomputation, not built).
+  per-layer rows for the recomputation, not built; the reference path runs the server's rule as
+  ``samkv_recompute="anchors"``).
 """
 
 from __future__ import annotations
