@@ -4,7 +4,7 @@ each figure with the file it comes from and that file's device and commit. Stdli
 | part           | source                                                                    |
 | -------------- | ------------------------------------------------------------------------- |
 | ``served_fidelity`` | ``fidelity_server_samkv.json``: the samkv server against a dense server, SmolLM2, 24 ``rag_v1`` cases; CacheBlend-15's server on the same cases from ``fidelity_server_cacheblend.json`` |
-| ``reference_fidelity`` | the reference path (9 ``rag_v1`` cases): ``fidelity_samkv_budget.json`` (fixed budgets) and ``fidelity_samkv_equal_recompute.json`` (CacheBlend and EPIC at SamKV's recompute ratio) |
+| ``reference_fidelity`` | the reference path (9 ``rag_v1`` cases): ``fidelity_samkv_budget.json`` (fixed budgets), ``fidelity_samkv_equal_recompute.json`` (CacheBlend and EPIC at SamKV's recompute ratio), ``fidelity_samkv_server_rules.json`` (the server's rules there) |
 | ``serving``    | ``samkv_serve.json``: 32K prompts of 8 documents on the 8B shape, one GPU, flashinfer / CacheBlend / samkv; ``by_size``: ``samkv_sizes.json``, TTFT alone at 2-16K |
 | ``targets``    | each of the issue's targets, its figure and whether it is met             |
 
@@ -63,6 +63,7 @@ def build() -> dict:
     reference = {
         "budget": fidelity_part("fidelity_samkv_budget.json"),
         "equal_recompute": fidelity_part("fidelity_samkv_equal_recompute.json"),
+        "server_rules": fidelity_part("fidelity_samkv_server_rules.json"),
     }
     serve = load("samkv_serve.json")
     serving = {"source": source("samkv_serve.json", serve), "summary": serve["summary"],
