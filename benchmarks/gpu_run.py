@@ -184,6 +184,21 @@ EVAL_SERVER = (
 )
 
 
+def fidelity_flags(policy: str, flags: str, head_map: str) -> list[str]:
+    """The recovery flags of a fidelity run's server of ``policy`` (``flags``: the spec's own).
+    A fidelity run measures the policy's answers on every case: the reuse gate and samkv's size
+    floor would compute SmolLM2's short prompts in full (and the evaluation then sees no hit),
+    so both are off unless the spec sets them."""
+    out = ["--redknot-policy", policy, "--redknot-segment-fraction", "0.3"]
+    if policy == "redknot":  # measured knowingly: a map below its floor is served
+        out += ["--redknot-head-map", head_map, "--redknot-accept-lossy-map"]
+    if "--redknot-reuse-gate" not in flags:
+        out += ["--redknot-reuse-gate", "always"]
+    if policy == "samkv" and "--redknot-samkv-min-tokens" not in flags:
+        out += ["--redknot-samkv-min-tokens", "0"]
+    return out
+
+
 def job_fidelity(a, tree, env) -> int:
     """Redknot servers, one per spec and one after the other, each scored against one dense
     server of the same model by ``python -m redknot.eval fidelity --backend server``."""
@@ -201,9 +216,7 @@ def job_fidelity(a, tree, env) -> int:
                 print(f"deadline: {name} not started")
                 rc = 1
                 continue
-            recovery = ["--redknot-policy", policy, "--redknot-segment-fraction", "0.3"]
-            if policy == "redknot":  # measured knowingly: a map below its floor is served
-                recovery += ["--redknot-head-map", a.head_map, "--redknot-accept-lossy-map"]
+            recovery = fidelity_flags(policy, flags, a.head_map)
             if policy == "default":  # what the server serves unasked (docs/calibration.md)
                 rc |= served_default_check(a, name, flags, common, tree, env)
                 continue

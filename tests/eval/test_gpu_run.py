@@ -34,6 +34,18 @@ def test_command_lines_parse():
     assert a.specs == "epic64:epic:--redknot-epic-k 64" and a.model == "/tmp/smol-hf"
 
 
+def test_a_fidelity_server_measures_its_policy_on_every_case():
+    """The reuse gate and samkv's size floor are off unless the spec sets them: either would
+    compute SmolLM2's short prompts in full and score dense as the policy."""
+    flags = gpu_run.fidelity_flags("cacheblend", "", "map.json")
+    assert flags[flags.index("--redknot-reuse-gate") + 1] == "always"
+    flags = gpu_run.fidelity_flags("samkv", "--redknot-samkv-block 16", "map.json")
+    assert flags[flags.index("--redknot-samkv-min-tokens") + 1] == "0"
+    flags = gpu_run.fidelity_flags("epic", "--redknot-reuse-gate auto", "map.json")
+    assert "--redknot-reuse-gate" not in flags  # the spec's own setting stands
+    assert "--redknot-head-map" in gpu_run.fidelity_flags("redknot", "", "map.json")
+
+
 def test_an_archive_records_its_commit(tmp_path, monkeypatch):
     git = ["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"]
     head = subprocess.run(git, capture_output=True, text=True, check=False).stdout.strip()
