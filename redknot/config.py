@@ -432,20 +432,12 @@ class RedknotConfig:
                 f"--redknot-segment-heads {self.segment_heads!r} is not one of "
                 f"{', '.join(SEGMENT_HEAD_CHOICES)}"
             )
-        if self.samkv_bias not in CAPTURE_CHOICES:
-            raise RedknotConfigError(
-                f"--redknot-samkv-bias {self.samkv_bias!r} is not one of "
-                f"{', '.join(CAPTURE_CHOICES)}"
-            )
-        if self.capture not in CAPTURE_CHOICES:
-            raise RedknotConfigError(
-                f"--redknot-capture {self.capture!r} is not one of {', '.join(CAPTURE_CHOICES)}"
-            )
-        if self.auto_capture_in_place not in CAPTURE_CHOICES:
-            raise RedknotConfigError(
-                f"--redknot-auto-capture-in-place {self.auto_capture_in_place!r} is not one of "
-                f"{', '.join(CAPTURE_CHOICES)}"
-            )
+        for name in ("capture", "auto_capture_in_place", "samkv_bias"):  # on/off options
+            if getattr(self, name) not in CAPTURE_CHOICES:
+                raise RedknotConfigError(
+                    f"--redknot-{name.replace('_', '-')} {getattr(self, name)!r} is not one of "
+                    f"{', '.join(CAPTURE_CHOICES)}"
+                )
         if isinstance(self.namespace_fraction, bool) or not (
             isinstance(self.namespace_fraction, (int, float)) and 0 < self.namespace_fraction <= 1
         ):

@@ -57,13 +57,10 @@ class TokenPolicy:
         """The configured token-level policy (None: redknot's recovery)."""
         if config.policy not in TOKEN_POLICIES:
             return None
-        samkv = SamkvKnobs(
-            config.samkv_block, config.samkv_budget, config.samkv_init_blocks,
-            config.samkv_local_blocks, config.samkv_bias == "on", config.samkv_min_tokens,
-        )  # fmt: skip
         return cls(
             config.policy, config.epic_k, config.blend_check_layer, config.blend_ratio,
-            config.sparseq_boundary, config.sparseq_k, config.sparseq_block, samkv,
+            config.sparseq_boundary, config.sparseq_k, config.sparseq_block,
+            SamkvKnobs.of(config),
         )  # fmt: skip
 
     def describe(self) -> str:

@@ -26,6 +26,7 @@ prompt with ``max_new_tokens`` does not fit one prefill chunk (``--chunked-prefi
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -35,7 +36,8 @@ from redknot.segcache.reuse import SAMKV_ATTR, SAMKV_NOTE
 logger = logging.getLogger(__name__)
 
 
-def knobs() -> SamkvKnobs | None:
+@functools.cache  # read once per process: the configuration is fixed at launch
+def served_knobs() -> SamkvKnobs | None:
     """The served policy's knobs, or None when it is not ``samkv``."""
     from redknot import envs
     from redknot.integration.server_args import published_config
@@ -43,12 +45,7 @@ def knobs() -> SamkvKnobs | None:
     if envs.REDKNOT_RESOLVED_CONFIG.get() is None:  # not a redknot server
         return None
     config = published_config()
-    if config.policy != "samkv":
-        return None
-    return SamkvKnobs(
-        config.samkv_block, config.samkv_budget, config.samkv_init_blocks,
-        config.samkv_local_blocks, config.samkv_bias == "on", config.samkv_min_tokens,
-    )  # fmt: skip
+    return SamkvKnobs.of(config) if config.policy == "samkv" else None
 
 
 def cut(scheduler: Any, req: Any, knobs: SamkvKnobs | None = None) -> None:
@@ -59,7 +56,7 @@ def cut(scheduler: Any, req: Any, knobs: SamkvKnobs | None = None) -> None:
     store = getattr(getattr(scheduler, "tree_cache", None), "segments", None)
     if store is None or getattr(req, "sampling_params", None) is None:
         return  # not redknot's tree cache (another backend), or no segment region
-    knobs = knobs or _KNOBS.get()
+    knobs = knobs or served_knobs()
     if knobs is None:
         return
     if getattr(req, SAMKV_ATTR, None) is not None:  # a retracted request, cut already
@@ -124,22 +121,6 @@ def _refusal(scheduler: Any, req: Any, plan, knobs: SamkvKnobs) -> str | None:
             "chooses the blocks from the question; raise --chunked-prefill-size"
         )
     return None
-
-
-class _Knobs:
-    """The knobs, read once per process (the configuration is fixed at launch)."""
-
-    def __init__(self) -> None:
-        self._value: SamkvKnobs | None = None
-        self._read = False
-
-    def get(self) -> SamkvKnobs | None:
-        if not self._read:
-            self._value, self._read = knobs(), True
-        return self._value
-
-
-_KNOBS = _Knobs()
 
 
 def prefix_cap(req: Any) -> int | None:

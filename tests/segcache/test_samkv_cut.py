@@ -151,11 +151,12 @@ def test_another_backends_scheduler_is_left_alone(monkeypatch):
     scheduler.tree_cache = SimpleNamespace()  # SGLang's own radix cache: no segment store
     samkv._before_add_request_to_queue(scheduler, req)
     assert list(req.origin_input_ids) == prompt
-    monkeypatch.setattr(samkv, "_KNOBS", samkv._Knobs())
     monkeypatch.delenv(envs.REDKNOT_RESOLVED_CONFIG.name, raising=False)
+    samkv.served_knobs.cache_clear()
     scheduler, req, prompt = request()
     samkv._before_add_request_to_queue(scheduler, req)  # no resolved configuration: not redknot
     assert list(req.origin_input_ids) == prompt and not samkv.is_cut(req)
+    samkv.served_knobs.cache_clear()  # read again by whoever comes next
 
 
 def test_the_samkv_policy_resolves_its_knobs_and_refuses_bad_ones():

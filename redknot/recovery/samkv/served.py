@@ -137,6 +137,14 @@ class SamkvKnobs:
     bias: bool
     min_tokens: int = 0  # a request's hit documents must hold this many tokens to be cut
 
+    @classmethod
+    def of(cls, config) -> SamkvKnobs:
+        """The ``--redknot-samkv-*`` options of a ``redknot.config.RedknotConfig``."""
+        return cls(
+            config.samkv_block, config.samkv_budget, config.samkv_init_blocks,
+            config.samkv_local_blocks, config.samkv_bias == "on", config.samkv_min_tokens,
+        )  # fmt: skip
+
 
 def plan_documents(
     prompt_tokens: int, hits: Sequence[tuple[int, int, str, str]], knobs: SamkvKnobs
