@@ -172,13 +172,11 @@ def start(cache: Any, req: Any) -> None:
             _recomputed(req, hopeless)
         uses = []
     else:
-        for use in uses:
-            store.acquire(use.entry)
         if uses and getattr(cache.pool, "reuse_policy", None) == "samkv":
             _samkv_declined(req)  # served as a shorter prompt, or not reused at all
-            for use in uses:
-                store.release(use.entry)
             uses = []
+        for use in uses:
+            store.acquire(use.entry)
         if uses and not _pays(cache, req, uses):
             for use in uses:
                 store.release(use.entry)

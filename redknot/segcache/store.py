@@ -186,21 +186,21 @@ class SegmentStore:
         hashed again, a content address of 128 bits naming one token sequence), or used only to
         count and report (no K/V read)."""
         namespace = check_namespace(namespace)
+        rec = self._ready_record(namespace, segment_id, num_tokens)
+        return self._looked_up(namespace, rec, num_tokens)
+
+    def is_ready(self, namespace: str, segment_id: str, num_tokens: int) -> bool:
+        """Whether :meth:`lookup_id` would find the segment now; counts nothing (SamKV cuts a
+        prompt on it before the request runs, and looks it up when it does)."""
+        return self._ready_record(check_namespace(namespace), segment_id, num_tokens) is not None
+
+    def _ready_record(self, namespace: str, segment_id: str, num_tokens: int) -> _Record | None:
         rec = self._by_id.get(segment_id)
         hit = (
             rec is not None and rec.ready and rec.namespace == namespace
             and rec.num_tokens == num_tokens
         )  # fmt: skip
-        return self._looked_up(namespace, rec if hit else None, num_tokens)
-
-    def is_ready(self, namespace: str, segment_id: str, num_tokens: int) -> bool:
-        """Whether :meth:`lookup_id` would find the segment now; counts nothing (SamKV cuts a
-        prompt on it before the request runs, and looks it up when it does)."""
-        rec = self._by_id.get(segment_id)
-        return (
-            rec is not None and rec.ready and rec.namespace == check_namespace(namespace)
-            and rec.num_tokens == num_tokens
-        )  # fmt: skip
+        return rec if hit else None
 
     def _looked_up(self, namespace: str, rec: _Record | None, tokens: int) -> SegmentEntry | None:
         saved = tokens * self.bytes_per_token if rec is not None else 0
