@@ -325,13 +325,10 @@ class SegPagedRunner:
             return
         uses = [self.pool.segment_reads.get(rpi, ()) for rpi in rpis]
         leaving = ~keep[reads.tokens_cpu]
-        state.samkv = plan_batch(
+        state.samkv, skipped = plan_batch(
             uses, [int(x) for x in prefix_cpu], [int(x) for x in lens_cpu], keep,
             reads.tokens_cpu, leaving, self.policy.samkv.bias, self.device,
         )  # fmt: skip
-        skipped = state.samkv.skipped if state.samkv is not None else []
-        if state.samkv is not None and state.samkv.inputs is None:
-            state.samkv = None  # nothing to choose in this extend
         if skipped:
             logger.info(
                 "redknot samkv: %d request(s) of this extend keep the blocks their prompt was cut "

@@ -271,19 +271,21 @@ def test_plan_batch_maps_each_documents_slots_among_the_reads_that_left():
     keep = torch.ones(n, dtype=torch.bool)
     keep[torch.from_numpy(rows)[middle]] = False
     read_tokens = torch.from_numpy(rows)
-    choice = plan_batch([[use]], [0], [n], keep, read_tokens, middle, True, "cpu")
-    assert choice.skipped == [] and choice.slot_index.tolist() == list(range(d.slots))
+    choice, skipped = plan_batch([[use]], [0], [n], keep, read_tokens, middle, True, "cpu")
+    assert skipped == [] and choice.slot_index.tolist() == list(range(d.slots))
     assert choice.inputs.kept_cpu == [d.kept_blocks] and choice.inputs.block_first == [0, 4]
     assert choice.flat_pos.tolist() == list(range(d.init, d.init + 8))
     held = torch.cumsum(keep.long(), 0) - 1
     q_rows = torch.arange(d.start + d.served_tokens, n)
     assert choice.inputs.question.tolist() == held[q_rows].tolist()
     # a retracted request's prefill again (two output tokens after its prompt) chooses too
-    again = plan_batch([[use]], [0], [n + 2], torch.cat([keep, torch.ones(2, dtype=torch.bool)]),
-                       read_tokens, middle, True, "cpu")  # fmt: skip
-    assert again.skipped == [] and again.inputs.question.numel() == q_rows.numel() + 2
+    again, skipped = plan_batch(
+        [[use]], [0], [n + 2], torch.cat([keep, torch.ones(2, dtype=torch.bool)]), read_tokens,
+        middle, True, "cpu",
+    )  # fmt: skip
+    assert skipped == [] and again.inputs.question.numel() == q_rows.numel() + 2
     # an extend that starts inside the document keeps the cut's first blocks
-    split = plan_batch([[use]], [d.start + 1], [n - d.start - 1], keep[d.start + 1 :],
-                       read_tokens - d.start - 1, middle, True, "cpu")  # fmt: skip
-    assert split.inputs is None and split.skipped == [0]
+    split, skipped = plan_batch([[use]], [d.start + 1], [n - d.start - 1], keep[d.start + 1 :],
+                                read_tokens - d.start - 1, middle, True, "cpu")  # fmt: skip
+    assert split is None and skipped == [0]
     assert isinstance(d, ServedDoc)

@@ -105,12 +105,6 @@ class ServedPlan:
         return self.prompt_tokens - self.served_tokens
 
     @property
-    def question_start(self) -> int:
-        """First row of the served prompt after the last document."""
-        last = self.docs[-1]
-        return last.start + last.served_tokens
-
-    @property
     def sequence_ratio(self) -> float:
         """KV rows the documents hold / their prompt tokens."""
         held = sum(d.served_tokens for d in self.docs)
@@ -320,26 +314,25 @@ class BatchChoice:
     rows and segment offsets of every middle token (``flat_rows``, ``flat_pos``, ``[C * block]``,
     indexed by :func:`layer_choice`'s result)."""
 
-    inputs: LayerInputs | None  # None: no request of the batch chooses (``skipped`` says why)
-    slot_index: Tensor | None
-    flat_rows: Tensor | None
-    flat_pos: Tensor | None
-    skipped: list[int]  # requests (batch index) whose extend does not hold their whole choice
+    inputs: LayerInputs
+    slot_index: Tensor
+    flat_rows: Tensor
+    flat_pos: Tensor
 
 
 def plan_batch(
     uses: Sequence[Sequence], prefix: Sequence[int], lens: Sequence[int], keep: Tensor,
     read_tokens: Tensor, leaving: Tensor, bias: bool, device,
-) -> BatchChoice | None:  # fmt: skip
+) -> tuple[BatchChoice | None, list[int]]:  # fmt: skip
     """The choice of one extend batch, on the host then moved once (None: no request of it
-    chooses). ``uses[b]``: request ``b``'s segment uses (``redknot.segcache.reuse.SegmentUse``,
+    chooses), and the requests (batch index) skipped. ``uses[b]``: request ``b``'s segment uses (``redknot.segcache.reuse.SegmentUse``,
     SamKV's carry ``doc``); ``prefix``/``lens``: its extend; ``keep``: ``[T]`` bool, the batch
     rows computed (a layer's ``q`` holds them, in order); ``read_tokens``: ``[R]`` batch rows of
     the reads; ``leaving``: ``[R]`` bool, the reads that left recovery.
 
     A request chooses when this extend holds its documents and its question (anything else,
-    a prefix hit inside a document or a chunk, keeps the first blocks the prompt was cut with;
-    ``inputs`` is None when no request chooses but some were skipped)."""
+    a prefix hit inside a document or a chunk, keeps the first blocks the prompt was cut with:
+    skipped)."""
     held_index = torch.cumsum(keep.to(torch.int64), 0) - 1  # batch row -> row of q
     question, question_req, local, local_doc, positions_q, positions_l = [], [], [], [], [], []
     block_rows, block_pos, block_doc, doc_request, block_first, kept = [], [], [], [], [0], []
@@ -379,7 +372,7 @@ def plan_batch(
                 nreq += 1
         offset += e
     if not doc_request:
-        return None if not skipped else BatchChoice(None, None, None, None, skipped)
+        return None, skipped
     cat = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64))
     rows_q = held_index[cat(question + local)]
     nq = sum(x.size for x in question)
@@ -402,7 +395,7 @@ def plan_batch(
     )  # fmt: skip
     block = rows_all.shape[1]
     flat_pos = (block_pos_t[:, None] + torch.arange(block)).flatten()
-    return BatchChoice(inputs, to(slot_index), to(rows_all.flatten()), to(flat_pos), skipped)
+    return BatchChoice(inputs, to(slot_index), to(rows_all.flatten()), to(flat_pos)), skipped
 
 
 def _counts(parts: list[np.ndarray]) -> Tensor:
