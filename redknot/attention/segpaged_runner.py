@@ -327,7 +327,8 @@ class SegPagedRunner:
         leaving = ~keep[reads.tokens_cpu]
         state.samkv, skipped = plan_batch(
             uses, [int(x) for x in prefix_cpu], [int(x) for x in lens_cpu], keep,
-            reads.tokens_cpu, leaving, self.policy.samkv.bias, self.device,
+            reads.tokens_cpu, leaving, self.policy.samkv.bias, self.rope.cos_sin_cache,
+            self.rope.is_neox, self.device,
         )  # fmt: skip
         if skipped:
             logger.info(
@@ -743,10 +744,7 @@ class SegPagedRunner:
         chosen blocks (``q``: the layer's queries of the rows it computes)."""
         choice = self.extend_state.samkv
         reduce = self._sum_over_ranks() if self.tp_size > 1 else None
-        idx = layer_choice(
-            q, self.pool.segments.k[lid], choice.inputs, self.rope.cos_sin_cache,
-            self.rope.is_neox, reduce,
-        )  # fmt: skip
+        idx = layer_choice(q, self.pool.segments.k[lid], choice.inputs, reduce)
         rows, pos_off = left.rows_gpu.clone(), left.pos_off_gpu.clone()
         rows[choice.slot_index] = choice.flat_rows[idx]
         pos_off[choice.slot_index] = choice.flat_pos[idx]

@@ -75,10 +75,16 @@ def delta_rotate(
 ) -> torch.Tensor:
     """Keys [N, H, D] (any float dtype) rotated by ``R(pos_on) R(pos_off)^-1``: [N, H, D] fp32.
     The first ``R = cos_sin_cache.shape[1]`` dims of each head are rotated, the rest kept."""
-    rotary_dim = cos_sin_cache.shape[1]
-    cos, sin = delta_cos_sin(pos_off, pos_on, cos_sin_cache)
+    return rotate_by(keys, *delta_cos_sin(pos_off, pos_on, cos_sin_cache), is_neox=is_neox)
+
+
+def rotate_by(
+    keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, is_neox: bool
+) -> torch.Tensor:
+    """Keys [N, H, D] rotated per row by the angles whose ``cos``, ``sin`` [N, R/2] are given
+    (:func:`delta_cos_sin`; tables built once can serve many calls): [N, H, D] fp32."""
     cos, sin = cos[:, None, :], sin[:, None, :]
-    d1, d2 = rotary_pairs(rotary_dim, is_neox, keys.device)
+    d1, d2 = rotary_pairs(2 * cos.shape[-1], is_neox, keys.device)
     x = keys.to(torch.float32)
     out = x.clone()
     x1, x2 = x[..., d1], x[..., d2]

@@ -213,7 +213,7 @@ def test_documents_that_are_all_anchor_are_the_dense_prefill():
 def test_layer_choice_matches_a_direct_computation():
     """``layer_choice`` on random tensors against the scores written out (two requests, one of
     them with two documents, the bias on)."""
-    from redknot.recovery.samkv.served import LayerInputs, layer_choice
+    from redknot.recovery.samkv.served import LayerInputs, layer_choice, turn_back
 
     g = torch.Generator().manual_seed(0)
     hq, h, d, block = 4, 2, 8, 2
@@ -228,14 +228,16 @@ def test_layer_choice_matches_a_direct_computation():
     inputs = LayerInputs(
         question=torch.tensor([9, 10, 11, 7]), question_req=torch.tensor([0, 0, 0, 1]),
         local=torch.tensor([1, 2, 4, 5]), local_doc=torch.tensor([0, 0, 1, 2]),
-        positions=torch.tensor([30, 31, 32, 20, 8, 9, 15, 12]), block_rows=block_rows,
-        block_pos=block_pos, block_doc=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]),
+        q_turn=turn_back(torch.tensor([30, 31, 32, 20, 8, 9, 15, 12]), cache),
+        block_rows=block_rows,
+        k_turn=turn_back((block_pos[:, None] + torch.arange(block)).flatten(), cache),
+        block_doc=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]),
         doc_request=torch.tensor([0, 0, 1]), doc_request_cpu=[0, 0, 1],
         block_first=[0, 3, 5, 8], kept_cpu=[1, 1, 2], num_requests=2, bias=True,
         question_count=torch.tensor([3.0, 1.0]), local_count=torch.tensor([2.0, 1.0, 1.0]),
-        block_first_gpu=torch.tensor([0, 3, 5]), kept_gpu=torch.tensor([1, 1, 2]),
+        block_first_gpu=torch.tensor([0, 3, 5]), kept_gpu=torch.tensor([1, 1, 2]), is_neox=True,
     )  # fmt: skip
-    got = layer_choice(q, region, inputs, cache, True)
+    got = layer_choice(q, region, inputs)
 
     free = lambda x, p: rotate_back(x, torch.as_tensor(p), cache)
     generic = [free(q[[9, 10, 11]], [30, 31, 32]).mean(0), free(q[[7]], [20]).mean(0)]
@@ -258,8 +260,10 @@ def test_layer_choice_matches_a_direct_computation():
 def test_plan_batch_maps_each_documents_slots_among_the_reads_that_left():
     from types import SimpleNamespace
 
+    from redknot.kernels.rope_reference import sglang_rope
     from redknot.recovery.samkv.served import plan_batch
 
+    rope = sglang_rope(8, 8, 64, 10000.0, True).cos_sin_cache, True
     knobs = SamkvKnobs(block=2, budget=0.5, init_blocks=1, local_blocks=1, bias=True)
     plan = plan_documents(22, [(2, 12, "ns", "a")], knobs)  # 2 new, doc, 8 question
     (d,) = plan.docs
@@ -271,7 +275,7 @@ def test_plan_batch_maps_each_documents_slots_among_the_reads_that_left():
     keep = torch.ones(n, dtype=torch.bool)
     keep[torch.from_numpy(rows)[middle]] = False
     read_tokens = torch.from_numpy(rows)
-    choice, skipped = plan_batch([[use]], [0], [n], keep, read_tokens, middle, True, "cpu")
+    choice, skipped = plan_batch([[use]], [0], [n], keep, read_tokens, middle, True, *rope, "cpu")
     assert skipped == [] and choice.slot_index.tolist() == list(range(d.slots))
     assert choice.inputs.kept_cpu == [d.kept_blocks] and choice.inputs.block_first == [0, 4]
     assert choice.flat_pos.tolist() == list(range(d.init, d.init + 8))
@@ -281,11 +285,11 @@ def test_plan_batch_maps_each_documents_slots_among_the_reads_that_left():
     # a retracted request's prefill again (two output tokens after its prompt) chooses too
     again, skipped = plan_batch(
         [[use]], [0], [n + 2], torch.cat([keep, torch.ones(2, dtype=torch.bool)]), read_tokens,
-        middle, True, "cpu",
+        middle, True, *rope, "cpu",
     )  # fmt: skip
     assert skipped == [] and again.inputs.question.numel() == q_rows.numel() + 2
     # an extend that starts inside the document keeps the cut's first blocks
     split, skipped = plan_batch([[use]], [d.start + 1], [n - d.start - 1], keep[d.start + 1 :],
-                                read_tokens - d.start - 1, middle, True, "cpu")  # fmt: skip
+                                read_tokens - d.start - 1, middle, True, *rope, "cpu")  # fmt: skip
     assert split is None and skipped == [0]
     assert isinstance(d, ServedDoc)

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from redknot.kernels.rope_reference import delta_cos_sin, rotate_by
 from redknot.recovery.samkv.layout import cut_document
 from redknot.recovery.samkv.query import personalized_queries
 
@@ -202,9 +203,9 @@ class LayerInputs:
     | ``question_req`` | [Q]      | their request                                            |
     | ``local``      | [A]        | rows of ``q`` that are local anchors                     |
     | ``local_doc``  | [A]        | their document                                           |
-    | ``positions``  | [Q + A]    | positions of the ``question`` then the ``local`` rows    |
+    | ``q_turn``     | 2 x [Q + A, r/2] | cos, sin turning the ``question`` then the ``local`` rows back to position 0 |
     | ``block_rows`` | [C, block] | segment-region rows of every middle block, documents in order |
-    | ``block_pos``  | [C]        | each block's first offset in its document                |
+    | ``k_turn``     | 2 x [C * block, r/2] | cos, sin turning every middle token back to position 0 (from its offset in its document, as stored) |
     | ``block_doc``  | [C]        | each block's document                                    |
     | ``doc_request``| [Dn]       | each document's request (``doc_request_cpu`` on the host) |
     | ``block_first``| Dn + 1     | (host) first block of each document, then ``C``          |
@@ -215,9 +216,9 @@ class LayerInputs:
     question_req: Tensor
     local: Tensor
     local_doc: Tensor
-    positions: Tensor
+    q_turn: tuple[Tensor, Tensor]
     block_rows: Tensor
-    block_pos: Tensor
+    k_turn: tuple[Tensor, Tensor]
     block_doc: Tensor
     doc_request: Tensor
     doc_request_cpu: list[int]
@@ -229,23 +230,16 @@ class LayerInputs:
     local_count: Tensor  # [Dn] float32: local anchors of each document (at least 1)
     block_first_gpu: Tensor  # [Dn] int64: block_first without its end
     kept_gpu: Tensor  # [Dn] int64: kept_cpu
-
-    @property
-    def num_slots(self) -> int:
-        return sum(self.kept_cpu) * self.block_rows.shape[1]
+    is_neox: bool  # the model's rotation pairs (SGLang's rotary embedding)
 
 
-def rotate_back(x: Tensor, positions: Tensor, cos_sin: Tensor, is_neox: bool) -> Tensor:
-    """``x`` ``[R, H, d]`` rotated at ``positions`` ``[R]`` back to position 0, float32
-    (``cos_sin``: SGLang's ``cos_sin_cache``)."""
-    from redknot.kernels.rope_reference import delta_rotate
-
-    return delta_rotate(x, positions, torch.zeros_like(positions), cos_sin, is_neox=is_neox)
+def turn_back(positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin ``[R, r/2]`` float32 of the rotation from ``positions`` ``[R]`` back to 0
+    (``cos_sin``: SGLang's ``cos_sin_cache``): the same in every layer, so built once."""
+    return delta_cos_sin(positions, torch.zeros_like(positions), cos_sin)
 
 
-def layer_choice(
-    q: Tensor, region_k: Tensor, inputs: LayerInputs, cos_sin: Tensor, is_neox: bool, reduce=None
-) -> Tensor:
+def layer_choice(q: Tensor, region_k: Tensor, inputs: LayerInputs, reduce=None) -> Tensor:
     """One layer's choice: ``[S]`` int64 indices into ``inputs.block_rows.flatten()`` of the
     tokens the middle slots hold, documents in order, each one's blocks in order.
 
@@ -255,7 +249,7 @@ def layer_choice(
     ranks of the block scores (each rank holds some heads). No host synchronisation."""
     hq, d = q.shape[1], q.shape[2]
     rows = torch.cat([inputs.question, inputs.local])
-    free = rotate_back(q[rows], inputs.positions, cos_sin, is_neox)  # [Q + A, Hq, d]
+    free = rotate_by(q[rows], *inputs.q_turn, is_neox=inputs.is_neox)  # [Q + A, Hq, d]
     nq = inputs.question.numel()
     generic = torch.zeros(inputs.num_requests, hq, d, device=q.device)
     generic.index_add_(0, inputs.question_req, free[:nq])
@@ -269,8 +263,8 @@ def layer_choice(
         queries = biased(queries, local, inputs)
     nb, block = inputs.block_rows.shape
     keys = region_k[inputs.block_rows.flatten()]  # [C * block, H, d]
-    offsets = (inputs.block_pos[:, None] + torch.arange(block, device=q.device)).flatten()
-    means = rotate_back(keys, offsets, cos_sin, is_neox).view(nb, block, *keys.shape[1:])
+    means = rotate_by(keys, *inputs.k_turn, is_neox=inputs.is_neox)
+    means = means.view(nb, block, *keys.shape[1:])
     means = means.mean(dim=1)  # [C, H, d]
     h = means.shape[1]
     per_kv = queries.view(num_docs, h, hq // h, d).sum(dim=2)  # [Dn, H, d]
@@ -322,13 +316,14 @@ class BatchChoice:
 
 def plan_batch(
     uses: Sequence[Sequence], prefix: Sequence[int], lens: Sequence[int], keep: Tensor,
-    read_tokens: Tensor, leaving: Tensor, bias: bool, device,
+    read_tokens: Tensor, leaving: Tensor, bias: bool, cos_sin: Tensor, is_neox: bool, device,
 ) -> tuple[BatchChoice | None, list[int]]:  # fmt: skip
     """The choice of one extend batch, on the host then moved once (None: no request of it
     chooses), and the requests (batch index) skipped. ``uses[b]``: request ``b``'s segment uses (``redknot.segcache.reuse.SegmentUse``,
     SamKV's carry ``doc``); ``prefix``/``lens``: its extend; ``keep``: ``[T]`` bool, the batch
     rows computed (a layer's ``q`` holds them, in order); ``read_tokens``: ``[R]`` batch rows of
-    the reads; ``leaving``: ``[R]`` bool, the reads that left recovery.
+    the reads; ``leaving``: ``[R]`` bool, the reads that left recovery; ``cos_sin``,
+    ``is_neox``: the model's rotary embedding (SGLang's ``cos_sin_cache``).
 
     A request chooses when this extend holds its documents and its question (anything else,
     a prefix hit inside a document or a chunk, keeps the first blocks the prompt was cut with:
@@ -382,20 +377,19 @@ def plan_batch(
     assert slot_index.numel() == chosen_rows.numel(), "a chosen slot did not leave recovery"
     to = lambda x: x.to(device, non_blocking=True)
     rows_all = cat(block_rows)  # [C, block]
-    block_pos_t = cat(block_pos)
+    flat_pos = to((cat(block_pos)[:, None] + torch.arange(rows_all.shape[1])).flatten())
     inputs = LayerInputs(
         question=to(rows_q[:nq]), question_req=to(cat(question_req)), local=to(rows_q[nq:]),
         local_doc=to(cat(local_doc) if local_doc else torch.zeros(0, dtype=torch.int64)),
-        positions=to(cat(positions_q + positions_l)), block_rows=to(rows_all),
-        block_pos=to(block_pos_t), block_doc=to(cat(block_doc)),
+        q_turn=turn_back(to(cat(positions_q + positions_l)), cos_sin), block_rows=to(rows_all),
+        k_turn=turn_back(flat_pos, cos_sin), block_doc=to(cat(block_doc)),
         doc_request=to(torch.tensor(doc_request)), doc_request_cpu=doc_request,
         block_first=block_first, kept_cpu=kept, num_requests=nreq, bias=bias,
         question_count=to(_counts(question)), local_count=to(_counts(local)),
         block_first_gpu=to(torch.tensor(block_first[:-1])), kept_gpu=to(torch.tensor(kept)),
+        is_neox=is_neox,
     )  # fmt: skip
-    block = rows_all.shape[1]
-    flat_pos = (block_pos_t[:, None] + torch.arange(block)).flatten()
-    return BatchChoice(inputs, to(slot_index), to(rows_all.flatten()), to(flat_pos)), skipped
+    return BatchChoice(inputs, to(slot_index), to(rows_all.flatten()), flat_pos), skipped
 
 
 def _counts(parts: list[np.ndarray]) -> Tensor:
