@@ -18,7 +18,14 @@ dummy weights):
   ``redknot.config.REFERENCE_ONLY_POLICIES``; older results name it
   ``redknot-g0.125-reuse-sparseq``). A policy variant takes its knobs in the evaluation's label
   format, e.g. ``cacheblend[blend_ratio=0.3]`` or ``sparsex[sparseq_k=256,sparseq_block=8]``
-  (a TTFT front over the knobs).
+  (a TTFT front over the knobs);
+- ``samkv``: SamKV served (``--redknot-policy samkv``): a prompt whose stored documents hold at
+  least ``--redknot-samkv-min-tokens`` is cut to their anchors and kept blocks before SGLang
+  counts it (``docs/samkv.md``), smaller ones are computed in full; knobs as the policies',
+  e.g. ``samkv[samkv_min_tokens=0]`` (cut at every size). Its ``flops`` are those of the rows
+  the cut prompt computes (the first token, each document's anchors, the question: projections,
+  FFN, attention over the served rows before them; the block choice's scoring is not counted),
+  taken from the answer's reuse report (``samkv`` in the row).
 
 TTFT is the wall time of ``engine.generate(max_new_tokens=1)`` for one prompt (median of
 ``--reps`` after one warm-up at each point; the warm-up's own TTFT is kept as ``warmup_ttft_s``:
@@ -44,6 +51,7 @@ point where any marked segment missed the store is reported with its misses
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -83,6 +91,7 @@ VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reu
     "epic": (1.0, True, True, None, None, "epic"),
     "cacheblend": (1.0, True, True, None, None, "cacheblend"),
     "sparsex": (1.0, True, True, None, None, "sparsex"),
+    "samkv": (1.0, True, True, None, None, "samkv"),
 }
 
 
@@ -92,6 +101,15 @@ POLICY_KNOBS = {  # the server's knobs of each policy (--redknot-<knob>)
     "epic": ("epic_k", *GATE_KNOBS),
     "cacheblend": ("blend_check_layer", "blend_ratio", *GATE_KNOBS),
     "sparsex": ("sparseq_boundary", "sparseq_k", "sparseq_block", *GATE_KNOBS),
+    # samkv: no reuse gate (its point is memory: docs/samkv.md)
+    "samkv": (
+        "samkv_block",
+        "samkv_budget",
+        "samkv_init_blocks",
+        "samkv_local_blocks",
+        "samkv_bias",
+        "samkv_min_tokens",
+    ),
 }
 RECOVERY_KNOBS = (  # -reuse variants
     "local_kv", "restore_thresh", "restore_edge", "restore_heads", *GATE_KNOBS,
@@ -167,6 +185,43 @@ def prefill_flops(cfg: dict, length: int, global_fraction: float | None) -> floa
     g = 1.0 if global_fraction is None else global_fraction
     attn_pairs = hq * (g * full_keys + (1 - g) * local_keys)
     return layers * (length * (proj + ffn) + 4 * d * attn_pairs)
+
+
+def samkv_work(
+    head: int, doc_tokens: list[int], question: int, report: dict, block: int, init_blocks: int
+) -> tuple[int, float]:
+    """What one layer of a SamKV-cut prompt computes (``redknot.recovery.samkv.served``): the
+    rows it runs (the ``head`` tokens, each document's anchors, the ``question``; its middle
+    slots take cached K/V) and the causal (query, key) pairs of those rows over the served
+    prompt. ``report``: the answer's ``samkv`` reuse report (``kept_blocks`` and ``blocks``
+    per document, in prompt order)."""
+    rows, pairs, pos = 0, 0.0, 0
+
+    def run(n: int) -> None:  # n computed rows at served positions pos .. pos + n - 1
+        nonlocal rows, pairs, pos
+        rows += n
+        pairs += n * pos + n * (n + 1) / 2
+        pos += n
+
+    run(head)
+    for n, kept, middle in zip(doc_tokens, report["kept_blocks"], report["blocks"], strict=True):
+        init = min(init_blocks * block, n)
+        run(init)
+        pos += kept * block  # middle slots: no row computed
+        run(n - init - middle * block)  # local anchors (the remainder with them)
+    run(question)
+    if pos != report["served_tokens"]:
+        raise ValueError(f"samkv report of {report['served_tokens']} served tokens does not "
+                         f"match the layout ({pos})")  # fmt: skip
+    return rows, pairs
+
+
+def samkv_prefill_flops(cfg: dict, rows: int, pairs: float) -> float:
+    """Prefill FLOPs of a cut prompt from :func:`samkv_work`'s per-layer figures."""
+    h, hq = cfg["hidden_size"], cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or h // hq
+    proj, ffn = token_layer_flops(cfg)
+    return cfg["num_hidden_layers"] * (rows * (proj + ffn) + 4 * d * hq * pairs)
 
 
 SWEEP = "8192x8,16384x8,32768x8,65536x8,32768x2,32768x4,32768x16,32768x32"
@@ -261,7 +316,7 @@ def child(args) -> None:
                         sampling_params={"max_new_tokens": 0, "custom_params": params},
                     )
                 before = store_counters()
-            times = []
+            times, reports = [], []
             for rep in range(args.reps + 1):
                 ids, marks = [rand(1)[0]], []
                 for doc in docs:
@@ -276,9 +331,13 @@ def child(args) -> None:
                 if profiled:  # the engine's first prompt of this kind, under the profiler
                     start_profile(engine, Path(args.profile_dir, f"{args.child}-warmup"))
                 t0 = time.perf_counter()
-                engine.generate(input_ids=ids, sampling_params=sampling)
+                answer = engine.generate(input_ids=ids, sampling_params=sampling)
                 if rep:  # the first is a warm-up
                     times.append(time.perf_counter() - t0)
+                    if policy == "samkv":  # how the prompt was served (its reuse report)
+                        reports.append(
+                            (answer["meta_info"].get("redknot_reuse") or [{}])[0].get("samkv")
+                        )
                 else:
                     warmup_s = time.perf_counter() - t0
                     warmup_at = time.time() - warmup_s  # wall clock, to match compile logs
@@ -315,6 +374,8 @@ def child(args) -> None:
                 "ttft_samples_s": times,
                 "warmup_ttft_s": warmup_s,  # the point's first prompt (the engine's first too)
             }
+            if reports:
+                row.update(samkv_row(reports, [len(d) for d in docs], args.question, knobs))
             if plain:
                 row["own_recompute_ttft_s"] = statistics.median(plain)
                 row["own_recompute_samples_s"] = plain
@@ -342,6 +403,23 @@ def child(args) -> None:
     if args.compile_log:
         result["triton_compiled_at_startup"] = compiled_at_startup
     print("RESULT " + json.dumps(result))
+
+
+def samkv_row(reports: list, doc_tokens: list[int], question: int, knobs: dict) -> dict:
+    """A samkv point's figures: the last measured prompt's reuse report, and the rows its layers
+    computed (``samkv_rows``, ``samkv_pairs``: :func:`samkv_work`) when it was cut (the same
+    layout at every rep). ``samkv_cut``: how many of the measured prompts were cut."""
+    from redknot.config import RedknotConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(RedknotConfig)}
+    block = knobs.get("samkv_block", defaults["samkv_block"])
+    init_blocks = knobs.get("samkv_init_blocks", defaults["samkv_init_blocks"])
+    cut = [r for r in reports if r and r.get("served_tokens") is not None]
+    row = {"samkv": reports[-1], "samkv_cut": len(cut)}
+    if cut:
+        rows, pairs = samkv_work(1, doc_tokens, question, cut[-1], block, init_blocks)
+        row.update(samkv_rows=rows, samkv_pairs=pairs)
+    return row
 
 
 def start_profile(engine, where: Path) -> None:
@@ -495,9 +573,12 @@ def main() -> None:
         restored = [int(m.group(1)) for m in map(RESTORE_LOG.search, lines) if m]
         if restored:  # adaptive restore: (layer, head) pairs promoted, per prompt
             results[name]["restored_heads_per_prompt"] = restored
-        if VARIANTS[parse_variant(name)[0]][5] is not None:  # a policy skips no FFN itself
+        policy = VARIANTS[parse_variant(name)[0]][5]
+        if policy is not None:  # a policy skips no FFN itself
             found = [m for m in map(POLICY_LOG.search, lines) if m]
             results[name]["left_per_prompt"] = [int(m.group(1)) for m in found]
+        if policy == "samkv":  # its FLOPs are the cut prompt's rows (samkv_work), not these
+            results[name]["left_per_prompt"] = []
         print(name, json.dumps(results[name])[:400], flush=True)
         summary = summarize(cfg, results, args.reps)  # written after every variant
         if name == names[-1]:
@@ -605,6 +686,8 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
         for key, row in res.get("points", {}).items():
             n = row["prompt_tokens"]
             flops = prefill_flops(cfg, n, fraction)
+            if row.get("samkv_cut"):  # a SamKV-cut prompt: the rows it ran
+                flops = samkv_prefill_flops(cfg, row["samkv_rows"], row["samkv_pairs"])
             # no decision counted (no gate: --redknot-reuse-gate always): every prompt reused
             logged = row["served"].count("reuse") if row.get("served") else reps + 1
             # the measured prompts' entries: after the warm-up's when every prompt reused
@@ -623,6 +706,13 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
             }
             if "warmup_ttft_s" in row:
                 entry["warmup_ttft_s"] = row["warmup_ttft_s"]
+            if "samkv" in row:  # how many measured prompts were cut, and the last one's report
+                entry["samkv_cut"] = row["samkv_cut"]
+                if (row["samkv"] or {}).get("served_tokens") is not None:
+                    entry["served_tokens"] = row["samkv"]["served_tokens"]
+                    entry["sequence_ratio"] = row["samkv"]["sequence_ratio"]
+                else:
+                    entry["samkv_note"] = (row["samkv"] or {}).get("note")
             if "every_segment_hit" in row:
                 entry["every_segment_hit"] = row["every_segment_hit"]
             if "served" in row:  # the reuse gate's decisions (redknot.costmodel.gate)

@@ -152,6 +152,62 @@ def test_summary_of_a_token_policy_counts_every_head_global():
     assert entry["token_layers_left_to_cache"] == 100000
 
 
+def _samkv_plan(doc_tokens, question, budget):
+    from redknot.recovery.samkv.served import SamkvKnobs, plan_documents
+
+    hits, start = [], 1  # one first token, then the documents, then the question
+    for i, n in enumerate(doc_tokens):
+        hits.append((start, n, "bench", f"s{i}"))
+        start += n
+    knobs = SamkvKnobs(block=64, budget=budget, init_blocks=1, local_blocks=2, bias=True)
+    return plan_documents(start + question, hits, knobs)
+
+
+def test_samkv_work_counts_the_rows_a_cut_prompt_computes_and_their_keys():
+    from benchmarks.ttft import samkv_work
+
+    # documents of whole blocks, one with a remainder, one too short for a middle block
+    doc_tokens, question = [1024, 1000, 150], 64
+    plan = _samkv_plan(doc_tokens, question, budget=0.15)
+    assert plan.dropped > 0
+    slots = set()  # the served rows no layer computes (the middle slots), brute force
+    for d in plan.docs:
+        slots.update(range(d.start + d.init, d.start + d.init + d.slots))
+    computed = [p for p in range(plan.served_tokens) if p not in slots]
+    rows, pairs = samkv_work(1, doc_tokens, question, plan.report(), block=64, init_blocks=1)
+    assert rows == len(computed) and pairs == sum(p + 1 for p in computed)
+    with pytest.raises(ValueError, match="does not match"):  # another layout than the report's
+        samkv_work(1, doc_tokens, question + 1, plan.report(), block=64, init_blocks=1)
+
+
+def test_summary_of_a_samkv_cut_prompt_counts_only_its_computed_rows():
+    from benchmarks.ttft import samkv_prefill_flops, samkv_row
+
+    docs, question = [1024] * 8, 64
+    report = _samkv_plan(docs, question, budget=0.15).report()
+    row = _row(8192, 8, 0.05, **samkv_row([report, report], docs, question, {}))
+    uncut = {"note": "stored documents hold 8192 tokens, under --redknot-samkv-min-tokens"}
+    small = _row(8192, 8, 0.2, **samkv_row([uncut, uncut], docs, question, {}))
+    results = {"flashinfer": {"points": {"8192x8": _row(8192, 8, 0.2)}},
+               "samkv": {"points": {"8192x8": row}, "left_per_prompt": []},
+               "samkv[samkv_min_tokens=9000]": {"points": {"8192x8": small}}}  # fmt: skip
+    summary = summarize(CFG, results, reps=2)
+    entry = summary["samkv"]["8192x8"]
+    proj = 2 * 4096 * 128 * (2 * 32 + 2 * 8)
+    ffn = 2 * 3 * 4096 * 14336
+    # each document: 64 + 128 anchor rows computed, 2 of its 13 middle blocks in slots
+    assert row["samkv_rows"] == 1 + 8 * 192 + 64 and entry["samkv_cut"] == 2
+    want = 32 * (row["samkv_rows"] * (proj + ffn) + 4 * 128 * 32 * row["samkv_pairs"])
+    assert entry["flops"] == pytest.approx(want)
+    assert samkv_prefill_flops(CFG, row["samkv_rows"], row["samkv_pairs"]) == entry["flops"]
+    assert entry["served_tokens"] == 1 + 8 * (192 + 128) + 64
+    assert entry["sequence_ratio"] == pytest.approx(8 * 320 / 8192, abs=1e-4)
+    assert entry["flop_ratio_vs_flashinfer"] > 5
+    full = summary["samkv[samkv_min_tokens=9000]"]["8192x8"]  # not cut: the whole prompt
+    assert full["samkv_cut"] == 0 and full["samkv_note"] == uncut["note"]
+    assert full["flops"] == pytest.approx(prefill_flops(CFG, 8192 + 65, 1.0))
+
+
 def test_variants_take_their_policys_knobs_in_the_evaluations_label_format():
     from benchmarks.ttft import parse_variant, split_variants
 
