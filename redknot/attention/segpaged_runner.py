@@ -40,7 +40,7 @@ from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 from redknot.recovery.cacheblend import kv_deviation
-from redknot.recovery.samkv.served import layer_choice, plan_batch
+from redknot.recovery.samkv.served import ChoiceReplay, layer_choice, plan_batch
 from redknot.recovery.sparseq import select_tokens
 from redknot.segcache import registration, reuse
 from redknot.segcache.registration import SegmentWrites
@@ -128,6 +128,7 @@ class SegPagedRunner:
         ] if layout.restore else []  # fmt: skip
         self.policy: TokenPolicy | None = None  # a token-level policy (token_policy); None: redknot
         self.tp_size = 1
+        self.samkv_graphs = True  # SamKV's choice replayed as a CUDA graph (ChoiceReplay)
         self._arange = torch.arange(max_context_len, device=device)
         self.decode_plan = None
         self.decode_rows: torch.Tensor | None = None  # [B] int64 ring rows of the new tokens
@@ -743,11 +744,24 @@ class SegPagedRunner:
         """The reads that left recovery with SamKV's middle slots pointing at this layer's
         chosen blocks (``q``: the layer's queries of the rows it computes)."""
         choice = self.extend_state.samkv
-        reduce = self._sum_over_ranks() if self.tp_size > 1 else None
-        idx = layer_choice(q, self.pool.segments.k[lid], choice.inputs, reduce)
+        region_k = self.pool.segments.k[lid]
+        chosen = None
+        graphs = self.samkv_graphs and q.is_cuda and not torch.cuda.is_current_stream_capturing()
+        if graphs and self.tp_size == 1:  # (TP: the scores take an all-reduce)
+            if choice.replay is None:
+                choice.replay = ChoiceReplay(choice)
+            try:
+                chosen = choice.replay(q, region_k)
+            except RuntimeError as e:  # served eagerly from here on, said once
+                self.samkv_graphs = False
+                logger.warning("redknot samkv: the choice's CUDA graph failed (%s); the "
+                               "choice runs eagerly from now on", e)  # fmt: skip
+        if chosen is None:
+            reduce = self._sum_over_ranks() if self.tp_size > 1 else None
+            idx = layer_choice(q, region_k, choice.inputs, reduce)
+            chosen = choice.flat_rows[idx], choice.flat_pos[idx]
         rows, pos_off = left.rows_gpu.clone(), left.pos_off_gpu.clone()
-        rows[choice.slot_index] = choice.flat_rows[idx]
-        pos_off[choice.slot_index] = choice.flat_pos[idx]
+        rows[choice.slot_index], pos_off[choice.slot_index] = chosen
         return SegmentReads(left.tokens_gpu, rows, pos_off, left.pos_on_gpu)
 
     def _reuse_kv(

@@ -210,33 +210,44 @@ def test_documents_that_are_all_anchor_are_the_dense_prefill():
     assert torch.equal(got, plain)
 
 
-def test_layer_choice_matches_a_direct_computation():
-    """``layer_choice`` on random tensors against the scores written out (two requests, one of
-    them with two documents, the bias on)."""
-    from redknot.recovery.samkv.served import LayerInputs, layer_choice, turn_back
+def _layer_inputs(device="cpu"):
+    """A choice's inputs written out: two requests, one of them with two documents, the bias
+    on; ``q`` rows 12, region rows 40, 8 blocks of 2 (and their positions, and the rope)."""
+    from redknot.kernels.rope_reference import sglang_rope
+    from redknot.recovery.samkv.served import LayerInputs, turn_back
 
     g = torch.Generator().manual_seed(0)
     hq, h, d, block = 4, 2, 8, 2
-    from redknot.kernels.rope_reference import sglang_rope
-
     cache = sglang_rope(d, d, 256, 10000.0, True).cos_sin_cache
-    q = torch.randn(12, hq, d, generator=g)
-    region = torch.randn(40, h, d, generator=g)
     # docs: 0 (req 0, 3 blocks, keeps 1), 1 (req 0, 2 blocks, keeps 1), 2 (req 1, 3 blocks, 2)
     block_rows = torch.randperm(40, generator=g)[:16].view(8, block)
     block_pos = torch.tensor([2, 4, 6, 2, 4, 3, 5, 7])
+    t = lambda x: torch.tensor(x, device=device)
     inputs = LayerInputs(
-        question=torch.tensor([9, 10, 11, 7]), question_req=torch.tensor([0, 0, 0, 1]),
-        local=torch.tensor([1, 2, 4, 5]), local_doc=torch.tensor([0, 0, 1, 2]),
-        q_turn=turn_back(torch.tensor([30, 31, 32, 20, 8, 9, 15, 12]), cache),
-        block_rows=block_rows,
-        k_turn=turn_back((block_pos[:, None] + torch.arange(block)).flatten(), cache),
-        block_doc=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]),
-        doc_request=torch.tensor([0, 0, 1]), doc_request_cpu=[0, 0, 1],
+        question=t([9, 10, 11, 7]), question_req=t([0, 0, 0, 1]),
+        local=t([1, 2, 4, 5]), local_doc=t([0, 0, 1, 2]),
+        q_turn=turn_back(t([30, 31, 32, 20, 8, 9, 15, 12]), cache.to(device)),
+        block_rows=block_rows.to(device),
+        k_turn=turn_back((block_pos[:, None] + torch.arange(block)).flatten().to(device),
+                         cache.to(device)),
+        block_doc=t([0, 0, 0, 1, 1, 2, 2, 2]),
+        doc_request=t([0, 0, 1]), doc_request_cpu=[0, 0, 1],
         block_first=[0, 3, 5, 8], kept_cpu=[1, 1, 2], num_requests=2, bias=True,
-        question_count=torch.tensor([3.0, 1.0]), local_count=torch.tensor([2.0, 1.0, 1.0]),
-        block_first_gpu=torch.tensor([0, 3, 5]), kept_gpu=torch.tensor([1, 1, 2]), is_neox=True,
+        question_count=t([3.0, 1.0]), local_count=t([2.0, 1.0, 1.0]),
+        block_first_gpu=t([0, 3, 5]), kept_gpu=t([1, 1, 2]), is_neox=True,
     )  # fmt: skip
+    return inputs, block_rows, block_pos, cache, (hq, h, d, block)
+
+
+def test_layer_choice_matches_a_direct_computation():
+    """``layer_choice`` on random tensors against the scores written out (two requests, one of
+    them with two documents, the bias on)."""
+    from redknot.recovery.samkv.served import layer_choice
+
+    inputs, block_rows, block_pos, cache, (hq, h, d, block) = _layer_inputs()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(12, hq, d, generator=g)
+    region = torch.randn(40, h, d, generator=g)
     got = layer_choice(q, region, inputs)
 
     free = lambda x, p: rotate_back(x, torch.as_tensor(p), cache)
@@ -255,6 +266,29 @@ def test_layer_choice_matches_a_direct_computation():
         best = sorted(range(end - first), key=lambda i: (-scores[i], i))[:kept]
         want += [(first + b) * block + t for b in sorted(best) for t in range(block)]
     assert got.tolist() == want
+
+
+@pytest.mark.gpu
+def test_the_choice_replayed_as_a_cuda_graph_equals_the_eager_choice_in_every_layer():
+    """``ChoiceReplay``: captured at the first layer, replayed with each later layer's queries
+    and keys; every layer's chosen rows and offsets equal :func:`layer_choice`'s."""
+    from redknot.recovery.samkv.served import BatchChoice, ChoiceReplay, layer_choice
+
+    inputs, _, _, _, (hq, h, d, _) = _layer_inputs("cuda")
+    flat_rows = torch.arange(100, 116, device="cuda")
+    flat_pos = torch.arange(16, device="cuda") * 3
+    choice = BatchChoice(inputs, torch.arange(6, device="cuda"), flat_rows, flat_pos)
+    replay = ChoiceReplay(choice)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    seen = set()
+    for _ in range(6):  # layers
+        q = torch.randn(12, hq, d, generator=g, device="cuda", dtype=torch.bfloat16)
+        region = torch.randn(40, h, d, generator=g, device="cuda", dtype=torch.bfloat16)
+        rows, pos = replay(q, region)
+        idx = layer_choice(q, region, inputs)
+        assert torch.equal(rows, flat_rows[idx]) and torch.equal(pos, flat_pos[idx])
+        seen.add(tuple(idx.tolist()))
+    assert replay.graph is not None and len(seen) > 1  # the layers chose differently
 
 
 def test_plan_batch_maps_each_documents_slots_among_the_reads_that_left():
