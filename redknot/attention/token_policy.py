@@ -82,8 +82,8 @@ class TokenPolicy:
             f"each document's anchors ({k.init_blocks} + {k.local_blocks} blocks of {k.block}) "
             f"recomputed, {k.budget:g} of its middle blocks held, chosen per layer; requests "
             f"whose stored documents hold fewer than {k.min_tokens} tokens computed in full "
-            "(--redknot-samkv-min-tokens: below 8K the cut was measured no faster than "
-            "recomputing, docs/samkv.md)"
+            "(--redknot-samkv-min-tokens: the cut was measured faster than recomputing from 4K "
+            "document tokens, docs/samkv.md)"
         )
 
     @property

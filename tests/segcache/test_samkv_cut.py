@@ -166,7 +166,7 @@ def test_the_samkv_policy_resolves_its_knobs_and_refuses_bad_ones():
     config = RedknotConfig(policy="samkv", samkv_block=32, samkv_budget=0.2)
     assert config.all_global and config.segment_heads == "all"  # a token-level policy
     policy = TokenPolicy.of(config)
-    assert policy.samkv == SamkvKnobs(32, 0.2, 1, 2, True, 8192) and policy.chooses_at_plan
+    assert policy.samkv == SamkvKnobs(32, 0.2, 1, 2, True, 4096) and policy.chooses_at_plan
     assert "0.2 of its middle blocks" in policy.describe()
     assert not TokenPolicy.of(RedknotConfig(policy="samkv", samkv_bias="off")).samkv.bias
     for bad, flag in (({"samkv_budget": 1.5}, "--redknot-samkv-budget"),
