@@ -5,7 +5,7 @@ each figure with the file it comes from and that file's device and commit. Stdli
 | -------------- | ------------------------------------------------------------------------- |
 | ``served_fidelity`` | ``fidelity_server_samkv.json``: the samkv server against a dense server, SmolLM2, 24 ``rag_v1`` cases; CacheBlend-15's server on the same cases from ``fidelity_server_cacheblend.json`` |
 | ``reference_fidelity`` | the reference path (9 ``rag_v1`` cases): ``fidelity_samkv_budget.json`` (fixed budgets), ``fidelity_samkv_equal_recompute.json`` (CacheBlend and EPIC at SamKV's recompute ratio), ``fidelity_samkv_server_rules.json`` (the server's rules there) |
-| ``serving``    | ``samkv_serve.json``: 32K prompts of 8 documents on the 8B shape, one GPU, flashinfer / CacheBlend / samkv; ``by_size``: ``samkv_sizes.json``, TTFT alone at 2-16K |
+| ``serving``    | ``samkv_serve.json``: 32K prompts of 8 documents on the 8B shape, one GPU, flashinfer / CacheBlend / samkv; ``by_size``: ``ttft_samkv.json``, TTFT alone at 2-32K (``benchmarks/ttft.py``) |
 | ``targets``    | each of the issue's targets, its figure and whether it is met             |
 
     python benchmarks/samkv_report.py
@@ -68,8 +68,8 @@ def build() -> dict:
     serve = load("samkv_serve.json")
     serving = {"source": source("samkv_serve.json", serve), "summary": serve["summary"],
                "setting": {k: serve["runs"]["samkv"]["command"] for k in ("command",)}}  # fmt: skip
-    sizes = load("samkv_sizes.json")
-    serving["by_size"] = {"source": source("samkv_sizes.json", sizes), "summary": sizes["summary"]}
+    sizes = load("ttft_samkv.json")
+    serving["by_size"] = {"source": source("ttft_samkv.json", sizes), "summary": sizes["summary"]}
     s = serve["summary"]["samkv"]
     sam = served["settings"]["samkv"]
     blend_kept = served["settings"]["cacheblend (its own server run)"]["kept_of_dense_correct"]
