@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from redknot.kernels.block_scores import block_scores
 from redknot.kernels.rope_reference import delta_cos_sin, rotate_by
 from redknot.recovery.samkv.layout import cut_document
 from redknot.recovery.samkv.query import personalized_queries
@@ -248,13 +249,15 @@ def layer_choice(q: Tensor, region_k: Tensor, inputs: LayerInputs, reduce=None) 
     head, stored at positions from 0 in each segment); ``reduce``: a sum over tensor-parallel
     ranks of the block scores (each rank holds some heads). No host synchronisation."""
     rows = torch.cat([inputs.question, inputs.local])
-    return choice_of(q[rows], region_k[inputs.block_rows.flatten()], inputs, reduce)
+    return choice_of(q[rows], region_k, inputs.block_rows.flatten(), inputs, reduce)
 
 
-def choice_of(q_rows: Tensor, keys: Tensor, inputs: LayerInputs, reduce=None) -> Tensor:
+def choice_of(
+    q_rows: Tensor, keys: Tensor, key_rows: Tensor, inputs: LayerInputs, reduce=None
+) -> Tensor:
     """:func:`layer_choice` from the rows it reads: ``q_rows`` ``[Q + A, Hq, d]``, the layer's
-    queries of the question then the local anchors; ``keys`` ``[C * block, H, d]``, the
-    region's keys of every middle token (``block_rows`` flattened)."""
+    queries of the question then the local anchors; ``keys[key_rows]``, the keys of every middle
+    token, blocks in order (``keys``: ``[rows, H, d]``)."""
     hq, d = q_rows.shape[1], q_rows.shape[2]
     free = rotate_by(q_rows, *inputs.q_turn, is_neox=inputs.is_neox)  # [Q + A, Hq, d]
     nq = inputs.question.numel()
@@ -268,13 +271,10 @@ def choice_of(q_rows: Tensor, keys: Tensor, inputs: LayerInputs, reduce=None) ->
         local.index_add_(0, inputs.local_doc, free[nq:])
         local /= inputs.local_count[:, None, None]
         queries = biased(queries, local, inputs)
-    nb, block = inputs.block_rows.shape
-    means = rotate_by(keys, *inputs.k_turn, is_neox=inputs.is_neox)
-    means = means.view(nb, block, *keys.shape[1:])
-    means = means.mean(dim=1)  # [C, H, d]
-    h = means.shape[1]
+    h = keys.shape[1]
     per_kv = queries.view(num_docs, h, hq // h, d).sum(dim=2)  # [Dn, H, d]
-    score = (per_kv[inputs.block_doc] * means).sum(dim=(1, 2))  # [C]
+    score = block_scores(keys, key_rows, *inputs.k_turn, per_kv, inputs.block_doc,
+                         inputs.block_rows.shape[1], is_neox=inputs.is_neox)  # fmt: skip
     if reduce is not None:
         score = reduce(score)
     return chosen_tokens(score, inputs)
@@ -413,12 +413,13 @@ class ChoiceReplay:
         self.choice = choice
         self.rows = torch.cat([inputs.question, inputs.local])
         self.block_rows = inputs.block_rows.flatten()
+        self.key_rows = torch.arange(self.block_rows.numel(), device=self.block_rows.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.q_rows = self.keys = None
         self.out: tuple[Tensor, Tensor] | None = None
 
     def _run(self) -> tuple[Tensor, Tensor]:
-        idx = choice_of(self.q_rows, self.keys, self.choice.inputs)
+        idx = choice_of(self.q_rows, self.keys, self.key_rows, self.choice.inputs)
         return self.choice.flat_rows[idx], self.choice.flat_pos[idx]
 
     def __call__(self, q: Tensor, region_k: Tensor) -> tuple[Tensor, Tensor]:
