@@ -192,9 +192,9 @@ class RedknotConfig:
     samkv_min_tokens: int = _opt(
         "Policy 'samkv': a request is served as its documents' anchors and kept blocks only when "
         "its stored documents hold at least this many tokens; below, it is computed in full "
-        "(exact). Measured on the 8B shape (one H100, ttft_samkv.json): the cut answered 1.63x "
-        "sooner than flashinfer at 4K document tokens in 8 documents and 2.75x at 8K; 2K in 8 "
-        "documents cannot drop a block of 64.",
+        "(exact). Measured on the 8B shape (one H100, ttft_samkv.json): the cut answered 1.70x "
+        "sooner than flashinfer at 4K document tokens in 8 documents (1.92x in 2) and 3.50x at "
+        "8K; 2K in 8 documents cannot drop a block of 64.",
         default=4096,
     )
     samkv_bias: str = _opt(

@@ -404,7 +404,7 @@ class ChoiceReplay:
     :func:`choice_of` eagerly and captures it, every later layer copies its queries' rows and
     its middle tokens' keys into the graph's inputs and replays it. The choice is some sixty
     small launches whose inputs are the same in every layer but those two, so the graph turns
-    about 2.6 ms of host time a layer into three launches (``profile_samkv_graph_8192x8.json``
+    about 2.6 ms of host time a layer into three launches (``archive/profile_samkv_graph_8192x8_bf2a679.json``
     against ``archive/profile_samkv_eager_8192x8_c27f4d6.json`` in ``benchmarks/results``).
     Returns the region rows and segment offsets of the tokens the middle slots hold."""
 
