@@ -5,9 +5,10 @@
 the block's keys turned back from their positions in the stored segment to position 0 (their
 content before RoPE), averaged over the block, dotted with the document's query per KV head.
 Each key is read once, in the model's dtype, and rotated in registers; the PyTorch reference
-(:func:`block_scores_reference`) materialises the rotated keys in fp32, which at 32K document
-tokens took 1.2 ms of a layer's kernels, 0.4 ms with this kernel (``benchmarks/results``:
-``archive/profile_samkv_graph_32768x8_bf2a679.json`` against ``profile_samkv_32768x8.json``).
+(:func:`block_scores_reference`) materialises the rotated keys in fp32: at 32K document tokens
+the choice's kernels took 1.2 ms a layer with it and 0.4 ms with this kernel
+(``benchmarks/results``: ``archive/profile_samkv_graph_32768x8_bf2a679.json`` against
+``profile_samkv_32768x8.json``).
 
 >>> score = block_scores(region_k, block_rows.flatten(), k_cos, k_sin, queries, block_doc,
 ...                      block, is_neox=True)          # [C] float32

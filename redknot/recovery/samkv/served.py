@@ -326,8 +326,8 @@ def plan_batch(
     read_tokens: Tensor, leaving: Tensor, bias: bool, cos_sin: Tensor, is_neox: bool, device,
 ) -> tuple[BatchChoice | None, list[int]]:  # fmt: skip
     """The choice of one extend batch, on the host then moved once (None: no request of it
-    chooses), and the requests (batch index) skipped. ``uses[b]``: request ``b``'s segment uses (``redknot.segcache.reuse.SegmentUse``,
-    SamKV's carry ``doc``); ``prefix``/``lens``: its extend; ``keep``: ``[T]`` bool, the batch
+    chooses), and the requests (batch index) skipped. ``uses[b]``: request ``b``'s segment
+    uses (``redknot.segcache.reuse.SegmentUse``, SamKV's carry ``doc``); ``prefix``/``lens``: its extend; ``keep``: ``[T]`` bool, the batch
     rows computed (a layer's ``q`` holds them, in order); ``read_tokens``: ``[R]`` batch rows of
     the reads; ``leaving``: ``[R]`` bool, the reads that left recovery; ``cos_sin``,
     ``is_neox``: the model's rotary embedding (SGLang's ``cos_sin_cache``).
@@ -404,8 +404,10 @@ class ChoiceReplay:
     :func:`choice_of` eagerly and captures it, every later layer copies its queries' rows and
     its middle tokens' keys into the graph's inputs and replays it. The choice is some sixty
     small launches whose inputs are the same in every layer but those two, so the graph turns
-    about 2.6 ms of host time a layer into three launches (``archive/profile_samkv_graph_8192x8_bf2a679.json``
-    against ``archive/profile_samkv_eager_8192x8_c27f4d6.json`` in ``benchmarks/results``).
+    about 2.6 ms of host time a layer into three launches (``benchmarks/results/archive``:
+    ``profile_samkv_graph_8192x8_bf2a679.json`` against ``profile_samkv_eager_8192x8_c27f4d6``).
+    Each capture takes memory of its own graph pool (the profile shows its ``cudaMalloc`` calls,
+    1.8-3.4 ms a request): a pool shared by the batches' graphs would reuse it (not built).
     Returns the region rows and segment offsets of the tokens the middle slots hold."""
 
     def __init__(self, choice: BatchChoice):
