@@ -161,6 +161,34 @@ def run_lfps_shared(
     }
 
 
+def shared_list_bound(q, k, prompt_len: int, steps: int, params: LfpsParams, kv_heads: int):
+    """What any list of ``K`` keys shared by a KV head's query heads can recall of each query
+    head's own exact Top-k, from the exact logits (no prediction, no candidate limit): the
+    best such list holds the keys in the most of its heads' Top-k sets (``recall``: the optimum,
+    since the recall is a sum over keys), and the engine's exact Top-k per KV head
+    (``recall_max_logit``: keys ranked by their highest logit over the group). Every head
+    counted (no bypass); steps ``prompt_len .. prompt_len + steps - 1``."""
+    H = q.shape[0]
+    rows = H // kv_heads
+    best, by_max = [], []
+    for t in range(prompt_len, prompt_len + steps):
+        kk = params.budget_for(t + 1 - params.num_sink)
+        logits = torch.einsum("hd,hnd->hn", q[:, t], k[:, : t + 1])[:, params.num_sink :]
+        own = torch.zeros_like(logits, dtype=torch.bool)
+        own.scatter_(1, torch.topk(logits, kk, dim=-1).indices, True)  # [H, N]
+        group = own.view(kv_heads, rows, -1)
+        count = group.sum(1).float()  # [Hkv, N]: heads whose Top-k holds the key
+        top_logit = logits.view(kv_heads, rows, -1).amax(1)
+        # most heads first, then the highest logit (a strictly smaller tie-break term)
+        span = (top_logit.amax(-1, keepdim=True) - top_logit.amin(-1, keepdim=True)).clamp(min=1)
+        rank = count + 0.5 * (top_logit - top_logit.amin(-1, keepdim=True)) / span
+        for chosen, out in ((torch.topk(rank, kk, -1).indices, best),
+                            (torch.topk(top_logit, kk, -1).indices, by_max)):  # fmt: skip
+            hits = torch.gather(group, 2, chosen[:, None, :].expand(-1, rows, -1))
+            out.append(float(hits.float().mean()))
+    return {"recall": sum(best) / len(best), "recall_max_logit": sum(by_max) / len(by_max)}
+
+
 def synthetic_qkv(n: int, heads: int, dim: int, seed: int):
     """Gaussian Q/K/V plus planted logits: 8 vertical positions and 4 slash distances per head.
 
@@ -199,11 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--history", type=int, default=64)
     p.add_argument("--skip-model", action="store_true", help="synthetic data only")
     p.add_argument(
-        "--selection", choices=("query_head", "kv_head", "kv_head_union"), default="query_head",
+        "--selection", choices=("query_head", "kv_head", "kv_head_union", "kv_head_bound"),
+        default="query_head",
         help="query_head: the reference step (a selection per query head); kv_head: the GPU "
         "path's shared selection per KV head (redknot.lfps.batched, PyTorch reference), C = "
         "--candidate-factor x K; kv_head_union: its lists and tables per KV head, each query "
-        "head's own Top-k of the list, their union attended",
+        "head's own Top-k of the list, their union attended; kv_head_bound: no LFPS, the best "
+        "any shared list of K keys can recall per query head (shared_list_bound)",
     )  # fmt: skip
     p.add_argument("--candidate-factor", type=int, default=4)
     p.add_argument(
@@ -233,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.time()
         qkv = model_qkv(family, prompt_ids(tokenizer, args.cases, n + args.steps))
-        if args.selection != "query_head":
+        if args.selection == "kv_head_bound":
+            kv_heads = family.shape.num_kv_heads
+            per_layer = [shared_list_bound(q, k, n, args.steps, params, kv_heads)
+                         for q, k, _ in qkv]  # fmt: skip
+        elif args.selection != "query_head":
             kv_heads = family.shape.num_kv_heads
             union = args.selection == "kv_head_union"
             shared = (kv_heads, args.candidate_factor, args.shared_widen, union)
