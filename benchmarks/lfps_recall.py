@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         print(json.dumps(row), f"{time.time() - t0:.0f}s", flush=True)
+    lfps_shared = args.selection in ("kv_head", "kv_head_union")  # candidates, widening
     result = {
         "device": f"CPU ({platform.processor() or platform.machine()}), torch {torch.__version__}",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -299,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             "sparsity_threshold": params.sparsity_threshold,
             "num_sink": params.num_sink,
             "selection": args.selection,
-            "candidate_factor": (args.candidate_factor if args.selection != "query_head" else None),
-            "shared_widen": args.shared_widen if args.selection != "query_head" else None,
+            "candidate_factor": (args.candidate_factor if lfps_shared else None),
+            "shared_widen": args.shared_widen if lfps_shared else None,
         },
         "note": "teacher-forced: Q/K/V of the dense model, recall averaged over non-bypass heads, "
         "steps and layers; candidate_share = keys scored exactly / keys",

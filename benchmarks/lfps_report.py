@@ -24,6 +24,8 @@ RECALL = {  # selection -> result of benchmarks/lfps_recall.py on SmolLM2's atte
     "query_head": "lfps_recall.json",
     "kv_head": "lfps_recall_kv_head.json",
     "kv_head_union": "lfps_recall_kv_head_union.json",
+    # not a selection: what any shared list of K keys could recall (exact logits, no LFPS)
+    "kv_head_bound": "lfps_recall_kv_head_bound.json",
 }
 DECODE = {  # result of benchmarks/lfps_decode.py -> the selections taken from it
     "lfps_decode.json": ("kv_head", "query_head"),
