@@ -37,6 +37,7 @@ Where this differs from the paper (and from the reference path, which follows it
 
 from __future__ import annotations
 
+import functools
 import math
 from array import array
 from collections.abc import Sequence
@@ -433,7 +434,7 @@ class ChoiceReplay:
         self.q_rows = q.index_select(0, self.rows)
         self.keys = region_k.index_select(0, self.block_rows)
         here = torch.cuda.current_stream(q.device)
-        side = torch.cuda.Stream(q.device)  # capture needs a stream of its own
+        side = _capture_stream(q.device)
         side.wait_stream(here)
         with torch.cuda.stream(side):
             first = self._run()  # this layer's choice, and the warm-up capture asks for
@@ -448,6 +449,14 @@ class ChoiceReplay:
             t.record_stream(here)
         self.graph = graph
         return first
+
+
+@functools.cache
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream choices are captured on, one per device: a capture needs a stream other than
+    the current one, and taking a new one from PyTorch's pool of 32 for every batch would in
+    time capture on a pooled stream that other code also uses."""
+    return torch.cuda.Stream(device)
 
 
 def _counts(parts: list[np.ndarray]) -> Tensor:
