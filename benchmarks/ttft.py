@@ -51,7 +51,6 @@ point where any marked segment missed the store is reported with its misses
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -410,14 +409,14 @@ def samkv_row(reports: list, doc_tokens: list[int], question: int, knobs: dict) 
     computed (``samkv_rows``, ``samkv_pairs``: :func:`samkv_work`) when it was cut (the same
     layout at every rep). ``samkv_cut``: how many of the measured prompts were cut."""
     from redknot.config import RedknotConfig
+    from redknot.recovery.samkv.served import SamkvKnobs
 
-    defaults = {f.name: f.default for f in dataclasses.fields(RedknotConfig)}
-    block = knobs.get("samkv_block", defaults["samkv_block"])
-    init_blocks = knobs.get("samkv_init_blocks", defaults["samkv_init_blocks"])
+    served = SamkvKnobs.of(RedknotConfig(policy="samkv", **knobs))  # as the server reads them
     cut = [r for r in reports if r and r.get("served_tokens") is not None]
     row = {"samkv": reports[-1], "samkv_cut": len(cut)}
     if cut:
-        rows, pairs = samkv_work(1, doc_tokens, question, cut[-1], block, init_blocks)
+        rows, pairs = samkv_work(1, doc_tokens, question, cut[-1], served.block,
+                                 served.init_blocks)  # fmt: skip
         row.update(samkv_rows=rows, samkv_pairs=pairs)
     return row
 
