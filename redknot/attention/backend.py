@@ -18,7 +18,10 @@ runs on FlashInfer, so the requests a reusing server does not reuse for run a de
 kernels. An extend that fills segments (a registration, a capture) is one of those: after each
 layer FlashInfer ran, the segments' rows of the layer's new K/V are written to the region (their
 keys rotated back to positions from 0 when captured after a context), as the SegPaged path
-writes them. (Before, such a server ran every batch on the SegPaged kernels and answered
+writes them. A plain extend that reuses segments under such a policy attends on FlashInfer too:
+its layers that compute every row through SGLang's FlashInfer extend, those that compute only
+the rows in recovery as runs of consecutive rows (``redknot.kernels.row_runs``;
+``SegPagedRunner.use_flashinfer`` says when the Triton kernel stays). (Before, such a server ran every batch on the SegPaged kernels and answered
 SmolLM2's unmarked 512-2K-token prompts 1.1-1.7x slower than a dense server, H100;
 docs/performance.md.)
 
@@ -134,6 +137,17 @@ def _flashinfer(model_runner: ModelRunner) -> AttentionBackend:
     return FlashInferAttnBackend(model_runner, init_new_workspace=model_runner.init_new_workspace)
 
 
+def _runs_attention(model_runner: ModelRunner, layout, dense: AttentionBackend):
+    """FlashInfer over the rows a token policy's reusing extend still computes
+    (``redknot.kernels.row_runs``), on the dense backend's workspace and prefill kernels."""
+    from redknot.kernels.row_runs import RunsAttention
+
+    return RunsAttention(
+        dense.workspace_buffer, layout.num_q_heads, layout.num_kv_heads, layout.head_dim,
+        model_runner.dtype, backend=getattr(dense, "prefill_backend", "auto"),
+    )  # fmt: skip
+
+
 def _on_cuda(model_runner: ModelRunner) -> bool:
     return torch.device(model_runner.device).type == "cuda"
 
@@ -182,6 +196,10 @@ class RedknotAttnBackend(AttentionBackend):
             # no restore columns (they would widen the global buffers FlashInfer reads)
             if dense_exact and not self.layout.restore and _on_cuda(model_runner):
                 self.dense = _flashinfer(model_runner)
+                if self.segpaged.policy is not None and self.segpaged.pool.segments is not None:
+                    self.segpaged.use_flashinfer(
+                        self.dense, _runs_attention(model_runner, self.layout, self.dense)
+                    )
         self.dense_batch = self.segpaged is None  # the batch being run goes to FlashInfer
         self.lfps_pool = model_runner.token_to_kv_pool
         # --redknot-lfps-offload-gb: extends with a prefix gather it from the host store

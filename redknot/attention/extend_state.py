@@ -36,6 +36,14 @@ class ExtendState:
     restore: object | None = None  # redknot.attention.restore.RestorePlan
     keep_cpu: torch.Tensor | None = None  # token policies: [T] bool, rows computed (when some left)
     samkv: object | None = None  # redknot.recovery.samkv.served.BatchChoice
+    # Token policies on FlashInfer (SegPagedRunner.use_flashinfer): layers computing every row
+    # run SGLang's FlashInfer extend; layers computing the held rows run them as runs
+    # (redknot.kernels.row_runs) when ``runs`` (planned when rows left; else the Triton kernel)
+    on_flashinfer: bool = False
+    runs: object | None = None  # redknot.kernels.row_runs.RowRuns
+    out_cache_loc: torch.Tensor | None = None  # [T] the batch rows' token slots
+    held_loc: torch.Tensor | None = None  # [A] the held rows' token slots (with runs)
+    left_loc: torch.Tensor | None = None  # [N] the token slots of the rows that left
 
 
 @dataclass(frozen=True)

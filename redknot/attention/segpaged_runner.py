@@ -37,6 +37,7 @@ from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_dev
 from redknot.kernels.geometry import LayerHeads, SegGeometry, num_sms
 from redknot.kernels.key_mass import key_mass, query_heads
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
+from redknot.kernels.row_runs import row_runs, runs_pay
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 from redknot.recovery.cacheblend import kv_deviation
@@ -129,6 +130,11 @@ class SegPagedRunner:
         self.policy: TokenPolicy | None = None  # a token-level policy (token_policy); None: redknot
         self.tp_size = 1
         self.samkv_graphs = True  # SamKV's choice replayed as a CUDA graph (ChoiceReplay)
+        # Token policies' reusing extends on FlashInfer (use_flashinfer): SGLang's FlashInfer
+        # backend, and the held rows' attention as runs (redknot.kernels.row_runs.RunsAttention)
+        self.flashinfer = None
+        self.runs_attention = None
+        self.runs_rule = runs_pay  # whether a batch's held rows run as runs (tests force it)
         self._arange = torch.arange(max_context_len, device=device)
         self.decode_plan = None
         self.decode_rows: torch.Tensor | None = None  # [B] int64 ring rows of the new tokens
@@ -167,6 +173,17 @@ class SegPagedRunner:
                 f"{kv_dtype}: start the server with --kv-cache-dtype auto, or with "
                 "--redknot-segment-fraction 0 to serve without cached segments"
             )
+
+    def use_flashinfer(self, dense, runs_attention) -> None:
+        """Run the attention of a token policy's reusing extends on FlashInfer (every head
+        global; ``dense``: SGLang's FlashInfer backend over the same pool; ``runs_attention``:
+        a :class:`redknot.kernels.row_runs.RunsAttention`). A layer that computes every row
+        runs SGLang's FlashInfer extend on the layer's K/V; a layer that computes only the held
+        rows writes their K/V and the left rows' cached, re-aligned K/V into the pool, then
+        attends the held rows as runs (:meth:`_extend_on_flashinfer`). Batches that register
+        or capture segments, or whose runs would read more keys than the Triton kernel's
+        tiles, keep the Triton kernel (:meth:`_serves_on_flashinfer`, ``runs_pay``)."""
+        self.flashinfer, self.runs_attention = dense, runs_attention
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -312,10 +329,45 @@ class SegPagedRunner:
                 reads, rpis, plan.qo_indptr_cpu, self.layout.sink, self.layout.window,
                 self.restore_edge, self.device,
             )  # fmt: skip
+        state = self.extend_state
+        if self._serves_on_flashinfer(fb, state):
+            state.on_flashinfer, state.out_cache_loc = True, fb.out_cache_loc
         if reads is not None and self.policy is not None and self.policy.chooses_at_plan:
             self._keep(self.policy.planned_kept(reads.pos_off_cpu, reads.middle_cpu))
             if self.policy.name == "samkv" and reads.middle_cpu is not None:
                 self._plan_samkv(rpis, prefix_cpu, lens_cpu)
+        if state.on_flashinfer and (state.held is None or not self.policy.chooses_at_plan):
+            self.flashinfer.init_forward_metadata(fb)  # some layer computes every row
+
+    def _serves_on_flashinfer(self, fb: ForwardBatch, state: ExtendState) -> bool:
+        """Whether this extend's attention runs on FlashInfer (:meth:`use_flashinfer`): a
+        token policy's reuse (not SamKV's, whose rows change per layer) in a plain extend
+        batch that neither writes segments, captures a snapshot, keeps ring rows nor restores."""
+        return (
+            self.runs_attention is not None
+            and state.segment_reads is not None
+            and self.policy is not None
+            and self.policy.name != "samkv"
+            and self.dense_layers >= self.layout.num_layers
+            and fb.forward_mode == fb.forward_mode.EXTEND
+            and state.capture is None
+            and state.segment_writes is None
+            and state.keep_tokens_gpu is None
+            and state.restore is None
+        )
+
+    def _plan_runs(self, keep_cpu: torch.Tensor, counts: list[int]) -> None:
+        """Rows left recovery in a batch on FlashInfer: plan the held rows' runs, or keep the
+        Triton kernel for the held layers where the runs would read more keys."""
+        state, plan = self.extend_state, self.extend_state.plan
+        runs = row_runs(keep_cpu, plan.qo_indptr_cpu, plan.prefix_lens_cpu)
+        block_q = plan.config.block_q(self.layout.group_size)
+        if not self.runs_rule(runs, counts, plan.qo_indptr_cpu, plan.prefix_lens_cpu, block_q):
+            return
+        self.runs_attention.plan(runs, plan.req_pool_indices_gpu, self.req_to_token)
+        state.runs = runs
+        state.held_loc = state.out_cache_loc[state.held.rows]
+        state.left_loc = state.out_cache_loc[state.held.left.tokens_gpu]
 
     def _plan_samkv(self, rpis: list[int], prefix_cpu, lens_cpu) -> None:
         """SamKV's inputs of every layer's choice (``redknot.recovery.samkv.served``), after
@@ -410,6 +462,11 @@ class SegPagedRunner:
         SCHEDULE.layer = lid
         with phase("redknot.held_rows"):
             held = self._held_rows(state)  # None: every row
+        if state.on_flashinfer and save_kv_cache and not layer.logit_cap:
+            if held is None or state.runs is not None:
+                out = self._extend_on_flashinfer(q, k, v, layer, fb, held)
+                self._after_attention(lid, q, k, v, layer, held, save_kv_cache)
+                return out
         if held is not None:  # q stays as it is: the gathered plan reads and writes held rows
             with phase("redknot.spread"):
                 k, v = self._spread(k, held), self._spread(v, held)
@@ -456,16 +513,52 @@ class SegPagedRunner:
                 self._schedule_ffn(lid, q, lse, layer.scaling, reads)
         if state.restore is not None and lid == self.layout.num_layers - 1:
             self._log_restore(state.restore)
-        if reads is not None and self.policy is not None:
-            if lid == self.policy.select_layer and save_kv_cache:
-                assert held is None, "a policy chooses before any row leaves"
-                with phase("redknot.policy_choice"):
-                    if self.policy.name == "cacheblend":
-                        self._blend(lid, k, v, reads)
-                    else:
-                        self._sparsex(lid, q, layer.scaling, reads)
-            if lid == self.layout.num_layers - 1:
-                self._log_policy(reads)
+        self._after_attention(lid, q, k, v, layer, held, save_kv_cache)
+        return out.flatten(1)
+
+    def _after_attention(self, lid: int, q, k, v, layer, held, save_kv_cache: bool) -> None:
+        """A token policy's choice in its choice layer, and its log line after the last."""
+        reads = self.extend_state.segment_reads
+        if reads is None or self.policy is None:
+            return
+        if lid == self.policy.select_layer and save_kv_cache:
+            assert held is None, "a policy chooses before any row leaves"
+            with phase("redknot.policy_choice"):
+                if self.policy.name == "cacheblend":
+                    self._blend(lid, k, v, reads)
+                else:
+                    self._sparsex(lid, q, layer.scaling, reads)
+        if lid == self.layout.num_layers - 1:
+            self._log_policy(reads)
+
+    def _extend_on_flashinfer(self, q, k, v, layer: RadixAttention, fb, held) -> torch.Tensor:
+        """A layer of a reusing extend on FlashInfer (:meth:`use_flashinfer`); returns
+        ``[rows, Hq * D]``. Every row computed (``held`` None): SGLang's FlashInfer extend,
+        which also stores the K/V. Held rows only: their K/V and the left rows' cached K/V
+        (re-rotated to their positions, every head) go into the pool first, then the runs
+        attend it."""
+        lid = layer.layer_id
+        if held is None:
+            with phase("redknot.flashinfer_extend"):
+                return self.flashinfer.forward_extend(q, k, v, layer, fb, save_kv_cache=True)
+        state, pool = self.extend_state, self.pool
+        with phase("redknot.write_global"):
+            pool.write_global(lid, state.held_loc, k, v)
+        left, heads = held.left, self.left_heads(lid)
+        if left.tokens_gpu.numel() and len(heads):
+            with phase("redknot.reuse_kv"):
+                region = pool.segments
+                rope_align(
+                    region.k[lid], left.rows_gpu, pool.k_global[lid], state.left_loc,
+                    left.pos_off_gpu, left.pos_on_gpu, self.rope.cos_sin_cache,
+                    is_neox=self.rope.is_neox, rotary_dim=self.rope.rotary_dim,
+                    v_src=region.v[lid], v_dst=pool.v_global[lid], src_heads=heads.cols,
+                    dst_heads=heads.heads,
+                )  # fmt: skip
+        with phase("redknot.extend_kernel"):
+            out = self.runs_attention.run(
+                q, pool.k_global[lid], pool.v_global[lid], layer.scaling
+            )
         return out.flatten(1)
 
     def _restore(self, lid: int, q, k, v, fresh, held: HeldRows | None, scale: float) -> None:
@@ -672,6 +765,8 @@ class SegPagedRunner:
             leaving = ~keep_cpu[reads.tokens_cpu]  # not ~kept: each request's last row stays
             self._hold(to_device(keep_cpu, device), counts, to_device(leaving, device),
                        int(leaving.sum()))  # fmt: skip
+            if state.on_flashinfer:
+                self._plan_runs(keep_cpu, counts)
 
     def _blend(self, lid: int, k, v, reads: SegmentReads) -> None:
         """CacheBlend's choice in its check layer: the KV deviation of every reused token's
@@ -730,15 +825,30 @@ class SegPagedRunner:
         return tensor_model_parallel_all_reduce
 
     def _log_policy(self, reads: SegmentReads) -> None:
-        kept = self.extend_state.kept_tokens
+        state = self.extend_state
+        kept = state.kept_tokens
         logger.info(
             "redknot policy %s: %d of %d reused segment tokens recomputed; %d "
-            "token-layers left to the cache",
+            "token-layers left to the cache; attention %s",
             self.policy.name,
             max(kept, 0),
             reads.tokens_gpu.numel(),
             SCHEDULE.left,
+            self._attention_path(state),
         )
+
+    def _attention_path(self, state: ExtendState) -> str:
+        """Which kernels attended this extend (its policy's log line)."""
+        if not state.on_flashinfer:
+            return "on redknot's Triton kernel"
+        if state.held is None:
+            return "on FlashInfer"
+        if state.runs is None:
+            return (
+                "on FlashInfer where every row is computed, on redknot's Triton kernel for the "
+                "rows in recovery (as runs they would read more keys than its tiles)"
+            )
+        return f"on FlashInfer (the rows in recovery as {state.runs.num_runs} runs)"
 
     def _samkv_choice(self, lid: int, q, left: SegmentReads) -> SegmentReads:
         """The reads that left recovery with SamKV's middle slots pointing at this layer's
