@@ -50,6 +50,7 @@ class FfnSchedule:
     held: torch.Tensor | None = None  # the rows the current layer computes
     target: torch.Tensor | None = None  # the rows the next layer computes
     full: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's (hidden, residual)
+    held_positions: torch.Tensor | None = None  # the positions of the rows ``held``
     left: int = 0  # token-layers left to the cache (nothing computed) in this forward
     last_layer: int = -1  # the model's last layer: rows are scattered back after it
 
@@ -57,7 +58,7 @@ class FfnSchedule:
         self.layer = -1
         self.rows.clear()
         self.skipped = 0
-        self.held = self.target = self.full = None
+        self.held = self.target = self.full = self.held_positions = None
         self.left = 0
 
     def current(self) -> torch.Tensor | None:
@@ -138,16 +139,17 @@ def around_decoder_layer(original, self, positions, hidden_states, forward_batch
                 sched.full[1][sched.held] = residual
             hidden_states = sched.full[0][target]
             residual = None if first else sched.full[1][target]
+            sched.held_positions = positions[target]  # gathered once, not once per layer
         sched.held = target
     sched.left += sched.full[0].shape[0] - target.numel()
     with phase("redknot.decoder_layer.rows_in_recovery"):
         hidden_states, residual = original(
-            self, positions[target], hidden_states, forward_batch, residual
+            self, sched.held_positions, hidden_states, forward_batch, residual
         )
     if _layer_id(self) != sched.last_layer:
         return hidden_states, residual
     full_h, full_r = sched.full
     full_h[target] = hidden_states
     full_r[target] = residual
-    sched.held = sched.target = sched.full = None
+    sched.held = sched.target = sched.full = sched.held_positions = None
     return full_h, full_r
