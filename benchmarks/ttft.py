@@ -76,6 +76,7 @@ SKIPPED = re.compile(
 
 RESTORE_LOG = re.compile(r"redknot restore: (\d+) local heads promoted")
 POLICY_LOG = re.compile(r"redknot policy \S+: .*?; (\d+) token-layers left to the cache")
+ATTENTION_LOG = re.compile(r"token-layers left to the cache; attention (.*)$")  # its kernels
 
 VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reuse, dense layers,
     #                   what becomes of a row that skips a deep FFN, token-level policy)
@@ -576,6 +577,9 @@ def main() -> None:
         if policy is not None:  # a policy skips no FFN itself
             found = [m for m in map(POLICY_LOG.search, lines) if m]
             results[name]["left_per_prompt"] = [int(m.group(1)) for m in found]
+            # which kernels attended each prompt (redknot.attention.segpaged_runner)
+            paths = [m.group(1) for m in map(ATTENTION_LOG.search, lines) if m]
+            results[name]["attention_per_prompt"] = paths
         if policy == "samkv":  # its FLOPs are the cut prompt's rows (samkv_work), not these
             results[name]["left_per_prompt"] = []
         print(name, json.dumps(results[name])[:400], flush=True)
