@@ -462,11 +462,11 @@ class SegPagedRunner:
         SCHEDULE.layer = lid
         with phase("redknot.held_rows"):
             held = self._held_rows(state)  # None: every row
-        if state.on_flashinfer and save_kv_cache and not layer.logit_cap:
-            if held is None or state.runs is not None:
-                out = self._extend_on_flashinfer(q, k, v, layer, fb, held)
-                self._after_attention(lid, q, k, v, layer, held, save_kv_cache)
-                return out
+        on_flashinfer = state.on_flashinfer and (held is None or state.runs is not None)
+        if on_flashinfer and save_kv_cache and not layer.logit_cap:
+            out = self._extend_on_flashinfer(q, k, v, layer, fb, held)
+            self._after_attention(lid, q, k, v, layer, held, save_kv_cache)
+            return out
         if held is not None:  # q stays as it is: the gathered plan reads and writes held rows
             with phase("redknot.spread"):
                 k, v = self._spread(k, held), self._spread(v, held)
@@ -556,9 +556,7 @@ class SegPagedRunner:
                     dst_heads=heads.heads,
                 )  # fmt: skip
         with phase("redknot.extend_kernel"):
-            out = self.runs_attention.run(
-                q, pool.k_global[lid], pool.v_global[lid], layer.scaling
-            )
+            out = self.runs_attention.run(q, pool.k_global[lid], pool.v_global[lid], layer.scaling)
         return out.flatten(1)
 
     def _restore(self, lid: int, q, k, v, fresh, held: HeldRows | None, scale: float) -> None:

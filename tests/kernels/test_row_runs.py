@@ -48,8 +48,10 @@ def test_runs_are_the_maximal_stretches_of_consecutive_rows_of_one_request():
 
 def test_no_held_row_gives_no_run():
     runs = row_runs(torch.zeros(5, dtype=torch.bool), torch.tensor([0, 5]), torch.tensor([3]))
-    assert runs.num_runs == 0 and runs.qo_indptr.tolist() == [0] and not runs_pay(
-        runs, [0], torch.tensor([0, 5]), torch.tensor([3]), 32
+    assert (
+        runs.num_runs == 0
+        and runs.qo_indptr.tolist() == [0]
+        and not runs_pay(runs, [0], torch.tensor([0, 5]), torch.tensor([3]), 32)
     )
 
 
