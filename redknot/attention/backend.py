@@ -20,7 +20,7 @@ layer FlashInfer ran, the segments' rows of the layer's new K/V are written to t
 keys rotated back to positions from 0 when captured after a context), as the SegPaged path
 writes them. A plain extend that reuses segments under such a policy attends on FlashInfer too:
 its layers that compute every row through SGLang's FlashInfer extend, those that compute only
-the rows in recovery as runs of consecutive rows (``redknot.kernels.row_runs``;
+the rows in recovery in runs or blocks of rows (``redknot.kernels.held_rows``;
 ``SegPagedRunner.use_flashinfer`` says when the Triton kernel stays). (Before, such a server ran every batch on the SegPaged kernels and answered
 SmolLM2's unmarked 512-2K-token prompts 1.1-1.7x slower than a dense server, H100;
 docs/performance.md.)
@@ -137,12 +137,12 @@ def _flashinfer(model_runner: ModelRunner) -> AttentionBackend:
     return FlashInferAttnBackend(model_runner, init_new_workspace=model_runner.init_new_workspace)
 
 
-def _runs_attention(model_runner: ModelRunner, layout, dense: AttentionBackend):
+def _held_attention(model_runner: ModelRunner, layout, dense: AttentionBackend):
     """FlashInfer over the rows a token policy's reusing extend still computes
-    (``redknot.kernels.row_runs``), on the dense backend's workspace and prefill kernels."""
-    from redknot.kernels.row_runs import RunsAttention
+    (``redknot.kernels.held_rows``), on the dense backend's workspace and prefill kernels."""
+    from redknot.kernels.held_rows import HeldRowsAttention
 
-    return RunsAttention(
+    return HeldRowsAttention.on_flashinfer(
         dense.workspace_buffer, layout.num_q_heads, layout.num_kv_heads, layout.head_dim,
         model_runner.dtype, backend=getattr(dense, "prefill_backend", "auto"),
     )  # fmt: skip
@@ -198,7 +198,7 @@ class RedknotAttnBackend(AttentionBackend):
                 self.dense = _flashinfer(model_runner)
                 if self.segpaged.policy is not None and self.segpaged.pool.segments is not None:
                     self.segpaged.use_flashinfer(
-                        self.dense, _runs_attention(model_runner, self.layout, self.dense)
+                        self.dense, _held_attention(model_runner, self.layout, self.dense)
                     )
         self.dense_batch = self.segpaged is None  # the batch being run goes to FlashInfer
         self.lfps_pool = model_runner.token_to_kv_pool

@@ -37,12 +37,12 @@ class ExtendState:
     keep_cpu: torch.Tensor | None = None  # token policies: [T] bool, rows computed (when some left)
     samkv: object | None = None  # redknot.recovery.samkv.served.BatchChoice
     # Token policies on FlashInfer (SegPagedRunner.use_flashinfer): layers computing every row
-    # run SGLang's FlashInfer extend; layers computing the held rows run them as runs
-    # (redknot.kernels.row_runs) when ``runs`` (planned when rows left; else the Triton kernel)
+    # run SGLang's FlashInfer extend; layers computing the held rows attend them as planned
+    # when rows left (redknot.kernels.held_rows: RowRuns or RowBlocks)
     on_flashinfer: bool = False
-    runs: object | None = None  # redknot.kernels.row_runs.RowRuns
+    held_plan: object | None = None
     out_cache_loc: torch.Tensor | None = None  # [T] the batch rows' token slots
-    held_loc: torch.Tensor | None = None  # [A] the held rows' token slots (with runs)
+    held_loc: torch.Tensor | None = None  # [A] the held rows' token slots
     left_loc: torch.Tensor | None = None  # [N] the token slots of the rows that left
 
 

@@ -37,7 +37,6 @@ from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_dev
 from redknot.kernels.geometry import LayerHeads, SegGeometry, num_sms
 from redknot.kernels.key_mass import key_mass, query_heads
 from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
-from redknot.kernels.row_runs import row_runs, runs_pay
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 from redknot.recovery.cacheblend import kv_deviation
@@ -131,10 +130,9 @@ class SegPagedRunner:
         self.tp_size = 1
         self.samkv_graphs = True  # SamKV's choice replayed as a CUDA graph (ChoiceReplay)
         # Token policies' reusing extends on FlashInfer (use_flashinfer): SGLang's FlashInfer
-        # backend, and the held rows' attention as runs (redknot.kernels.row_runs.RunsAttention)
+        # backend, and the held rows' attention (redknot.kernels.held_rows.HeldRowsAttention)
         self.flashinfer = None
-        self.runs_attention = None
-        self.runs_rule = runs_pay  # whether a batch's held rows run as runs (tests force it)
+        self.held_attention = None
         self._arange = torch.arange(max_context_len, device=device)
         self.decode_plan = None
         self.decode_rows: torch.Tensor | None = None  # [B] int64 ring rows of the new tokens
@@ -174,16 +172,15 @@ class SegPagedRunner:
                 "--redknot-segment-fraction 0 to serve without cached segments"
             )
 
-    def use_flashinfer(self, dense, runs_attention) -> None:
+    def use_flashinfer(self, dense, held_attention) -> None:
         """Run the attention of a token policy's reusing extends on FlashInfer (every head
-        global; ``dense``: SGLang's FlashInfer backend over the same pool; ``runs_attention``:
-        a :class:`redknot.kernels.row_runs.RunsAttention`). A layer that computes every row
-        runs SGLang's FlashInfer extend on the layer's K/V; a layer that computes only the held
-        rows writes their K/V and the left rows' cached, re-aligned K/V into the pool, then
-        attends the held rows as runs (:meth:`_extend_on_flashinfer`). Batches that register
-        or capture segments, or whose runs would read more keys than the Triton kernel's
-        tiles, keep the Triton kernel (:meth:`_serves_on_flashinfer`, ``runs_pay``)."""
-        self.flashinfer, self.runs_attention = dense, runs_attention
+        global; ``dense``: SGLang's FlashInfer backend over the same pool; ``held_attention``:
+        a :class:`redknot.kernels.held_rows.HeldRowsAttention`). A layer that computes every
+        row runs SGLang's FlashInfer extend on the layer's K/V; a layer that computes only the
+        held rows writes their K/V and the left rows' cached, re-aligned K/V into the pool,
+        then attends the held rows, as runs or blocks (:meth:`_extend_on_flashinfer`). Batches
+        that register or capture segments keep the Triton kernel (:meth:`_serves_on_flashinfer`)."""
+        self.flashinfer, self.held_attention = dense, held_attention
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -344,7 +341,7 @@ class SegPagedRunner:
         token policy's reuse (not SamKV's, whose rows change per layer) in a plain extend
         batch that neither writes segments, captures a snapshot, keeps ring rows nor restores."""
         return (
-            self.runs_attention is not None
+            self.held_attention is not None
             and state.segment_reads is not None
             and self.policy is not None
             and self.policy.name != "samkv"
@@ -356,16 +353,14 @@ class SegPagedRunner:
             and state.restore is None
         )
 
-    def _plan_runs(self, keep_cpu: torch.Tensor, counts: list[int]) -> None:
-        """Rows left recovery in a batch on FlashInfer: plan the held rows' runs, or keep the
-        Triton kernel for the held layers where the runs would read more keys."""
+    def _plan_held(self, keep_cpu: torch.Tensor) -> None:
+        """Rows left recovery in a batch on FlashInfer: plan the held rows' attention (blocks
+        of the Triton kernel's tile size where runs would read more keys) and their slots."""
         state, plan = self.extend_state, self.extend_state.plan
-        runs = row_runs(keep_cpu, plan.qo_indptr_cpu, plan.prefix_lens_cpu)
-        block_q = plan.config.block_q(self.layout.group_size)
-        if not self.runs_rule(runs, counts, plan.qo_indptr_cpu, plan.prefix_lens_cpu, block_q):
-            return
-        self.runs_attention.plan(runs, plan.req_pool_indices_gpu, self.req_to_token)
-        state.runs = runs
+        state.held_plan = self.held_attention.plan(
+            keep_cpu, plan.qo_indptr_cpu, plan.prefix_lens_cpu, plan.req_pool_indices_gpu,
+            self.req_to_token, plan.config.block_q(self.layout.group_size),
+        )  # fmt: skip
         state.held_loc = state.out_cache_loc[state.held.rows]
         state.left_loc = state.out_cache_loc[state.held.left.tokens_gpu]
 
@@ -462,8 +457,7 @@ class SegPagedRunner:
         SCHEDULE.layer = lid
         with phase("redknot.held_rows"):
             held = self._held_rows(state)  # None: every row
-        on_flashinfer = state.on_flashinfer and (held is None or state.runs is not None)
-        if on_flashinfer and save_kv_cache and not layer.logit_cap:
+        if state.on_flashinfer and save_kv_cache and not layer.logit_cap:
             out = self._extend_on_flashinfer(q, k, v, layer, fb, held)
             self._after_attention(lid, q, k, v, layer, held, save_kv_cache)
             return out
@@ -556,7 +550,7 @@ class SegPagedRunner:
                     dst_heads=heads.heads,
                 )  # fmt: skip
         with phase("redknot.extend_kernel"):
-            out = self.runs_attention.run(q, pool.k_global[lid], pool.v_global[lid], layer.scaling)
+            out = self.held_attention.run(q, pool.k_global[lid], pool.v_global[lid], layer.scaling)
         return out.flatten(1)
 
     def _restore(self, lid: int, q, k, v, fresh, held: HeldRows | None, scale: float) -> None:
@@ -764,7 +758,7 @@ class SegPagedRunner:
             self._hold(to_device(keep_cpu, device), counts, to_device(leaving, device),
                        int(leaving.sum()))  # fmt: skip
             if state.on_flashinfer:
-                self._plan_runs(keep_cpu, counts)
+                self._plan_held(keep_cpu)
 
     def _blend(self, lid: int, k, v, reads: SegmentReads) -> None:
         """CacheBlend's choice in its check layer: the KV deviation of every reused token's
@@ -839,14 +833,9 @@ class SegPagedRunner:
         """Which kernels attended this extend (its policy's log line)."""
         if not state.on_flashinfer:
             return "on redknot's Triton kernel"
-        if state.held is None:
+        if state.held_plan is None:
             return "on FlashInfer"
-        if state.runs is None:
-            return (
-                "on FlashInfer where every row is computed, on redknot's Triton kernel for the "
-                "rows in recovery (as runs they would read more keys than its tiles)"
-            )
-        return f"on FlashInfer (the rows in recovery as {state.runs.num_runs} runs)"
+        return f"on FlashInfer ({state.held_plan.describe()})"
 
     def _samkv_choice(self, lid: int, q, left: SegmentReads) -> SegmentReads:
         """The reads that left recovery with SamKV's middle slots pointing at this layer's

@@ -14,7 +14,12 @@ import torch
 
 from redknot.attention.ffn_schedule import SCHEDULE
 from redknot.attention.token_policy import TokenPolicy, kept_rows
-from redknot.kernels.row_runs import row_runs, run_kv_indices, runs_attention_reference
+from redknot.kernels.held_rows import (
+    HeldRowsAttention,
+    PagedPrefillReference,
+    held_rows_reference,
+    merge_state_reference,
+)
 from redknot.recovery.cacheblend import blend_count
 
 from .test_segpaged_runner import D
@@ -129,8 +134,7 @@ POLICIES = [
 
 class FlashInferStandIn:
     """SGLang's FlashInfer backend as the runner uses it (``init_forward_metadata``, then
-    ``forward_extend`` storing the K/V and attending every row), in PyTorch: one run per
-    request over the pool."""
+    ``forward_extend`` storing the K/V and attending every row), in PyTorch."""
 
     def __init__(self, world):
         self.world, self.planned, self.fb = world, 0, None
@@ -146,39 +150,25 @@ class FlashInferStandIn:
         w.pool.set_kv_buffer(layer, fb.out_cache_loc, k.view(-1, H, D), v.view(-1, H, D))
         qo = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
         qo[1:] = torch.cumsum(torch.tensor(fb.extend_seq_lens_cpu), 0)
-        runs = row_runs(torch.ones(int(qo[-1]), dtype=torch.bool), qo,
-                        torch.tensor(fb.extend_prefix_lens_cpu))  # fmt: skip
-        kv = run_kv_indices(runs, fb.req_pool_indices, w.req_to_token)
-        out = runs_attention_reference(
-            q.view(-1, Hq, D), w.pool.k_global[lid], w.pool.v_global[lid], runs, kv, layer.scaling
-        )
+        out = held_rows_reference(
+            q.view(-1, Hq, D), w.pool.k_global[lid], w.pool.v_global[lid],
+            torch.ones(int(qo[-1]), dtype=torch.bool), qo,
+            torch.tensor(fb.extend_prefix_lens_cpu), fb.req_pool_indices, w.req_to_token,
+            layer.scaling,
+        )  # fmt: skip
         return out.view(-1, Hq * D)
-
-
-class RunsStandIn:
-    """``RunsAttention`` with its PyTorch reference."""
-
-    def __init__(self):
-        self.plans = []
-
-    def plan(self, runs, req_pool_indices, req_to_token):
-        self.plans.append(runs)
-        self.runs, self.kv = runs, run_kv_indices(runs, req_pool_indices, req_to_token)
-
-    def run(self, q, k_cache, v_cache, scale, logit_cap=0.0):
-        return runs_attention_reference(q, k_cache, v_cache, self.runs, self.kv, scale, logit_cap)
 
 
 @pytest.mark.parametrize("name, knobs", POLICIES)
 @pytest.mark.parametrize("question", [5, 0])  # 0: the prompt ends inside the segment
-@pytest.mark.parametrize("on_flashinfer", [None, "pay", "runs"])
+@pytest.mark.parametrize("on_flashinfer", [None, "auto", "runs", "blocks"])
 def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, on_flashinfer,
                                                      caplog):  # fmt: skip
     """The policy's rule, served on redknot's Triton kernel (None) or on FlashInfer, the held
-    rows as runs where they pay (at these sizes one tile of the Triton kernel holds every
-    row, so they never do) or always ("runs"). FlashInfer is stood in for by the PyTorch
-    references: the runner's planning, pool writes and runs are what is checked; the kernels
-    against the references in tests/kernels/test_row_runs.py."""
+    rows in runs or blocks as they pay ("auto") or always one of them. FlashInfer's wrapper is
+    stood in for by its semantics in PyTorch (``redknot.kernels.held_rows``): the runner's
+    planning, pool writes, runs, blocks and merge are what is checked here, FlashInfer's
+    kernels against the reference in tests/kernels/test_held_rows.py."""
     from redknot.kernels.rope_reference import delta_rotate
     from redknot.segcache.reuse import SegmentUse
 
@@ -188,10 +178,13 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, on_f
 
     w.runner.policy = policy
     if on_flashinfer:
-        dense, runs = FlashInferStandIn(w), RunsStandIn()
-        w.runner.use_flashinfer(dense, runs)
-        if on_flashinfer == "runs":
-            w.runner.runs_rule = lambda runs, *_: runs.num_runs > 0
+        fi = FlashInferStandIn(w)
+        held = HeldRowsAttention(
+            PagedPrefillReference, merge_state_reference, w.layout.num_q_heads,
+            w.layout.num_kv_heads, D, torch.bfloat16,
+            force=None if on_flashinfer == "auto" else on_flashinfer,
+        )  # fmt: skip
+        w.runner.use_flashinfer(fi, held)
     w.pool.cache.segments.acquire(entry)
     w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
     with caplog.at_level("INFO", logger="redknot.attention.segpaged_runner"):
@@ -205,14 +198,15 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, on_f
     if not on_flashinfer:
         assert line.endswith("attention on redknot's Triton kernel")
     elif not history[-1].any():  # nothing left: every layer on SGLang's FlashInfer extend
-        assert line.endswith("attention on FlashInfer") and dense.planned == 1 and not runs.plans
-    elif on_flashinfer == "runs":  # the held rows as runs
-        assert line.endswith(f"(the rows in recovery as {runs.plans[0].num_runs} runs)")
-        # planned once, when rows left; FlashInfer's extend planned only where a layer
-        # computes every row (CacheBlend and SparseX below their choice)
-        assert len(runs.plans) == 1 and dense.planned == (name in ("cacheblend", "sparsex"))
-    else:
-        assert "as runs they would read more keys" in line and not runs.plans
+        assert line.endswith("attention on FlashInfer") and fi.planned == 1
+        assert held.plan_of is None
+    else:  # planned once, when rows left, as forced or as it pays
+        assert line.endswith(f"attention on FlashInfer ({held.plan_of.describe()})")
+        kind = {"runs": "RowRuns", "blocks": "RowBlocks"}.get(on_flashinfer)
+        assert kind is None or type(held.plan_of).__name__ == kind
+        # FlashInfer's extend planned only where a layer computes every row (CacheBlend and
+        # SparseX below their choice)
+        assert fi.planned == (name in ("cacheblend", "sparsex"))
 
     dense = {  # the policy keeps every row
         "naive": False,
