@@ -217,7 +217,7 @@ def held_rows_reference(
     """The held rows' attention in float32 PyTorch, row by row of each request (``q``:
     ``[A, Hq, D]`` the rows ``keep`` marks; ``k_cache``, ``v_cache``: ``[S, H, D]`` token
     slots): each row over its request's keys at or before its position."""
-    rows, req, pos = _held(keep, qo_indptr, prefix_lens)
+    _, req, pos = _held(keep, qo_indptr, prefix_lens)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     group = q.shape[1] // k_cache.shape[1]
     rpi = req_pool_indices.tolist()
@@ -347,7 +347,7 @@ class HeldRowsAttention:
         blocks = row_blocks(keep, qo_indptr, prefix_lens, block_rows)
         use_runs = runs_pay(runs, blocks) if self.force is None else self.force == "runs"
         Hq, H, D = self.heads
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
+        common = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "non_blocking": True}
         if use_runs:
             kv = slot_lists(runs.request, torch.zeros_like(runs.request), runs.kv_lens,
                             req_pool_indices, req_to_token)  # fmt: skip
