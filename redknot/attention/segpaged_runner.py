@@ -178,8 +178,9 @@ class SegPagedRunner:
         a :class:`redknot.kernels.held_rows.HeldRowsAttention`). A layer that computes every
         row runs SGLang's FlashInfer extend on the layer's K/V; a layer that computes only the
         held rows writes their K/V and the left rows' cached, re-aligned K/V into the pool,
-        then attends the held rows, as runs or blocks (:meth:`_extend_on_flashinfer`). Batches
-        that register or capture segments keep the Triton kernel (:meth:`_serves_on_flashinfer`)."""
+        then attends the held rows as runs (:meth:`_extend_on_flashinfer`). Batches that
+        register or capture segments keep the Triton kernel (:meth:`_serves_on_flashinfer`), and
+        held rows that runs do not suit (``redknot.kernels.held_rows.runs_pay``) too."""
         self.flashinfer, self.held_attention = dense, held_attention
 
     # ---- planning ----------------------------------------------------------------------------
@@ -354,15 +355,16 @@ class SegPagedRunner:
         )
 
     def _plan_held(self, keep_cpu: torch.Tensor) -> None:
-        """Rows left recovery in a batch on FlashInfer: plan the held rows' attention (blocks
-        of the Triton kernel's tile size where runs would read more keys) and their slots."""
+        """Rows left recovery in a batch on FlashInfer: plan the held rows' attention as runs,
+        and their slots; where runs do not pay, the held layers keep the Triton kernel."""
         state, plan = self.extend_state, self.extend_state.plan
         state.held_plan = self.held_attention.plan(
             keep_cpu, plan.qo_indptr_cpu, plan.prefix_lens_cpu, plan.req_pool_indices_gpu,
             self.req_to_token, plan.config.block_q(self.layout.group_size),
         )  # fmt: skip
-        state.held_loc = state.out_cache_loc[state.held.rows]
-        state.left_loc = state.out_cache_loc[state.held.left.tokens_gpu]
+        if state.held_plan is not None:
+            state.held_loc = state.out_cache_loc[state.held.rows]
+            state.left_loc = state.out_cache_loc[state.held.left.tokens_gpu]
 
     def _plan_samkv(self, rpis: list[int], prefix_cpu, lens_cpu) -> None:
         """SamKV's inputs of every layer's choice (``redknot.recovery.samkv.served``), after
@@ -457,7 +459,8 @@ class SegPagedRunner:
         SCHEDULE.layer = lid
         with phase("redknot.held_rows"):
             held = self._held_rows(state)  # None: every row
-        if state.on_flashinfer and save_kv_cache and not layer.logit_cap:
+        on_flashinfer = state.on_flashinfer and (held is None or state.held_plan is not None)
+        if on_flashinfer and save_kv_cache and not layer.logit_cap:
             out = self._extend_on_flashinfer(q, k, v, layer, fb, held)
             self._after_attention(lid, q, k, v, layer, held, save_kv_cache)
             return out
@@ -833,8 +836,13 @@ class SegPagedRunner:
         """Which kernels attended this extend (its policy's log line)."""
         if not state.on_flashinfer:
             return "on redknot's Triton kernel"
-        if state.held_plan is None:
+        if state.held is None:
             return "on FlashInfer"
+        if state.held_plan is None:
+            return (
+                "on FlashInfer where every row is computed, on redknot's Triton kernel for the "
+                "rows in recovery (as runs they would read over twice its tiles' keys)"
+            )
         return f"on FlashInfer ({state.held_plan.describe()})"
 
     def _samkv_choice(self, lid: int, q, left: SegmentReads) -> SegmentReads:

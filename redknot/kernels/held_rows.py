@@ -19,7 +19,12 @@ ends, and the held rows are cut to fit that, one of two ways, chosen per batch:
   ``rows x span`` bits). The two partial results are merged by their log-sum-exp (FlashInfer's
   ``merge_state_in_place``). Three launches a layer.
 
-Both are exact: each row attends the keys at or before its position and no other.
+Both are exact: each row attends the keys at or before its position and no other. The server
+plans runs only (``blocks=False``: rows that runs do not suit stay on the Triton extend kernel).
+Blocks were measured slower there: CacheBlend's reusing prompt of 32K x 8 took 374 ms with its
+held layers in blocks on FlashInfer's FA2 paged prefill against 305 ms on the Triton kernel, and
+1,028 ms against 862 ms at 64K (one H100 each, two engines of two calls at cb2607e and 5266acc:
+``benchmarks/results/ttft_held_rows_blocks_h100_cb2607e.json``, ``docs/performance.md``).
 :func:`held_rows_reference` is the PyTorch reference; :class:`PagedPrefillReference` stands in
 for FlashInfer's wrapper (its semantics, in PyTorch) so that the decomposition, the masks and
 the merge run on the CPU in the tests; the GPU tests compare FlashInfer itself.
@@ -308,11 +313,12 @@ class HeldRowsAttention:
     ``merge_state_in_place`` (or :func:`merge_state_reference`)."""
 
     def __init__(self, wrapper, merge, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, force: str | None = None) -> None:  # fmt: skip
+                 dtype: torch.dtype, blocks: bool = False, force: str | None = None) -> None:  # fmt: skip
         self.runs_wrapper, self.before, self.within = wrapper(), wrapper(), wrapper()
         self.merge = merge
         self.heads = (num_q_heads, num_kv_heads, head_dim)
         self.dtype = dtype
+        self.blocks = blocks  # plan blocks where runs do not pay (else: None, the caller's kernel)
         self.force = force  # "runs" or "blocks": that decomposition whatever pays (tests)
         self.plan_of: RowRuns | RowBlocks | None = None
         self._merge_mask: torch.Tensor | None = None
@@ -339,13 +345,17 @@ class HeldRowsAttention:
         req_pool_indices: torch.Tensor,
         req_to_token: torch.Tensor,
         block_rows: int,
-    ) -> RowRuns | RowBlocks:
+    ) -> RowRuns | RowBlocks | None:
         """Plan the held rows ``keep`` (``[T]`` bool, host) of a batch (request ``b``: rows
         ``qo_indptr[b] ..`` after ``prefix_lens[b]`` cached tokens, slot
-        ``req_pool_indices[b]`` on the device). Host work only; returns the decomposition."""
+        ``req_pool_indices[b]`` on the device). Host work only; returns the decomposition, or
+        None where runs do not pay and blocks are off (the caller attends them itself)."""
         runs = row_runs(keep, qo_indptr, prefix_lens)
         blocks = row_blocks(keep, qo_indptr, prefix_lens, block_rows)
         use_runs = runs_pay(runs, blocks) if self.force is None else self.force == "runs"
+        self.plan_of = None
+        if not use_runs and not (self.blocks or self.force == "blocks"):
+            return None
         Hq, H, D = self.heads
         common = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "non_blocking": True}
         if use_runs:

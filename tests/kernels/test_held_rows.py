@@ -162,7 +162,7 @@ def test_runs_and_blocks_equal_the_reference(force, density, block_rows):
     at position 0 left out of the merge), FlashInfer's semantics stood in for in PyTorch."""
     q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token = _case(5, density)
     held = HeldRowsAttention(PagedPrefillReference, merge_state_reference, 8, 2, 16,
-                             torch.float64, force=force)  # fmt: skip
+                             torch.float64, blocks=True, force=force)  # fmt: skip
     plan = held.plan(keep, qo, pre, rpi, req_to_token, block_rows)
     assert type(plan).__name__ == {"runs": "RowRuns", "blocks": "RowBlocks"}.get(
         force, type(plan).__name__
@@ -170,6 +170,17 @@ def test_runs_and_blocks_equal_the_reference(force, density, block_rows):
     out = held.run(q, k_cache, v_cache, 0.3)
     want = held_rows_reference(q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token, 0.3)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_without_blocks_rows_that_runs_do_not_suit_are_left_to_the_caller():
+    q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token = _case(5, 0.5)
+    assert row_runs(keep, qo, pre).keys_read > 2 * row_blocks(keep, qo, pre, 8).keys_read
+    for blocks, want in ((False, None), (True, "RowBlocks")):
+        held = HeldRowsAttention(PagedPrefillReference, merge_state_reference, 8, 2, 16,
+                                 torch.float64, blocks=blocks)  # fmt: skip
+        plan = held.plan(keep, qo, pre, rpi, req_to_token, 8)
+        assert (plan if plan is None else type(plan).__name__) == want
+        assert held.plan_of is plan
 
 
 def test_the_merge_combines_two_key_sets_and_skips_masked_rows():
@@ -225,7 +236,7 @@ def test_flashinfer_equals_the_reference_at_the_8b_shape(held_set, force):
     q = torch.randn(int(keep.sum()), 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     held = HeldRowsAttention.on_flashinfer(workspace, 32, 8, 128, torch.bfloat16, "fa2")
-    held.force = force
+    held.force, held.blocks = force, True
     plan = held.plan(keep, qo, pre, rpi, req_to_token, 32)
     if force is None:  # runs pay for the EPIC-like rows only
         assert type(plan).__name__ == ("RowRuns" if held_set == "epic" else "RowBlocks")
