@@ -173,7 +173,7 @@ def test_runs_and_blocks_equal_the_reference(force, density, block_rows):
 
 
 def test_without_blocks_rows_that_runs_do_not_suit_are_left_to_the_caller():
-    q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token = _case(5, 0.5)
+    *_, keep, qo, pre, rpi, req_to_token = _case(5, 0.5)
     assert row_runs(keep, qo, pre).keys_read > 2 * row_blocks(keep, qo, pre, 8).keys_read
     for blocks, want in ((False, None), (True, "RowBlocks")):
         held = HeldRowsAttention(PagedPrefillReference, merge_state_reference, 8, 2, 16,
