@@ -22,9 +22,10 @@ ends, and the held rows are cut to fit that, one of two ways, chosen per batch:
 Both are exact: each row attends the keys at or before its position and no other. The server
 plans runs only (``blocks=False``: rows that runs do not suit stay on the Triton extend kernel).
 Blocks were measured slower there: CacheBlend's reusing prompt of 32K x 8 took 374 ms with its
-held layers in blocks on FlashInfer's FA2 paged prefill against 305 ms on the Triton kernel, and
-1,028 ms against 862 ms at 64K (one H100 each, two engines of two calls at cb2607e and 5266acc:
-``benchmarks/results/ttft_held_rows_blocks_h100_cb2607e.json``, ``docs/performance.md``).
+rows in recovery in blocks on FlashInfer's FA2 paged prefill, against 305 ms on the Triton
+kernel (one H100 each, two calls: ``benchmarks/results/archive/
+ttft_held_rows_blocks_h100_cb2607e.json`` and ``ttft_token_policies_flashinfer_h100.json``).
+
 :func:`held_rows_reference` is the PyTorch reference; :class:`PagedPrefillReference` stands in
 for FlashInfer's wrapper (its semantics, in PyTorch) so that the decomposition, the masks and
 the merge run on the CPU in the tests; the GPU tests compare FlashInfer itself.
@@ -32,6 +33,8 @@ the merge run on the CPU in the tests; the GPU tests compare FlashInfer itself.
 Why this exists next to ``segpaged_extend_kernel``: at 32K x 8 that kernel took 0.52 ms a
 layer for EPIC's ~200 rows (``benchmarks/results/profile_epic_h100_db7fbc3.json``), the largest
 part of the reusing prompt's GPU time, where FlashInfer splits each request's keys over the SMs.
+As runs, EPIC's 32K x 8 prompt went from 55.2 to 44.6 ms on one H100
+(``benchmarks/results/ttft_ab_epic_runs_h100.json``).
 
 >>> held = HeldRowsAttention.on_flashinfer(workspace, num_q_heads, num_kv_heads, head_dim, dtype)
 >>> held.plan(keep_cpu, qo_indptr_cpu, prefix_lens_cpu, req_pool_indices, req_to_token, 32)
