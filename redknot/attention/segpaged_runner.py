@@ -358,10 +358,16 @@ class SegPagedRunner:
         """Rows left recovery in a batch on FlashInfer: plan the held rows' attention as runs,
         and their slots; where runs do not pay, the held layers keep the Triton kernel."""
         state, plan = self.extend_state, self.extend_state.plan
-        state.held_plan = self.held_attention.plan(
-            keep_cpu, plan.qo_indptr_cpu, plan.prefix_lens_cpu, plan.req_pool_indices_gpu,
-            self.req_to_token, plan.config.block_q(self.layout.group_size),
-        )  # fmt: skip
+        try:
+            state.held_plan = self.held_attention.plan(
+                keep_cpu, plan.qo_indptr_cpu, plan.prefix_lens_cpu, plan.req_pool_indices_gpu,
+                self.req_to_token, plan.config.block_q(self.layout.group_size),
+            )  # fmt: skip
+        except RuntimeError as e:  # served on the Triton kernel from here on, said once
+            self.held_attention = None
+            logger.warning("redknot: planning the rows in recovery on FlashInfer failed (%s); "
+                           "they attend on redknot's Triton kernel from now on", e)  # fmt: skip
+            return
         if state.held_plan is not None:
             state.held_loc = state.out_cache_loc[state.held.rows]
             state.left_loc = state.out_cache_loc[state.held.left.tokens_gpu]
@@ -839,9 +845,14 @@ class SegPagedRunner:
         if state.held is None:
             return "on FlashInfer"
         if state.held_plan is None:
+            why = (
+                "its plan on FlashInfer failed"
+                if self.held_attention is None
+                else "as runs they would read over twice its tiles' keys"
+            )
             return (
                 "on FlashInfer where every row is computed, on redknot's Triton kernel for the "
-                "rows in recovery (as runs they would read over twice its tiles' keys)"
+                f"rows in recovery ({why})"
             )
         return f"on FlashInfer ({state.held_plan.describe()})"
 

@@ -468,9 +468,71 @@ def check_backend(backend: Any, model_runner: Any, skip: bool) -> None:
             check_choice(served.device, check_votes=segpaged.tp_size > 1)
         if segpaged is not None and segpaged.rope is not None:
             check_reuse_kernels(segpaged, served)
+        if segpaged is not None and segpaged.held_attention is not None:
+            check_held_rows(segpaged.held_attention, served)
         _passed.add(key)
         if served.device.type == "cuda":
             torch.cuda.empty_cache()  # the check's tensors, before CUDA-graph capture sizes memory
+
+
+def check_held_rows(held: Any, served: ServedAttention, seed: int = 0) -> None:
+    """The attention of a token policy's rows in recovery on FlashInfer
+    (``redknot.kernels.held_rows``, as runs: what the server plans) against its PyTorch
+    reference, on two synthetic requests (one after a cached prefix) holding the first 16
+    rows of each of three segments and a question, in the served dtype and device. Raises
+    ``StartupCheckError``."""
+    from redknot.kernels.extend import ExtendConfig
+    from redknot.kernels.held_rows import RowRuns, held_rows_reference
+
+    lay = served.layout
+    hq, hk, d = lay.num_q_heads, lay.num_kv_heads, lay.head_dim
+    g = torch.Generator().manual_seed(seed)
+    prefix, lens = [37, 0], [3 * 96 + 24, 2 * 96 + 24]
+    keep = torch.zeros(sum(lens), dtype=torch.bool)
+    qo = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    for b, n in enumerate(lens):
+        for start in range(0, n - 24, 96):
+            keep[int(qo[b]) + start : int(qo[b]) + start + 16] = True
+        keep[int(qo[b + 1]) - 24 : int(qo[b + 1])] = True
+    width = max(p + n for p, n in zip(prefix, lens))
+    req_to_token = torch.randperm(2 * width, generator=g).view(2, width).to(torch.int32)
+    dev = served.device
+    req_to_token, rpi = req_to_token.to(dev), torch.tensor([1, 0], device=dev)
+    q = torch.randn((int(keep.sum()), hq, d), generator=g).to(served.dtype).to(dev)
+    k, v = (torch.randn((2 * width, hk, d), generator=g).to(served.dtype).to(dev) for _ in "kv")
+    scale = served.layer(0).scaling
+    tol = TOLERANCE.get(served.dtype, TOLERANCE[torch.bfloat16])
+    try:
+        plan = held.plan(keep, qo, torch.tensor(prefix, dtype=torch.int32), rpi, req_to_token,
+                         ExtendConfig().block_q(lay.group_size))  # fmt: skip
+        if not isinstance(plan, RowRuns):
+            raise TypeError(f"planned {type(plan).__name__} where runs pay")
+        out = held.run(q, k, v, scale)
+    except Exception as e:
+        raise StartupCheckError(
+            f"redknot startup check could not run the rows in recovery on FlashInfer "
+            f"(redknot/kernels/held_rows.py) for {served.describe()}: {type(e).__name__}: {e}. "
+            f"{_HELD_HINT} {SKIP_HINT}"
+        ) from e
+    ref = held_rows_reference(q, k, v, keep, qo, torch.tensor(prefix), rpi, req_to_token, scale)
+    max_err, _, bad, _ = compare(out, ref.float(), tol)
+    if bad:
+        raise StartupCheckError(
+            f"redknot startup check failed for {served.describe()}: the rows in recovery on "
+            f"FlashInfer (redknot/kernels/held_rows.py, {plan.describe()}) differ from the "
+            f"reference: max |out - ref| {max_err:.3g}, {bad} values beyond {tol:g} + {tol:g} "
+            f"* |ref|. {_HELD_HINT} {SKIP_HINT}"
+        )
+    logger.info(
+        "redknot startup check passed: a token policy's rows in recovery on FlashInfer (%s) "
+        "match the reference; max |out - ref| %.2g", plan.describe(), max_err,
+    )  # fmt: skip
+
+
+_HELD_HINT = (
+    "Reusing prompts would be computed wrong on this device: serve with --redknot-kernel triton "
+    "(redknot's Triton kernels for every reusing prompt)."
+)
 
 
 def check_choice(device: torch.device, check_votes: bool = False, seed: int = 0) -> None:

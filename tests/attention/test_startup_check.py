@@ -375,3 +375,33 @@ def test_an_offloading_backend_checks_the_path_over_host_memory(monkeypatch):
     startup_check.check_backend(backend, None, skip=False)
     assert ran == ["offload", "dense"]
     assert "pinned host memory" in startup_check.PATH_NAMES["offload"]
+
+
+def test_the_rows_in_recovery_on_flashinfer_are_checked_against_the_reference():
+    """``check_held_rows`` with FlashInfer's wrapper stood in for by its PyTorch semantics:
+    it passes, and fails loudly when the attention is wrong (a wrapper that halves the
+    scale) or when what it plans is not runs."""
+    from redknot.attention.startup_check import check_held_rows
+    from redknot.kernels.held_rows import (
+        HeldRowsAttention,
+        PagedPrefillReference,
+        merge_state_reference,
+    )
+
+    served = _served(classes=("GG", "GG"))
+    lay = served.layout
+
+    def held(wrapper=PagedPrefillReference, **kw):
+        return HeldRowsAttention(wrapper, merge_state_reference, lay.num_q_heads,
+                                 lay.num_kv_heads, lay.head_dim, served.dtype, **kw)  # fmt: skip
+
+    check_held_rows(held(), served)
+
+    class HalfScale(PagedPrefillReference):
+        def forward(self, q, paged_kv, causal=False, sm_scale=None, logits_soft_cap=None):
+            return super().forward(q, paged_kv, causal, sm_scale / 2, logits_soft_cap)
+
+    with pytest.raises(StartupCheckError, match="differ from the reference"):
+        check_held_rows(held(HalfScale), served)
+    with pytest.raises(StartupCheckError, match="could not run the rows in recovery"):
+        check_held_rows(held(force="blocks"), served)

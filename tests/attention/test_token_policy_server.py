@@ -269,3 +269,37 @@ def test_segment_spans_split_adjacent_segments_and_gaps():
     pos_off = torch.tensor([0, 1, 2, 0, 1, 7, 8])  # a second segment starts at row 5
     assert segment_spans(rows, pos_off) == [(2, 5), (5, 7), (9, 11)]
     assert segment_spans(rows[:0], pos_off[:0]) == []
+
+
+def test_a_failed_flashinfer_plan_leaves_the_rows_in_recovery_to_the_triton_kernel(caplog):
+    """A plan that raises (FlashInfer out of workspace, say) is said once, and this batch and
+    every later one attend their rows in recovery on the Triton kernel, with the right result."""
+    from benchmarks.ttft import POLICY_LOG
+    from redknot.segcache.reuse import SegmentUse
+
+    policy = TokenPolicy("epic", **{**DEFAULTS, "epic_k": 4})
+    n = NEW + SEG + 5
+    w, _, layers, tokens, entry, seg_kv = world_with_stored_segment(CLASSES, 5, n)
+    w.runner.policy = policy
+
+    class Failing(HeldRowsAttention):
+        def plan(self, *args, **kwargs):
+            raise RuntimeError("out of workspace")
+
+    held = Failing(PagedPrefillReference, merge_state_reference, w.layout.num_q_heads,
+                   w.layout.num_kv_heads, D, torch.bfloat16)  # fmt: skip
+    w.runner.use_flashinfer(FlashInferStandIn(w), held)
+    w.pool.cache.segments.acquire(entry)
+    w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
+    with caplog.at_level("INFO", logger="redknot.attention.segpaged_runner"):
+        got = served(w, layers, 2, tokens, hooked=True)
+    want, history, _, _ = brute_force(w, layers, tokens, seg_kv, policy)
+    assert w.runner.held_attention is None
+    assert (
+        sum("planning the rows in recovery on FlashInfer failed" in m for m in caplog.messages) == 1
+    )
+    line = next(m for m in caplog.messages if POLICY_LOG.search(m))
+    assert line.endswith("on redknot's Triton kernel for the rows in recovery (its plan on "
+                         "FlashInfer failed)")  # fmt: skip
+    kept = ~history[-1]
+    torch.testing.assert_close(got[kept], want[kept], atol=3e-2, rtol=3e-2)
