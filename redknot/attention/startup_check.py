@@ -19,6 +19,8 @@ kernel variants a reusing request would otherwise compile on first use. With seg
 reuse's other kernels are checked the same way (:func:`check_reuse_kernels`: the RoPE
 re-alignment of cached K/V in each distinct launch shape of the served region and head map, and
 the layer schedule's key mass), and the layer schedule's choice of rows (:func:`check_choice`).
+A token policy whose reusing prompts attend on FlashInfer has its rows in recovery checked as
+runs (:func:`check_held_rows`, ``redknot.kernels.held_rows``).
 The served attention layers (scaling, logit cap) are used as they are.
 
 Tolerance, as the kernel tests: ``|out - ref| <= tol + tol * |ref|`` with ``tol`` 2e-2 for
