@@ -82,7 +82,7 @@ def test_no_held_row_gives_no_run_and_no_block():
     assert runs.num_runs == blocks.num_blocks == 0 and not runs_pay(runs, blocks)
 
 
-def test_runs_pay_where_they_read_no_more_keys_than_blocks():
+def test_runs_pay_where_they_read_at_most_twice_the_blocks_keys():
     qo = torch.tensor([0, 4096], dtype=torch.int32)
     prefix = torch.tensor([0], dtype=torch.int32)
     # EPIC-like: the first 16 rows of each of 8 segments and the last 64 rows
