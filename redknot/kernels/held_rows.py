@@ -226,21 +226,30 @@ def held_rows_reference(
     slots): each row over its request's keys at or before its position."""
     _, req, pos = _held(keep, qo_indptr, prefix_lens)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    group = q.shape[1] // k_cache.shape[1]
     rpi = req_pool_indices.tolist()
     for b in np.unique(req).tolist():
         mine = np.flatnonzero(req == b)
         p = torch.from_numpy(pos[mine]).to(q.device)
         slots = req_to_token[rpi[b], : int(p.max()) + 1].long()
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
-        logits = torch.einsum("lhd,nhd->hln", q[mine].float(), k) * scale
-        if logit_cap > 0:
-            logits = logit_cap * torch.tanh(logits / logit_cap)
-        visible = torch.arange(k.shape[0], device=q.device)[None, :] <= p[:, None]
-        logits = logits.masked_fill(~visible[None], -torch.inf)
-        out[mine] = torch.einsum("hln,nhd->lhd", logits.softmax(-1), v).to(q.dtype)
+        visible = torch.arange(slots.shape[0], device=q.device)[None, :] <= p[:, None]
+        o, _ = _attend(q[mine], k_cache[slots], v_cache[slots], visible, scale, logit_cap)
+        out[mine] = o.to(q.dtype)
     return out
+
+
+def _attend(q, k, v, seen, scale: float, cap: float | None):
+    """Float32 attention of ``q`` ``[L, Hq, D]`` over ``k``, ``v`` ``[N, H, D]`` (query head
+    ``i`` reads KV head ``i // (Hq / H)``) where ``seen`` ``[L, N]`` is True, the logits capped
+    at ``cap * tanh(x / cap)`` when ``cap``; returns the output ``[L, Hq, D]`` and the natural
+    log-sum-exp ``[L, Hq]``."""
+    group = q.shape[1] // k.shape[1]
+    x = torch.einsum("lhd,nhd->hln", q.float(), k.float().repeat_interleave(group, dim=1))
+    x = x * scale
+    if cap:
+        x = cap * torch.tanh(x / cap)
+    x = x.masked_fill(~seen[None], -torch.inf)
+    out = torch.einsum("hln,nhd->lhd", x.softmax(-1), v.float().repeat_interleave(group, dim=1))
+    return out, torch.logsumexp(x, -1).T
 
 
 class PagedPrefillReference:
@@ -253,24 +262,18 @@ class PagedPrefillReference:
              head_dim, page_size, causal=False, custom_mask=None, **_):  # fmt: skip
         assert page_size == 1 and bool((last_page_len == 1).all())
         self.qo, self.kv = qo_indptr.tolist(), kv_indptr.tolist()
-        self.kv_indices, self.causal_plan = kv_indices, causal
+        self.kv_indices = kv_indices
         self.mask = None if custom_mask is None else custom_mask.to(torch.bool).cpu()
 
     def forward_return_lse(self, q, paged_kv, causal=False, sm_scale=None, logits_soft_cap=None):
         k_cache, v_cache = (x.squeeze(1) for x in paged_kv)
-        group = q.shape[1] // k_cache.shape[1]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         at = 0
         for r in range(len(self.qo) - 1):
-            qr = q[self.qo[r] : self.qo[r + 1]].float()
+            rows = slice(self.qo[r], self.qo[r + 1])
             slots = self.kv_indices[self.kv[r] : self.kv[r + 1]].long()
-            k = k_cache[slots].float().repeat_interleave(group, dim=1)
-            v = v_cache[slots].float().repeat_interleave(group, dim=1)
-            x = torch.einsum("lhd,nhd->hln", qr, k) * sm_scale
-            if logits_soft_cap:
-                x = logits_soft_cap * torch.tanh(x / logits_soft_cap)
-            L, N = qr.shape[0], k.shape[0]
+            L, N = rows.stop - rows.start, slots.shape[0]
             if self.mask is not None:
                 seen = self.mask[at : at + L * N].view(L, N).to(q.device)
                 at += L * N
@@ -281,11 +284,10 @@ class PagedPrefillReference:
                 )
             else:
                 seen = torch.ones(L, N, dtype=torch.bool, device=q.device)
-            x = x.masked_fill(~seen[None], -torch.inf)
-            out[self.qo[r] : self.qo[r + 1]] = torch.einsum("hln,nhd->lhd", x.softmax(-1), v).to(
-                q.dtype
+            o, natural = _attend(
+                q[rows], k_cache[slots], v_cache[slots], seen, sm_scale, logits_soft_cap
             )
-            lse[self.qo[r] : self.qo[r + 1]] = (torch.logsumexp(x, -1) / LN2).T
+            out[rows], lse[rows] = o.to(q.dtype), natural / LN2
         return out, lse
 
     def forward(self, q, paged_kv, causal=False, sm_scale=None, logits_soft_cap=None):
