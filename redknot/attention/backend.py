@@ -18,12 +18,12 @@ runs on FlashInfer, so the requests a reusing server does not reuse for run a de
 kernels. An extend that fills segments (a registration, a capture) is one of those: after each
 layer FlashInfer ran, the segments' rows of the layer's new K/V are written to the region (their
 keys rotated back to positions from 0 when captured after a context), as the SegPaged path
-writes them. A plain extend that reuses segments under such a policy attends on FlashInfer too:
-its layers that compute every row through SGLang's FlashInfer extend, those that compute only
-the rows in recovery in runs or blocks of rows (``redknot.kernels.held_rows``;
-``SegPagedRunner.use_flashinfer`` says when the Triton kernel stays). (Before, such a server ran every batch on the SegPaged kernels and answered
+writes them. (Before, such a server ran every batch on the SegPaged kernels and answered
 SmolLM2's unmarked 512-2K-token prompts 1.1-1.7x slower than a dense server, H100;
-docs/performance.md.)
+docs/performance.md.) A plain extend that reuses segments under such a policy attends on
+FlashInfer too: its layers that compute every row through SGLang's FlashInfer extend, those that
+compute only the rows in recovery as runs of consecutive rows (``redknot.kernels.held_rows``;
+``SegPagedRunner.use_flashinfer`` says when the Triton kernel stays).
 
 Under ``--redknot-lfps`` (every head global) long requests decode on LFPS's sparse step
 (``redknot.lfps.serving``): an extend builds their state after each layer, SGLang's decode

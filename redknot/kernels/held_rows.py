@@ -316,8 +316,10 @@ class HeldRowsAttention:
     prefill wrapper (or :class:`PagedPrefillReference`), ``merge`` is FlashInfer's
     ``merge_state_in_place`` (or :func:`merge_state_reference`)."""
 
-    def __init__(self, wrapper, merge, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, blocks: bool = False, force: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, wrapper, merge, num_q_heads: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, blocks: bool = False, force: str | None = None,
+    ) -> None:  # fmt: skip
         self.runs_wrapper, self.before, self.within = wrapper(), wrapper(), wrapper()
         self.merge = merge
         self.heads = (num_q_heads, num_kv_heads, head_dim)

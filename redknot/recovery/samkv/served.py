@@ -328,10 +328,11 @@ def plan_batch(
 ) -> tuple[BatchChoice | None, list[int]]:  # fmt: skip
     """The choice of one extend batch, on the host then moved once (None: no request of it
     chooses), and the requests (batch index) skipped. ``uses[b]``: request ``b``'s segment
-    uses (``redknot.segcache.reuse.SegmentUse``, SamKV's carry ``doc``); ``prefix``/``lens``: its extend; ``keep``: ``[T]`` bool, the batch
-    rows computed (a layer's ``q`` holds them, in order); ``read_tokens``: ``[R]`` batch rows of
-    the reads; ``leaving``: ``[R]`` bool, the reads that left recovery; ``cos_sin``,
-    ``is_neox``: the model's rotary embedding (SGLang's ``cos_sin_cache``).
+    uses (``redknot.segcache.reuse.SegmentUse``, SamKV's carry ``doc``); ``prefix``/``lens``:
+    its extend; ``keep``: ``[T]`` bool, the batch rows computed (a layer's ``q`` holds them, in
+    order); ``read_tokens``: ``[R]`` batch rows of the reads; ``leaving``: ``[R]`` bool, the
+    reads that left recovery; ``cos_sin``, ``is_neox``: the model's rotary embedding (SGLang's
+    ``cos_sin_cache``).
 
     A request chooses when this extend holds its documents and its question (anything else,
     a prefix hit inside a document or a chunk, keeps the first blocks the prompt was cut with:
