@@ -55,7 +55,9 @@ class HeldRows:
 
     rows: torch.Tensor  # [A] int64 ascending batch rows
     mask: torch.Tensor  # [T] bool
-    plan: object  # redknot.kernels.extend.ExtendPlan, gathered over rows
+    plan: (
+        object | None
+    )  # redknot.kernels.extend.ExtendPlan gathered over rows (None: on FlashInfer)
     left: SegmentReads  # the reads whose token left
 
     def first_row(self, b: int, num_last: int) -> int:

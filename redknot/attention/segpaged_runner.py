@@ -355,8 +355,8 @@ class SegPagedRunner:
         )
 
     def _plan_held(self, keep_cpu: torch.Tensor) -> None:
-        """Rows left recovery in a batch on FlashInfer: plan the held rows' attention as runs,
-        and their slots; where runs do not pay, the held layers keep the Triton kernel."""
+        """Rows leave recovery in a batch on FlashInfer: plan the held rows' attention as runs
+        (``state.held_plan``); where runs do not pay, the held layers keep the Triton kernel."""
         state, plan = self.extend_state, self.extend_state.plan
         try:
             state.held_plan = self.held_attention.plan(
@@ -367,10 +367,6 @@ class SegPagedRunner:
             self.held_attention = None
             logger.warning("redknot: planning the rows in recovery on FlashInfer failed (%s); "
                            "they attend on redknot's Triton kernel from now on", e)  # fmt: skip
-            return
-        if state.held_plan is not None:
-            state.held_loc = state.out_cache_loc[state.held.rows]
-            state.left_loc = state.out_cache_loc[state.held.left.tokens_gpu]
 
     def _plan_samkv(self, rpis: list[int], prefix_cpu, lens_cpu) -> None:
         """SamKV's inputs of every layer's choice (``redknot.recovery.samkv.served``), after
@@ -737,18 +733,20 @@ class SegPagedRunner:
                 self.skipped,
             )
 
-    def _hold(self, keep, counts_cpu: list[int], leaving, num_left: int) -> torch.Tensor:
+    def _hold(
+        self, keep, counts_cpu: list[int], leaving, num_left: int, tiled: bool = True
+    ) -> torch.Tensor:
         """From the next layer on only ``keep`` (``[T]`` bool on the device; ``counts_cpu[b]``
         rows of request ``b``) stays in recovery: the decoder-layer hook compacts to those rows,
         and every head of the reused tokens ``leaving`` (``[R]`` bool, ``num_left`` of them)
-        takes the cached K/V. Returns the rows on the device; no host synchronisation."""
+        takes the cached K/V. ``tiled``: plan the Triton kernel's tiles over the rows (not when
+        they attend on FlashInfer). Returns the rows on the device; no host synchronisation."""
         state = self.extend_state
         reads = state.segment_reads
         rows = torch.nonzero_static(keep, size=sum(counts_cpu))[:, 0]
         left = torch.nonzero_static(leaving, size=num_left)[:, 0]
-        state.held = HeldRows(
-            rows, keep, gather_tiles(state.plan, rows, counts_cpu), reads.select(left)
-        )
+        tiles = gather_tiles(state.plan, rows, counts_cpu) if tiled else None
+        state.held = HeldRows(rows, keep, tiles, reads.select(left))
         SCHEDULE.target = rows
         return rows
 
@@ -764,10 +762,13 @@ class SegPagedRunner:
             state.keep_cpu = keep_cpu
             device = reads.tokens_gpu.device
             leaving = ~keep_cpu[reads.tokens_cpu]  # not ~kept: each request's last row stays
-            self._hold(to_device(keep_cpu, device), counts, to_device(leaving, device),
-                       int(leaving.sum()))  # fmt: skip
-            if state.on_flashinfer:
+            if state.on_flashinfer:  # before the rows are held: runs need no tiles
                 self._plan_held(keep_cpu)
+            self._hold(to_device(keep_cpu, device), counts, to_device(leaving, device),
+                       int(leaving.sum()), tiled=state.held_plan is None)  # fmt: skip
+            if state.held_plan is not None:
+                state.held_loc = state.out_cache_loc[state.held.rows]
+                state.left_loc = state.out_cache_loc[state.held.left.tokens_gpu]
 
     def _blend(self, lid: int, k, v, reads: SegmentReads) -> None:
         """CacheBlend's choice in its check layer: the KV deviation of every reused token's
