@@ -173,18 +173,13 @@ def left_row_flops(cfg: dict, length: int, global_fraction: float) -> float:
 
 def prefill_flops(cfg: dict, length: int, global_fraction: float | None) -> float:
     """Analytical prefill FLOPs of one ``length``-token prompt (multiply-add = 2 FLOPs)."""
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    hq = cfg["num_attention_heads"]
-    d = cfg.get("head_dim") or h // hq
-    proj, ffn = token_layer_flops(cfg)
     full_keys = length * (length + 1) / 2  # causal (query, key) pairs of one head
     ring = SINK + WINDOW
     local_keys = (
         sum(min(j + 1, ring) for j in range(min(length, ring))) + max(length - ring, 0) * ring
     )
     g = 1.0 if global_fraction is None else global_fraction
-    attn_pairs = hq * (g * full_keys + (1 - g) * local_keys)
-    return layers * (length * (proj + ffn) + 4 * d * attn_pairs)
+    return rows_prefill_flops(cfg, length, g * full_keys + (1 - g) * local_keys)
 
 
 def samkv_work(
@@ -216,8 +211,10 @@ def samkv_work(
     return rows, pairs
 
 
-def samkv_prefill_flops(cfg: dict, rows: int, pairs: float) -> float:
-    """Prefill FLOPs of a cut prompt from :func:`samkv_work`'s per-layer figures."""
+def rows_prefill_flops(cfg: dict, rows: int, pairs: float) -> float:
+    """Prefill FLOPs when every layer computes ``rows`` rows and each query head attends
+    ``pairs`` (query, key) pairs: a prompt's (:func:`prefill_flops`), a cut one's
+    (:func:`samkv_work`)."""
     h, hq = cfg["hidden_size"], cfg["num_attention_heads"]
     d = cfg.get("head_dim") or h // hq
     proj, ffn = token_layer_flops(cfg)
@@ -690,7 +687,7 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
             n = row["prompt_tokens"]
             flops = prefill_flops(cfg, n, fraction)
             if row.get("samkv_cut"):  # a SamKV-cut prompt: the rows it ran
-                flops = samkv_prefill_flops(cfg, row["samkv_rows"], row["samkv_pairs"])
+                flops = rows_prefill_flops(cfg, row["samkv_rows"], row["samkv_pairs"])
             # no decision counted (no gate: --redknot-reuse-gate always): every prompt reused
             logged = row["served"].count("reuse") if row.get("served") else reps + 1
             # the measured prompts' entries: after the warm-up's when every prompt reused

@@ -181,7 +181,7 @@ def test_samkv_work_counts_the_rows_a_cut_prompt_computes_and_their_keys():
 
 
 def test_summary_of_a_samkv_cut_prompt_counts_only_its_computed_rows():
-    from benchmarks.ttft import samkv_prefill_flops, samkv_row
+    from benchmarks.ttft import rows_prefill_flops, samkv_row
 
     docs, question = [1024] * 8, 64
     report = _samkv_plan(docs, question, budget=0.15).report()
@@ -199,7 +199,7 @@ def test_summary_of_a_samkv_cut_prompt_counts_only_its_computed_rows():
     assert row["samkv_rows"] == 1 + 8 * 192 + 64 and entry["samkv_cut"] == 2
     want = 32 * (row["samkv_rows"] * (proj + ffn) + 4 * 128 * 32 * row["samkv_pairs"])
     assert entry["flops"] == pytest.approx(want)
-    assert samkv_prefill_flops(CFG, row["samkv_rows"], row["samkv_pairs"]) == entry["flops"]
+    assert rows_prefill_flops(CFG, row["samkv_rows"], row["samkv_pairs"]) == entry["flops"]
     assert entry["served_tokens"] == 1 + 8 * (192 + 128) + 64
     assert entry["sequence_ratio"] == pytest.approx(8 * 320 / 8192, abs=1e-4)
     assert entry["flop_ratio_vs_flashinfer"] > 5
