@@ -405,3 +405,36 @@ def test_the_rows_in_recovery_on_flashinfer_are_checked_against_the_reference():
         check_held_rows(held(HalfScale), served)
     with pytest.raises(StartupCheckError, match="could not run the rows in recovery"):
         check_held_rows(held(force="blocks"), served)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("backend", ["fa2", "auto"])
+def test_the_rows_in_recovery_pass_the_check_on_flashinfer(q_heads, kv_heads, head_dim, backend):
+    """``check_held_rows`` as a token-policy server runs it at startup, on FlashInfer itself
+    (the 8B shape and SmolLM2's, bf16, the FA2 backend a server passes and FlashInfer's own
+    choice): it passes, and a run off by a quarter in one value fails it."""
+    from redknot.attention.startup_check import check_held_rows
+    from redknot.kernels.held_rows import HeldRowsAttention
+
+    classes = ("G" * kv_heads,) * 2
+    layout = HeadLayout(classes=classes, num_q_heads=q_heads, head_dim=head_dim, window=WINDOW,
+                        sink=SINK)  # fmt: skip
+    served = ServedAttention(
+        layout=layout, dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+        device=torch.device("cuda"), max_context_len=4096, table_width=4096, model="GPU shape",
+    )  # fmt: skip
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    held = HeldRowsAttention.on_flashinfer(workspace, q_heads, kv_heads, head_dim,
+                                           torch.bfloat16, backend=backend)  # fmt: skip
+    check_held_rows(held, served)
+    real = held.run
+
+    def perturbed(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out[5, q_heads - 1, 3] += 0.25
+        return out
+
+    held.run = perturbed
+    with pytest.raises(StartupCheckError, match="differ from the reference"):
+        check_held_rows(held, served)
