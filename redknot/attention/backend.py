@@ -140,11 +140,17 @@ def _flashinfer(model_runner: ModelRunner) -> AttentionBackend:
 def _held_attention(model_runner: ModelRunner, layout, dense: AttentionBackend):
     """FlashInfer over the rows a token policy's reusing extend still computes
     (``redknot.kernels.held_rows``), on the dense backend's workspace and prefill kernels."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
     from redknot.kernels.held_rows import HeldRowsAttention
 
+    # the runs are planned at the model's attention scale (its first layer's; a layer with
+    # another one restates it, HeldRowsAttention.run)
+    first = next((m for m in model_runner.model.modules() if isinstance(m, RadixAttention)), None)
     return HeldRowsAttention.on_flashinfer(
         dense.workspace_buffer, layout.num_q_heads, layout.num_kv_heads, layout.head_dim,
         model_runner.dtype, backend=getattr(dense, "prefill_backend", "auto"),
+        sm_scale=None if first is None else first.scaling,
     )  # fmt: skip
 
 

@@ -44,6 +44,9 @@ class ExtendState:
     out_cache_loc: torch.Tensor | None = None  # [T] the batch rows' token slots
     held_loc: torch.Tensor | None = None  # [A] the held rows' token slots
     left_loc: torch.Tensor | None = None  # [N] the token slots of the rows that left
+    # from this layer on, the rows that left hold their cached K/V in the pool already (one
+    # launch over the layers when they left: SegPagedRunner._align_left_layers)
+    left_from: int | None = None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,13 @@ from redknot.kernels.decode import DecodeWorkspace, choose_num_splits, plan_deco
 from redknot.kernels.extend import gather_tiles, plan_extend, run_extend, to_device
 from redknot.kernels.geometry import LayerHeads, SegGeometry, num_sms
 from redknot.kernels.key_mass import key_mass, query_heads
-from redknot.kernels.rope_align import AlignableRope, alignable_rope, rope_align
+from redknot.kernels.rope_align import (
+    AlignableRope,
+    LayerStack,
+    alignable_rope,
+    rope_align,
+    rope_align_layers,
+)
 from redknot.pool.kv_pool import RedknotKVPool, capture_rows
 from redknot.pool.layout import HeadLayout
 from redknot.recovery.cacheblend import kv_deviation
@@ -134,6 +140,7 @@ class SegPagedRunner:
         self.flashinfer = None
         self.held_attention = None
         self._arange = torch.arange(max_context_len, device=device)
+        self._stacks = None  # _left_stacks: None until built, False where layers differ
         self.decode_plan = None
         self.decode_rows: torch.Tensor | None = None  # [B] int64 ring rows of the new tokens
         self.graph_plans: dict[int, object] = {}
@@ -331,7 +338,7 @@ class SegPagedRunner:
         if self._serves_on_flashinfer(fb, state):
             state.on_flashinfer, state.out_cache_loc = True, fb.out_cache_loc
         if reads is not None and self.policy is not None and self.policy.chooses_at_plan:
-            self._keep(self.policy.planned_kept(reads.pos_off_cpu, reads.middle_cpu))
+            self._keep(self.policy.planned_kept(reads.pos_off_cpu, reads.middle_cpu), 0)
             if self.policy.name == "samkv" and reads.middle_cpu is not None:
                 self._plan_samkv(rpis, prefix_cpu, lens_cpu)
         if state.on_flashinfer and (state.held is None or not self.policy.chooses_at_plan):
@@ -544,7 +551,8 @@ class SegPagedRunner:
         with phase("redknot.write_global"):
             pool.write_global(lid, state.held_loc, k, v)
         left, heads = held.left, self.left_heads(lid)
-        if left.tokens_gpu.numel() and len(heads):
+        aligned = state.left_from is not None and lid >= state.left_from
+        if left.tokens_gpu.numel() and len(heads) and not aligned:
             with phase("redknot.reuse_kv"):
                 region = pool.segments
                 rope_align(
@@ -750,9 +758,10 @@ class SegPagedRunner:
         SCHEDULE.target = rows
         return rows
 
-    def _keep(self, kept) -> None:
+    def _keep(self, kept, first_layer: int) -> None:
         """A token policy's choice (``kept``: ``[R]`` bool over the reads, on the host): the
-        rows outside it leave recovery from the next layer on (before layer 0 when planning)."""
+        rows outside it leave recovery from layer ``first_layer`` on (the next layer; 0 when
+        planning)."""
         state = self.extend_state
         reads, plan = state.segment_reads, state.plan
         keep_cpu = kept_rows(plan.num_tokens, reads.tokens_cpu, kept, plan.qo_indptr_cpu)
@@ -769,6 +778,46 @@ class SegPagedRunner:
             if state.held_plan is not None:
                 state.held_loc = state.out_cache_loc[state.held.rows]
                 state.left_loc = state.out_cache_loc[state.held.left.tokens_gpu]
+                self._align_left_layers(first_layer)
+
+    def _align_left_layers(self, first: int) -> None:
+        """On FlashInfer, the rows that left take their cached K/V, re-rotated, in the pool of
+        every layer from ``first`` on, in one launch (``rope_align_layers``): the held layers
+        then only store their own rows. What those rows take is the cache's K/V, not anything
+        a layer computes, so it can be written before the layers run. Skipped (a launch per
+        layer instead) where the layers' buffers or head maps differ."""
+        state, stacks = self.extend_state, self._left_stacks()
+        left = state.held.left
+        if stacks is None or first >= self.layout.num_layers or not left.tokens_gpu.numel():
+            return
+        k_src, k_dst, v_src, v_dst, heads = stacks
+        rope_align_layers(
+            k_src.select(first), left.rows_gpu, k_dst.select(first), state.left_loc,
+            left.pos_off_gpu, left.pos_on_gpu, self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
+            rotary_dim=self.rope.rotary_dim, v_src=v_src.select(first), v_dst=v_dst.select(first),
+            src_heads=heads.cols, dst_heads=heads.heads,
+        )  # fmt: skip
+        state.left_from = first
+
+    def _left_stacks(self):
+        """The region's and the pool's per-layer K/V as layer stacks on one device, with the
+        heads that leave (the same in every layer); None where layers differ. Built once."""
+        if self._stacks is None:
+            self._stacks = False
+            pool, region = self.pool, self.pool.segments
+            heads = [self.left_heads(i) for i in range(self.layout.num_layers)]
+            same = len(heads[0]) and all(
+                torch.equal(h.cols, heads[0].cols) and torch.equal(h.heads, heads[0].heads)
+                for h in heads
+            )
+            try:
+                stacks = [LayerStack.of(t) for t in (region.k, pool.k_global, region.v,
+                                                     pool.v_global)]  # fmt: skip
+            except ValueError:
+                return None
+            if same and len({x.first.device for x in stacks}) == 1:
+                self._stacks = (*stacks, heads[0])
+        return self._stacks or None
 
     def _blend(self, lid: int, k, v, reads: SegmentReads) -> None:
         """CacheBlend's choice in its check layer: the KV deviation of every reused token's
@@ -791,7 +840,8 @@ class SegPagedRunner:
         if self.tp_size > 1:  # every rank must keep the same rows: sum over every rank's heads
             deviation = self._sum_over_ranks()(deviation)
         plan = self.extend_state.plan
-        self._keep(self.policy.blend_kept(deviation.cpu(), reads.tokens_cpu, plan.qo_indptr_cpu))
+        kept = self.policy.blend_kept(deviation.cpu(), reads.tokens_cpu, plan.qo_indptr_cpu)
+        self._keep(kept, lid + 1)
 
     def _sparsex(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
         """SparseX's choice in the last full layer, per request: its sparse-Q set from this
@@ -816,7 +866,7 @@ class SegPagedRunner:
                 k=policy.sparseq_k, block=policy.sparseq_block, reduce=reduce,
             )  # fmt: skip
             kept[order] = selection.recompute.cpu()[rows]
-        self._keep(kept)
+        self._keep(kept, lid + 1)
 
     @staticmethod
     def _sum_over_ranks():

@@ -259,11 +259,18 @@ class PagedPrefillReference:
     (row-major bits per request); the log-sum-exp in base 2, as FlashInfer's."""
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads,
-             head_dim, page_size, causal=False, custom_mask=None, **_):  # fmt: skip
+             head_dim, page_size, causal=False, custom_mask=None, sm_scale=None,
+             logits_soft_cap=None, **_):  # fmt: skip
         assert page_size == 1 and bool((last_page_len == 1).all())
         self.qo, self.kv = qo_indptr.tolist(), kv_indptr.tolist()
         self.kv_indices = kv_indices
         self.mask = None if custom_mask is None else custom_mask.to(torch.bool).cpu()
+        self.planned = (causal, head_dim**-0.5 if sm_scale is None else sm_scale, logits_soft_cap)
+
+    def run(self, q, paged_kv, out=None):
+        """With what was planned (as FlashInfer's ``run``), into ``out`` if given."""
+        o = self.forward_return_lse(q, paged_kv, *self.planned)[0]
+        return o if out is None else out.copy_(o)
 
     def forward_return_lse(self, q, paged_kv, causal=False, sm_scale=None, logits_soft_cap=None):
         k_cache, v_cache = (x.squeeze(1) for x in paged_kv)
@@ -291,6 +298,9 @@ class PagedPrefillReference:
         return out, lse
 
     def forward(self, q, paged_kv, causal=False, sm_scale=None, logits_soft_cap=None):
+        """Restates the plan's causality, scale and cap, as FlashInfer's (deprecated)
+        ``forward`` does, for this call and every ``run`` after it."""
+        self.planned = (causal, sm_scale, logits_soft_cap)
         return self.forward_return_lse(q, paged_kv, causal, sm_scale, logits_soft_cap)[0]
 
 
@@ -319,8 +329,13 @@ class HeldRowsAttention:
     def __init__(
         self, wrapper, merge, num_q_heads: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, blocks: bool = False, force: str | None = None,
+        sm_scale: float | None = None,
     ) -> None:  # fmt: skip
         self.runs_wrapper, self.before, self.within = wrapper(), wrapper(), wrapper()
+        # the model's softmax scale, planned with the runs (a layer with another scale, or a
+        # logit cap, restates them for the rest of the batch: see run)
+        self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+        self._restated = False
         self.merge = merge
         self.heads = (num_q_heads, num_kv_heads, head_dim)
         self.dtype = dtype
@@ -331,17 +346,18 @@ class HeldRowsAttention:
 
     @classmethod
     def on_flashinfer(cls, workspace: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype, backend: str = "auto"):  # fmt: skip
+                      head_dim: int, dtype: torch.dtype, backend: str = "auto",
+                      sm_scale: float | None = None):  # fmt: skip
         """On FlashInfer's paged prefill, with ``workspace`` its float workspace (shared with
         SGLang's FlashInfer backend, whose kernels run on the same stream one after another,
-        as SGLang's own wrappers share it)."""
+        as SGLang's own wrappers share it); ``sm_scale``: the model's attention scale."""
         import flashinfer
 
         def wrapper():
             return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
 
         return cls(wrapper, flashinfer.merge_state_in_place, num_q_heads, num_kv_heads,
-                   head_dim, dtype)  # fmt: skip
+                   head_dim, dtype, sm_scale=sm_scale)  # fmt: skip
 
     def plan(
         self,
@@ -363,7 +379,9 @@ class HeldRowsAttention:
         if not use_runs and not (self.blocks or self.force == "blocks"):
             return None
         Hq, H, D = self.heads
-        common = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "non_blocking": True}
+        common = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "non_blocking": True,
+                  "sm_scale": self.sm_scale}  # fmt: skip
+        self._restated = False
         if use_runs:
             kv = slot_lists(runs.request, torch.zeros_like(runs.request), runs.kv_lens,
                             req_pool_indices, req_to_token)  # fmt: skip
@@ -398,12 +416,19 @@ class HeldRowsAttention:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
             logit_cap: float = 0.0) -> torch.Tensor:  # fmt: skip
-        """``[A, Hq, D]`` attention of the held rows ``q`` over the token slots ``k_cache``,
-        ``v_cache`` (``[S, H, D]``, every key the rows attend stored)."""
+        """``[A, Hq, D]`` attention of the held rows ``q`` (any row and head strides) over the
+        token slots ``k_cache``, ``v_cache`` (``[S, H, D]``, every key the rows attend
+        stored). At the planned scale without a cap (every layer of the models served), runs
+        take the planned launch as it is, into an uninitialised output: no per-layer copy of
+        ``q``, no zeroed output."""
         kv = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
         cap = logit_cap if logit_cap > 0 else None
-        q = q.contiguous()
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        self._restated |= scale != self.sm_scale or cap is not None
         if isinstance(self.plan_of, RowRuns):
+            if not self._restated:
+                return self.runs_wrapper.run(q, kv, out=q.new_empty(q.shape))
             return self.runs_wrapper.forward(q, kv, causal=True, sm_scale=scale,
                                              logits_soft_cap=cap)  # fmt: skip
         out, lse = self.within.forward_return_lse(q, kv, causal=False, sm_scale=scale,

@@ -178,6 +178,83 @@ def rope_align(
         heads of ``k_src``/``v_src`` and of ``k_dst``/``v_dst`` (destination heads distinct).
         Without them, ``k_src`` and ``k_dst`` have the same heads and every head moves.
     """
+    _launch(k_src, src_rows, k_dst, dst_rows, pos_off, pos_on, cos_sin_cache, is_neox,
+            rotary_dim, v_src, v_dst, src_heads, dst_heads, config)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """Several layers' tensors of one shape, strides, dtype and device (``[rows, H, D]`` each,
+    e.g. a pool's per-layer key buffers), addressed from the first by element offsets, so that
+    one :func:`rope_align_layers` launch moves rows of every layer. The tensors themselves are
+    kept alive by their owner (the pool)."""
+
+    first: torch.Tensor
+    offsets: torch.Tensor  # [L] int64 on the tensors' device: layer l starts this many elements on
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> LayerStack:
+        first = tensors[0]
+        for i, t in enumerate(tensors):
+            _check(
+                t.shape == first.shape and t.stride() == first.stride()
+                and t.dtype == first.dtype and t.device == first.device,
+                lambda i=i, t=t: f"layer {i}: {tuple(t.shape)} {t.stride()} {t.dtype} "
+                f"{t.device} differs from layer 0's {tuple(first.shape)} {first.stride()} "
+                f"{first.dtype} {first.device}",
+            )  # fmt: skip
+        size = first.element_size()
+        gaps = [t.data_ptr() - first.data_ptr() for t in tensors]
+        _check(all(g % size == 0 for g in gaps), "layers must be aligned to their element size")
+        offsets = torch.tensor([g // size for g in gaps], dtype=torch.int64)
+        return cls(first, offsets.to(first.device))
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0]
+
+    def select(self, start: int) -> LayerStack:
+        """Layers ``start ..`` only."""
+        return LayerStack(self.first, self.offsets[start:])
+
+
+def rope_align_layers(
+    k_src: LayerStack,
+    src_rows: torch.Tensor,
+    k_dst: LayerStack,
+    dst_rows: torch.Tensor,
+    pos_off: torch.Tensor,
+    pos_on: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    is_neox: bool,
+    rotary_dim: int | None = None,
+    v_src: LayerStack | None = None,
+    v_dst: LayerStack | None = None,
+    src_heads: torch.Tensor | None = None,
+    dst_heads: torch.Tensor | None = None,
+    config: RopeAlignConfig = RopeAlignConfig(),
+) -> None:
+    """:func:`rope_align` of the same rows in every layer of the stacks (layer ``l`` of
+    ``k_src`` to layer ``l`` of ``k_dst``, the same positions and heads), in one launch: what
+    a per-layer loop of it would do, without a launch per layer."""
+    stacks = [k_src, k_dst] + ([v_src, v_dst] if v_src is not None else [])
+    _check(len({len(x) for x in stacks}) == 1,
+           lambda: f"stacks of {[len(x) for x in stacks]} layers must match")  # fmt: skip
+    _check((v_src is None) == (v_dst is None), "give both v_src and v_dst, or neither")
+    if not len(k_src):
+        return
+    offsets = [x.offsets for x in stacks] + [k_src.offsets, k_dst.offsets] * (v_src is None)
+    _launch(k_src.first, src_rows, k_dst.first, dst_rows, pos_off, pos_on, cos_sin_cache,
+            is_neox, rotary_dim, None if v_src is None else v_src.first,
+            None if v_dst is None else v_dst.first, src_heads, dst_heads, config,
+            offsets)  # fmt: skip
+
+
+def _launch(k_src, src_rows, k_dst, dst_rows, pos_off, pos_on, cos_sin_cache, is_neox,
+            rotary_dim, v_src, v_dst, src_heads, dst_heads, config: RopeAlignConfig,
+            layers: list[torch.Tensor] | None = None) -> None:  # fmt: skip
+    """The checks and the launch of :func:`rope_align` (``layers``: the element offsets of
+    each layer of k_src, k_dst, v_src, v_dst, for :func:`rope_align_layers`)."""
     n = src_rows.shape[0] if src_rows.dim() == 1 else -1
     _check((src_heads is None) == (dst_heads is None),
            "give both src_heads and dst_heads, or neither")  # fmt: skip
@@ -222,6 +299,7 @@ def rope_align(
     tensors = [k_src, k_dst, src_rows, dst_rows, pos_off, pos_on, cos_sin_cache]
     tensors += [v_src, v_dst] if v_src is not None else []
     tensors += [src_heads, dst_heads] if head_map else []
+    tensors += layers or []
     devices = {t.device for t in tensors}
     _check(len(devices) == 1, lambda: f"tensors on several devices: {devices}")
     if n == 0 or (head_map and src_heads.shape[0] == 0):
@@ -234,13 +312,14 @@ def rope_align(
     row_elems = block_h * max(2 * block_half, triton.next_power_of_2(head_dim))
     block_n = config.tile_elems // row_elems
     block_n = max(1, min(config.max_block_n, triton.next_power_of_2(block_n + 1) // 2))
-    grid = (triton.cdiv(n, block_n),)
+    grid = (triton.cdiv(n, block_n), layers[0].shape[0] if layers is not None else 1)
     v_s = v_src if has_v else k_src
     v_d = v_dst if has_v else k_dst
     rope_align_kernel[grid](
         k_src, k_dst, v_s, v_d,
         src_rows, dst_rows, pos_off, pos_on, cos_sin_cache,
         src_heads if head_map else src_rows, dst_heads if head_map else dst_rows,
+        *(layers if layers is not None else [src_rows] * 4),
         n, num_heads, num_heads if head_map else v_s.shape[1],
         k_src.stride(0), k_src.stride(1), k_dst.stride(0), k_dst.stride(1),
         v_s.stride(0), v_s.stride(1), v_d.stride(0), v_d.stride(1),
@@ -258,5 +337,6 @@ def rope_align(
         BLOCK_VD=triton.next_power_of_2(v_s.shape[2]),
         BF16_BY_BITS=bool(triton.knobs.runtime.interpret) and k_src.dtype == torch.bfloat16,
         HEAD_MAP=head_map,
+        LAYERED=layers is not None,
         num_warps=config.num_warps,
     )  # fmt: skip

@@ -398,8 +398,9 @@ def test_the_rows_in_recovery_on_flashinfer_are_checked_against_the_reference():
     check_held_rows(held(), served)
 
     class HalfScale(PagedPrefillReference):
-        def forward(self, q, paged_kv, causal=False, sm_scale=None, logits_soft_cap=None):
-            return super().forward(q, paged_kv, causal, sm_scale / 2, logits_soft_cap)
+        def forward_return_lse(self, q, paged_kv, causal=False, sm_scale=None,
+                               logits_soft_cap=None):  # fmt: skip
+            return super().forward_return_lse(q, paged_kv, causal, sm_scale / 2, logits_soft_cap)
 
     with pytest.raises(StartupCheckError, match="differ from the reference"):
         check_held_rows(held(HalfScale), served)

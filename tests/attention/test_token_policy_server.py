@@ -161,11 +161,13 @@ class FlashInferStandIn:
 
 @pytest.mark.parametrize("name, knobs", POLICIES)
 @pytest.mark.parametrize("question", [5, 0])  # 0: the prompt ends inside the segment
-@pytest.mark.parametrize("on_flashinfer", [None, "auto", "runs", "blocks"])
+@pytest.mark.parametrize("on_flashinfer", [None, "auto", "runs", "blocks", "runs per layer"])
 def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, on_flashinfer,
                                                      caplog):  # fmt: skip
     """The policy's rule, served on redknot's Triton kernel (None) or on FlashInfer, the held
-    rows in runs or blocks as they pay ("auto") or always one of them. FlashInfer's wrapper is
+    rows in runs or blocks as they pay ("auto") or always one of them; the rows that left
+    written to the pool in one launch over the layers, or ("runs per layer") a launch per
+    layer, as where the layers' buffers differ. FlashInfer's wrapper is
     stood in for by its semantics in PyTorch (``redknot.kernels.held_rows``): the runner's
     planning, pool writes, runs, blocks and merge are what is checked here, FlashInfer's
     kernels against the reference in tests/kernels/test_held_rows.py."""
@@ -182,9 +184,11 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, on_f
         held = HeldRowsAttention(
             PagedPrefillReference, merge_state_reference, w.layout.num_q_heads,
             w.layout.num_kv_heads, D, torch.bfloat16,
-            force=None if on_flashinfer == "auto" else on_flashinfer,
+            force=None if on_flashinfer == "auto" else on_flashinfer.split()[0],
         )  # fmt: skip
         w.runner.use_flashinfer(fi, held)
+        if on_flashinfer == "runs per layer":
+            w.runner._stacks = False
     w.pool.cache.segments.acquire(entry)
     w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
     with caplog.at_level("INFO", logger="redknot.attention.segpaged_runner"):
@@ -204,8 +208,11 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, on_f
         assert on_flashinfer == "auto" and "rows in recovery (as runs they would read" in line
     else:  # planned once, when rows left, as forced or as it pays
         assert line.endswith(f"attention on FlashInfer ({held.plan_of.describe()})")
-        kind = {"runs": "RowRuns", "blocks": "RowBlocks"}.get(on_flashinfer)
+        kind = {"runs": "RowRuns", "blocks": "RowBlocks"}.get(on_flashinfer.split()[0])
         assert kind is None or type(held.plan_of).__name__ == kind
+        first = 0 if policy.chooses_at_plan else policy.select_layer + 1
+        per_layer = on_flashinfer == "runs per layer"
+        assert w.runner.extend_state.left_from == (None if per_layer else first)
         # FlashInfer's extend planned only where a layer computes every row (CacheBlend and
         # SparseX below their choice)
         assert fi.planned == (name in ("cacheblend", "sparsex"))

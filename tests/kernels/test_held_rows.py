@@ -172,6 +172,44 @@ def test_runs_and_blocks_equal_the_reference(force, density, block_rows):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
+def test_runs_at_the_planned_scale_take_the_planned_launch_on_a_strided_query():
+    """At the scale the runs were planned with, ``run`` takes the planned launch as it is
+    (FlashInfer's ``run``, into an uninitialised output) on the query as the layer has it (a
+    view of its fused QKV, rows strided), and equals the reference. A layer at another scale
+    restates the launch (FlashInfer's ``forward``) for the rest of the batch; the next plan
+    returns to the planned one."""
+    q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token = _case(5, 0.5)
+    calls = []
+
+    class Recording(PagedPrefillReference):
+        def run(self, q, paged_kv, out=None):
+            calls.append(("run", q.is_contiguous(), out is not None))
+            return super().run(q, paged_kv, out)
+
+        def forward(self, q, paged_kv, causal=False, sm_scale=None, logits_soft_cap=None):
+            calls.append(("forward", sm_scale))
+            return super().forward(q, paged_kv, causal, sm_scale, logits_soft_cap)
+
+    held = HeldRowsAttention(Recording, merge_state_reference, 8, 2, 16, torch.float64,
+                             force="runs", sm_scale=0.3)  # fmt: skip
+    fused = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 48, dtype=q.dtype)], 1)
+    strided = fused[:, :128].view(-1, 8, 16)
+
+    def want(scale):
+        return held_rows_reference(q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token, scale)
+
+    for scale, call in ((0.3, ("run", False, True)), (0.5, ("forward", 0.5)),
+                        (0.3, ("forward", 0.3))):  # fmt: skip
+        if not calls:
+            held.plan(keep, qo, pre, rpi, req_to_token, 4)
+        out = held.run(strided, k_cache, v_cache, scale)
+        assert calls[-1] == call
+        torch.testing.assert_close(out, want(scale), atol=1e-5, rtol=1e-5)
+    held.plan(keep, qo, pre, rpi, req_to_token, 4)
+    held.run(strided, k_cache, v_cache, 0.3)
+    assert calls[-1] == ("run", False, True)
+
+
 def test_without_blocks_rows_that_runs_do_not_suit_are_left_to_the_caller():
     *_, keep, qo, pre, rpi, req_to_token = _case(5, 0.5)
     assert row_runs(keep, qo, pre).keys_read > 2 * row_blocks(keep, qo, pre, 8).keys_read
@@ -233,13 +271,17 @@ def test_flashinfer_equals_the_reference_at_the_8b_shape(held_set, force):
     else:
         keep = torch.rand(T, generator=torch.Generator().manual_seed(1)) < 0.15
         keep[qo[1:].long() - 1] = True
-    q = torch.randn(int(keep.sum()), 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    # the queries as a layer has them: a view of its fused QKV (32 + 2 x 8 heads), rows strided
+    qkv = torch.randn(int(keep.sum()), 48 * 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = qkv[:, : 32 * 128].view(-1, 32, 128)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    held = HeldRowsAttention.on_flashinfer(workspace, 32, 8, 128, torch.bfloat16, "fa2")
+    held = HeldRowsAttention.on_flashinfer(workspace, 32, 8, 128, torch.bfloat16, "fa2",
+                                           sm_scale=0.088)  # fmt: skip
     held.force, held.blocks = force, True
     plan = held.plan(keep, qo, pre, rpi, req_to_token, 32)
     if force is None:  # runs pay for the EPIC-like rows only
         assert type(plan).__name__ == ("RowRuns" if held_set == "epic" else "RowBlocks")
-    out = held.run(q, k_cache, v_cache, 0.088)
-    ref = held_rows_reference(q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token, 0.088)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    for scale in (0.088, 0.05):  # the planned launch, then restated
+        out = held.run(q, k_cache, v_cache, scale)
+        ref = held_rows_reference(q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token, scale)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

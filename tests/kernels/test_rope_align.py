@@ -23,7 +23,7 @@ import zlib
 import pytest
 import torch
 
-from redknot.kernels.rope_align import alignable_rope, rope_align
+from redknot.kernels.rope_align import LayerStack, alignable_rope, rope_align, rope_align_layers
 from redknot.kernels.rope_reference import (
     alignment_tolerance,
     rope_align_reference,
@@ -262,6 +262,57 @@ def test_empty_batch_is_a_no_op():
     assert torch.equal(k, before)
 
 
+@pytest.mark.parametrize("head_map", [False, True])
+def test_one_launch_over_layers_equals_a_launch_per_layer(head_map):
+    """``rope_align_layers`` over separately allocated layers (a region's and a pool's, as the
+    server keeps them) writes, in one launch, what ``rope_align`` writes layer by layer: keys,
+    values, and nothing else; over ``select(2)`` only layers 2 and 3 change."""
+    gen = torch.Generator().manual_seed(3)
+    spec = alignable_rope(make_rope("llama3", 64, 1.0, True))
+    n, layers = 20, 4
+
+    def layer_tensors(rows):
+        return [torch.randn(rows, NUM_HEADS, 64, generator=gen).bfloat16() for _ in range(layers)]
+
+    region_k, region_v, pool_k, pool_v = (layer_tensors(r) for r in (30, 30, 50, 50))
+    src_rows = torch.randperm(30, generator=gen)[:n]
+    dst_rows = torch.randperm(50, generator=gen)[:n].to(torch.int32)
+    p_off, p_on = positions(n, gen)
+    heads = {}
+    if head_map:
+        heads = {"src_heads": torch.tensor([2, 0], dtype=torch.int32),
+                 "dst_heads": torch.tensor([0, 1], dtype=torch.int32)}  # fmt: skip
+    expect_k, expect_v = [t.clone() for t in pool_k], [t.clone() for t in pool_v]
+    for lid in range(layers):
+        rope_align(region_k[lid], src_rows, expect_k[lid], dst_rows, p_off, p_on,
+                   spec.cos_sin_cache, is_neox=True, v_src=region_v[lid], v_dst=expect_v[lid],
+                   **heads)  # fmt: skip
+    before_k = [t.clone() for t in pool_k]
+    stacks = [LayerStack.of(t) for t in (region_k, pool_k, region_v, pool_v)]
+    rope_align_layers(stacks[0], src_rows, stacks[1], dst_rows, p_off, p_on, spec.cos_sin_cache,
+                      is_neox=True, v_src=stacks[2], v_dst=stacks[3], **heads)  # fmt: skip
+    for lid in range(layers):
+        assert torch.equal(pool_k[lid], expect_k[lid]) and torch.equal(pool_v[lid], expect_v[lid])
+        assert not torch.equal(pool_k[lid], before_k[lid])
+    fresh_k = [t.clone() for t in before_k]
+    rope_align_layers(stacks[0].select(2), src_rows, LayerStack.of(fresh_k).select(2), dst_rows,
+                      p_off, p_on, spec.cos_sin_cache, is_neox=True, **heads)  # fmt: skip
+    assert all(torch.equal(fresh_k[i], before_k[i]) for i in (0, 1))
+    assert all(torch.equal(fresh_k[i], expect_k[i]) for i in (2, 3))
+
+
+def test_a_layer_stack_refuses_layers_unlike_the_first():
+    k = [torch.zeros(8, 2, 64, dtype=torch.bfloat16) for _ in range(3)]
+    with pytest.raises(ValueError, match="layer 2: .* differs from layer 0's"):
+        LayerStack.of(k[:2] + [torch.zeros(8, 2, 64, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="layer 1: "):
+        LayerStack.of([k[0], torch.zeros(9, 2, 64, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="stacks of"):
+        idx = torch.arange(2)
+        rope_align_layers(LayerStack.of(k), idx, LayerStack.of(k[:2]), idx, idx, idx,
+                          torch.zeros(16, 64), is_neox=True)  # fmt: skip
+
+
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [2.0] * 64,
             "original_max_position_embeddings": 1024}  # fmt: skip
 REFUSED = {  # rope_scaling, words of the reason given
@@ -347,3 +398,34 @@ def test_llama31_8b_shape_on_gpu():
     assert torch.equal(pool_v, expected_v)
     aligned = pool_k[pool_rows.to(dev)].cpu()
     check_aligned_vs_direct(aligned, direct, cached, p_on - p_off, 128, True)
+
+
+@pytest.mark.gpu
+def test_one_launch_over_32_layers_on_gpu():
+    """The 8B shape's 32 layers (8 KV heads, D 128, bf16, llama3 RoPE), a region's and a pool's
+    layers allocated one by one as the server does: one launch equals a launch per layer."""
+    dev = "cuda"
+    spec = alignable_rope(sglang_rope(128, 128, 131072, 500000, True,
+                                      {**LLAMA3, "original_max_position_embeddings": 8192}))  # fmt: skip
+    cache = spec.cos_sin_cache.to(dev)
+    gen = torch.Generator(device=dev).manual_seed(4)
+    n, layers = 4096, 32
+
+    def layer_tensors(rows):
+        return [torch.randn(rows, 8, 128, device=dev, generator=gen).bfloat16()
+                for _ in range(layers)]  # fmt: skip
+
+    region_k, region_v, pool_k, pool_v = (layer_tensors(r) for r in (8192, 8192, 20000, 20000))
+    src_rows = torch.randperm(8192, device=dev, generator=gen)[:n]
+    dst_rows = torch.randperm(20000, device=dev, generator=gen)[:n].to(torch.int32)
+    p_off = torch.randint(0, 8192, (n,), device=dev, generator=gen)
+    p_on = p_off + torch.randint(0, 100000, (n,), device=dev, generator=gen)
+    expect_k, expect_v = [t.clone() for t in pool_k], [t.clone() for t in pool_v]
+    for lid in range(layers):
+        rope_align(region_k[lid], src_rows, expect_k[lid], dst_rows, p_off, p_on, cache,
+                   is_neox=True, v_src=region_v[lid], v_dst=expect_v[lid])  # fmt: skip
+    stacks = [LayerStack.of(t) for t in (region_k, pool_k, region_v, pool_v)]
+    rope_align_layers(stacks[0], src_rows, stacks[1], dst_rows, p_off, p_on, cache,
+                      is_neox=True, v_src=stacks[2], v_dst=stacks[3])  # fmt: skip
+    for lid in range(layers):
+        assert torch.equal(pool_k[lid], expect_k[lid]) and torch.equal(pool_v[lid], expect_v[lid])

@@ -11,6 +11,10 @@ frequencies, then their sin) by the angle-difference identities
 where dividing by the radii removes a magnitude the cache carries (YaRN's mscale), so that the
 delta is a pure rotation. Rows whose two positions are equal are copied bit for bit.
 
+With ``LAYERED`` the grid's second axis is the layer: layer ``l`` reads and writes the tensors
+that start ``K_src_layers[l]`` (etc.) elements after ``K_src`` (etc.), one launch for several
+layers' tensors of the same shape and strides (``redknot.kernels.rope_align.LayerStack``).
+
 With ``HEAD_MAP`` the program moves head ``Src_heads[i]`` of a source row to head
 ``Dst_heads[i]`` of its destination row, for ``i < num_heads`` (keys and values alike); without
 it, head ``i`` to head ``i``.
@@ -50,6 +54,10 @@ def rope_align_kernel(
     Cos_sin,  # [max_pos, 2 * ROT_HALF] fp32, stride(-1) == 1
     Src_heads,  # [num_heads] int32 (read only with HEAD_MAP)
     Dst_heads,  # [num_heads] int32 (read only with HEAD_MAP)
+    K_src_layers,  # [layers] int64 element offsets from K_src (read only with LAYERED)
+    K_dst_layers,  # from K_dst
+    V_src_layers,  # from V_src
+    V_dst_layers,  # from V_dst
     num_rows,
     num_heads,
     num_v_heads,
@@ -75,8 +83,15 @@ def rope_align_kernel(
     BLOCK_VD: tl.constexpr,
     BF16_BY_BITS: tl.constexpr,
     HEAD_MAP: tl.constexpr,
+    LAYERED: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if LAYERED:
+        layer = tl.program_id(1)
+        K_src += tl.load(K_src_layers + layer)
+        K_dst += tl.load(K_dst_layers + layer)
+        V_src += tl.load(V_src_layers + layer)
+        V_dst += tl.load(V_dst_layers + layer)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < num_rows
     src = tl.load(Src_rows + offs_n, mask=mask_n, other=0).to(tl.int64)
