@@ -116,6 +116,19 @@ def job_bench(a, tree, env) -> int:
     return bench_once(a, tree, env)
 
 
+# FlashInfer compiles its kernels on a machine's first engine (about 90 s seen at the 8B shape);
+# the first half of an A/B on a fresh machine gets this much more time, so that its time limit
+# measures the bench and not the compilation (two such halves ran out of it)
+COLD_COMPILE_S = 180
+
+
+def flashinfer_cold() -> bool:
+    """Whether no FlashInfer kernel has been compiled on this machine yet (its JIT cache,
+    ``$FLASHINFER_WORKSPACE_BASE`` or the home folder, ``.cache/flashinfer``, holds none)."""
+    base = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache/flashinfer"
+    return not (base.is_dir() and any(base.rglob("*.so")))
+
+
 def job_ab(a, tree, env) -> int:
     """The bench at the head, then at ``--old`` (its package, the head's script), joined."""
     if a.inner.job != "bench":
@@ -124,9 +137,14 @@ def job_ab(a, tree, env) -> int:
     old_env = dict(env, PYTHONPATH=f"{gm.SITE}:{old}", REDKNOT_COMMIT=gm.tree_commit(old))
     sides = [("_head", tree, env), ("_old", old, old_env)]
     rc = 0
-    for suffix, side, side_env in sides[::-1] if a.old_first else sides:
+    first = argparse.Namespace(**vars(a.inner))
+    if first.timeout and flashinfer_cold():  # the first half compiles FlashInfer's kernels
+        first.timeout += COLD_COMPILE_S
+        print(f"a fresh machine: the first half gets {COLD_COMPILE_S} s more for FlashInfer's "
+              "kernels to compile")  # fmt: skip
+    for i, (suffix, side, side_env) in enumerate(sides[::-1] if a.old_first else sides):
         gm.install(side)
-        rc |= bench_once(a.inner, side, side_env, suffix, runner_tree=tree)
+        rc |= bench_once(a.inner if i else first, side, side_env, suffix, runner_tree=tree)
     gm.install(tree)
     head, before = (gm.OUT / f"{a.inner.name}{s}.json" for s in ("_head", "_old"))
     if head.is_file() and before.is_file() and '"variants"' in head.read_text():

@@ -184,8 +184,9 @@ class SegPagedRunner:
         global; ``dense``: SGLang's FlashInfer backend over the same pool; ``held_attention``:
         a :class:`redknot.kernels.held_rows.HeldRowsAttention`). A layer that computes every
         row runs SGLang's FlashInfer extend on the layer's K/V; a layer that computes only the
-        held rows writes their K/V and the left rows' cached, re-aligned K/V into the pool,
-        then attends the held rows as runs (:meth:`_extend_on_flashinfer`). Batches that
+        held rows writes their K/V into the pool, where the left rows' cached, re-aligned K/V
+        already is (:meth:`_align_left_layers`), then attends the held rows as runs
+        (:meth:`_extend_on_flashinfer`). Batches that
         register or capture segments keep the Triton kernel (:meth:`_serves_on_flashinfer`), and
         held rows that runs do not suit (``redknot.kernels.held_rows.runs_pay``) too."""
         self.flashinfer, self.held_attention = dense, held_attention
@@ -540,9 +541,9 @@ class SegPagedRunner:
     def _extend_on_flashinfer(self, q, k, v, layer: RadixAttention, fb, held) -> torch.Tensor:
         """A layer of a reusing extend on FlashInfer (:meth:`use_flashinfer`); returns
         ``[rows, Hq * D]``. Every row computed (``held`` None): SGLang's FlashInfer extend,
-        which also stores the K/V. Held rows only: their K/V and the left rows' cached K/V
-        (re-rotated to their positions, every head) go into the pool first, then the runs
-        attend it."""
+        which also stores the K/V. Held rows only: their K/V goes into the pool first, and the
+        left rows' cached K/V (re-rotated to their positions, every head) unless it is there
+        already (:meth:`_align_left_layers`), then the runs attend it."""
         lid = layer.layer_id
         if held is None:
             with phase("redknot.flashinfer_extend"):

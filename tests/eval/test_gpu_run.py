@@ -113,3 +113,26 @@ def test_the_gpu_tests_leave_out_the_docs_tests_when_the_results_are_not_carried
     cmd = gpu_run.tests_command(tmp_path, ["tests/lfps"], "union")
     assert "--ignore=tests/docs" not in cmd and cmd[-2:] == ["-k", "union"]
     assert "tests/lfps" in cmd and "gpu" in cmd
+
+
+def test_the_first_half_of_an_ab_on_a_fresh_machine_gets_room_to_compile(tmp_path, monkeypatch):
+    """With FlashInfer's JIT cache empty the first half's time limit grows by
+    ``COLD_COMPILE_S``, the second keeps its own; with a compiled kernel there, neither grows."""
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path))
+    assert gpu_run.flashinfer_cold()
+    limits = []
+    monkeypatch.setattr(gpu_run.gm, "unpack_tree", lambda tar, dest: tmp_path)
+    monkeypatch.setattr(gpu_run.gm, "tree_commit", lambda tree: "abc1234")
+    monkeypatch.setattr(gpu_run.gm, "install", lambda tree: None)
+    monkeypatch.setattr(gpu_run, "bench_once",
+                        lambda inner, *a, **k: limits.append(inner.timeout) or 0)  # fmt: skip
+    a = gpu_run.parse(["ab", "--old", "o.tar", "bench", "--timeout", "100", "ttft"])
+    gpu_run.job_ab(a, tmp_path, {})
+    assert limits == [100 + gpu_run.COLD_COMPILE_S, 100]
+    ops = tmp_path / ".cache/flashinfer/0.6/90a/cached_ops/batch_prefill"
+    ops.mkdir(parents=True)
+    (ops / "batch_prefill.so").write_bytes(b"")
+    assert not gpu_run.flashinfer_cold()
+    limits.clear()
+    gpu_run.job_ab(a, tmp_path, {})
+    assert limits == [100, 100]
