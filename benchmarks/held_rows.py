@@ -1,0 +1,176 @@
+"""One layer's attention of a token policy's rows in recovery, every way the server can run it,
+side by side on one GPU (Llama-3.1-8B attention: 32 query / 8 KV heads, D 128, bf16, every
+head global; ``segpaged_kernels.py``'s timer).
+
+A reusing prompt of ``L`` tokens in 8 cached segments and a 64-token question; the rows a deep
+layer still computes, as each policy holds them:
+
+- ``epic``: the first 16 rows of each segment and the question (EPIC 16: 9 runs);
+- ``cacheblend``: 15% of the segment rows at random and the question (CacheBlend 0.15, whose
+  rows are chosen one by one by their K/V deviation).
+
+Methods (``redknot.kernels.held_rows``; every key already in the pool, as the server has it):
+
+- ``runs_fa2`` / ``runs_fa3``: FlashInfer's paged prefill over runs of consecutive rows, with
+  FlashInfer's FA2 kernels (what the server plans: SGLang's ``prefill_backend``) or FA3;
+- ``blocks_fa2`` / ``blocks_fa3``: blocks of 32 rows, the keys before each block unmasked and its
+  own span under a custom mask, merged (built, not served; FA3 may refuse the mask: noted);
+- ``triton``: redknot's SegPaged extend kernel over the rows gathered into tiles (what the
+  server runs where runs do not pay), reading the layer's keys from ``k``/``v``;
+- ``dense``: FlashInfer's causal prefill of every row of the prompt (FA2), for the FLOP scale.
+
+Per method: ms per call (CUDA graphs, L2 flushed), the keys it reads per KV head and the rate
+of those reads (K and V, TB/s); per case: the held rows' attention FLOPs over the dense
+prefill's, and the host time of planning (runs and blocks).
+
+    python benchmarks/held_rows.py --out benchmarks/results/held_rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+HQ, HKV, D = 32, 8, 128
+SEGMENTS, QUESTION, EPIC_K, BLEND_RATIO = 8, 64, 16, 0.15
+
+
+def held_set(policy: str, L: int, seed: int = 0) -> torch.Tensor:
+    """``[L + QUESTION]`` bool, the rows ``policy`` holds in a deep layer of a prompt of ``L``
+    segment tokens in ``SEGMENTS`` equal segments followed by the question."""
+    keep = torch.zeros(L + QUESTION, dtype=torch.bool)
+    keep[L:] = True
+    seg = L // SEGMENTS
+    if policy == "epic":
+        for s in range(SEGMENTS):
+            keep[s * seg : s * seg + EPIC_K] = True
+    elif policy == "cacheblend":
+        g = torch.Generator().manual_seed(seed)
+        keep[:L] = torch.rand(L, generator=g) < BLEND_RATIO
+    else:
+        raise ValueError(f"unknown policy {policy!r}: epic or cacheblend")
+    return keep
+
+
+def attention_flops(keep: torch.Tensor) -> int:
+    """Attention FLOPs of the rows ``keep`` marks (row ``i`` over keys ``0..i``, QK and PV, every
+    query head), as the TTFT benchmark counts them."""
+    pos = torch.nonzero(keep)[:, 0].to(torch.int64)
+    return int(4 * HQ * D * (pos + 1).sum())
+
+
+def read_rate(keys: int, ms: float | None) -> float | None:
+    """TB/s of reading ``keys`` keys and values of every KV head in ``ms``."""
+    return None if not ms else keys * HKV * D * 2 * 2 / (ms * 1e-3) / 1e12
+
+
+def held_case(policy: str, L: int, timer) -> dict:
+    import flashinfer
+    from segpaged_kernels import DEV, DTYPE, SCALE, attempt, flashinfer_workspace, layer_of, rand
+
+    from redknot.kernels.extend import gather_tiles, plan_extend, run_extend
+    from redknot.kernels.held_rows import (
+        HeldRowsAttention,
+        row_blocks,
+        row_runs,
+    )
+
+    T = L + QUESTION
+    keep = held_set(policy, L)
+    n = int(keep.sum())
+    qo, prefix = torch.tensor([0, T], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    r2t = torch.arange(T, dtype=torch.int32, device=DEV).view(1, T)
+    rpi = torch.zeros(1, dtype=torch.int64, device=DEV)
+    k, v, q = rand(T, HKV, D), rand(T, HKV, D), rand(n, HQ, D)
+    row = {"policy": policy, "L": L, "tokens": T, "held_rows": n}
+    dense_flops = attention_flops(torch.ones(T, dtype=torch.bool))
+    row["flop_ratio"] = dense_flops / attention_flops(keep)
+    runs, blocks = row_runs(keep, qo, prefix), row_blocks(keep, qo, prefix, 32)
+    row.update(runs=runs.num_runs, keys_runs=runs.keys_read, blocks=blocks.num_blocks)
+    row["keys_blocks"] = row["keys_triton"] = blocks.keys_read  # the kernel's tiles: 32 rows
+    workspace = flashinfer_workspace()
+    for method in ("runs", "blocks"):
+        for backend in ("fa2", "fa3"):
+            name = f"{method}_{backend}"
+
+            def make(method=method, backend=backend, name=name):
+                held = HeldRowsAttention.on_flashinfer(
+                    workspace, HQ, HKV, D, DTYPE, backend=backend, sm_scale=SCALE
+                )
+                held.force, held.blocks = method, True
+                t0 = time.perf_counter()
+                held.plan(keep, qo, prefix, rpi, r2t, 32)
+                if q.is_cuda:
+                    torch.cuda.synchronize()
+                row[f"plan_host_ms_{name}"] = (time.perf_counter() - t0) * 1e3
+                return lambda: held.run(q, k, v, SCALE)
+
+            attempt(row, name, timer, make)
+            row[f"tb_s_{name}"] = read_rate(row[f"keys_{method}"], row[f"ms_{name}"])
+
+    def triton():
+        _, heads, geo = layer_of(1.0)
+        rows = torch.nonzero(keep)[:, 0].to(DEV)
+        plan = gather_tiles(plan_extend(geo, rpi, [0], [T]), rows, [n])
+        dummy = torch.zeros((1, 1, D), dtype=DTYPE, device=DEV)
+        out = torch.empty_like(q)
+        return lambda: run_extend(plan, q, k, v, k, v, dummy, dummy, r2t, heads, SCALE, out=out)
+
+    attempt(row, "triton", timer, triton)
+    row["tb_s_triton"] = read_rate(row["keys_triton"], row["ms_triton"])
+
+    def dense():
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+        ones = torch.ones(1, dtype=torch.int32, device=DEV)
+        wrapper.plan(qo.to(DEV), torch.tensor([0, T], dtype=torch.int32, device=DEV), r2t[0],
+                     ones, HQ, HKV, D, 1, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE,
+                     sm_scale=SCALE)  # fmt: skip
+        q_all = rand(T, HQ, D)
+        kv = (k.unsqueeze(1), v.unsqueeze(1))
+        return lambda: wrapper.run(q_all, kv)
+
+    attempt(row, "dense", timer, dense)
+    if row.get("ms_dense"):
+        # the held rows' share of the dense prefill's time, at its FLOP rate
+        row["ms_flop_ideal"] = row["ms_dense"] / row["flop_ratio"]
+        for name in ("runs_fa2", "runs_fa3", "blocks_fa2", "blocks_fa3", "triton"):
+            if row.get(f"ms_{name}"):
+                row[f"fraction_of_flop_ideal_{name}"] = row["ms_flop_ideal"] / row[f"ms_{name}"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/held_rows.json")
+    ap.add_argument("--lengths", default="8192,32768,65536")
+    ap.add_argument("--policies", default="epic,cacheblend")
+    ap.add_argument(
+        "--commit",
+        default=os.environ.get("REDKNOT_COMMIT", "unknown"),
+        help="commit of the code being measured (default: REDKNOT_COMMIT, set by gpu_run.py)",
+    )
+    args = ap.parse_args()
+    import flashinfer
+    from segpaged_kernels import Timer, result_header
+
+    timer = Timer()
+    result = result_header(args.commit, flashinfer=flashinfer.__version__)
+    for policy in args.policies.split(","):
+        for L in map(int, args.lengths.split(",")):
+            row = held_case(policy, L, timer)
+            result["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "timing"}), flush=True)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
