@@ -16,9 +16,7 @@ idle:
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -35,10 +33,12 @@ from segpaged_kernels import (
     D,
     Timer,
     attempt,
+    bench_arguments,
     flashinfer_workspace,
     layer_of,
     rand,
     result_header,
+    save_row,
 )
 
 from redknot.kernels.extend import (
@@ -120,24 +120,17 @@ def held_rows_case(L: int, recent: int, scattered: int, timer: Timer) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/extend_split.json")
-    ap.add_argument(
-        "--commit",
-        default=os.environ.get("REDKNOT_COMMIT", "unknown"),
-        help="commit of the code being measured (default: REDKNOT_COMMIT, set by gpu_run.py)",
-    )
-    args = ap.parse_args()
+    args = bench_arguments(
+        __doc__.splitlines()[0], "benchmarks/results/extend_split.json"
+    ).parse_args()
     timer = Timer()
     result = result_header(args.commit, num_sms=num_sms(DEV))
     cases = [(question_case, (P, E)) for P in (8192, 32768, 131072) for E in (64, 512)]
     cases += [(held_rows_case, (L, 128, n)) for L in (32768, 65536) for n in (64, 1024)]
     for fn, case in cases:
         row = fn(*case, timer)
-        result["rows"].append(row)
+        save_row(result, row, args.out)
         print(json.dumps({k: v for k, v in row.items() if k != "timing"}), flush=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -28,9 +28,7 @@ prefill's, and the host time of planning (runs and blocks).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -148,28 +146,21 @@ def held_case(policy: str, L: int, timer) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/held_rows.json")
+    from segpaged_kernels import Timer, bench_arguments, result_header, save_row
+
+    ap = bench_arguments(__doc__.splitlines()[0], "benchmarks/results/held_rows.json")
     ap.add_argument("--lengths", default="8192,32768,65536")
     ap.add_argument("--policies", default="epic,cacheblend")
-    ap.add_argument(
-        "--commit",
-        default=os.environ.get("REDKNOT_COMMIT", "unknown"),
-        help="commit of the code being measured (default: REDKNOT_COMMIT, set by gpu_run.py)",
-    )
     args = ap.parse_args()
     import flashinfer
-    from segpaged_kernels import Timer, result_header
 
     timer = Timer()
     result = result_header(args.commit, flashinfer=flashinfer.__version__)
     for policy in args.policies.split(","):
         for L in map(int, args.lengths.split(",")):
             row = held_case(policy, L, timer)
-            result["rows"].append(row)
+            save_row(result, row, args.out)
             print(json.dumps({k: v for k, v in row.items() if k != "timing"}), flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,27 @@ def result_header(commit: str, **extra) -> dict:
     }
 
 
+def bench_arguments(description: str, out: str) -> argparse.ArgumentParser:
+    """The arguments of every one-layer kernel benchmark: ``--out`` (default ``out``) and
+    ``--commit``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", default=out)
+    ap.add_argument(
+        "--commit",
+        default=os.environ.get("REDKNOT_COMMIT", "unknown"),
+        help="commit of the code being measured (default: REDKNOT_COMMIT, set by gpu_run.py)",
+    )
+    return ap
+
+
+def save_row(result: dict, row: dict, out: str) -> None:
+    """``row`` added to ``result`` and the whole written to ``out``, after every case (a run cut
+    short keeps what it measured)."""
+    result["rows"].append(row)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def attempt(row: dict, name: str, timer: Timer, make, eager: bool = False) -> None:
     """Time ``make()`` (which returns the call to time) into ``row[name]``; errors become notes."""
     try:
@@ -472,13 +493,7 @@ def finish(row: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/segpaged_kernels.json")
-    ap.add_argument(
-        "--commit",
-        default=os.environ.get("REDKNOT_COMMIT", "unknown"),
-        help="commit of the code being measured (default: REDKNOT_COMMIT, set by gpu_run.py)",
-    )
+    ap = bench_arguments(__doc__.splitlines()[0], "benchmarks/results/segpaged_kernels.json")
     ap.add_argument("--no-variants", action="store_true", help="skip the tuning variants")
     ap.add_argument("--only", default="", help="run only cases whose name contains this")
     args = ap.parse_args()
@@ -498,12 +513,10 @@ def main() -> None:
         else:
             row = prefill_case(L, frac, timer, variants)
         row["wall_s"] = round(time.time() - t0, 1)
-        result["rows"].append(row)
+        save_row(result, row, args.out)
         brief = {k: row.get(k) for k in ("ms_redknot", "ms_dense_flashinfer", "speedup",
                                           "ideal_speedup", "fraction_of_ideal")}  # fmt: skip
         print(name, json.dumps(brief), flush=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
