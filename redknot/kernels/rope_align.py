@@ -8,6 +8,10 @@ were computed at (offline) to the positions they take in the request (online), i
 ...     rope_align(store_k[layer], store_rows, pool_k[layer], pool_rows, pos_off, pos_on,
 ...                spec.cos_sin_cache, is_neox=spec.is_neox,
 ...                v_src=store_v[layer], v_dst=pool_v[layer])
+>>> stacks = [LayerStack.of(t) for t in (store_k, pool_k, store_v, pool_v)]  # once
+>>> rope_align_layers(stacks[0], store_rows, stacks[1], pool_rows, pos_off, pos_on,
+...                   spec.cos_sin_cache, is_neox=spec.is_neox,
+...                   v_src=stacks[2], v_dst=stacks[3])  # the same, every layer in one launch
 
 Supported RoPE variants (SGLang 0.5.17 classes, matched exactly, not by subclass) are those whose
 rotation of position ``p`` is one fixed table row ``cos_sin_cache[p]``, the same for every head and
