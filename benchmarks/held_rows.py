@@ -13,8 +13,9 @@ Methods (``redknot.kernels.held_rows``; every key already in the pool, as the se
 
 - ``runs_fa2`` / ``runs_fa3``: FlashInfer's paged prefill over runs of consecutive rows, with
   FlashInfer's FA2 kernels (what the server plans: SGLang's ``prefill_backend``) or FA3;
-- ``blocks_fa2`` / ``blocks_fa3``: blocks of 32 rows, the keys before each block unmasked and its
-  own span under a custom mask, merged (built, not served; FA3 may refuse the mask: noted);
+- ``blocks_fa2`` / ``blocks_fa3`` / ``blocks_fa3_fa2``: blocks of 32 rows, the keys before each
+  block unmasked and its own span under a custom mask, merged (built, not served), on FA2, FA3
+  (which may refuse the mask: noted), or FA3 with the masked part on FA2;
 - ``triton``: redknot's SegPaged extend kernel over the rows gathered into tiles (what the
   server runs where runs do not pay), reading the layer's keys from ``k``/``v``;
 - ``dense``: FlashInfer's causal prefill of every row of the prompt (FA2), for the FLOP scale.
@@ -39,6 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HQ, HKV, D = 32, 8, 128
 SEGMENTS, QUESTION, EPIC_K, BLEND_RATIO = 8, 64, 16, 0.15
+# (decomposition, FlashInfer backend, the blocks' masked part's backend if another)
+METHODS = [("runs", "fa2", None), ("runs", "fa3", None), ("blocks", "fa2", None),
+           ("blocks", "fa3", None), ("blocks", "fa3", "fa2")]  # fmt: skip
 
 
 def held_set(policy: str, L: int, seed: int = 0) -> torch.Tensor:
@@ -95,24 +99,24 @@ def held_case(policy: str, L: int, timer) -> dict:
     row.update(runs=runs.num_runs, keys_runs=runs.keys_read, blocks=blocks.num_blocks)
     row["keys_blocks"] = row["keys_triton"] = blocks.keys_read  # the kernel's tiles: 32 rows
     workspace = flashinfer_workspace()
-    for method in ("runs", "blocks"):
-        for backend in ("fa2", "fa3"):
-            name = f"{method}_{backend}"
+    for method, backend, within in METHODS:
+        name = f"{method}_{backend}" + (f"_{within}" if within else "")
 
-            def make(method=method, backend=backend, name=name):
-                held = HeldRowsAttention.on_flashinfer(
-                    workspace, HQ, HKV, D, DTYPE, backend=backend, sm_scale=SCALE
-                )
-                held.force, held.blocks = method, True
-                t0 = time.perf_counter()
-                held.plan(keep, qo, prefix, rpi, r2t, 32)
-                if q.is_cuda:
-                    torch.cuda.synchronize()
-                row[f"plan_host_ms_{name}"] = (time.perf_counter() - t0) * 1e3
-                return lambda: held.run(q, k, v, SCALE)
+        def make(method=method, backend=backend, within=within, name=name):
+            held = HeldRowsAttention.on_flashinfer(
+                workspace, HQ, HKV, D, DTYPE, backend=backend, sm_scale=SCALE,
+                within_backend=within,
+            )  # fmt: skip
+            held.force, held.blocks = method, True
+            t0 = time.perf_counter()
+            held.plan(keep, qo, prefix, rpi, r2t, 32)
+            if q.is_cuda:
+                torch.cuda.synchronize()
+            row[f"plan_host_ms_{name}"] = (time.perf_counter() - t0) * 1e3
+            return lambda: held.run(q, k, v, SCALE)
 
-            attempt(row, name, timer, make)
-            row[f"tb_s_{name}"] = read_rate(row[f"keys_{method}"], row[f"ms_{name}"])
+        attempt(row, name, timer, make)
+        row[f"tb_s_{name}"] = read_rate(row[f"keys_{method}"], row[f"ms_{name}"])
 
     def triton():
         _, heads, geo = layer_of(1.0)
@@ -139,7 +143,10 @@ def held_case(policy: str, L: int, timer) -> dict:
     if row.get("ms_dense"):
         # the held rows' share of the dense prefill's time, at its FLOP rate
         row["ms_flop_ideal"] = row["ms_dense"] / row["flop_ratio"]
-        for name in ("runs_fa2", "runs_fa3", "blocks_fa2", "blocks_fa3", "triton"):
+        for name in [n for n in row if n.startswith("ms_")]:
+            name = name[3:]
+            if name in ("dense", "flop_ideal"):
+                continue
             if row.get(f"ms_{name}"):
                 row[f"fraction_of_flop_ideal_{name}"] = row["ms_flop_ideal"] / row[f"ms_{name}"]
     return row

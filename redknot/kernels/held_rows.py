@@ -329,9 +329,10 @@ class HeldRowsAttention:
     def __init__(
         self, wrapper, merge, num_q_heads: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, blocks: bool = False, force: str | None = None,
-        sm_scale: float | None = None,
+        sm_scale: float | None = None, within_wrapper=None,
     ) -> None:  # fmt: skip
-        self.runs_wrapper, self.before, self.within = wrapper(), wrapper(), wrapper()
+        self.runs_wrapper, self.before = wrapper(), wrapper()
+        self.within = (within_wrapper or wrapper)()  # the masked part of blocks
         # the model's softmax scale, planned with the runs (a layer with another scale, or a
         # logit cap, restates them for the rest of the batch: see run)
         self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
@@ -347,17 +348,21 @@ class HeldRowsAttention:
     @classmethod
     def on_flashinfer(cls, workspace: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, backend: str = "auto",
-                      sm_scale: float | None = None):  # fmt: skip
+                      sm_scale: float | None = None,
+                      within_backend: str | None = None):  # fmt: skip
         """On FlashInfer's paged prefill, with ``workspace`` its float workspace (shared with
         SGLang's FlashInfer backend, whose kernels run on the same stream one after another,
-        as SGLang's own wrappers share it); ``sm_scale``: the model's attention scale."""
+        as SGLang's own wrappers share it); ``sm_scale``: the model's attention scale;
+        ``within_backend``: another backend for the blocks' masked part (default
+        ``backend``; FA3 takes no custom mask)."""
         import flashinfer
 
-        def wrapper():
+        def wrapper(backend=backend):
             return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
 
+        within = None if within_backend is None else (lambda: wrapper(within_backend))
         return cls(wrapper, flashinfer.merge_state_in_place, num_q_heads, num_kv_heads,
-                   head_dim, dtype, sm_scale=sm_scale)  # fmt: skip
+                   head_dim, dtype, sm_scale=sm_scale, within_wrapper=within)  # fmt: skip
 
     def plan(
         self,

@@ -52,13 +52,13 @@ def test_a_case_runs_end_to_end_on_the_cpu(monkeypatch):
     monkeypatch.setattr(bench, "EPIC_K", 4)
     outputs = {}
 
-    def stand_in(workspace, hq, hk, d, dtype, backend="auto", sm_scale=None):
+    def stand_in(workspace, hq, hk, d, dtype, backend="auto", sm_scale=None, within_backend=None):
         held = HeldRowsAttention(PagedPrefillReference, merge_state_reference, hq, hk, d, dtype,
                                  sm_scale=sm_scale)  # fmt: skip
         real = held.run
 
         def run(*a, **k):
-            outputs[(held.force, backend)] = out = real(*a, **k)
+            outputs[(held.force, backend, within_backend)] = out = real(*a, **k)
             return out
 
         held.run = run
@@ -76,9 +76,9 @@ def test_a_case_runs_end_to_end_on_the_cpu(monkeypatch):
     monkeypatch.setattr(extend, "run_extend", run_extend)
     row = bench.held_case("epic", 256, segpaged_kernels.Timer(calls=1, repeats=1, device="cpu"))
     assert row["held_rows"] == 8 * 4 + 8 and row["runs"] == 9
-    for name in ("runs_fa2", "runs_fa3", "blocks_fa2", "blocks_fa3", "triton"):
+    for name in ("runs_fa2", "runs_fa3", "blocks_fa2", "blocks_fa3", "blocks_fa3_fa2", "triton"):
         assert row[f"ms_{name}"] is not None, row.get("notes")
     assert row["ms_dense"] is None  # FlashInfer's own wrapper: not on the CPU
-    assert len(outputs) == 5
+    assert len(outputs) == 6
     for out in outputs.values():
         torch.testing.assert_close(out.float(), outputs["triton"].float(), atol=2e-2, rtol=2e-2)

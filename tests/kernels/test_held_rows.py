@@ -210,6 +210,23 @@ def test_runs_at_the_planned_scale_take_the_planned_launch_on_a_strided_query():
     assert calls[-1] == ("run", False, True)
 
 
+def test_the_blocks_masked_part_may_run_on_another_wrapper():
+    """``within_wrapper`` makes the wrapper of the blocks' masked part only (FA3 takes no custom
+    mask: FA2 there, FA3 for the rest); the blocks still equal the reference."""
+    q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token = _case(5, 0.5)
+
+    class Within(PagedPrefillReference):
+        pass
+
+    held = HeldRowsAttention(PagedPrefillReference, merge_state_reference, 8, 2, 16,
+                             torch.float64, force="blocks", within_wrapper=Within)  # fmt: skip
+    assert type(held.within) is Within
+    assert type(held.before) is type(held.runs_wrapper) is PagedPrefillReference
+    held.plan(keep, qo, pre, rpi, req_to_token, 4)
+    want = held_rows_reference(q, k_cache, v_cache, keep, qo, pre, rpi, req_to_token, 0.3)
+    torch.testing.assert_close(held.run(q, k_cache, v_cache, 0.3), want, atol=1e-5, rtol=1e-5)
+
+
 def test_without_blocks_rows_that_runs_do_not_suit_are_left_to_the_caller():
     *_, keep, qo, pre, rpi, req_to_token = _case(5, 0.5)
     assert row_runs(keep, qo, pre).keys_read > 2 * row_blocks(keep, qo, pre, 8).keys_read
