@@ -13,6 +13,7 @@ token overwrites exactly the position that just left the window.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from typing import TYPE_CHECKING
@@ -140,7 +141,6 @@ class SegPagedRunner:
         self.flashinfer = None
         self.held_attention = None
         self._arange = torch.arange(max_context_len, device=device)
-        self._stacks = None  # _left_stacks: None until built, False where layers differ
         self.decode_plan = None
         self.decode_rows: torch.Tensor | None = None  # [B] int64 ring rows of the new tokens
         self.graph_plans: dict[int, object] = {}
@@ -555,14 +555,8 @@ class SegPagedRunner:
         aligned = state.left_from is not None and lid >= state.left_from
         if left.tokens_gpu.numel() and len(heads) and not aligned:
             with phase("redknot.reuse_kv"):
-                region = pool.segments
-                rope_align(
-                    region.k[lid], left.rows_gpu, pool.k_global[lid], state.left_loc,
-                    left.pos_off_gpu, left.pos_on_gpu, self.rope.cos_sin_cache,
-                    is_neox=self.rope.is_neox, rotary_dim=self.rope.rotary_dim,
-                    v_src=region.v[lid], v_dst=pool.v_global[lid], src_heads=heads.cols,
-                    dst_heads=heads.heads,
-                )  # fmt: skip
+                self._align(lid, pool.k_global[lid], pool.v_global[lid], heads, left,
+                            dst_rows=state.left_loc)  # fmt: skip
         with phase("redknot.extend_kernel"):
             out = self.held_attention.run(q, pool.k_global[lid], pool.v_global[lid], layer.scaling)
         return out.flatten(1)
@@ -787,7 +781,7 @@ class SegPagedRunner:
         then only store their own rows. What those rows take is the cache's K/V, not anything
         a layer computes, so it can be written before the layers run. Skipped (a launch per
         layer instead) where the layers' buffers or head maps differ."""
-        state, stacks = self.extend_state, self._left_stacks()
+        state, stacks = self.extend_state, self._left_stacks
         left = state.held.left
         if stacks is None or first >= self.layout.num_layers or not left.tokens_gpu.numel():
             return
@@ -800,25 +794,23 @@ class SegPagedRunner:
         )  # fmt: skip
         state.left_from = first
 
+    @functools.cached_property
     def _left_stacks(self):
         """The region's and the pool's per-layer K/V as layer stacks on one device, with the
         heads that leave (the same in every layer); None where layers differ. Built once."""
-        if self._stacks is None:
-            self._stacks = False
-            pool, region = self.pool, self.pool.segments
-            heads = [self.left_heads(i) for i in range(self.layout.num_layers)]
-            same = len(heads[0]) and all(
-                torch.equal(h.cols, heads[0].cols) and torch.equal(h.heads, heads[0].heads)
-                for h in heads
-            )
-            try:
-                stacks = [LayerStack.of(t) for t in (region.k, pool.k_global, region.v,
-                                                     pool.v_global)]  # fmt: skip
-            except ValueError:
-                return None
-            if same and len({x.first.device for x in stacks}) == 1:
-                self._stacks = (*stacks, heads[0])
-        return self._stacks or None
+        heads = [self.left_heads(i) for i in range(self.layout.num_layers)]
+        if not len(heads[0]) or not all(
+            torch.equal(h.cols, heads[0].cols) and torch.equal(h.heads, heads[0].heads)
+            for h in heads
+        ):
+            return None
+        pool, region = self.pool, self.pool.segments
+        try:
+            stacks = [LayerStack.of(t) for t in (region.k, pool.k_global, region.v,
+                                                 pool.v_global)]  # fmt: skip
+        except ValueError:
+            return None
+        return (*stacks, heads[0]) if len({x.first.device for x in stacks}) == 1 else None
 
     def _blend(self, lid: int, k, v, reads: SegmentReads) -> None:
         """CacheBlend's choice in its check layer: the KV deviation of every reused token's
@@ -955,13 +947,16 @@ class SegPagedRunner:
         consts = self.consts[lid]
         return consts.stored if self.local_kv == "fresh" else consts.stored_global
 
-    def _align(self, lid: int, k, v, heads: AlignedHeads, reads: SegmentReads) -> None:
-        """``k``/``v`` rows ``reads.tokens_gpu`` of KV heads ``heads.heads`` from the segment
-        region's columns ``heads.cols`` (re-rotated keys, copied values; the region has the
-        model's dtype, see :meth:`check_segment_dtype`)."""
+    def _align(
+        self, lid: int, k, v, heads: AlignedHeads, reads: SegmentReads, dst_rows=None
+    ) -> None:
+        """``k``/``v`` rows ``dst_rows`` (default ``reads.tokens_gpu``) of KV heads
+        ``heads.heads`` from the segment region's columns ``heads.cols`` (re-rotated keys,
+        copied values; the region has the model's dtype, see :meth:`check_segment_dtype`)."""
         region = self.pool.segments
+        dst_rows = reads.tokens_gpu if dst_rows is None else dst_rows
         rope_align(
-            region.k[lid], reads.rows_gpu, k, reads.tokens_gpu, reads.pos_off_gpu,
+            region.k[lid], reads.rows_gpu, k, dst_rows, reads.pos_off_gpu,
             reads.pos_on_gpu, self.rope.cos_sin_cache, is_neox=self.rope.is_neox,
             rotary_dim=self.rope.rotary_dim, v_src=region.v[lid], v_dst=v,
             src_heads=heads.cols, dst_heads=heads.heads,

@@ -188,7 +188,7 @@ def test_token_policy_in_the_server_matches_its_rule(name, knobs, question, on_f
         )  # fmt: skip
         w.runner.use_flashinfer(fi, held)
         if on_flashinfer == "runs per layer":
-            w.runner._stacks = False
+            w.runner._left_stacks = None  # as where the layers' buffers differ
     w.pool.cache.segments.acquire(entry)
     w.pool.segment_reads[2] = [SegmentUse(NEW, entry, prompt_len=n)]
     with caplog.at_level("INFO", logger="redknot.attention.segpaged_runner"):
