@@ -21,8 +21,9 @@ Methods (``redknot.kernels.held_rows``; every key already in the pool, as the se
 - ``dense``: FlashInfer's causal prefill of every row of the prompt (FA2), for the FLOP scale.
 
 Per method: ms per call (CUDA graphs, L2 flushed), the keys it reads per KV head and the rate
-of those reads (K and V, TB/s); per case: the held rows' attention FLOPs over the dense
-prefill's, and the host time of planning (runs and blocks).
+of those reads (K and V, TB/s), and its largest difference from the Triton kernel's output
+(``max_abs_err_*``); per case: the held rows' attention FLOPs over the dense prefill's, and the
+host time of planning (runs and blocks).
 
     python benchmarks/held_rows.py --out benchmarks/results/held_rows.json
 """
@@ -98,6 +99,25 @@ def held_case(policy: str, L: int, timer) -> dict:
     runs, blocks = row_runs(keep, qo, prefix), row_blocks(keep, qo, prefix, 32)
     row.update(runs=runs.num_runs, keys_runs=runs.keys_read, blocks=blocks.num_blocks)
     row["keys_blocks"] = row["keys_triton"] = blocks.keys_read  # the kernel's tiles: 32 rows
+    outputs = {}  # the Triton kernel's output: every other method is checked against it
+
+    def triton():
+        _, heads, geo = layer_of(1.0)
+        rows = torch.nonzero(keep)[:, 0].to(DEV)
+        plan = gather_tiles(plan_extend(geo, rpi, [0], [T]), rows, [n])
+        dummy = torch.zeros((1, 1, D), dtype=DTYPE, device=DEV)
+        out = torch.empty_like(q)
+
+        def call():
+            return run_extend(plan, q, k, v, k, v, dummy, dummy, r2t, heads, SCALE, out=out)
+
+        outputs["triton"] = call().clone()
+        return call
+
+    attempt(row, "triton", timer, triton)
+    reference = outputs.get("triton")
+    row["tb_s_triton"] = read_rate(row["keys_triton"], row["ms_triton"])
+
     workspace = flashinfer_workspace()
     for method, backend, within in METHODS:
         name = f"{method}_{backend}" + (f"_{within}" if within else "")
@@ -113,21 +133,17 @@ def held_case(policy: str, L: int, timer) -> dict:
             if q.is_cuda:
                 torch.cuda.synchronize()
             row[f"plan_host_ms_{name}"] = (time.perf_counter() - t0) * 1e3
-            return lambda: held.run(q, k, v, SCALE)
+
+            def call():
+                return held.run(q, k, v, SCALE)
+
+            if reference is not None:  # the same attention as the Triton kernel's
+                err = (call().float() - reference.float()).abs().max()
+                row[f"max_abs_err_{name}"] = float(err)
+            return call
 
         attempt(row, name, timer, make)
         row[f"tb_s_{name}"] = read_rate(row[f"keys_{method}"], row[f"ms_{name}"])
-
-    def triton():
-        _, heads, geo = layer_of(1.0)
-        rows = torch.nonzero(keep)[:, 0].to(DEV)
-        plan = gather_tiles(plan_extend(geo, rpi, [0], [T]), rows, [n])
-        dummy = torch.zeros((1, 1, D), dtype=DTYPE, device=DEV)
-        out = torch.empty_like(q)
-        return lambda: run_extend(plan, q, k, v, k, v, dummy, dummy, r2t, heads, SCALE, out=out)
-
-    attempt(row, "triton", timer, triton)
-    row["tb_s_triton"] = read_rate(row["keys_triton"], row["ms_triton"])
 
     def dense():
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
