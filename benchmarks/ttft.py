@@ -226,13 +226,14 @@ STORE_COUNTERS = ("hits", "misses", "hit_tokens")
 GATE_COUNTERS = ("served_with_reuse", "served_without_reuse")  # redknot.costmodel.gate
 
 
-def parse_points(text: str) -> list[tuple[int, int]]:
-    """``"32768x8,8192x2"`` -> ``[(32768, 8), (8192, 2)]`` (context length x segment count)."""
+def parse_points(text: str, flag: str = "--points") -> list[tuple[int, int]]:
+    """``"32768x8,8192x2"`` -> ``[(32768, 8), (8192, 2)]`` (context length x segment count);
+    ``flag`` names the option in the error."""
     points = []
     for item in text.split(","):
         length, _, segments = item.strip().partition("x")
         if not (length.isdigit() and segments.isdigit() and int(segments) > 0):
-            raise SystemExit(f"--points: {item!r} is not LENGTHxSEGMENTS (e.g. 32768x8)")
+            raise SystemExit(f"{flag}: {item!r} is not LENGTHxSEGMENTS (e.g. 32768x8)")
         points.append((int(length), int(segments)))
     return points
 
@@ -356,7 +357,11 @@ def child(args) -> None:
                     engine.generate(input_ids=fresh, sampling_params=dict(one))
                     if rep:  # the first is a warm-up
                         plain.append(time.perf_counter() - t0)
-            if args.profile_dir and not args.profile_warmup:  # one more, under the profiler
+            profile_point = not args.profile_points or point_key(length, segments) in {
+                point_key(*p) for p in parse_points(args.profile_points, "--profile-points")
+            }
+            if args.profile_dir and not args.profile_warmup and profile_point:  # one more,
+                # under the profiler
                 ids[0] = rand(1)[0]  # a prefix no earlier prompt had
                 start_profile(
                     engine, Path(args.profile_dir, f"{args.child}-{point_key(length, segments)}")
@@ -497,6 +502,11 @@ def main() -> None:
         help="with --profile-dir: profile only these variants (comma-separated; default all)",
     )
     ap.add_argument(
+        "--profile-points",
+        default="",
+        help="with --profile-dir: profile only these points (as --points; default all)",
+    )
+    ap.add_argument(
         "--compile-log",
         action="store_true",
         help="give each engine an empty Triton cache and record the kernels compiled at "
@@ -521,6 +531,8 @@ def main() -> None:
     if args.sweep:
         args.points = SWEEP
     parse_points(args.points)  # refuse a malformed list before any engine starts
+    if args.profile_points:
+        parse_points(args.profile_points, "--profile-points")
     for name in split_variants(args.variants):
         parse_variant(name)
     if args.child:
@@ -545,6 +557,7 @@ def main() -> None:
         "chunked_prefill_size",
         "prefill_graph_tokens",
         "profile_dir",
+        "profile_points",
     ) + [
         f"--{flag}"
         for flag in ("compile-log", "profile-warmup", "own-recompute")
