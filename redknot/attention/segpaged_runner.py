@@ -833,8 +833,8 @@ class SegPagedRunner:
         if self.tp_size > 1:  # every rank must keep the same rows: sum over every rank's heads
             deviation = self._sum_over_ranks()(deviation)
         plan = self.extend_state.plan
-        kept = self.policy.blend_kept(deviation.cpu(), reads.tokens_cpu, plan.qo_indptr_cpu)
-        self._keep(kept, lid + 1)
+        kept = self.policy.blend_kept(deviation, tok, reads.tokens_cpu, plan.qo_indptr_cpu)
+        self._keep(kept.cpu(), lid + 1)  # the choice's one host synchronisation
 
     def _sparsex(self, lid: int, q, scale: float, reads: SegmentReads) -> None:
         """SparseX's choice in the last full layer, per request: its sparse-Q set from this

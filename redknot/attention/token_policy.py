@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from redknot.config import TOKEN_POLICIES, RedknotConfig
+from redknot.kernels.extend import to_device
 from redknot.recovery.cacheblend import blend_count
-from redknot.recovery.importance import top_rows
 from redknot.recovery.samkv.served import SamkvKnobs
 
 
@@ -111,19 +111,45 @@ class TokenPolicy:
         return torch.zeros_like(pos_off, dtype=torch.bool)
 
     def blend_kept(
-        self, deviation: torch.Tensor, tokens: torch.Tensor, qo_indptr: torch.Tensor
+        self,
+        deviation: torch.Tensor,
+        tokens: torch.Tensor,
+        tokens_cpu: torch.Tensor,
+        qo_indptr: torch.Tensor,
     ) -> torch.Tensor:
-        """``[R]`` bool over the reads: per request, the ``blend_count`` tokens of largest
-        ``deviation`` (``[R]`` float64); ``tokens``: their batch rows, ``qo_indptr``: the
-        requests' first rows (all on the host)."""
-        kept = torch.zeros(tokens.shape[0], dtype=torch.bool)
-        scores = torch.zeros(int(qo_indptr[-1]), dtype=torch.float64)
-        scores[tokens] = deviation
-        for _, mine in per_request(tokens, qo_indptr):
-            rows = tokens[mine].sort().values
-            chosen = top_rows(scores, rows, blend_count(self.blend_ratio, rows.numel()))
-            kept[mine] = torch.isin(tokens[mine], chosen)
-        return kept
+        """``[R]`` bool over the reads, on ``deviation``'s device: per request, the
+        ``blend_count`` of its reused tokens of largest ``deviation`` (``[R]`` float64; ties:
+        the lower row). ``tokens``: their batch rows on that device, ``tokens_cpu`` the same on
+        the host, ``qo_indptr``: the requests' first rows (host). Chosen on the device
+        (:func:`top_per_request`), without a host synchronisation: the caller's copy of the
+        result is the choice's only one, and the host has nothing to sort after it."""
+        B = qo_indptr.shape[0] - 1
+        request = torch.searchsorted(qo_indptr.to(torch.int64), tokens_cpu, right=True) - 1
+        reads = torch.bincount(request, minlength=B).tolist()
+        counts = [blend_count(self.blend_ratio, n) for n in reads]
+        host = torch.tensor(counts + qo_indptr.tolist(), dtype=torch.int64)
+        on_device = to_device(host, deviation.device)
+        counts_dev, qo_dev = on_device[:B], on_device[B:]
+        request_dev = torch.searchsorted(qo_dev, tokens, right=True) - 1
+        return top_per_request(deviation, tokens, request_dev, counts_dev)
+
+
+def top_per_request(
+    scores: torch.Tensor, rows: torch.Tensor, request: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """``[R]`` bool: for each request ``b``, the ``counts[b]`` entries of ``request == b`` of
+    largest ``scores``, ties to the lower ``rows`` (distinct). Three stable sorts and a rank,
+    on the tensors' device (every argument there; ``counts`` int64 ``[B]``)."""
+    order = torch.argsort(rows)
+    order = order[torch.argsort(scores[order], descending=True, stable=True)]
+    order = order[torch.argsort(request[order], stable=True)]
+    grouped = request[order].contiguous()
+    rank = torch.arange(grouped.numel(), device=grouped.device) - torch.searchsorted(
+        grouped, grouped
+    )
+    kept = torch.empty(rows.shape, dtype=torch.bool, device=rows.device)
+    kept[order] = rank < counts[grouped]
+    return kept
 
 
 def per_request(tokens: torch.Tensor, qo_indptr: torch.Tensor):

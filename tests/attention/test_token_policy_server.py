@@ -264,9 +264,38 @@ def test_cacheblend_keeps_the_largest_deviations_per_request():
     policy = TokenPolicy("cacheblend", **{**DEFAULTS, "blend_ratio": 0.5})
     tokens = torch.tensor([0, 1, 2, 3, 5, 6])  # request 0: rows 0-3, request 1: rows 4-7
     deviation = torch.tensor([0.1, 0.9, 0.5, 0.5, 0.2, 0.3], dtype=torch.float64)
-    kept = policy.blend_kept(deviation, tokens, torch.tensor([0, 4, 8]))
+    kept = policy.blend_kept(deviation, tokens, tokens, torch.tensor([0, 4, 8]))
     # request 0: 2 of 4 (0.9, then the tie 0.5/0.5 goes to the lower row); request 1: 1 of 2
     assert kept.tolist() == [False, True, True, False, False, True]
+
+
+def blend_kept_brute_force(ratio, deviation, tokens, qo_indptr) -> list[bool]:
+    """CacheBlend's choice one request at a time: its reads ordered by deviation (largest
+    first), then row, and the first ``blend_count`` of them kept."""
+    kept = [False] * len(tokens)
+    for b in range(len(qo_indptr) - 1):
+        mine = [i for i, t in enumerate(tokens) if qo_indptr[b] <= t < qo_indptr[b + 1]]
+        mine.sort(key=lambda i: (-deviation[i], tokens[i]))
+        for i in mine[: blend_count(ratio, len(mine))]:
+            kept[i] = True
+    return kept
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cacheblend_choice_equals_a_per_request_brute_force(seed):
+    """Reads in any order over several requests (one with none), deviations with many ties:
+    the device-side sorts keep exactly what choosing request by request keeps."""
+    g = torch.Generator().manual_seed(seed)
+    policy = TokenPolicy("cacheblend", **{**DEFAULTS, "blend_ratio": [0.15, 0.5, 1.0][seed % 3]})
+    qo = torch.tensor([0, 40, 41, 41, 120, 200])  # request 2 has no rows, request 1 no reads
+    rows = torch.cat([torch.arange(0, 38), torch.arange(45, 118), torch.arange(121, 199)])
+    tokens = rows[torch.randperm(rows.numel(), generator=g)]
+    deviation = torch.randint(0, 6, (tokens.numel(),), generator=g).to(torch.float64) / 4
+    kept = policy.blend_kept(deviation, tokens, tokens, qo)
+    expected = blend_kept_brute_force(policy.blend_ratio, deviation.tolist(), tokens.tolist(),
+                                      qo.tolist())  # fmt: skip
+    assert kept.tolist() == expected
+    assert sum(expected) == sum(blend_count(policy.blend_ratio, n) for n in (38, 0, 0, 73, 78))
 
 
 def test_segment_spans_split_adjacent_segments_and_gaps():
