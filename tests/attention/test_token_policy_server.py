@@ -339,3 +339,20 @@ def test_a_failed_flashinfer_plan_leaves_the_rows_in_recovery_to_the_triton_kern
                          "FlashInfer failed)")  # fmt: skip
     kept = ~history[-1]
     torch.testing.assert_close(got[kept], want[kept], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_cacheblend_choice_on_the_gpu_equals_the_host_at_a_32k_prompt():
+    """A 32K-token prompt's reads in any order over two requests, deviations with ties, as the
+    server chooses them (on the GPU): the same rows as the same sorts on the host."""
+    g = torch.Generator().manual_seed(0)
+    policy = TokenPolicy("cacheblend", **DEFAULTS)
+    qo = torch.tensor([0, 20000, 32833])
+    rows = torch.cat([torch.arange(1, 19990), torch.arange(20001, 32768)])
+    tokens = rows[torch.randperm(rows.numel(), generator=g)]
+    deviation = torch.randint(0, 50, (tokens.numel(),), generator=g).to(torch.float64)
+    host = policy.blend_kept(deviation, tokens, tokens, qo)
+    cuda = policy.blend_kept(deviation.cuda(), tokens.cuda(), tokens, qo)
+    assert torch.equal(cuda.cpu(), host)
+    per_request = [int(host[tokens < 20000].sum()), int(host[tokens >= 20000].sum())]
+    assert per_request == [blend_count(policy.blend_ratio, n) for n in (19989, 12767)]
