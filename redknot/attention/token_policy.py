@@ -138,8 +138,9 @@ def top_per_request(
     scores: torch.Tensor, rows: torch.Tensor, request: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
     """``[R]`` bool: for each request ``b``, the ``counts[b]`` entries of ``request == b`` of
-    largest ``scores``, ties to the lower ``rows`` (distinct). Three stable sorts and a rank,
-    on the tensors' device (every argument there; ``counts`` int64 ``[B]``)."""
+    largest ``scores``, ties to the lower ``rows`` (distinct): sorted by row, then stably by
+    score and by request, and ranked within each request; on the tensors' device (every
+    argument there; ``counts`` int64 ``[B]``)."""
     order = torch.argsort(rows)
     order = order[torch.argsort(scores[order], descending=True, stable=True)]
     order = order[torch.argsort(request[order], stable=True)]
