@@ -736,19 +736,18 @@ class SegPagedRunner:
                 self.skipped,
             )
 
-    def _hold(
-        self, keep, counts_cpu: list[int], leaving, num_left: int, tiled: bool = True
-    ) -> torch.Tensor:
+    def _hold(self, keep, counts_cpu: list[int], leaving, num_left: int) -> torch.Tensor:
         """From the next layer on only ``keep`` (``[T]`` bool on the device; ``counts_cpu[b]``
         rows of request ``b``) stays in recovery: the decoder-layer hook compacts to those rows,
         and every head of the reused tokens ``leaving`` (``[R]`` bool, ``num_left`` of them)
-        takes the cached K/V. ``tiled``: plan the Triton kernel's tiles over the rows (not when
-        they attend on FlashInfer). Returns the rows on the device; no host synchronisation."""
+        takes the cached K/V. The Triton kernel's tiles are planned over the rows unless they
+        attend on FlashInfer (``state.held_plan``). Returns the rows on the device; no host
+        synchronisation."""
         state = self.extend_state
         reads = state.segment_reads
         rows = torch.nonzero_static(keep, size=sum(counts_cpu))[:, 0]
         left = torch.nonzero_static(leaving, size=num_left)[:, 0]
-        tiles = gather_tiles(state.plan, rows, counts_cpu) if tiled else None
+        tiles = gather_tiles(state.plan, rows, counts_cpu) if state.held_plan is None else None
         state.held = HeldRows(rows, keep, tiles, reads.select(left))
         SCHEDULE.target = rows
         return rows
@@ -769,7 +768,7 @@ class SegPagedRunner:
             if state.on_flashinfer:  # before the rows are held: runs need no tiles
                 self._plan_held(keep_cpu)
             self._hold(to_device(keep_cpu, device), counts, to_device(leaving, device),
-                       int(leaving.sum()), tiled=state.held_plan is None)  # fmt: skip
+                       int(leaving.sum()))  # fmt: skip
             if state.held_plan is not None:
                 state.held_loc = state.out_cache_loc[state.held.rows]
                 state.left_loc = state.out_cache_loc[state.held.left.tokens_gpu]

@@ -124,14 +124,12 @@ class TokenPolicy:
         (:func:`top_per_request`), without a host synchronisation: the caller's copy of the
         result is the choice's only one, and the host has nothing to sort after it."""
         B = qo_indptr.shape[0] - 1
-        request = torch.searchsorted(qo_indptr.to(torch.int64), tokens_cpu, right=True) - 1
-        reads = torch.bincount(request, minlength=B).tolist()
+        reads = torch.bincount(request_of(tokens_cpu, qo_indptr), minlength=B).tolist()
         counts = [blend_count(self.blend_ratio, n) for n in reads]
         host = torch.tensor(counts + qo_indptr.tolist(), dtype=torch.int64)
         on_device = to_device(host, deviation.device)
         counts_dev, qo_dev = on_device[:B], on_device[B:]
-        request_dev = torch.searchsorted(qo_dev, tokens, right=True) - 1
-        return top_per_request(deviation, tokens, request_dev, counts_dev)
+        return top_per_request(deviation, tokens, request_of(tokens, qo_dev), counts_dev)
 
 
 def top_per_request(
@@ -153,9 +151,15 @@ def top_per_request(
     return kept
 
 
+def request_of(tokens: torch.Tensor, qo_indptr: torch.Tensor) -> torch.Tensor:
+    """The request of each batch row ``tokens`` (int64; ``qo_indptr``: the requests' first
+    rows, on the same device)."""
+    return torch.searchsorted(qo_indptr.to(torch.int64), tokens, right=True) - 1
+
+
 def per_request(tokens: torch.Tensor, qo_indptr: torch.Tensor):
     """``(request, indices)`` of the reads (``tokens``: batch rows, host) of each request."""
-    request = torch.searchsorted(qo_indptr.to(torch.int64), tokens, right=True) - 1
+    request = request_of(tokens, qo_indptr)
     for b in request.unique().tolist():
         yield b, (request == b).nonzero().squeeze(1)
 
