@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from redknot.attention.ffn_schedule import SparseFfn
+from redknot.attention.token_policy import request_of
 from redknot.kernels.extend import to_device
 
 
@@ -70,7 +71,7 @@ def plan_restore(reads, req_pool_indices: list[int], qo_indptr_cpu: torch.Tensor
             refused.append(spec.req_pool_idx)
             continue
         probes.append(_probe(spec, sink, window, edge, device))
-    request = torch.searchsorted(qo_indptr_cpu[1:].long(), reads.tokens_cpu, right=True)
+    request = request_of(reads.tokens_cpu, qo_indptr_cpu)
     token_req = torch.as_tensor(req_pool_indices, dtype=torch.int64)[request]
     return RestorePlan(tuple(probes), to_device(token_req, device), tuple(refused))
 
