@@ -3,9 +3,10 @@
 A device record (:mod:`redknot.costmodel.record`) holds for the machine it was fitted on. On
 other machines of the same GPU, and between engines on one machine, the host-bound extends of
 prompts of a few thousand tokens move by 30-70%
-(``benchmarks/results/ttft_own_recompute_h100.json``: SparseX's reuse of a 2K x 8 prompt took
-40.9, 53.2 and 70.3 ms in three engines on H100s), and the host probe taken at startup does not
-follow these moves. Near the break-even the gate then reuses where this server recomputes faster.
+(``benchmarks/results/archive/ttft_own_recompute_h100_1a80c47.json``: SparseX's reuse of a 2K x 8
+prompt took 40.9, 53.2 and 70.3 ms in three engines on H100s), and the host probe taken at
+startup does not follow these moves. Near the break-even the gate then reuses where this
+server recomputes faster.
 
 Under ``--redknot-reuse-gate auto`` (the default) the server times every extend forward it runs
 (CUDA events read back when reached, never waited for: from the allocation of the request's

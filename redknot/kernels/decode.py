@@ -34,7 +34,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tuning of the decode kernels (constants of the launch, not of the semantics). Defaults:
-    the fastest of the sweep in ``benchmarks/results/segpaged_kernels.json`` (H200)."""
+    the fastest of the sweep in ``benchmarks/results/segpaged_kernels.json`` of commit a7c93dc
+    (H200; that file has been re-measured since, without the sweep)."""
 
     block_n: int = 128  # keys per inner-loop block
     num_warps: int = 4

@@ -35,7 +35,8 @@ _ALIGN_INT32 = 4  # int32 entries in 16 bytes
 class ExtendConfig:
     """Tuning of the extend kernel (constants of the launch, not of the semantics). Defaults:
     the fastest single-launch configuration of the sweep in
-    ``benchmarks/results/segpaged_kernels.json`` (H200)."""
+    ``benchmarks/results/segpaged_kernels.json`` of commit a7c93dc (H200; that file has been
+    re-measured since, without the sweep)."""
 
     block_m: int = 128  # query rows per tile: (tokens x query heads of one KV head)
     block_n: int = 64  # keys per inner-loop block
