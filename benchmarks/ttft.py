@@ -7,6 +7,8 @@ the segment-count sweep 2-32 at 32K). Variants (each an ``sgl.Engine`` on the 8B
 dummy weights):
 
 - ``flashinfer``: full prefill with the flashinfer backend;
+- ``flashinfer-aa``: the same in another engine, compared with the first (an A/A control: how
+  far two engines doing the same work differ; list it last to see the drift of later engines);
 - ``redknot-all-global``: every head global (the dense computation through redknot);
 - ``redknot-g0.125``: the synthetic 1/8 map, plain prompt (head-class prefill, no reuse);
 - ``redknot-g0.125-reuse``: the same map; the documents are registered first (standalone
@@ -81,6 +83,7 @@ ATTENTION_LOG = re.compile(r"token-layers left to the cache; attention (.*)$")  
 VARIANTS = {  # name -> (global fraction or None for flashinfer, all-global, reuse, dense layers,
     #                   what becomes of a row that skips a deep FFN, token-level policy)
     "flashinfer": (None, False, False, None, None, None),
+    "flashinfer-aa": (None, False, False, None, None, None),
     "redknot-all-global": (1.0, True, False, None, None, None),
     "redknot-g0.125": (0.125, False, False, None, None, None),
     "redknot-g0.125-reuse": (0.125, False, True, None, None, None),

@@ -53,6 +53,16 @@ def test_summary_ratios_against_flashinfer_at_the_same_point():
     assert summary["flashinfer"]["32768x8"]["speedup_vs_flashinfer"] == pytest.approx(1.0)
 
 
+def test_a_second_flashinfer_engine_is_compared_with_the_first_at_the_same_flops():
+    results = {
+        "flashinfer": {"points": {"1024x8": _row(1024, 8, 0.036)}},
+        "flashinfer-aa": {"points": {"1024x8": _row(1024, 8, 0.040)}},
+    }
+    aa = summarize(CFG, results, reps=5)["flashinfer-aa"]["1024x8"]
+    assert aa["speedup_vs_flashinfer"] == pytest.approx(0.036 / 0.040)  # the engines' drift
+    assert aa["flop_ratio_vs_flashinfer"] == pytest.approx(1.0)  # the same work
+
+
 def test_summary_compares_reuse_with_the_same_engines_own_recompute():
     gate = {"gate_host_scale": 1.27, "served": ["reuse"] * 4}
     results = {
