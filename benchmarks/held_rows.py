@@ -18,7 +18,10 @@ Methods (``redknot.kernels.held_rows``; every key already in the pool, as the se
   (which may refuse the mask: noted), or FA3 with the masked part on FA2;
 - ``triton``: redknot's SegPaged extend kernel over the rows gathered into tiles (what the
   server runs where runs do not pay), reading the layer's keys from ``k``/``v``;
-- ``dense``: FlashInfer's causal prefill of every row of the prompt (FA2), for the FLOP scale.
+- ``dense``: FlashInfer's causal prefill of every row of the prompt (FA2), for the FLOP scale;
+- ``triton_MxNwWsS`` (``--extend-configs``): the Triton kernel again under other launch
+  constants (``ExtendConfig``: ``M`` query rows a tile, ``N`` keys a block, ``W`` warps, ``S``
+  stages), each checked against the default's output: the sweep for the rows in recovery.
 
 Per method: ms per call (CUDA graphs, L2 flushed), the keys it reads per KV head and the rate
 of those reads (K and V, TB/s), and its largest difference from the Triton kernel's output
@@ -26,6 +29,8 @@ of those reads (K and V, TB/s), and its largest difference from the Triton kerne
 host time of planning (runs and blocks).
 
     python benchmarks/held_rows.py --out benchmarks/results/held_rows.json
+    python benchmarks/held_rows.py --policies cacheblend --lengths 32768 \\
+        --extend-configs 128x64w8s3,128x128w8s2,64x64w4s3 --out held_rows_sweep.json
 """
 
 from __future__ import annotations
@@ -75,7 +80,20 @@ def read_rate(keys: int, ms: float | None) -> float | None:
     return None if not ms else keys * HKV * D * 2 * 2 / (ms * 1e-3) / 1e12
 
 
-def held_case(policy: str, L: int, timer) -> dict:
+def extend_config(text: str):
+    """``"128x64w8s3"`` -> ``ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)``."""
+    import re
+
+    from redknot.kernels.extend import ExtendConfig
+
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+    if not m:
+        raise SystemExit(f"--extend-configs: {text!r} is not MxNwWsS, e.g. 128x64w8s3")
+    block_m, block_n, warps, stages = map(int, m.groups())
+    return ExtendConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+def held_case(policy: str, L: int, timer, extend_configs: tuple[str, ...] = ()) -> dict:
     import flashinfer
     from segpaged_kernels import DEV, DTYPE, SCALE, attempt, flashinfer_workspace, layer_of, rand
 
@@ -101,22 +119,30 @@ def held_case(policy: str, L: int, timer) -> dict:
     row["keys_blocks"] = row["keys_triton"] = blocks.keys_read  # the kernel's tiles: 32 rows
     outputs = {}  # the Triton kernel's output: every other method is checked against it
 
-    def triton():
+    def triton(config: str | None = None):
         _, heads, geo = layer_of(1.0)
         rows = torch.nonzero(keep)[:, 0].to(DEV)
-        plan = gather_tiles(plan_extend(geo, rpi, [0], [T]), rows, [n])
+        cfg = {} if config is None else {"config": extend_config(config)}
+        plan = gather_tiles(plan_extend(geo, rpi, [0], [T], **cfg), rows, [n])
         dummy = torch.zeros((1, 1, D), dtype=DTYPE, device=DEV)
         out = torch.empty_like(q)
 
         def call():
             return run_extend(plan, q, k, v, k, v, dummy, dummy, r2t, heads, SCALE, out=out)
 
-        outputs["triton"] = call().clone()
+        if config is None:
+            outputs["triton"] = call().clone()
+        elif "triton" in outputs:  # the same attention as the default's
+            default = outputs["triton"]
+            err = (call().float() - default.float()).abs().max()
+            row[f"max_abs_err_triton_{config}"] = float(err)
         return call
 
     attempt(row, "triton", timer, triton)
     reference = outputs.get("triton")
     row["tb_s_triton"] = read_rate(row["keys_triton"], row["ms_triton"])
+    for config in extend_configs:
+        attempt(row, f"triton_{config}", timer, lambda config=config: triton(config))
 
     workspace = flashinfer_workspace()
     for method, backend, within in METHODS:
@@ -174,14 +200,22 @@ def main() -> None:
     ap = bench_arguments(__doc__.splitlines()[0], "benchmarks/results/held_rows.json")
     ap.add_argument("--lengths", default="8192,32768,65536")
     ap.add_argument("--policies", default="epic,cacheblend")
+    ap.add_argument(
+        "--extend-configs",
+        default="",
+        help="the Triton kernel also under these launch constants, MxNwWsS,...",
+    )
     args = ap.parse_args()
+    configs = tuple(c for c in args.extend_configs.split(",") if c)
+    for c in configs:
+        extend_config(c)  # refuse a malformed one before the GPU work
     import flashinfer
 
     timer = Timer()
     result = result_header(args.commit, flashinfer=flashinfer.__version__)
     for policy in args.policies.split(","):
         for L in map(int, args.lengths.split(",")):
-            row = held_case(policy, L, timer)
+            row = held_case(policy, L, timer, configs)
             save_row(result, row, args.out)
             print(json.dumps({k: v for k, v in row.items() if k != "timing"}), flush=True)
 

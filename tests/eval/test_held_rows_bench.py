@@ -74,8 +74,12 @@ def test_a_case_runs_end_to_end_on_the_cpu(monkeypatch):
         return real_extend(*a, out=out, **k)
 
     monkeypatch.setattr(extend, "run_extend", run_extend)
-    row = bench.held_case("epic", 256, segpaged_kernels.Timer(calls=1, repeats=1, device="cpu"))
+    timer = segpaged_kernels.Timer(calls=1, repeats=1, device="cpu")
+    row = bench.held_case("epic", 256, timer, extend_configs=("64x32w4s2",))
     assert row["held_rows"] == 8 * 4 + 8 and row["runs"] == 9
+    # the sweep's kernel under other launch constants: timed, and checked against the default's
+    assert row["ms_triton_64x32w4s2"] is not None, row.get("notes")
+    assert 0 <= row["max_abs_err_triton_64x32w4s2"] < 2e-2
     for name in ("runs_fa2", "runs_fa3", "blocks_fa2", "blocks_fa3", "blocks_fa3_fa2", "triton"):
         assert row[f"ms_{name}"] is not None, row.get("notes")
     assert row["ms_dense"] is None  # FlashInfer's own wrapper: not on the CPU
@@ -84,3 +88,11 @@ def test_a_case_runs_end_to_end_on_the_cpu(monkeypatch):
         torch.testing.assert_close(out.float(), outputs["triton"].float(), atol=2e-2, rtol=2e-2)
     for name in ("runs_fa2", "runs_fa3", "blocks_fa2", "blocks_fa3", "blocks_fa3_fa2"):
         assert 0 <= row[f"max_abs_err_{name}"] < 2e-2  # the script's own check, as recorded
+
+
+def test_extend_configs_parse_and_malformed_ones_are_refused():
+    cfg = bench.extend_config("64x128w4s2")
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 128, 4, 2)
+    for bad in ("64x128", "64x128w4", "x128w4s2", "64x128w4s2,"):
+        with pytest.raises(SystemExit, match="MxNwWsS"):
+            bench.extend_config(bad)
