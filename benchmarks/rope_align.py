@@ -1,6 +1,7 @@
 """RoPE alignment (fused copy + delta-RoPE) against plain copies of the same bytes, on one GPU.
 
     python benchmarks/rope_align.py --out benchmarks/results/rope_align.json
+    python benchmarks/rope_align.py --layers 32 --out rope_align_layers.json
 
 (On a machine whose checkout has no ``.git``, set ``REDKNOT_COMMIT`` to record the commit.)
 
@@ -15,6 +16,12 @@ Methods, each moving the same rows:
   (and values) already gathered into a contiguous tensor: reads and writes the same bytes once.
 - ``gather_scatter_k``: ``dst[dst_rows] = src[src_rows]`` (an extra temporary pass).
 - ``unfused_torch_k``: gather, rotate with the fp32 reference, scatter (eager PyTorch).
+
+With ``--layers N`` it also moves the same rows in every one of ``N`` such layers (K and V,
+each layer allocated on its own as the server's region and pool are) in one
+``rope_align_layers`` launch, two ways (``layered``): ``grid`` (a program per rows and layer,
+as served) and ``loop`` (each program moves its rows in every layer in turn, the rows'
+rotation computed once: ``RopeAlignConfig.layer_loop``), checked equal to each other.
 
 ``GB/s`` counts key (and value) bytes read plus written, ``2 * rows * heads * D * 2`` per tensor;
 ``table_MB`` is what ``rope_align`` also reads from the cos/sin table (4 rows of R/2 floats per
@@ -34,7 +41,13 @@ import torch
 import triton
 import triton.testing
 
-from redknot.kernels.rope_align import RopeAlignConfig, alignable_rope, rope_align
+from redknot.kernels.rope_align import (
+    LayerStack,
+    RopeAlignConfig,
+    alignable_rope,
+    rope_align,
+    rope_align_layers,
+)
 from redknot.kernels.rope_reference import (
     alignment_tolerance,
     delta_rotate,
@@ -114,6 +127,57 @@ def methods(t: dict, config: RopeAlignConfig) -> dict:
     }
 
 
+def layered_methods(dev: str, layers: int, rows: int = ROWS) -> dict:
+    """``rope_align_layers`` of ``rows`` rows (K and V) in each of ``layers`` layers, as served
+    (``grid``) and with each program looping over the layers (``loop``); each entry is
+    ``(callable, the destination's K and V layers)``."""
+    spec = alignable_rope(sglang_rope(D, D, 131072, 500000, True, LLAMA31_ROPE))
+    gen = torch.Generator().manual_seed(1)
+    src_rows = torch.randperm(rows + 1024, generator=gen)[:rows].to(dev)
+    dst_rows = torch.randperm(2 * rows, generator=gen)[:rows].to(dev)
+    gen = torch.Generator(device=dev).manual_seed(1)  # the layers' K/V drawn where they live
+    seg = torch.arange(rows // 2)
+    pos_off = torch.cat([seg, seg + 100000])[:rows].to(dev)
+    pos_on = torch.cat([seg + 90000, seg])[:rows].to(dev)
+    cache = spec.cos_sin_cache.to(dev)
+    src = [
+        [torch.randn(rows + 1024, HEADS, D, generator=gen, device=dev).to(DTYPE)
+         for _ in range(layers)]
+        for _ in "kv"
+    ]  # fmt: skip
+    out = {}
+    for name, loop in (("grid", False), ("loop", True)):
+        dst = [[torch.zeros(2 * rows, HEADS, D, dtype=DTYPE, device=dev) for _ in range(layers)]
+               for _ in "kv"]  # fmt: skip
+        stacks = [LayerStack.of(t) for t in (src[0], dst[0], src[1], dst[1])]
+        cfg = RopeAlignConfig(layer_loop=loop)
+
+        def call(stacks=stacks, cfg=cfg):
+            rope_align_layers(stacks[0], src_rows, stacks[1], dst_rows, pos_off, pos_on, cache,
+                              is_neox=True, v_src=stacks[2], v_dst=stacks[3], config=cfg)  # fmt: skip
+
+        out[name] = (call, dst)
+    return out
+
+
+def measure_layered(layers: int) -> dict:
+    """The two ways of ``layered_methods`` at the 8B shape: ms, GB/s of K and V read and
+    written over every layer, and whether their outputs are equal."""
+    methods = layered_methods("cuda", layers)
+    rows = {}
+    for name, (call, _) in methods.items():
+        call()
+        ms = triton.testing.do_bench(call, warmup=5, rep=100, return_mode="median")
+        moved = 2 * 2 * layers * ROWS * HEADS * D * DTYPE.itemsize
+        rows[name] = {"ms": round(ms, 4), "GBps": round(moved / ms / 1e6, 1)}
+    grid, loop = methods["grid"][1], methods["loop"][1]
+    rows["outputs_equal"] = all(
+        torch.equal(a, b) for kind in range(2) for a, b in zip(grid[kind], loop[kind])
+    )
+    rows["layers"] = layers
+    return rows
+
+
 def measure(fn, tensors: int) -> dict:
     ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
     moved = 2 * tensors * ROWS * HEADS * D * DTYPE.itemsize
@@ -123,6 +187,12 @@ def measure(fn, tensors: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/rope_align.json")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="also move the rows in every one of this many layers in one launch",
+    )
     args = ap.parse_args()
     dev = "cuda"
     t = setup(dev)
@@ -156,6 +226,7 @@ def main() -> None:
             "kv": round(results["rope_align_kv"]["GBps"] / results["index_copy_kv"]["GBps"], 3),
         },
         sweep=sweep,
+        **({"layered": measure_layered(args.layers)} if args.layers else {}),
     )
     common.write_json(args.out, record)
 

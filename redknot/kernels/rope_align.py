@@ -57,6 +57,10 @@ class RopeAlignConfig:
     tile_elems: int = 4096  # rows per program: about this many rotated key elements per tile
     num_warps: int = 4
     max_block_n: int = 64
+    # rope_align_layers: each program moves its rows in every layer in turn (True), or the
+    # grid has a program per rows and layer (False, as served until the loop is measured on a
+    # GPU: benchmarks/rope_align.py --layers)
+    layer_loop: bool = False
 
 
 @dataclass(frozen=True)
@@ -316,7 +320,9 @@ def _launch(k_src, src_rows, k_dst, dst_rows, pos_off, pos_on, cos_sin_cache, is
     row_elems = block_h * max(2 * block_half, triton.next_power_of_2(head_dim))
     block_n = config.tile_elems // row_elems
     block_n = max(1, min(config.max_block_n, triton.next_power_of_2(block_n + 1) // 2))
-    grid = (triton.cdiv(n, block_n), layers[0].shape[0] if layers is not None else 1)
+    num_layers = layers[0].shape[0] if layers is not None else 1
+    loop = layers is not None and config.layer_loop
+    grid = (triton.cdiv(n, block_n), 1 if loop else num_layers)
     v_s = v_src if has_v else k_src
     v_d = v_dst if has_v else k_dst
     rope_align_kernel[grid](
@@ -324,7 +330,7 @@ def _launch(k_src, src_rows, k_dst, dst_rows, pos_off, pos_on, cos_sin_cache, is
         src_rows, dst_rows, pos_off, pos_on, cos_sin_cache,
         src_heads if head_map else src_rows, dst_heads if head_map else dst_rows,
         *(layers if layers is not None else [src_rows] * 4),
-        n, num_heads, num_heads if head_map else v_s.shape[1],
+        n, num_layers, num_heads, num_heads if head_map else v_s.shape[1],
         k_src.stride(0), k_src.stride(1), k_dst.stride(0), k_dst.stride(1),
         v_s.stride(0), v_s.stride(1), v_d.stride(0), v_d.stride(1),
         cos_sin_cache.stride(0),
@@ -342,5 +348,6 @@ def _launch(k_src, src_rows, k_dst, dst_rows, pos_off, pos_on, cos_sin_cache, is
         BF16_BY_BITS=bool(triton.knobs.runtime.interpret) and k_src.dtype == torch.bfloat16,
         HEAD_MAP=head_map,
         LAYERED=layers is not None,
+        LAYER_LOOP=loop,
         num_warps=config.num_warps,
     )  # fmt: skip

@@ -23,7 +23,13 @@ import zlib
 import pytest
 import torch
 
-from redknot.kernels.rope_align import LayerStack, alignable_rope, rope_align, rope_align_layers
+from redknot.kernels.rope_align import (
+    LayerStack,
+    RopeAlignConfig,
+    alignable_rope,
+    rope_align,
+    rope_align_layers,
+)
 from redknot.kernels.rope_reference import (
     alignment_tolerance,
     rope_align_reference,
@@ -262,11 +268,14 @@ def test_empty_batch_is_a_no_op():
     assert torch.equal(k, before)
 
 
+@pytest.mark.parametrize("layer_loop", [False, True])
 @pytest.mark.parametrize("head_map", [False, True])
-def test_one_launch_over_layers_equals_a_launch_per_layer(head_map):
+def test_one_launch_over_layers_equals_a_launch_per_layer(head_map, layer_loop):
     """``rope_align_layers`` over separately allocated layers (a region's and a pool's, as the
     server keeps them) writes, in one launch, what ``rope_align`` writes layer by layer: keys,
-    values, and nothing else; over ``select(2)`` only layers 2 and 3 change."""
+    values, and nothing else; over ``select(2)`` only layers 2 and 3 change. The same with a
+    program per rows and layer and with each program looping over the layers."""
+    config = RopeAlignConfig(layer_loop=layer_loop)
     gen = torch.Generator().manual_seed(3)
     spec = alignable_rope(make_rope("llama3", 64, 1.0, True))
     n, layers = 20, 4
@@ -290,13 +299,15 @@ def test_one_launch_over_layers_equals_a_launch_per_layer(head_map):
     before_k = [t.clone() for t in pool_k]
     stacks = [LayerStack.of(t) for t in (region_k, pool_k, region_v, pool_v)]
     rope_align_layers(stacks[0], src_rows, stacks[1], dst_rows, p_off, p_on, spec.cos_sin_cache,
-                      is_neox=True, v_src=stacks[2], v_dst=stacks[3], **heads)  # fmt: skip
+                      is_neox=True, v_src=stacks[2], v_dst=stacks[3], config=config,
+                      **heads)  # fmt: skip
     for lid in range(layers):
         assert torch.equal(pool_k[lid], expect_k[lid]) and torch.equal(pool_v[lid], expect_v[lid])
         assert not torch.equal(pool_k[lid], before_k[lid])
     fresh_k = [t.clone() for t in before_k]
     rope_align_layers(stacks[0].select(2), src_rows, LayerStack.of(fresh_k).select(2), dst_rows,
-                      p_off, p_on, spec.cos_sin_cache, is_neox=True, **heads)  # fmt: skip
+                      p_off, p_on, spec.cos_sin_cache, is_neox=True, config=config,
+                      **heads)  # fmt: skip
     assert all(torch.equal(fresh_k[i], before_k[i]) for i in (0, 1))
     assert all(torch.equal(fresh_k[i], expect_k[i]) for i in (2, 3))
 
@@ -401,9 +412,11 @@ def test_llama31_8b_shape_on_gpu():
 
 
 @pytest.mark.gpu
-def test_one_launch_over_32_layers_on_gpu():
+@pytest.mark.parametrize("layer_loop", [False, True])
+def test_one_launch_over_32_layers_on_gpu(layer_loop):
     """The 8B shape's 32 layers (8 KV heads, D 128, bf16, llama3 RoPE), a region's and a pool's
-    layers allocated one by one as the server does: one launch equals a launch per layer."""
+    layers allocated one by one as the server does: one launch equals a launch per layer (a
+    program per rows and layer, or each looping over the layers)."""
     dev = "cuda"
     spec = alignable_rope(sglang_rope(128, 128, 131072, 500000, True,
                                       {**LLAMA3, "original_max_position_embeddings": 8192}))  # fmt: skip
@@ -426,6 +439,7 @@ def test_one_launch_over_32_layers_on_gpu():
                    is_neox=True, v_src=region_v[lid], v_dst=expect_v[lid])  # fmt: skip
     stacks = [LayerStack.of(t) for t in (region_k, pool_k, region_v, pool_v)]
     rope_align_layers(stacks[0], src_rows, stacks[1], dst_rows, p_off, p_on, cache,
-                      is_neox=True, v_src=stacks[2], v_dst=stacks[3])  # fmt: skip
+                      is_neox=True, v_src=stacks[2], v_dst=stacks[3],
+                      config=RopeAlignConfig(layer_loop=layer_loop))  # fmt: skip
     for lid in range(layers):
         assert torch.equal(pool_k[lid], expect_k[lid]) and torch.equal(pool_v[lid], expect_v[lid])

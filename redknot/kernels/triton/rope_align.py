@@ -13,7 +13,11 @@ delta is a pure rotation. Rows whose two positions are equal are copied bit for 
 
 With ``LAYERED`` the grid's second axis is the layer: layer ``l`` reads and writes the tensors
 that start ``K_src_layers[l]`` (etc.) elements after ``K_src`` (etc.), one launch for several
-layers' tensors of the same shape and strides (``redknot.kernels.rope_align.LayerStack``).
+layers' tensors of the same shape and strides (``redknot.kernels.rope_align.LayerStack``). With
+``LAYER_LOOP`` as well, the grid has one layer and each program moves its rows in every one of
+the ``num_layers`` layers in turn: the rows' indices, positions and rotation are then read and
+computed once, not once a layer (the table rows of a 32K prompt are 34 MB, read again by every
+layer otherwise).
 
 With ``HEAD_MAP`` the program moves head ``Src_heads[i]`` of a source row to head
 ``Dst_heads[i]`` of its destination row, for ``i < num_heads`` (keys and values alike); without
@@ -41,7 +45,7 @@ def round_to(x, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
         return x.to(dtype)
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # one compiled kernel for every row count
+@triton.jit(do_not_specialize=["num_rows", "num_layers"])  # one kernel for every row count
 def rope_align_kernel(
     K_src,  # [rows_src, H, D] fp16/bf16, stride(-1) == 1
     K_dst,  # [rows_dst, H, D] same dtype, stride(-1) == 1
@@ -59,6 +63,7 @@ def rope_align_kernel(
     V_src_layers,  # from V_src
     V_dst_layers,  # from V_dst
     num_rows,
+    num_layers,  # read only with LAYER_LOOP
     num_heads,
     num_v_heads,
     stride_ks_row,
@@ -84,9 +89,10 @@ def rope_align_kernel(
     BF16_BY_BITS: tl.constexpr,
     HEAD_MAP: tl.constexpr,
     LAYERED: tl.constexpr,
+    LAYER_LOOP: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if LAYERED:
+    if LAYERED and not LAYER_LOOP:
         layer = tl.program_id(1)
         K_src += tl.load(K_src_layers + layer)
         K_dst += tl.load(K_dst_layers + layer)
@@ -116,7 +122,7 @@ def rope_align_kernel(
     sin_d = sin_d[:, None, :]
     same = (p_on == p_off)[:, None, None]  # [BLOCK_N, 1, 1]: copy bit for bit
 
-    # ---- keys: rotated pairs, then the pass-through dims ----
+    # ---- where each row's heads are read and written (element offsets within a layer) ----
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
     mask_nh = mask_n[:, None, None] & mask_h[None, :, None]
@@ -126,8 +132,8 @@ def rope_align_kernel(
     else:
         h_src = offs_h
         h_dst = offs_h
-    k_src = K_src + src[:, None, None] * stride_ks_row + h_src[None, :, None] * stride_ks_head
-    k_dst = K_dst + dst[:, None, None] * stride_kd_row + h_dst[None, :, None] * stride_kd_head
+    k_src = src[:, None, None] * stride_ks_row + h_src[None, :, None] * stride_ks_head
+    k_dst = dst[:, None, None] * stride_kd_row + h_dst[None, :, None] * stride_kd_head
     if IS_NEOX:
         dim_1 = offs_j
         dim_2 = offs_j + ROT_HALF
@@ -135,35 +141,65 @@ def rope_align_kernel(
         dim_1 = 2 * offs_j
         dim_2 = 2 * offs_j + 1
     mask_rot = mask_nh & mask_j[None, None, :]
-    x1 = tl.load(k_src + dim_1[None, None, :], mask=mask_rot, other=0.0)
-    x2 = tl.load(k_src + dim_2[None, None, :], mask=mask_rot, other=0.0)
     if BLOCK_PASS > 0:
         offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_PASS)
         mask_pass = mask_nh & (offs_p < HEAD_DIM)[None, None, :]
-        x_pass = tl.load(k_src + offs_p[None, None, :], mask=mask_pass, other=0.0)
+    else:  # no pass-through dims: not read
+        offs_p = dim_1
+        mask_pass = mask_rot
     if HAS_V:
         offs_vh = tl.arange(0, BLOCK_VH)
         offs_vd = tl.arange(0, BLOCK_VD)
         mask_vh = offs_vh < num_v_heads
-        mask_vd = offs_vd < V_HEAD_DIM
-        mask_v = mask_n[:, None, None] & mask_vh[None, :, None] & mask_vd[None, None, :]
+        mask_v = mask_n[:, None, None] & mask_vh[None, :, None]
+        mask_v = mask_v & (offs_vd < V_HEAD_DIM)[None, None, :]
         if HEAD_MAP:  # the same heads as the keys (num_v_heads == num_heads)
             vh_src = tl.load(Src_heads + offs_vh, mask=mask_vh, other=0).to(tl.int64)
             vh_dst = tl.load(Dst_heads + offs_vh, mask=mask_vh, other=0).to(tl.int64)
         else:
             vh_src = offs_vh
             vh_dst = offs_vh
-        v_offs = vh_src[None, :, None] * stride_vs_head + offs_vd[None, None, :]
-        v = tl.load(V_src + src[:, None, None] * stride_vs_row + v_offs, mask=mask_v)
+        v_src = src[:, None, None] * stride_vs_row + vh_src[None, :, None] * stride_vs_head
+        v_src += offs_vd[None, None, :]
+        v_dst = dst[:, None, None] * stride_vd_row + vh_dst[None, :, None] * stride_vd_head
+        v_dst += offs_vd[None, None, :]
+    else:  # no values: not read
+        v_src, v_dst, mask_v = k_src, k_dst, mask_rot
 
+    if LAYER_LOOP:
+        for layer in range(num_layers):
+            _move_rows(
+                K_src + tl.load(K_src_layers + layer), K_dst + tl.load(K_dst_layers + layer),
+                V_src + tl.load(V_src_layers + layer), V_dst + tl.load(V_dst_layers + layer),
+                k_src, k_dst, v_src, v_dst, dim_1, dim_2, offs_p, mask_rot, mask_pass, mask_v,
+                cos_d, sin_d, same, HAS_V, BLOCK_PASS, BF16_BY_BITS,
+            )  # fmt: skip
+    else:
+        _move_rows(
+            K_src, K_dst, V_src, V_dst, k_src, k_dst, v_src, v_dst, dim_1, dim_2, offs_p,
+            mask_rot, mask_pass, mask_v, cos_d, sin_d, same, HAS_V, BLOCK_PASS, BF16_BY_BITS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _move_rows(K_src, K_dst, V_src, V_dst, k_src, k_dst, v_src, v_dst, dim_1, dim_2, offs_p,
+               mask_rot, mask_pass, mask_v, cos_d, sin_d, same, HAS_V: tl.constexpr,
+               BLOCK_PASS: tl.constexpr, BF16_BY_BITS: tl.constexpr):  # fmt: skip
+    """One layer's rows of a program: the keys' rotated pairs and pass-through dims, and the
+    values (``K_src`` etc.: the layer's tensors; ``k_src`` etc.: element offsets in them)."""
+    x1 = tl.load(K_src + k_src + dim_1[None, None, :], mask=mask_rot, other=0.0)
+    x2 = tl.load(K_src + k_src + dim_2[None, None, :], mask=mask_rot, other=0.0)
+    if BLOCK_PASS > 0:
+        x_pass = tl.load(K_src + k_src + offs_p[None, None, :], mask=mask_pass, other=0.0)
+    if HAS_V:
+        v = tl.load(V_src + v_src, mask=mask_v)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     o1 = tl.where(same, x1, round_to(x1f * cos_d - x2f * sin_d, x1.dtype, BF16_BY_BITS))
     o2 = tl.where(same, x2, round_to(x2f * cos_d + x1f * sin_d, x2.dtype, BF16_BY_BITS))
-    tl.store(k_dst + dim_1[None, None, :], o1, mask=mask_rot)
-    tl.store(k_dst + dim_2[None, None, :], o2, mask=mask_rot)
+    tl.store(K_dst + k_dst + dim_1[None, None, :], o1, mask=mask_rot)
+    tl.store(K_dst + k_dst + dim_2[None, None, :], o2, mask=mask_rot)
     if BLOCK_PASS > 0:
-        tl.store(k_dst + offs_p[None, None, :], x_pass, mask=mask_pass)
+        tl.store(K_dst + k_dst + offs_p[None, None, :], x_pass, mask=mask_pass)
     if HAS_V:
-        v_offs_dst = vh_dst[None, :, None] * stride_vd_head + offs_vd[None, None, :]
-        tl.store(V_dst + dst[:, None, None] * stride_vd_row + v_offs_dst, v, mask=mask_v)
+        tl.store(V_dst + v_dst, v, mask=mask_v)
