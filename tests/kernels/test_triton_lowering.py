@@ -22,6 +22,7 @@ RECORDED = [  # tests whose launches cover every kernel and its constexpr varian
     "tests/kernels/test_extend.py::test_extend_matches_reference",
     "tests/kernels/test_extend.py::test_extend_split_keys_without_lse_and_window_blocks",
     "tests/kernels/test_rope_align.py::test_align_matches_reference_and_sglang",
+    "tests/kernels/test_rope_align.py::test_one_launch_over_layers_equals_a_launch_per_layer",
     "tests/kernels/test_extend.py::test_extend_promoted_heads_match_reference",
     "tests/kernels/test_decode.py::test_decode_promoted_heads_match_reference",
     "tests/kernels/test_sparse_decode.py::test_sparse_decode_matches_reference",

@@ -169,37 +169,39 @@ def rope_align_kernel(
     if LAYER_LOOP:
         for layer in range(num_layers):
             _move_rows(
-                K_src + tl.load(K_src_layers + layer), K_dst + tl.load(K_dst_layers + layer),
-                V_src + tl.load(V_src_layers + layer), V_dst + tl.load(V_dst_layers + layer),
-                k_src, k_dst, v_src, v_dst, dim_1, dim_2, offs_p, mask_rot, mask_pass, mask_v,
-                cos_d, sin_d, same, HAS_V, BLOCK_PASS, BF16_BY_BITS,
+                K_src + tl.load(K_src_layers + layer) + k_src,
+                K_dst + tl.load(K_dst_layers + layer) + k_dst,
+                V_src + tl.load(V_src_layers + layer) + v_src,
+                V_dst + tl.load(V_dst_layers + layer) + v_dst,
+                dim_1, dim_2, offs_p, mask_rot, mask_pass, mask_v, cos_d, sin_d, same, HAS_V,
+                BLOCK_PASS, BF16_BY_BITS,
             )  # fmt: skip
     else:
         _move_rows(
-            K_src, K_dst, V_src, V_dst, k_src, k_dst, v_src, v_dst, dim_1, dim_2, offs_p,
+            K_src + k_src, K_dst + k_dst, V_src + v_src, V_dst + v_dst, dim_1, dim_2, offs_p,
             mask_rot, mask_pass, mask_v, cos_d, sin_d, same, HAS_V, BLOCK_PASS, BF16_BY_BITS,
         )  # fmt: skip
 
 
 @triton.jit
-def _move_rows(K_src, K_dst, V_src, V_dst, k_src, k_dst, v_src, v_dst, dim_1, dim_2, offs_p,
-               mask_rot, mask_pass, mask_v, cos_d, sin_d, same, HAS_V: tl.constexpr,
-               BLOCK_PASS: tl.constexpr, BF16_BY_BITS: tl.constexpr):  # fmt: skip
+def _move_rows(k_src, k_dst, v_src, v_dst, dim_1, dim_2, offs_p, mask_rot, mask_pass, mask_v,
+               cos_d, sin_d, same, HAS_V: tl.constexpr, BLOCK_PASS: tl.constexpr,
+               BF16_BY_BITS: tl.constexpr):  # fmt: skip
     """One layer's rows of a program: the keys' rotated pairs and pass-through dims, and the
-    values (``K_src`` etc.: the layer's tensors; ``k_src`` etc.: element offsets in them)."""
-    x1 = tl.load(K_src + k_src + dim_1[None, None, :], mask=mask_rot, other=0.0)
-    x2 = tl.load(K_src + k_src + dim_2[None, None, :], mask=mask_rot, other=0.0)
+    values (``k_src`` etc.: pointers to each row's heads in the layer's tensors)."""
+    x1 = tl.load(k_src + dim_1[None, None, :], mask=mask_rot, other=0.0)
+    x2 = tl.load(k_src + dim_2[None, None, :], mask=mask_rot, other=0.0)
     if BLOCK_PASS > 0:
-        x_pass = tl.load(K_src + k_src + offs_p[None, None, :], mask=mask_pass, other=0.0)
+        x_pass = tl.load(k_src + offs_p[None, None, :], mask=mask_pass, other=0.0)
     if HAS_V:
-        v = tl.load(V_src + v_src, mask=mask_v)
+        v = tl.load(v_src, mask=mask_v)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     o1 = tl.where(same, x1, round_to(x1f * cos_d - x2f * sin_d, x1.dtype, BF16_BY_BITS))
     o2 = tl.where(same, x2, round_to(x2f * cos_d + x1f * sin_d, x2.dtype, BF16_BY_BITS))
-    tl.store(K_dst + k_dst + dim_1[None, None, :], o1, mask=mask_rot)
-    tl.store(K_dst + k_dst + dim_2[None, None, :], o2, mask=mask_rot)
+    tl.store(k_dst + dim_1[None, None, :], o1, mask=mask_rot)
+    tl.store(k_dst + dim_2[None, None, :], o2, mask=mask_rot)
     if BLOCK_PASS > 0:
-        tl.store(K_dst + k_dst + offs_p[None, None, :], x_pass, mask=mask_pass)
+        tl.store(k_dst + offs_p[None, None, :], x_pass, mask=mask_pass)
     if HAS_V:
-        tl.store(V_dst + v_dst, v, mask=mask_v)
+        tl.store(v_dst, v, mask=mask_v)
