@@ -36,6 +36,7 @@ host time of planning (runs and blocks).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -82,8 +83,6 @@ def read_rate(keys: int, ms: float | None) -> float | None:
 
 def extend_config(text: str):
     """``"128x64w8s3"`` -> ``ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)``."""
-    import re
-
     from redknot.kernels.extend import ExtendConfig
 
     m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())

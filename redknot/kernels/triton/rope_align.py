@@ -45,7 +45,7 @@ def round_to(x, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
         return x.to(dtype)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_layers"])  # one kernel for every row count
+@triton.jit(do_not_specialize=["num_rows", "num_layers"])  # one kernel for all row/layer counts
 def rope_align_kernel(
     K_src,  # [rows_src, H, D] fp16/bf16, stride(-1) == 1
     K_dst,  # [rows_dst, H, D] same dtype, stride(-1) == 1
