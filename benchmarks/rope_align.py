@@ -65,19 +65,28 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 CONFIGS = [RopeAlignConfig(tile_elems=t, num_warps=w) for t in (2048, 4096, 8192) for w in (4, 8)]
 
 
+def moved_rows(rows: int, seed: int, dev: str) -> tuple[torch.Tensor, ...]:
+    """What is moved: ``rows`` random rows of a store of ``rows + 1024`` to random rows of a pool
+    of ``2 * rows``, half of them forward by 90000 positions and half back to the start
+    (``src_rows, dst_rows, pos_off, pos_on``)."""
+    gen = torch.Generator().manual_seed(seed)
+    seg = torch.arange(rows // 2)
+    src_rows = torch.randperm(rows + 1024, generator=gen)[:rows]
+    dst_rows = torch.randperm(2 * rows, generator=gen)[:rows]
+    pos_off, pos_on = torch.cat([seg, seg + 100000]), torch.cat([seg + 90000, seg])
+    return tuple(t.to(dev) for t in (src_rows, dst_rows, pos_off[:rows], pos_on[:rows]))
+
+
 def setup(dev: str) -> dict:
     rope = sglang_rope(D, D, 131072, 500000, True, LLAMA31_ROPE)
     spec = alignable_rope(rope)
-    gen = torch.Generator().manual_seed(0)
-    seg = torch.arange(ROWS // 2)
-    store_rows = torch.randperm(ROWS + 1024, generator=gen)[:ROWS]
-    pool_rows = torch.randperm(2 * ROWS, generator=gen)[:ROWS]
+    src_rows, dst_rows, pos_off, pos_on = moved_rows(ROWS, 0, dev)
     t = {
         "cache": spec.cos_sin_cache.to(dev),
-        "src_rows": store_rows.to(dev),
-        "dst_rows": pool_rows.to(dev),
-        "pos_off": torch.cat([seg, seg + 100000]).to(dev),
-        "pos_on": torch.cat([seg + 90000, seg]).to(dev),
+        "src_rows": src_rows,
+        "dst_rows": dst_rows,
+        "pos_off": pos_off,
+        "pos_on": pos_on,
         "k_src": torch.randn(ROWS + 1024, HEADS, D, device=dev).to(DTYPE),
         "v_src": torch.randn(ROWS + 1024, HEADS, D, device=dev).to(DTYPE),
         "k_dst": torch.zeros(2 * ROWS, HEADS, D, device=dev, dtype=DTYPE),
@@ -132,13 +141,8 @@ def layered_methods(dev: str, layers: int, rows: int = ROWS) -> dict:
     (``grid``) and with each program looping over the layers (``loop``); each entry is
     ``(callable, the destination's K and V layers)``."""
     spec = alignable_rope(sglang_rope(D, D, 131072, 500000, True, LLAMA31_ROPE))
-    gen = torch.Generator().manual_seed(1)
-    src_rows = torch.randperm(rows + 1024, generator=gen)[:rows].to(dev)
-    dst_rows = torch.randperm(2 * rows, generator=gen)[:rows].to(dev)
+    src_rows, dst_rows, pos_off, pos_on = moved_rows(rows, 1, dev)
     gen = torch.Generator(device=dev).manual_seed(1)  # the layers' K/V drawn where they live
-    seg = torch.arange(rows // 2)
-    pos_off = torch.cat([seg, seg + 100000])[:rows].to(dev)
-    pos_on = torch.cat([seg + 90000, seg])[:rows].to(dev)
     cache = spec.cos_sin_cache.to(dev)
     src = [
         [torch.randn(rows + 1024, HEADS, D, generator=gen, device=dev).to(DTYPE)
