@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from segpaged_kernels import (
     DEV,
-    DTYPE,
     HKV,
     HQ,
     RING_LEN,
@@ -34,8 +33,8 @@ from segpaged_kernels import (
     Timer,
     attempt,
     bench_arguments,
-    flashinfer_workspace,
     layer_of,
+    paged_prefill,
     rand,
     result_header,
     save_row,
@@ -75,8 +74,6 @@ def timed_pair(row: dict, timer: Timer, plan, q, k, v, st, heads, lse) -> None:
 
 
 def question_case(P: int, E: int, timer: Timer) -> dict:
-    import flashinfer
-
     _, heads, geo = layer_of(1 / 8)
     G = heads.num_global
     row = {"shape": "question", "P": P, "E": E, "num_global_heads": G}
@@ -86,17 +83,7 @@ def question_case(P: int, E: int, timer: Timer) -> dict:
     timed_pair(row, timer, plan, q, k, v, st, heads, None)
 
     kd, vd = rand(P + E, 1, HKV, D), rand(P + E, 1, HKV, D)
-
-    def dense():
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(flashinfer_workspace(), "NHD")
-        qo = torch.tensor([0, E], dtype=torch.int32, device=DEV)
-        kv = torch.tensor([0, P + E], dtype=torch.int32, device=DEV)
-        w.plan(qo, kv, torch.arange(P + E, dtype=torch.int32, device=DEV),
-               torch.ones(1, dtype=torch.int32, device=DEV), HQ, HKV, D, 1, causal=True,
-               sm_scale=SCALE, q_data_type=DTYPE, kv_data_type=DTYPE)  # fmt: skip
-        return lambda: w.run(q, (kd, vd))
-
-    attempt(row, "dense_flashinfer", timer, dense)
+    attempt(row, "dense_flashinfer", timer, lambda: paged_prefill(q, kd, vd))
     if row.get("ms_dense_flashinfer") and row.get("ms_split"):
         row["speedup_split_vs_dense_flashinfer"] = row["ms_dense_flashinfer"] / row["ms_split"]
     return row

@@ -93,8 +93,16 @@ def extend_config(text: str):
 
 
 def held_case(policy: str, L: int, timer, extend_configs: tuple[str, ...] = ()) -> dict:
-    import flashinfer
-    from segpaged_kernels import DEV, DTYPE, SCALE, attempt, flashinfer_workspace, layer_of, rand
+    from segpaged_kernels import (
+        DEV,
+        DTYPE,
+        SCALE,
+        attempt,
+        flashinfer_workspace,
+        layer_of,
+        paged_prefill,
+        rand,
+    )
 
     from redknot.kernels.extend import gather_tiles, plan_extend, run_extend
     from redknot.kernels.held_rows import (
@@ -171,14 +179,7 @@ def held_case(policy: str, L: int, timer, extend_configs: tuple[str, ...] = ()) 
         row[f"tb_s_{name}"] = read_rate(row[f"keys_{method}"], row[f"ms_{name}"])
 
     def dense():
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
-        ones = torch.ones(1, dtype=torch.int32, device=DEV)
-        wrapper.plan(qo.to(DEV), torch.tensor([0, T], dtype=torch.int32, device=DEV), r2t[0],
-                     ones, HQ, HKV, D, 1, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE,
-                     sm_scale=SCALE)  # fmt: skip
-        q_all = rand(T, HQ, D)
-        kv = (k.unsqueeze(1), v.unsqueeze(1))
-        return lambda: wrapper.run(q_all, kv)
+        return paged_prefill(rand(T, HQ, D), k.unsqueeze(1), v.unsqueeze(1), workspace, "fa2")
 
     attempt(row, "dense", timer, dense)
     if row.get("ms_dense"):

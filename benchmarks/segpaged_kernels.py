@@ -144,6 +144,23 @@ def flashinfer_workspace() -> torch.Tensor:
     return torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
 
 
+def paged_prefill(q, k_pages, v_pages, workspace=None, backend: str = "auto"):
+    """FlashInfer's causal paged prefill of one request, the dense baseline of one layer: queries
+    ``q`` ``[E, HQ, D]`` are the last ``E`` of the ``[N, 1, HKV, D]`` keys and values (pages of
+    one token). Returns the call to time."""
+    import flashinfer
+
+    n, e = k_pages.shape[0], q.shape[0]
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        flashinfer_workspace() if workspace is None else workspace, "NHD", backend=backend
+    )
+    i32 = {"dtype": torch.int32, "device": DEV}
+    w.plan(torch.tensor([0, e], **i32), torch.tensor([0, n], **i32), torch.arange(n, **i32),
+           torch.ones(1, **i32), HQ, HKV, D, 1, causal=True, sm_scale=SCALE, q_data_type=DTYPE,
+           kv_data_type=DTYPE)  # fmt: skip
+    return lambda: w.run(q, (k_pages, v_pages))
+
+
 def result_header(commit: str, **extra) -> dict:
     """The results file's record of the run (device, date, commit, command, versions, launch
     settings) before its rows."""
