@@ -92,7 +92,9 @@ def extend_config(text: str):
     return ExtendConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
-def held_case(policy: str, L: int, timer, extend_configs: tuple[str, ...] = ()) -> dict:
+def held_case(
+    policy: str, L: int, timer, extend_configs: tuple[str, ...] = (), triton_only: bool = False
+) -> dict:
     from segpaged_kernels import (
         DEV,
         DTYPE,
@@ -150,6 +152,8 @@ def held_case(policy: str, L: int, timer, extend_configs: tuple[str, ...] = ()) 
     row["tb_s_triton"] = read_rate(row["keys_triton"], row["ms_triton"])
     for config in extend_configs:
         attempt(row, f"triton_{config}", timer, lambda config=config: triton(config))
+    if triton_only:  # a launch-constant sweep: no FlashInfer plan to compile on a fresh machine
+        return row
 
     workspace = flashinfer_workspace()
     for method, backend, within in METHODS:
@@ -205,6 +209,11 @@ def main() -> None:
         default="",
         help="the Triton kernel also under these launch constants, MxNwWsS,...",
     )
+    ap.add_argument(
+        "--triton-only",
+        action="store_true",
+        help="only the Triton kernel (with --extend-configs: its sweep), no FlashInfer method",
+    )
     args = ap.parse_args()
     configs = tuple(c for c in args.extend_configs.split(",") if c)
     for c in configs:
@@ -215,7 +224,7 @@ def main() -> None:
     result = result_header(args.commit, flashinfer=flashinfer.__version__)
     for policy in args.policies.split(","):
         for L in map(int, args.lengths.split(",")):
-            row = held_case(policy, L, timer, configs)
+            row = held_case(policy, L, timer, configs, args.triton_only)
             save_row(result, row, args.out)
             print(json.dumps({k: v for k, v in row.items() if k != "timing"}), flush=True)
 

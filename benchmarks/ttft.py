@@ -304,9 +304,11 @@ def child(args) -> None:
     server_warmup_s = common.launch_server_warmup(engine)
     compiled_at_startup = compiled = triton_kernels() if args.compile_log else {}
     one = {"temperature": 0.0, "max_new_tokens": 1}
-    profiled = None  # with --profile-points, the points profiled
+    profile_points = None  # with --profile-points, the points profiled
     if args.profile_points:
-        profiled = {point_key(*p) for p in parse_points(args.profile_points, "--profile-points")}
+        profile_points = {
+            point_key(*p) for p in parse_points(args.profile_points, "--profile-points")
+        }
     out = {}
     try:
         for length, segments in points:
@@ -363,7 +365,7 @@ def child(args) -> None:
                     engine.generate(input_ids=fresh, sampling_params=dict(one))
                     if rep:  # the first is a warm-up
                         plain.append(time.perf_counter() - t0)
-            profile_point = profiled is None or point_key(length, segments) in profiled
+            profile_point = profile_points is None or point_key(length, segments) in profile_points
             if args.profile_dir and not args.profile_warmup and profile_point:  # one more,
                 # under the profiler
                 ids[0] = rand(1)[0]  # a prefix no earlier prompt had

@@ -96,3 +96,25 @@ def test_extend_configs_parse_and_malformed_ones_are_refused():
     for bad in ("64x128", "64x128w4", "x128w4s2", "64x128w4s2,"):
         with pytest.raises(SystemExit, match="MxNwWsS"):
             bench.extend_config(bad)
+
+
+def test_triton_only_times_the_kernel_and_no_flashinfer_method(monkeypatch):
+    """``--triton-only`` (a launch-constant sweep on a fresh machine): the Triton kernel under
+    both launches, checked against each other; no FlashInfer wrapper is built."""
+    from redknot.kernels.held_rows import HeldRowsAttention
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(segpaged_kernels, "DEV", "cpu")
+    monkeypatch.setattr(bench, "QUESTION", 8)
+    monkeypatch.setattr(bench, "EPIC_K", 4)
+
+    def no_flashinfer(*a, **k):
+        raise AssertionError("a FlashInfer method was built under triton_only")
+
+    monkeypatch.setattr(HeldRowsAttention, "on_flashinfer", staticmethod(no_flashinfer))
+    monkeypatch.setattr(segpaged_kernels, "flashinfer_workspace", no_flashinfer)
+    timer = segpaged_kernels.Timer(calls=1, repeats=1, device="cpu")
+    row = bench.held_case("epic", 256, timer, extend_configs=("64x32w4s2",), triton_only=True)
+    assert row["ms_triton"] is not None and row["ms_triton_64x32w4s2"] is not None
+    assert 0 <= row["max_abs_err_triton_64x32w4s2"] < 2e-2
+    assert not any(k.startswith(("ms_runs", "ms_blocks", "ms_dense")) for k in row)

@@ -1,0 +1,76 @@
+"""``benchmarks/ttft.py``'s engine process (``child``) on the CPU, SGLang's engine stood in for:
+every point of a dense and a reusing variant is measured and reported, with and without the
+profiler's point list (a GPU run is the only other way to reach this code)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import serving_common as common
+import ttft
+
+
+class FakeEngine:
+    """Answers ``generate`` at once; counts prompts served with and without reuse as the
+    server's stats do, and records profiler starts."""
+
+    profiles: ClassVar[list] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.reused, self.recomputed = kwargs, 0, 0
+
+    def generate(self, input_ids, sampling_params):
+        if "custom_params" in sampling_params and sampling_params.get("max_new_tokens") != 0:
+            self.reused += 1
+        return {"meta_info": {}}
+
+    def get_server_info(self):
+        segments = {"hits": self.reused, "misses": 0}
+        gate = {"served_with_reuse": self.reused, "served_without_reuse": self.recomputed}
+        return {"internal_states": [{"redknot_segments": segments, "redknot_reuse_gate": gate}]}
+
+    def start_profile(self, output_dir, **kwargs):
+        FakeEngine.profiles.append(Path(output_dir).name)
+
+    def stop_profile(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+@pytest.mark.parametrize("variant", ["flashinfer", "cacheblend"])
+@pytest.mark.parametrize("profile", ["", "1024x2"])
+def test_child_measures_every_point(variant, profile, tmp_path, monkeypatch, capsys):
+    import sglang
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    monkeypatch.setattr(sglang, "Engine", FakeEngine, raising=False)
+    monkeypatch.setattr(common, "synthetic_map_file", lambda *a: str(tmp_path / "map.json"))
+    FakeEngine.profiles = []
+    argv = ["ttft.py", "--child", variant, "--model", str(model), "--points", "512x2,1024x2",
+            "--reps", "2", "--own-recompute"]  # fmt: skip
+    if profile:
+        argv += ["--profile-dir", str(tmp_path / "prof"), "--profile-points", profile]
+    monkeypatch.setattr(sys, "argv", argv)
+    ttft.main()
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")][-1]
+    points = json.loads(line[len("RESULT ") :])["points"]
+    assert sorted(points) == ["1024x2", "512x2"]
+    for key, row in points.items():
+        assert len(row["ttft_samples_s"]) == 2 and row["ttft_s"] >= 0
+        if variant == "cacheblend":  # marked prompts, and the engine's own recompute
+            assert len(row["own_recompute_samples_s"]) == 2
+            profiled = key == profile  # one more prompt, under the profiler
+            assert row["served"] == ["reuse"] * (3 + profiled) and row["every_segment_hit"]
+    assert FakeEngine.profiles == ([f"{variant}-1024x2"] if profile else [])
