@@ -36,7 +36,8 @@ class ExtendConfig:
     """Tuning of the extend kernel (constants of the launch, not of the semantics). Defaults:
     the fastest single-launch configuration of the sweep in
     ``benchmarks/results/segpaged_kernels.json`` of commit a7c93dc (H200; that file has been
-    re-measured since, without the sweep)."""
+    re-measured since, without the sweep). Still the fastest for CacheBlend's rows in recovery
+    at 8K and 32K on an H200 (``held_rows_sweep_h200.json``, ``held_rows_sweep_32k_h200.json``)."""
 
     block_m: int = 128  # query rows per tile: (tokens x query heads of one KV head)
     block_n: int = 64  # keys per inner-loop block

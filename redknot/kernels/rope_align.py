@@ -58,8 +58,8 @@ class RopeAlignConfig:
     num_warps: int = 4
     max_block_n: int = 64
     # rope_align_layers: each program moves its rows in every layer in turn (True), or the
-    # grid has a program per rows and layer (False, as served until the loop is measured on a
-    # GPU: benchmarks/rope_align.py --layers)
+    # grid has a program per rows and layer (False, served: the loop measured 0.95x of it at
+    # 32K rows x 32 layers on an H200, benchmarks/results/rope_align_layers_h200.json)
     layer_loop: bool = False
 
 
