@@ -1,6 +1,7 @@
 """Launch settings of LFPS's candidate kernels (``lfps_candidates``: moments, mark, write) and
 the Top-k that follows them, one layer at the 8B shape (8 selection heads, one per KV head), on
-one GPU: which ``chunk`` / ``block`` / ``num_warps`` the defaults should be.
+one GPU: which ``chunk`` / ``block`` / ``num_warps`` and which of the mark kernel's two ways of reading
+Eq. 9's shifts (``--marks``) the defaults should be.
 
     python3 benchmarks/gpu_run.py bench lfps_candidates_sweep --lengths 32768,131072 --batch 8
     TRITON_INTERPRET=1 python benchmarks/lfps_candidates_sweep.py --device cpu --small  # smoke
@@ -53,7 +54,8 @@ def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
     state = synthetic_state(B, L, rows, shape, sink, args.table_sigma, dev)
     seq = torch.full((B,), L, device=dev, dtype=torch.int64)
     tables = (state.vertical, state.slash, state.scale, seq, params, capacity)
-    default = (lfps_index.CANDIDATE_CHUNK, lfps_index.CANDIDATE_BLOCK, lfps_index.CANDIDATE_WARPS)
+    default = (lfps_index.CANDIDATE_CHUNK, lfps_index.CANDIDATE_BLOCK, lfps_index.CANDIDATE_WARPS,
+               lfps_index.MARK_GATHER)  # fmt: skip
     ref, ref_count = lfps_index.lfps_candidates(*tables)
     row = {"L": L, "B": B, "topk": k, "capacity": capacity, "default": list(default),
            "candidate_share": float(ref_count.float().mean()) / (L - sink), "settings": []}  # fmt: skip
@@ -73,10 +75,13 @@ def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
         )  # fmt: skip
         row["topk_settings"].append(entry)
         print(f"L={L} B={B} lfps_topk", entry, flush=True)
-    for chunk, block, warps in itertools.product(args.chunks, args.blocks, args.warps):
+    marks = [{"loads": False, "gather": True}[m] for m in args.marks.split(",")]
+    for chunk, block, warps, gather in itertools.product(
+        args.chunks, args.blocks, args.warps, marks
+    ):
         if block > chunk:
             continue
-        kw = {"chunk": chunk, "block": block, "num_warps": warps}
+        kw = {"chunk": chunk, "block": block, "num_warps": warps, "mark_gather": gather}
         entry = trial(
             dict(kw),
             lambda kw=kw: lfps_index.lfps_candidates(*tables, **kw),
@@ -87,7 +92,10 @@ def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
         print(f"L={L} B={B}", entry, flush=True)
     ok = [s for s in row["settings"] if s.get("same_as_default") and s.get("ms")]
     best = min(ok, key=lambda s: s["ms"], default=None)
-    at_default = next((s for s in ok if (s["chunk"], s["block"], s["num_warps"]) == default), None)
+    at_default = next(
+        (s for s in ok if (s["chunk"], s["block"], s["num_warps"], s["mark_gather"]) == default),
+        None,
+    )
     row["best"] = best
     row["ms_default"] = at_default["ms"] if at_default else None
     return row
@@ -100,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunks", default="1024,2048,4096,8192")
     ap.add_argument("--blocks", default="256,512,1024,2048")
     ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--marks", default="loads,gather", help="the mark kernel's Eq. 9 shifts: "
+                    "read again at every offset (loads) or gathered from the entries read "
+                    "(gather), comma-separated")  # fmt: skip
     ap.add_argument("--topk-blocks", default="0,1024,4096")
     ap.add_argument("--topk-warps", default="0,8,16")
     ap.add_argument("--topk-radix-bits", default="0,5,8")

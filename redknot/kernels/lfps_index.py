@@ -37,6 +37,10 @@ CANDIDATE_BLOCK = 512  # table entries per inner step
 CANDIDATE_WARPS = 4  # warps per program of the candidate kernels
 # The moments kernel holds its whole chunk in registers (read once for both passes) by default
 MOMENTS_BLOCK = CANDIDATE_CHUNK
+# The mark kernel's Eq. 9 shifts gathered from the entries it read (``lfps_mark_kernel``'s
+# ``GATHER``), not read again at every offset: off until a GPU measures it
+# (benchmarks/lfps_candidates_sweep.py --marks loads,gather)
+MARK_GATHER = False
 
 
 @functools.cache
@@ -190,6 +194,7 @@ def lfps_candidates(
     block: int = CANDIDATE_BLOCK,
     num_warps: int = CANDIDATE_WARPS,
     moments_block: int | None = None,
+    mark_gather: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LFPS Eq. 7-9 into a fixed-capacity list (rule: ``redknot.lfps.fixed_budget``).
 
@@ -205,6 +210,9 @@ def lfps_candidates(
     moments_block : the moments kernel's inner step (default ``min(MOMENTS_BLOCK, chunk)``; at
         ``chunk`` each table entry is read once, not once per pass).
     num_warps : warps per program of the four launches.
+    mark_gather : the mark kernel's shifts gathered from the entries it read, in windows of
+        ``block`` that overlap by the offsets' reach (default :data:`MARK_GATHER`); the same
+        candidates either way.
 
     Returns
     -------
@@ -224,6 +232,11 @@ def lfps_candidates(
         moments_block = min(MOMENTS_BLOCK, chunk)
     for step in (block, moments_block):
         assert step <= chunk and chunk % step == 0 and step & (step - 1) == 0, (chunk, step)
+    if mark_gather is None:
+        mark_gather = MARK_GATHER
+    halo_l, halo_r = max(0, *params.offsets), max(0, *(-o for o in params.offsets))
+    if mark_gather and block <= halo_l + halo_r:
+        raise ValueError(f"block={block} must exceed the offsets' reach {halo_l + halo_r}")
     dev = vertical.device
     out = torch.empty(B, Hs, capacity, dtype=torch.int32, device=dev)
     count = torch.empty(B, Hs, dtype=torch.int32, device=dev)
@@ -249,7 +262,7 @@ def lfps_candidates(
         vertical, slash, scale, rows, seq_lens, offsets_tensor(params.offsets, dev), moments, codes,
         chunk_count, params.lam, params.num_sink, *tables, *m_strides, *c_strides[:4],
         NUM_OFFSETS=len(params.offsets), CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK=block,
-        num_warps=num_warps,
+        GATHER=mark_gather, HALO_L=halo_l, HALO_R=halo_r, num_warps=num_warps,
     )  # fmt: skip
     lfps_hist_kernel[grid](
         vertical, slash, scale, rows, seq_lens, moments, codes, chunk_count, chunk_hist,

@@ -73,26 +73,37 @@ def random_tables(lens, heads, n_max, seed, power=6.0):
     return vert, slash, torch.rand(B, heads, generator=g) + 0.5
 
 
+@pytest.mark.parametrize("mark_gather", [False, True])
 @pytest.mark.parametrize(
     "capacity,offsets,chunk,block",
     [(800, (-1, 0, 1, 2), 128, 32), (40, (-1, 0, 1, 2), 128, 32), (7, (-1, 0, 1, 2), 128, 32),
-     (7, (0, 3), 128, 32), (40, (-1, 0, 1, 2), 2048, 512), (7, (-1, 0, 1, 2), 2048, 512)],
+     (7, (0, 3), 128, 32), (40, (-3, 0, 5), 128, 16), (40, (-1, 0, 1, 2), 2048, 512),
+     (7, (-1, 0, 1, 2), 2048, 512)],
 )  # fmt: skip
-def test_candidates_kernel_matches_rule(capacity, offsets, chunk, block):
+def test_candidates_kernel_matches_rule(capacity, offsets, chunk, block, mark_gather):
     """Rows of 0 to 700 keys, in chunks of 128 (up to 6 per row, Eq. 9's shifts across chunk
-    edges) or the default 2048: the list and the count equal the PyTorch rule's, with and
-    without overflow."""
+    edges) or the default 2048, Eq. 9's shifts read again or gathered from overlapping windows
+    (of 16 entries with a reach of 8: windows cross every chunk edge): the list and the count
+    equal the PyTorch rule's, with and without overflow."""
     lens = [0, 3, 37, 301, 700]
     vert, slash, scale = random_tables(lens, 2, 720, seed=7)
     params = LfpsParams(lam=0.2, offsets=offsets)
     seq = torch.tensor(lens)
     got, count = lfps_candidates(vert, slash, scale, seq, params, capacity, chunk=chunk,
-                                 block=block)  # fmt: skip
+                                 block=block, mark_gather=mark_gather)  # fmt: skip
     want, want_count = candidates_reference(vert, slash, scale, seq, params, capacity)
     assert torch.equal(count, want_count)
     assert torch.equal(got, want)
     if capacity == 7:
         assert (count > capacity).any()
+
+
+def test_mark_gather_needs_a_window_wider_than_the_offsets_reach():
+    vert, slash, scale = random_tables([40], 2, 64, seed=1)
+    params = LfpsParams(offsets=(-8, 0, 8))
+    with pytest.raises(ValueError, match="reach 16"):
+        lfps_candidates(vert, slash, scale, torch.tensor([40]), params, 8, chunk=16, block=16,
+                        mark_gather=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("block", [32, 128])  # the chunk read once per pass, or once
@@ -154,6 +165,9 @@ def test_indexing_gpu_8b_shape():
     seq = torch.tensor(lens, device="cuda")
     for capacity in (4096, 300):
         got, count = lfps_candidates(vert, slash, tscale, seq, params, capacity)
+        # the mark kernel's shifts gathered from its window: the same arithmetic, the same list
+        gathered = lfps_candidates(vert, slash, tscale, seq, params, capacity, mark_gather=True)
+        assert torch.equal(gathered[0], got) and torch.equal(gathered[1], count)
         want, want_count = candidates_reference(vert, slash, tscale, seq, params, capacity)
         # float sums in another order may move an entry across a threshold or a bin edge
         assert (count - want_count).abs().max() <= 2

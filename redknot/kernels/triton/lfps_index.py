@@ -264,10 +264,18 @@ def lfps_mark_kernel(
     CHUNK: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
     BLOCK: tl.constexpr,
+    GATHER: tl.constexpr = False,
+    HALO_L: tl.constexpr = 0,
+    HALO_R: tl.constexpr = 0,
 ):  # fmt: skip
     """Program ``(c, hs, b)``: Eq. 7-9 on the chunk's entries: ``Codes[b, hs, i]`` = 0 (not a
     candidate) or 1; the chunk's candidate count. (Priority bins are needed only where a row
-    overflows its capacity: ``lfps_hist`` codes them there.)"""
+    overflows its capacity: ``lfps_hist`` codes them there.)
+
+    ``GATHER``: each entry's tables are read once; the windows of ``BLOCK`` entries overlap by
+    the offsets' reach (``HALO_L`` = the largest positive offset, ``HALO_R`` = minus the most
+    negative), and Eq. 9's shifted marks are gathered from the window's own (``tl.gather``),
+    not read again at every offset. Else (the default) every offset reads the tables again."""
     c = tl.program_id(0)
     hs = tl.program_id(1)
     b = tl.program_id(2)
@@ -284,12 +292,32 @@ def lfps_mark_kernel(
     hi = tl.minimum(lo + CHUNK, m)
     lanes = tl.arange(0, BLOCK)
     count = tl.sum(lanes * 0, 0)
-    for start in range(lo, hi, BLOCK):
-        i = start + lanes
-        cand = candidate_block(vert_row, slash_row, Offsets, i, m, scale, theta_v, theta_s,
-                               mean_v, mean_s, NUM_OFFSETS)  # fmt: skip
-        tl.store(codes_row + i, cand.to(tl.uint8), mask=i < hi)
-        count += tl.sum(cand.to(tl.int32), 0)
+    if GATHER:
+        step: tl.constexpr = BLOCK - HALO_L - HALO_R  # entries coded per window
+        for start in range(lo, hi, step):
+            i = start - HALO_L + lanes  # the window: the coded entries and their halo
+            ok = (i >= 0) & (i < m)
+            v, sl = table_block(vert_row, slash_row, i, ok, m, scale)
+            init = (ok & ((v > theta_v) | (sl > theta_s))).to(tl.int32)
+            keep = ok & ((v > mean_v) | (sl > mean_s))
+            shifted = lanes * 0
+            for k in tl.static_range(NUM_OFFSETS):
+                o = tl.load(Offsets + k)
+                # entry i's shift by o is the window's lane - o; clamped for the halo's lanes,
+                # which are not coded here
+                at = tl.minimum(tl.maximum(lanes - o, 0), BLOCK - 1)
+                shifted = shifted | tl.where(o != 0, tl.gather(init, at, 0), 0)
+            cand = (init != 0) | (keep & (shifted != 0))
+            coded = (lanes >= HALO_L) & (lanes < HALO_L + step) & (i < hi)
+            tl.store(codes_row + i, cand.to(tl.uint8), mask=coded)
+            count += tl.sum((cand & coded).to(tl.int32), 0)
+    else:
+        for start in range(lo, hi, BLOCK):
+            i = start + lanes
+            cand = candidate_block(vert_row, slash_row, Offsets, i, m, scale, theta_v, theta_s,
+                                   mean_v, mean_s, NUM_OFFSETS)  # fmt: skip
+            tl.store(codes_row + i, cand.to(tl.uint8), mask=i < hi)
+            count += tl.sum(cand.to(tl.int32), 0)
     tl.store(Chunk_count + b * stride_nb + hs * stride_nh + c, count)
 
 
