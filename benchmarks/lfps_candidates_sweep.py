@@ -1,7 +1,7 @@
 """Launch settings of LFPS's candidate kernels (``lfps_candidates``: moments, mark, write) and
 the Top-k that follows them, one layer at the 8B shape (8 selection heads, one per KV head), on
-one GPU: which ``chunk`` / ``block`` / ``num_warps`` and which of the mark kernel's two ways of reading
-Eq. 9's shifts (``--marks``) the defaults should be.
+one GPU: which ``chunk`` / ``block`` / ``num_warps`` the defaults should be, and which of the
+mark kernel's two ways of reading Eq. 9's shifts (``--marks``).
 
     python3 benchmarks/gpu_run.py bench lfps_candidates_sweep --lengths 32768,131072 --batch 8
     TRITON_INTERPRET=1 python benchmarks/lfps_candidates_sweep.py --device cpu --small  # smoke
@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lfps_decode import FULL_SHAPE, SMALL_SHAPE, parse_ints, synthetic_state
 from segpaged_kernels import Timer
 from serving_common import record, write_json
+
+MARKS = {"loads": False, "gather": True}  # --marks: lfps_candidates(mark_gather=...)
 
 
 def trial(entry: dict, call, same, key: str, timer: Timer) -> dict:
@@ -75,7 +77,7 @@ def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
         )  # fmt: skip
         row["topk_settings"].append(entry)
         print(f"L={L} B={B} lfps_topk", entry, flush=True)
-    marks = [{"loads": False, "gather": True}[m] for m in args.marks.split(",")]
+    marks = [MARKS[m] for m in args.marks.split(",")]
     for chunk, block, warps, gather in itertools.product(
         args.chunks, args.blocks, args.warps, marks
     ):
@@ -124,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--small", action="store_true", help="a tiny shape (CPU smoke run)")
     ap.add_argument("--out", default="benchmarks/results/lfps_candidates_sweep.json")
     args = ap.parse_args(argv)
+    unknown = set(args.marks.split(",")) - set(MARKS)
+    if unknown:
+        ap.error(f"--marks: {', '.join(sorted(unknown))} not among {', '.join(MARKS)}")
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     shape = dict(SMALL_SHAPE if args.small else FULL_SHAPE)

@@ -234,7 +234,7 @@ def lfps_candidates(
         assert step <= chunk and chunk % step == 0 and step & (step - 1) == 0, (chunk, step)
     if mark_gather is None:
         mark_gather = MARK_GATHER
-    halo_l, halo_r = max(0, *params.offsets), max(0, *(-o for o in params.offsets))
+    halo_l, halo_r = max((0, *params.offsets)), max((0, *(-o for o in params.offsets)))
     if mark_gather and block <= halo_l + halo_r:
         raise ValueError(f"block={block} must exceed the offsets' reach {halo_l + halo_r}")
     dev = vertical.device

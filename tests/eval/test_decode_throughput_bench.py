@@ -37,7 +37,8 @@ def test_child_generates_every_session_and_reports_its_rate(tmp_path, monkeypatc
     monkeypatch.setattr(sglang, "Engine", Engine, raising=False)
     monkeypatch.setattr(common, "synthetic_map_file", lambda *a: str(tmp_path / "map.json"))
     argv = ["decode_throughput.py", "--child", "redknot-g0.125", "--model", str(model),
-            "--sessions", "3", "--prompt-len", "16", "--new-tokens", "5", "--slots", "4"]  # fmt: skip
+            "--sessions", "3", "--prompt-len", "16", "--new-tokens", "5",
+            "--slots", "4"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")][-1]
