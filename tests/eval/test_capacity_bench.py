@@ -13,20 +13,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import capacity as bench
 import serving_common as common
 
+from .standin import child_result, model_dir, stand_in_engine
+
 LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
             "hidden_size": 4096, "head_dim": 128, "vocab_size": 128256}  # fmt: skip
 
 
-def model_dir(tmp_path: Path) -> Path:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(LLAMA_8B))
-    return model
-
-
 def test_child_reads_the_pools_the_scheduler_allocated(tmp_path, monkeypatch, capsys):
-    import sglang
-
     class Engine:
         def __init__(self, **kwargs):
             self.kwargs = kwargs
@@ -38,14 +31,12 @@ def test_child_reads_the_pools_the_scheduler_allocated(tmp_path, monkeypatch, ca
         def shutdown(self):
             pass
 
-    monkeypatch.setattr(sglang, "Engine", Engine, raising=False)
-    monkeypatch.setattr(common, "synthetic_map_file", lambda *a: str(tmp_path / "map.json"))
-    argv = ["capacity.py", "--child", "redknot-g0.125", "--model", str(model_dir(tmp_path)),
-            "--slots", "30"]  # fmt: skip
+    stand_in_engine(monkeypatch, tmp_path, Engine)
+    model = model_dir(tmp_path, LLAMA_8B)
+    argv = ["capacity.py", "--child", "redknot-g0.125", "--model", str(model), "--slots", "30"]
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT ") :])
+    result = child_result(capsys)
     # 1,000,000 // (32768 + 128) = 30 requests fit the token slots; 20 request slots bound it
     assert result == {"max_total_num_tokens": 1_000_000, "max_running_requests": 20,
                       "admitted": 20}  # fmt: skip
@@ -62,7 +53,7 @@ def test_runner_sizes_the_tuned_slots_from_the_dense_count(tmp_path, monkeypatch
 
     monkeypatch.setattr(common, "run_child", run_child)
     out = tmp_path / "capacity.json"
-    argv = ["capacity.py", "--model", str(model_dir(tmp_path)), "--out", str(out),
+    argv = ["capacity.py", "--model", str(model_dir(tmp_path, LLAMA_8B)), "--out", str(out),
             "--variants", "flashinfer,redknot-g0.125-default,redknot-g0.125"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()

@@ -14,10 +14,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import decode_throughput as bench
 import serving_common as common
 
+from .standin import child_result, model_dir, stand_in_engine
+
 
 def test_child_generates_every_session_and_reports_its_rate(tmp_path, monkeypatch, capsys):
-    import sglang
-
     seen = {}
 
     class Engine:
@@ -31,18 +31,14 @@ def test_child_generates_every_session_and_reports_its_rate(tmp_path, monkeypatc
         def shutdown(self):
             seen["shutdown"] = True
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
-    monkeypatch.setattr(sglang, "Engine", Engine, raising=False)
-    monkeypatch.setattr(common, "synthetic_map_file", lambda *a: str(tmp_path / "map.json"))
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, Engine)
     argv = ["decode_throughput.py", "--child", "redknot-g0.125", "--model", str(model),
             "--sessions", "3", "--prompt-len", "16", "--new-tokens", "5",
             "--slots", "4"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT ") :])
+    result = child_result(capsys)
     assert result["generated_tokens"] == 15 and result["end_to_end_tokens_per_s"] > 0
     assert len(seen["prompts"]) == 3 and all(len(p) == 16 for p in seen["prompts"])
     assert seen["kwargs"]["attention_backend"] == "redknot" and seen["shutdown"]

@@ -4,7 +4,6 @@ profiler's point list (a GPU run is the only other way to reach this code)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import ClassVar
@@ -14,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import serving_common as common
 import ttft
+
+from .standin import child_result, model_dir, stand_in_engine
 
 
 class FakeEngine:
@@ -50,13 +50,8 @@ class FakeEngine:
 @pytest.mark.parametrize("variant", ["flashinfer", "cacheblend"])
 @pytest.mark.parametrize("profile", ["", "1024x2"])
 def test_child_measures_every_point(variant, profile, tmp_path, monkeypatch, capsys):
-    import sglang
-
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
-    monkeypatch.setattr(sglang, "Engine", FakeEngine, raising=False)
-    monkeypatch.setattr(common, "synthetic_map_file", lambda *a: str(tmp_path / "map.json"))
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, FakeEngine)
     FakeEngine.profiles = []
     argv = ["ttft.py", "--child", variant, "--model", str(model), "--points", "512x2,1024x2",
             "--reps", "2", "--own-recompute"]  # fmt: skip
@@ -64,8 +59,7 @@ def test_child_measures_every_point(variant, profile, tmp_path, monkeypatch, cap
         argv += ["--profile-dir", str(tmp_path / "prof"), "--profile-points", profile]
     monkeypatch.setattr(sys, "argv", argv)
     ttft.main()
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")][-1]
-    points = json.loads(line[len("RESULT ") :])["points"]
+    points = child_result(capsys)["points"]
     assert sorted(points) == ["1024x2", "512x2"]
     for key, row in points.items():
         assert len(row["ttft_samples_s"]) == 2 and row["ttft_s"] >= 0
