@@ -28,6 +28,9 @@ staging buffers first (``redknot.kernels.host_stage``). Each host method's outpu
 equal to the same method's over the GPU copy (``host_equal_*``) before it is timed.
 With ``--stages``, ``lfps_stages_<sel>`` splits an LFPS step into its kernels (ms per call from
 ``torch.profiler``, eager calls without the L2 flush: shares, not figures to compare).
+With ``--mark-gather``, ``lfps_gather_<sel>`` is the same step with the mark kernel's Eq. 9
+shifts gathered from the entries it read (``redknot.kernels.lfps_index.MARK_GATHER``), timed
+after ``gather_equal_<sel>`` checked its selection and output equal to the default step's.
 With ``--update-settings BLOCK:WARPS,...``, ``update_settings_kv_head`` times the ``kv_head``
 step at each launch setting of its add launch (``UPDATE_BLOCK_K`` Top-K entries and
 ``UPDATE_WARPS`` warps per program; it adds Eq. 10 and weights the selection's values), each
@@ -283,12 +286,14 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
         del probe, res
 
         def lfps_call(state=state, plan=plan, bud=bud):
-            lfps_decode_step(layer.q, layer.k_buffer, layer.v_buffer, *layer.paged, state,
+            return lfps_decode_step(layer.q, layer.k_buffer, layer.v_buffer, *layer.paged, state,
                              params, bud, plan=plan)  # fmt: skip
 
         attempt(row, f"lfps_{sel}", timer, lambda f=lfps_call: f)
         if args.stages:
             row[f"lfps_stages_{sel}"] = stage_times(lfps_call, dev)
+        if args.mark_gather:
+            mark_gather_variant(row, sel, lfps_call, state, timer, dev, args.stages)
         if sel == "kv_head" and args.update_settings:
             step = functools.partial(lfps_decode_step, layer.q, layer.k_buffer, layer.v_buffer,
                                      *layer.paged, params=params, budgets=bud, plan=plan)  # fmt: skip
@@ -429,6 +434,34 @@ def update_settings(step, state, settings: list[tuple[int, int]], timer: Timer) 
     return out
 
 
+def mark_gather_variant(row, sel, call, state, timer, dev, stages: bool) -> None:
+    """The step again with the mark kernel's shifts gathered (``lfps_index.MARK_GATHER``):
+    ``lfps_gather_<sel>`` next to ``lfps_<sel>``, after ``gather_equal_<sel>`` checked both
+    steps' selections and outputs equal on copies of the same state."""
+    from redknot.kernels import lfps_index
+
+    default = lfps_index.MARK_GATHER
+    try:
+        results = []
+        for gather in (False, True):
+            lfps_index.MARK_GATHER = gather
+            results.append(call_with_state(call, state.clone()))
+        (sel_a, out_a), (sel_b, out_b) = results
+        row[f"gather_equal_{sel}"] = bool(torch.equal(sel_a, sel_b) and torch.equal(out_a, out_b))
+        lfps_index.MARK_GATHER = True
+        attempt(row, f"lfps_gather_{sel}", timer, lambda: call)
+        if stages:
+            row[f"lfps_gather_stages_{sel}"] = stage_times(call, dev)
+    finally:
+        lfps_index.MARK_GATHER = default
+
+
+def call_with_state(call, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """``call``'s step on ``state`` (a copy): its selection and output."""
+    res = call(state=state)
+    return res.selected.clone(), res.output.clone()
+
+
 def stage_times(call, device: str, calls: int = 10, top: int = 16) -> dict[str, float]:
     """Milliseconds per call of each kernel (GPU; operator self time on the CPU) of ``call``,
     from ``torch.profiler`` over ``calls`` eager calls after one warm-up: where a method's time
@@ -456,9 +489,10 @@ def summary(rows: list[dict], long: int, batch: int) -> dict:
     for row in rows:
         if row["L"] == long and row["B"] == batch:
             for sel in ("kv_head", "kv_head_union", "query_head"):
-                if row.get(f"speedup_lfps_{sel}"):
-                    out[f"speedup_lfps_{sel}"] = round(row[f"speedup_lfps_{sel}"], 2)
-                    out[f"met_lfps_{sel}"] = row[f"speedup_lfps_{sel}"] >= 5.0
+                for name in (f"lfps_{sel}", f"lfps_gather_{sel}"):
+                    if row.get(f"speedup_{name}"):
+                        out[f"speedup_{name}"] = round(row[f"speedup_{name}"], 2)
+                        out[f"met_{name}"] = row[f"speedup_{name}"] >= 5.0
     return out
 
 
@@ -485,6 +519,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also record LFPS's time per kernel (torch.profiler, eager)",
     )
+    ap.add_argument("--mark-gather", action="store_true",
+                    help="also time each step with the mark kernel's shifts gathered "
+                    "(lfps_gather_<sel>, its selections checked equal to the default's)")  # fmt: skip
     ap.add_argument("--update-settings", default="",
                     help="BLOCK:WARPS,... launch settings of the kv_head step's add launch to "
                     "time (see the module docstring)")  # fmt: skip

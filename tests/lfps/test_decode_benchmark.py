@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -75,3 +77,59 @@ def test_candidate_sweep_checks_each_setting_against_the_default(tmp_path):
         (0, 0), (0, 8), (16, 0), (16, 8),
     }  # fmt: skip
     assert all(s["same_as_reference"] and s["ms"] > 0 for s in row["topk_settings"])
+
+
+def test_mark_gather_step_is_checked_equal_and_timed_next_to_the_default(tmp_path):
+    """``--mark-gather`` times the step with the gathering mark kernel after its selection and
+    output were compared with the default step's, and leaves the module default as it was."""
+    args = ("--mark-gather", "--lengths", "300", "--batches", "2", "--selections", "kv_head")
+    data = run_script("lfps_decode.py", tmp_path / "lfps_decode.json", *args)
+    row = data["rows"][0]
+    assert row["gather_equal_kv_head"] is True and not row.get("notes"), row.get("notes")
+    assert row["ms_lfps_gather_kv_head"] > 0 and row["ms_lfps_kv_head"] > 0
+    assert row["speedup_lfps_gather_kv_head"] == row["ms_full"] / row["ms_lfps_gather_kv_head"]
+
+
+def test_mark_gather_variant_restores_the_default_and_compares_results():
+    """The variant compares what the two steps return (a differing output is reported unequal)
+    and restores ``MARK_GATHER`` even when a step fails."""
+    import importlib.util
+
+    import torch
+
+    from redknot.kernels import lfps_index
+
+    spec = importlib.util.spec_from_file_location("lfps_decode", ROOT / "benchmarks/lfps_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Result:
+        def __init__(self, gather):
+            self.selected = torch.zeros(2, dtype=torch.int32)
+            self.output = torch.full((2,), 1.0 if gather else 0.0)
+
+    class State:
+        def clone(self):
+            return self
+
+    def call(state=None):
+        return Result(lfps_index.MARK_GATHER)
+
+    class Timer:
+        device = "cpu"
+
+        def __call__(self, f):
+            f()
+            return 1.0, "cpu_wall"
+
+    row = {}
+    mod.mark_gather_variant(row, "kv_head", call, State(), Timer(), "cpu", False)
+    assert row["gather_equal_kv_head"] is False and row["ms_lfps_gather_kv_head"] == 1.0
+    assert lfps_index.MARK_GATHER is False
+
+    def failing(state=None):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        mod.mark_gather_variant({}, "kv_head", failing, State(), Timer(), "cpu", False)
+    assert lfps_index.MARK_GATHER is False
