@@ -90,9 +90,9 @@ def test_mark_gather_step_is_checked_equal_and_timed_next_to_the_default(tmp_pat
     assert row["speedup_lfps_gather_kv_head"] == row["ms_full"] / row["ms_lfps_gather_kv_head"]
 
 
-def test_mark_gather_variant_restores_the_default_and_compares_results():
+def test_mark_gather_variant_restores_the_setting_and_compares_results(monkeypatch):
     """The variant compares what the two steps return (a differing output is reported unequal)
-    and restores ``MARK_GATHER`` even when a step fails."""
+    and restores ``MARK_GATHER`` to what it was, even when a step fails."""
     import importlib.util
 
     import torch
@@ -112,9 +112,6 @@ def test_mark_gather_variant_restores_the_default_and_compares_results():
         def clone(self):
             return self
 
-    def call(state=None):
-        return Result(lfps_index.MARK_GATHER)
-
     class Timer:
         device = "cpu"
 
@@ -122,14 +119,18 @@ def test_mark_gather_variant_restores_the_default_and_compares_results():
             f()
             return 1.0, "cpu_wall"
 
-    row = {}
-    mod.mark_gather_variant(row, "kv_head", call, State(), Timer(), "cpu", False)
-    assert row["gather_equal_kv_head"] is False and row["ms_lfps_gather_kv_head"] == 1.0
-    assert lfps_index.MARK_GATHER is False
+    def call(state=None):
+        return Result(lfps_index.MARK_GATHER)
 
     def failing(state=None):
         raise RuntimeError("boom")
 
-    with pytest.raises(RuntimeError, match="boom"):
-        mod.mark_gather_variant({}, "kv_head", failing, State(), Timer(), "cpu", False)
-    assert lfps_index.MARK_GATHER is False
+    for before in (False, True):
+        monkeypatch.setattr(lfps_index, "MARK_GATHER", before)
+        row = {}
+        mod.mark_gather_variant(row, "kv_head", call, State(), Timer(), "cpu", False)
+        assert row["gather_equal_kv_head"] is False and row["ms_lfps_gather_kv_head"] == 1.0
+        assert lfps_index.MARK_GATHER is before
+        with pytest.raises(RuntimeError, match="boom"):
+            mod.mark_gather_variant({}, "kv_head", failing, State(), Timer(), "cpu", False)
+        assert lfps_index.MARK_GATHER is before
