@@ -396,9 +396,10 @@ def child(args) -> None:
                 row["every_segment_hit"] = row["segment_store"]["misses"] == 0
                 # how the reuse gate served this point's prompts (warm-up included)
                 gate = {k: after[k] - before[k] for k in GATE_COUNTERS}
-                row["served"] = ["reuse"] * gate["served_with_reuse"] + ["recomputed"] * gate[
-                    "served_without_reuse"
-                ]
+                if any(gate.values()):  # none: no gate decided (reuse_gate=always)
+                    row["served"] = ["reuse"] * gate["served_with_reuse"] + ["recomputed"] * gate[
+                        "served_without_reuse"
+                    ]
                 if after.get("host_scale") is not None:  # the gate's factor on the record's host
                     row["gate_host_scale"] = after["host_scale"]  # constants (its own probe)
                 if after.get("measured") is not None:  # what its measured correction holds

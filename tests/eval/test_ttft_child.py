@@ -68,3 +68,27 @@ def test_child_measures_every_point(variant, profile, tmp_path, monkeypatch, cap
             profiled = key == profile  # one more prompt, under the profiler
             assert row["served"] == ["reuse"] * (3 + profiled) and row["every_segment_hit"]
     assert FakeEngine.profiles == ([f"{variant}-1024x2"] if profile else [])
+
+
+class UngatedEngine(FakeEngine):
+    """A server whose reuse gate decides nothing (``reuse_gate=always``): its counters stay 0."""
+
+    def get_server_info(self):
+        info = super().get_server_info()
+        info["internal_states"][0]["redknot_reuse_gate"] = {
+            "served_with_reuse": 0, "served_without_reuse": 0
+        }  # fmt: skip
+        return info
+
+
+def test_points_no_gate_decided_say_nothing_of_how_they_were_served(tmp_path, monkeypatch, capsys):
+    """Under ``reuse_gate=always`` no gate counts a prompt: the row has no ``served`` list (an
+    empty one would read as none of the prompts reused)."""
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, UngatedEngine)
+    argv = ["ttft.py", "--child", "cacheblend[reuse_gate=always]", "--model", str(model),
+            "--points", "512x2", "--reps", "2"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    ttft.main()
+    row = child_result(capsys)["points"]["512x2"]
+    assert row["every_segment_hit"] and "served" not in row
