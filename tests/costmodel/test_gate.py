@@ -280,7 +280,10 @@ def test_the_gate_control_op_says_how_long_a_recomputed_prompt_can_be():
 def test_the_h200_record_is_shipped_and_its_gate_chose_the_faster_way_where_measured():
     """The H200's record is found by its device name, and the server's gate with it takes, at
     every point of the TTFTs it was fitted on, the decision the record's provenance lists, which
-    was the faster way there (reuse against flashinfer's recompute, measured side by side)."""
+    was the faster way there (reuse against flashinfer's recompute, measured side by side)
+    wherever the runs agree which way is faster. The record is fitted on runs of both point
+    orders, and a point two runs measured on opposite sides of recomputing (at most two) has a
+    decision right for one of them."""
     from benchmarks.reuse_cost import variant_model
 
     record, why = record_for("NVIDIA H200")
@@ -292,7 +295,14 @@ def test_the_h200_record_is_shipped_and_its_gate_chose_the_faster_way_where_meas
         for name, var in json.loads((ROOT / i["path"]).read_text())["variants"].items():
             measured |= {(name, key): row for key, row in var["points"].items()}
     chosen = record.provenance["decisions"]
-    assert len(chosen) >= 12 and all(d["right"] for d in chosen)
+    faster = {}  # (variant, point) -> whether reuse was measured faster, in each run
+    for d in chosen:
+        faster.setdefault((d["variant"], d["point"]), set()).add(d["reuse_ms"] < d["flashinfer_ms"])
+    contested = {key for key, ways in faster.items() if len(ways) == 2}
+    assert len(chosen) >= 12 and len(contested) <= 2, contested
+    assert all(d["right"] for d in chosen if (d["variant"], d["point"]) not in contested)
+    for key in contested:
+        assert any(d["right"] for d in chosen if (d["variant"], d["point"]) == key), key
     for d in chosen:
         costs, recovery, _, _ = variant_model(d["variant"], CFG_8B, None)
         gate = ReuseGate(ReuseCostModel(costs, recovery, record))
