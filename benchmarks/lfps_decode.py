@@ -28,9 +28,12 @@ staging buffers first (``redknot.kernels.host_stage``). Each host method's outpu
 equal to the same method's over the GPU copy (``host_equal_*``) before it is timed.
 With ``--stages``, ``lfps_stages_<sel>`` splits an LFPS step into its kernels (ms per call from
 ``torch.profiler``, eager calls without the L2 flush: shares, not figures to compare).
-With ``--mark-gather``, ``lfps_gather_<sel>`` is the same step with the mark kernel's Eq. 9
-shifts gathered from the entries it read (``redknot.kernels.lfps_index.MARK_GATHER``), timed
-after ``gather_equal_<sel>`` checked its selection and output equal to the default step's.
+With ``--mark-gather``, the step is also timed with each of the mark kernel's two ways to its
+Eq. 9 shifts (``redknot.kernels.lfps_index.MARK_GATHER``, gathered by default since 3fbbed5):
+``lfps_loads_<sel>`` reads the tables again at every offset, ``lfps_gather_<sel>`` gathers the
+shifts from the entries it read; ``gather_equal_<sel>`` says whether both gave the same
+selection and output first. (Results before 3fbbed5 have no ``lfps_loads_<sel>``: their
+``lfps_<sel>`` was the loads step.)
 With ``--update-settings BLOCK:WARPS,...``, ``update_settings_kv_head`` times the ``kv_head``
 step at each launch setting of its add launch (``UPDATE_BLOCK_K`` Top-K entries and
 ``UPDATE_WARPS`` warps per program; it adds Eq. 10 and weights the selection's values), each
@@ -435,8 +438,8 @@ def update_settings(step, state, settings: list[tuple[int, int]], timer: Timer) 
 
 
 def mark_gather_variant(row, sel, call, state, timer, dev, stages: bool) -> None:
-    """The step again with the mark kernel's shifts gathered (``lfps_index.MARK_GATHER``):
-    ``lfps_gather_<sel>`` next to ``lfps_<sel>``, after ``gather_equal_<sel>`` checked both
+    """The step with each way of the mark kernel to its shifts (``lfps_index.MARK_GATHER``):
+    ``lfps_loads_<sel>`` and ``lfps_gather_<sel>``, after ``gather_equal_<sel>`` checked both
     steps' selections and outputs equal on copies of the same state."""
     from redknot.kernels import lfps_index
 
@@ -448,10 +451,11 @@ def mark_gather_variant(row, sel, call, state, timer, dev, stages: bool) -> None
             results.append(call_with_state(call, state.clone()))
         (sel_a, out_a), (sel_b, out_b) = results
         row[f"gather_equal_{sel}"] = bool(torch.equal(sel_a, sel_b) and torch.equal(out_a, out_b))
-        lfps_index.MARK_GATHER = True
-        attempt(row, f"lfps_gather_{sel}", timer, lambda: call)
-        if stages:
-            row[f"lfps_gather_stages_{sel}"] = stage_times(call, dev)
+        for gather, name in ((False, "loads"), (True, "gather")):
+            lfps_index.MARK_GATHER = gather
+            attempt(row, f"lfps_{name}_{sel}", timer, lambda: call)
+            if stages:
+                row[f"lfps_{name}_stages_{sel}"] = stage_times(call, dev)
     finally:
         lfps_index.MARK_GATHER = default
 
@@ -489,7 +493,7 @@ def summary(rows: list[dict], long: int, batch: int) -> dict:
     for row in rows:
         if row["L"] == long and row["B"] == batch:
             for sel in ("kv_head", "kv_head_union", "query_head"):
-                for name in (f"lfps_{sel}", f"lfps_gather_{sel}"):
+                for name in (f"lfps_{sel}", f"lfps_loads_{sel}", f"lfps_gather_{sel}"):
                     if row.get(f"speedup_{name}"):
                         out[f"speedup_{name}"] = round(row[f"speedup_{name}"], 2)
                         out[f"met_{name}"] = row[f"speedup_{name}"] >= 5.0
@@ -520,8 +524,8 @@ def main(argv: list[str] | None = None) -> None:
         help="also record LFPS's time per kernel (torch.profiler, eager)",
     )
     ap.add_argument("--mark-gather", action="store_true",
-                    help="also time each step with the mark kernel's shifts gathered "
-                    "(lfps_gather_<sel>, its selections checked equal to the default's)")  # fmt: skip
+                    help="also time each step with each way of the mark kernel to its shifts "
+                    "(lfps_loads_<sel>, lfps_gather_<sel>; their selections checked equal)")  # fmt: skip
     ap.add_argument("--update-settings", default="",
                     help="BLOCK:WARPS,... launch settings of the kv_head step's add launch to "
                     "time (see the module docstring)")  # fmt: skip

@@ -79,15 +79,16 @@ def test_candidate_sweep_checks_each_setting_against_the_default(tmp_path):
     assert all(s["same_as_reference"] and s["ms"] > 0 for s in row["topk_settings"])
 
 
-def test_mark_gather_step_is_checked_equal_and_timed_next_to_the_default(tmp_path):
-    """``--mark-gather`` times the step with the gathering mark kernel after its selection and
-    output were compared with the default step's, and leaves the module default as it was."""
+def test_mark_gather_times_each_mark_kernel_after_checking_them_equal(tmp_path):
+    """``--mark-gather`` times the step with each mark kernel after their selections and outputs
+    were compared."""
     args = ("--mark-gather", "--lengths", "300", "--batches", "2", "--selections", "kv_head")
     data = run_script("lfps_decode.py", tmp_path / "lfps_decode.json", *args)
     row = data["rows"][0]
     assert row["gather_equal_kv_head"] is True and not row.get("notes"), row.get("notes")
-    assert row["ms_lfps_gather_kv_head"] > 0 and row["ms_lfps_kv_head"] > 0
-    assert row["speedup_lfps_gather_kv_head"] == row["ms_full"] / row["ms_lfps_gather_kv_head"]
+    for name in ("lfps", "lfps_loads", "lfps_gather"):
+        assert row[f"ms_{name}_kv_head"] > 0
+        assert row[f"speedup_{name}_kv_head"] == row["ms_full"] / row[f"ms_{name}_kv_head"]
 
 
 def test_mark_gather_variant_restores_the_setting_and_compares_results(monkeypatch):
@@ -129,7 +130,8 @@ def test_mark_gather_variant_restores_the_setting_and_compares_results(monkeypat
         monkeypatch.setattr(lfps_index, "MARK_GATHER", before)
         row = {}
         mod.mark_gather_variant(row, "kv_head", call, State(), Timer(), "cpu", False)
-        assert row["gather_equal_kv_head"] is False and row["ms_lfps_gather_kv_head"] == 1.0
+        assert row["gather_equal_kv_head"] is False
+        assert row["ms_lfps_loads_kv_head"] == row["ms_lfps_gather_kv_head"] == 1.0
         assert lfps_index.MARK_GATHER is before
         with pytest.raises(RuntimeError, match="boom"):
             mod.mark_gather_variant({}, "kv_head", failing, State(), Timer(), "cpu", False)
