@@ -4,7 +4,8 @@ Each variant starts an ``sgl.Engine`` on the 8B shape with dummy weights and the
 ``--mem-fraction-static``, then reads the pool the scheduler actually allocated (token slots and
 request slots). A request of ``L`` prompt tokens and ``N`` new tokens needs ``L + N`` token slots
 and one request slot, so SGLang admits ``min(request_slots, token_slots // (L + N))`` of them at
-once. The memory-ratio ideal is the KV bytes of one such request under dense attention over
+once (``redknot-g0.125-noseg``: the tuned 1/8 map without the segment region that segment
+reuse stores into, 5% of the KV budget by default). The memory-ratio ideal is the KV bytes of one such request under dense attention over
 its bytes under redknot (global heads for every token, a ring of sink + window for the local
 heads).
 
@@ -27,7 +28,10 @@ VARIANTS = {  # name -> (global fraction or None for the flashinfer backend, tun
     "redknot-g0.125": (0.125, True),
     "redknot-g0.15-default": (0.15, False),
     "redknot-g0.15": (0.15, True),
+    # without the segment region (--redknot-segment-fraction 0: a server that reuses nothing)
+    "redknot-g0.125-noseg": (0.125, True),
 }
+NO_SEGMENTS = {"redknot-g0.125-noseg"}
 
 
 def kv_bytes_per_request(fraction, length, shape, ring):
@@ -56,6 +60,8 @@ def child(args) -> None:
         extra["redknot_head_map"] = common.synthetic_map_file(args.model, fraction, "/tmp")
         if tune:
             extra["max_running_requests"] = args.slots
+        if args.child in NO_SEGMENTS:
+            extra["redknot_segment_fraction"] = 0.0
     engine = sgl.Engine(**common.engine_kwargs(args.model, args.prompt_len + 1024, **extra))
     try:
         info = engine.get_server_info()

@@ -80,3 +80,31 @@ def test_kv_bytes_count_a_ring_for_local_heads():
     assert bench.kv_bytes_per_request(None, 1000, shape, 320) == 256 * 1000 * row
     # 32 of 256 (layer, KV head) pairs global over every token, 224 over a ring of 320
     assert bench.kv_bytes_per_request(0.125, 1000, shape, 320) == (32 * 1000 + 224 * 320) * row
+
+
+def test_the_variant_without_segments_turns_the_segment_region_off(tmp_path, monkeypatch, capsys):
+    """``redknot-g0.125-noseg`` starts the tuned 1/8 map with ``--redknot-segment-fraction 0``;
+    the other redknot variants keep the default region."""
+    started = []
+
+    class Engine:
+        def __init__(self, **kwargs):
+            started.append(kwargs)
+
+        def get_server_info(self):
+            return {"max_total_num_tokens": 1_000_000,
+                    "internal_states": [{"effective_max_running_requests_per_dp": 20}]}  # fmt: skip
+
+        def shutdown(self):
+            pass
+
+    stand_in_engine(monkeypatch, tmp_path, Engine)
+    model = model_dir(tmp_path, LLAMA_8B)
+    for name in ("redknot-g0.125-noseg", "redknot-g0.125"):
+        argv = ["capacity.py", "--child", name, "--model", str(model), "--slots", "30"]
+        monkeypatch.setattr(sys, "argv", argv)
+        bench.main()
+        child_result(capsys)
+    noseg, default = started
+    assert noseg["redknot_segment_fraction"] == 0.0 and noseg["max_running_requests"] == 30
+    assert "redknot_segment_fraction" not in default and default["attention_backend"] == "redknot"
