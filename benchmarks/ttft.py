@@ -42,7 +42,10 @@ server reports it skipped; for every variant that leaves rows to the cache (``-c
 token-level policies) minus each left token-layer's projections, FFN and attention row. A reuse
 point where any marked segment missed the store is reported with its misses
 (``segment_store``) and flagged, never averaged in silently: the store is sized by
-``--segment-fraction`` so that one point's documents fit.
+``--segment-fraction`` so that one point's documents fit. Prompts of a few thousand tokens are
+host-bound, and a host's speed moves over a run (the host probe, ``redknot.costmodel.host_probe``,
+went from 0.066 to 0.108 ms between the start and the end of one H200 run): ``--probe-points``
+probes it in each engine's process before and after each point (``host_probe_ms``).
 
     python benchmarks/ttft.py --out benchmarks/results/ttft.json
     python benchmarks/ttft.py --sweep --variants flashinfer,redknot-g0.125-reuse \\
@@ -322,6 +325,7 @@ def child(args) -> None:
                         sampling_params={"max_new_tokens": 0, "custom_params": params},
                     )
                 before = store_counters()
+            probed = [point_probe()] if args.probe_points else []  # the host's speed now
             times, reports = [], []
             for rep in range(args.reps + 1):
                 ids, marks = [rand(1)[0]], []
@@ -384,6 +388,8 @@ def child(args) -> None:
             }
             if reports:
                 row.update(samkv_row(reports, [len(d) for d in docs], args.question, knobs))
+            if probed:  # and after the point's prompts (its own recompute's included)
+                row["host_probe_ms"] = probed + [point_probe()]
             if plain:
                 row["own_recompute_ttft_s"] = statistics.median(plain)
                 row["own_recompute_samples_s"] = plain
@@ -442,6 +448,17 @@ def triton_kernels() -> dict[str, int]:
     """Kernel name -> compiled variants in this process's Triton cache directory."""
     names = [p.stem for p in Path(os.environ["TRITON_CACHE_DIR"]).glob("*/*.json")]
     return dict(Counter(n for n in names if not n.startswith("__grp__")))
+
+
+def point_probe() -> float:
+    """``redknot.costmodel.host_probe.probe_ms`` in this (engine's) process, on its GPU (the
+    CPU without one), between a point's prompts: how fast the host issues work at that time.
+    A prompt of a few thousand tokens is host-bound, so its time moves with this."""
+    import torch
+
+    from redknot.costmodel.host_probe import probe_ms
+
+    return round(probe_ms("cuda" if torch.cuda.is_available() else "cpu"), 5)
 
 
 def host_probe() -> float | None:
@@ -526,6 +543,13 @@ def main() -> None:
         "stored (fresh tokens, no marks): that engine's own recompute, what its reuse gate "
         "weighs reuse against, free of the engine-to-engine spread of small prompts",
     )
+    ap.add_argument(
+        "--probe-points",
+        action="store_true",
+        help="also probe the host's speed (redknot.costmodel.host_probe) in each engine's "
+        "process before and after each point's prompts: host_probe_ms per point, to tell a "
+        "slow host from a slow path",
+    )
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument(
         "--merge",
@@ -567,7 +591,7 @@ def main() -> None:
         "profile_points",
     ) + [
         f"--{flag}"
-        for flag in ("compile-log", "profile-warmup", "own-recompute")
+        for flag in ("compile-log", "profile-warmup", "own-recompute", "probe-points")
         if getattr(args, flag.replace("-", "_"))
     ]
     profiled = set(split_variants(args.profile_variants or args.variants))
@@ -738,6 +762,8 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
             if "served" in row:  # the reuse gate's decisions (redknot.costmodel.gate)
                 entry["served_with_reuse"] = row["served"].count("reuse")
                 entry["served_recomputed"] = row["served"].count("recomputed")
+            if "host_probe_ms" in row:  # the host's speed before and after the point
+                entry["host_probe_ms"] = row["host_probe_ms"]
             if "gate_host_scale" in row:
                 entry["gate_host_scale"] = row["gate_host_scale"]
             if "own_recompute_ttft_s" in row:  # the same engine without reuse

@@ -432,3 +432,13 @@ def test_logged_counts_of_a_point_after_a_recomputed_one_stay_with_their_point()
     assert summary["2048x8"]["token_layers_left_to_cache"] == 1800 * 32
     assert 0 < summary["2048x8"]["flops"] < prefill_flops(CFG, 2048 + 65, None)
     assert summary["2048x8"]["flop_ratio_vs_flashinfer"] > 1
+
+
+def test_summary_carries_each_points_host_probe():
+    results = {
+        "flashinfer": {"points": {"1024x8": _row(1024, 8, 0.034, host_probe_ms=[0.07, 0.08])}},
+        "epic": {"points": {"1024x8": _row(1024, 8, 0.026)}},
+    }
+    summary = summarize(CFG, results, reps=1)
+    assert summary["flashinfer"]["1024x8"]["host_probe_ms"] == [0.07, 0.08]
+    assert "host_probe_ms" not in summary["epic"]["1024x8"]

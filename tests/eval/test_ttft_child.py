@@ -92,3 +92,21 @@ def test_points_no_gate_decided_say_nothing_of_how_they_were_served(tmp_path, mo
     ttft.main()
     row = child_result(capsys)["points"]["512x2"]
     assert row["every_segment_hit"] and "served" not in row
+
+
+def test_probe_points_record_the_hosts_speed_around_each_point(tmp_path, monkeypatch, capsys):
+    """``--probe-points``: every point has the host probe before and after its prompts (here on
+    the CPU), and a run without it has none."""
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, FakeEngine)
+    for probe in (True, False):
+        argv = ["ttft.py", "--child", "cacheblend", "--model", str(model), "--points",
+                "512x2,1024x2", "--reps", "1"] + ["--probe-points"] * probe  # fmt: skip
+        monkeypatch.setattr(sys, "argv", argv)
+        ttft.main()
+        points = child_result(capsys)["points"]
+        for row in points.values():
+            if probe:
+                assert len(row["host_probe_ms"]) == 2 and all(t > 0 for t in row["host_probe_ms"])
+            else:
+                assert "host_probe_ms" not in row
