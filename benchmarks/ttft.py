@@ -45,7 +45,9 @@ point where any marked segment missed the store is reported with its misses
 ``--segment-fraction`` so that one point's documents fit. Prompts of a few thousand tokens are
 host-bound, and a host's speed moves over a run (the host probe, ``redknot.costmodel.host_probe``,
 went from 0.066 to 0.108 ms between the start and the end of one H200 run): ``--probe-points``
-probes it in each engine's process before and after each point (``host_probe_ms``).
+probes it in each engine's process before and after each point (``host_probe_ms``). A point
+listed again is measured again later in the same engine, on new documents, as ``LxS#2``: the
+same work at another time, to tell a slow point from a slow state of the engine.
 
     python benchmarks/ttft.py --out benchmarks/results/ttft.json
     python benchmarks/ttft.py --sweep --variants flashinfer,redknot-g0.125-reuse \\
@@ -248,6 +250,17 @@ def point_key(length: int, segments: int) -> str:
     return f"{length}x{segments}"
 
 
+def point_keys(points: list[tuple[int, int]]) -> list[str]:
+    """The result key of each point: ``LxS``, and ``LxS#n`` for its ``n``-th repeat (a point
+    listed again is measured again, on new documents, later in the same engine)."""
+    seen: Counter = Counter()
+    keys = []
+    for point in points:
+        seen[point] += 1
+        keys.append(point_key(*point) + (f"#{seen[point]}" if seen[point] > 1 else ""))
+    return keys
+
+
 def child(args) -> None:
     import sglang as sgl
 
@@ -314,7 +327,7 @@ def child(args) -> None:
         }
     out = {}
     try:
-        for length, segments in points:
+        for key, (length, segments) in zip(point_keys(points), points):
             docs = [rand(length // segments) for _ in range(segments)]
             if reuse:
                 for doc in docs:
@@ -373,9 +386,7 @@ def child(args) -> None:
             if args.profile_dir and not args.profile_warmup and profile_point:  # one more,
                 # under the profiler
                 ids[0] = rand(1)[0]  # a prefix no earlier prompt had
-                start_profile(
-                    engine, Path(args.profile_dir, f"{args.child}-{point_key(length, segments)}")
-                )
+                start_profile(engine, Path(args.profile_dir, f"{args.child}-{key}"))
                 engine.generate(input_ids=ids, sampling_params=sampling)
                 engine.stop_profile()
             row = {
@@ -410,7 +421,7 @@ def child(args) -> None:
                     row["gate_host_scale"] = after["host_scale"]  # constants (its own probe)
                 if after.get("measured") is not None:  # what its measured correction holds
                     row["gate_measured"] = after["measured"]
-            out[point_key(length, segments)] = row
+            out[key] = row
             print(args.child, length, segments, row["ttft_s"], flush=True)
     finally:
         engine.shutdown()

@@ -110,3 +110,22 @@ def test_probe_points_record_the_hosts_speed_around_each_point(tmp_path, monkeyp
                 assert len(row["host_probe_ms"]) == 2 and all(t > 0 for t in row["host_probe_ms"])
             else:
                 assert "host_probe_ms" not in row
+
+
+def test_a_point_listed_again_is_measured_again_under_its_own_key(tmp_path, monkeypatch, capsys):
+    """``--points 512x2,1024x2,512x2``: the repeat is measured later in the same engine, on new
+    documents, as ``512x2#2`` (it used to overwrite the first)."""
+    assert ttft.point_keys([(512, 2), (1024, 2), (512, 2), (512, 2)]) == [
+        "512x2", "1024x2", "512x2#2", "512x2#3"
+    ]  # fmt: skip
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, FakeEngine)
+    argv = ["ttft.py", "--child", "cacheblend", "--model", str(model), "--points",
+            "512x2,1024x2,512x2", "--reps", "2"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    ttft.main()
+    points = child_result(capsys)["points"]
+    assert list(points) == ["512x2", "1024x2", "512x2#2"]
+    for key in ("512x2", "512x2#2"):
+        assert points[key]["length"] == 512 and len(points[key]["ttft_samples_s"]) == 2
+        assert points[key]["served"] == ["reuse"] * 3  # its own documents, each stored anew
