@@ -11,7 +11,8 @@ changes the answer is reported, not ranked). Times: ``segpaged_kernels.Timer`` (
 L2 flushed before each call). ``ms_topk`` is ``torch.topk`` of the candidates' rank at the
 step's ``K``, for scale; ``topk_settings`` times the step's own Top-k (``lfps_topk``, a radix
 select) at each ``--topk-blocks`` x ``--topk-warps`` x ``--topk-radix-bits`` (``0``: the
-default), each checked equal to the PyTorch reference ``rank_topk_in_list_order``.
+default) x ``--topk-early-exit`` (its passes stopped once the bin found holds exactly the keys
+still wanted, or not), each checked equal to the PyTorch reference ``rank_topk_in_list_order``.
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ def sweep_case(L: int, B: int, args, shape: dict, timer: Timer) -> dict:
     row["ms_topk"], _ = timer(lambda: torch.topk(rank, k, dim=-1))
     want = rank_topk_in_list_order(rank, row_budgets(seq, params), k)
     row["topk_settings"] = []
-    for block, warps, bits in itertools.product(args.topk_blocks, args.topk_warps, args.topk_bits):
-        kw = {"block": block or None, "num_warps": warps or None}
+    for block, warps, bits, early in itertools.product(
+        args.topk_blocks, args.topk_warps, args.topk_bits, args.topk_early_exit
+    ):
+        kw = {"block": block or None, "num_warps": warps or None, "early_exit": bool(early)}
         kw |= {"radix_bits": bits} if bits else {}
         entry = trial(
-            {"block": block, "num_warps": warps, "radix_bits": bits},
+            {"block": block, "num_warps": warps, "radix_bits": bits, "early_exit": bool(early)},
             lambda kw=kw: lfps_step.lfps_topk(rank, seq, params, k, **kw),
             lambda got: all(torch.equal(a, b) for a, b in zip(got, want)),
             "same_as_reference", timer,
@@ -116,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--topk-blocks", default="0,1024,4096")
     ap.add_argument("--topk-warps", default="0,8,16")
     ap.add_argument("--topk-radix-bits", default="0,5,8")
+    ap.add_argument("--topk-early-exit", default="0,1",
+                    help="the Top-k's passes run to the last (0) or stop once the bin found "
+                    "holds exactly the keys still wanted (1), comma-separated")  # fmt: skip
     ap.add_argument("--topk-rows", choices=("kv", "query"), default="kv",
                     help="rows of the Top-k: one per KV head (the shared list) or per query head "
                     "(the union selection's first Top-k)")  # fmt: skip
@@ -141,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     args.warps = parse_ints(args.warps)
     args.topk_blocks, args.topk_warps = parse_ints(args.topk_blocks), parse_ints(args.topk_warps)
     args.topk_bits = parse_ints(args.topk_radix_bits)
+    args.topk_early_exit = parse_ints(args.topk_early_exit)
+    if not set(args.topk_early_exit) <= {0, 1}:
+        ap.error(f"--topk-early-exit: {args.topk_early_exit} are not 0 or 1")
     timer = Timer(1 if args.small else 20, 1 if args.small else 5, device=args.device)
     result = record(
         shape=shape,

@@ -33,7 +33,10 @@ Eq. 9 shifts (``redknot.kernels.lfps_index.MARK_GATHER``, gathered by default si
 ``lfps_loads_<sel>`` reads the tables again at every offset, ``lfps_gather_<sel>`` gathers the
 shifts from the entries it read; ``gather_equal_<sel>`` says whether both gave the same
 selection and output first. (Results before 3fbbed5 have no ``lfps_loads_<sel>``: their
-``lfps_<sel>`` was the loads step.)
+``lfps_<sel>`` was the loads step.) ``--topk-early-exit`` does the same for the Top-k's passes
+(``redknot.kernels.lfps_step.TOPK_EARLY_EXIT``): ``lfps_topk_passes_<sel>`` runs every pass,
+``lfps_topk_early_<sel>`` stops once the bin found holds exactly the keys still wanted
+(``topk_early_equal_<sel>``).
 With ``--update-settings BLOCK:WARPS,...``, ``update_settings_kv_head`` times the ``kv_head``
 step at each launch setting of its add launch (``UPDATE_BLOCK_K`` Top-K entries and
 ``UPDATE_WARPS`` warps per program; it adds Eq. 10 and weights the selection's values), each
@@ -295,8 +298,9 @@ def run_case(B: int, L: int, args, shape: dict, timer: Timer, params) -> dict:
         attempt(row, f"lfps_{sel}", timer, lambda f=lfps_call: f)
         if args.stages:
             row[f"lfps_stages_{sel}"] = stage_times(lfps_call, dev)
-        if args.mark_gather:
-            mark_gather_variant(row, sel, lfps_call, state, timer, dev, args.stages)
+        for switch in SWITCHES:
+            if getattr(args, switch):
+                switch_variants(row, sel, lfps_call, state, timer, dev, args.stages, switch)
         if sel == "kv_head" and args.update_settings:
             step = functools.partial(lfps_decode_step, layer.q, layer.k_buffer, layer.v_buffer,
                                      *layer.paged, params=params, budgets=bud, plan=plan)  # fmt: skip
@@ -437,27 +441,38 @@ def update_settings(step, state, settings: list[tuple[int, int]], timer: Timer) 
     return out
 
 
-def mark_gather_variant(row, sel, call, state, timer, dev, stages: bool) -> None:
-    """The step with each way of the mark kernel to its shifts (``lfps_index.MARK_GATHER``):
-    ``lfps_loads_<sel>`` and ``lfps_gather_<sel>``, after ``gather_equal_<sel>`` checked both
-    steps' selections and outputs equal on copies of the same state."""
-    from redknot.kernels import lfps_index
+# the step's two-way settings timed side by side: option -> (module, attribute, the names of
+# its False and True settings in ``lfps_<name>_<sel>``, the key of their equality check)
+SWITCHES = {
+    "mark_gather": ("lfps_index", "MARK_GATHER", ("loads", "gather"), "gather_equal"),
+    "topk_early_exit": ("lfps_step", "TOPK_EARLY_EXIT", ("topk_passes", "topk_early"),
+                        "topk_early_equal"),
+}  # fmt: skip
 
-    default = lfps_index.MARK_GATHER
+
+def switch_variants(row, sel, call, state, timer, dev, stages: bool, switch: str) -> None:
+    """The step at both settings of ``SWITCHES[switch]`` (a module attribute read at each call):
+    ``lfps_<off name>_<sel>`` and ``lfps_<on name>_<sel>``, after ``<key>_<sel>`` checked both
+    steps' selections and outputs equal on copies of the same state; the attribute is restored."""
+    import importlib
+
+    module_name, attr, names, key = SWITCHES[switch]
+    module = importlib.import_module(f"redknot.kernels.{module_name}")
+    default = getattr(module, attr)
     try:
         results = []
-        for gather in (False, True):
-            lfps_index.MARK_GATHER = gather
+        for on in (False, True):
+            setattr(module, attr, on)
             results.append(call_with_state(call, state.clone()))
         (sel_a, out_a), (sel_b, out_b) = results
-        row[f"gather_equal_{sel}"] = bool(torch.equal(sel_a, sel_b) and torch.equal(out_a, out_b))
-        for gather, name in ((False, "loads"), (True, "gather")):
-            lfps_index.MARK_GATHER = gather
+        row[f"{key}_{sel}"] = bool(torch.equal(sel_a, sel_b) and torch.equal(out_a, out_b))
+        for on, name in zip((False, True), names):
+            setattr(module, attr, on)
             attempt(row, f"lfps_{name}_{sel}", timer, lambda: call)
             if stages:
                 row[f"lfps_{name}_stages_{sel}"] = stage_times(call, dev)
     finally:
-        lfps_index.MARK_GATHER = default
+        setattr(module, attr, default)
 
 
 def call_with_state(call, state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -493,7 +508,8 @@ def summary(rows: list[dict], long: int, batch: int) -> dict:
     for row in rows:
         if row["L"] == long and row["B"] == batch:
             for sel in ("kv_head", "kv_head_union", "query_head"):
-                for name in (f"lfps_{sel}", f"lfps_loads_{sel}", f"lfps_gather_{sel}"):
+                names = [n for _, _, pair, _ in SWITCHES.values() for n in pair]
+                for name in [f"lfps_{sel}"] + [f"lfps_{n}_{sel}" for n in names]:
                     if row.get(f"speedup_{name}"):
                         out[f"speedup_{name}"] = round(row[f"speedup_{name}"], 2)
                         out[f"met_{name}"] = row[f"speedup_{name}"] >= 5.0
@@ -526,6 +542,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mark-gather", action="store_true",
                     help="also time each step with each way of the mark kernel to its shifts "
                     "(lfps_loads_<sel>, lfps_gather_<sel>; their selections checked equal)")  # fmt: skip
+    ap.add_argument("--topk-early-exit", action="store_true",
+                    help="also time each step with the Top-k's passes run to the last and "
+                    "stopped early (lfps_topk_passes_<sel>, lfps_topk_early_<sel>; their "
+                    "selections checked equal)")  # fmt: skip
     ap.add_argument("--update-settings", default="",
                     help="BLOCK:WARPS,... launch settings of the kv_head step's add launch to "
                     "time (see the module docstring)")  # fmt: skip

@@ -46,6 +46,10 @@ UPDATE_WARPS = 4
 TOPK_MAX_BLOCK = 4096  # ranks per inner step (a whole row, held in registers, up to this)
 TOPK_WARPS = 16
 TOPK_RADIX_BITS = 5  # key bits resolved per pass (7 passes)
+# The Top-k's passes stop once the bin found holds exactly the keys still wanted
+# (``lfps_topk_kernel``'s ``EARLY_EXIT``; the same set): off until a GPU measures it
+# (benchmarks/lfps_candidates_sweep.py --topk-early-exit 0,1)
+TOPK_EARLY_EXIT = False
 # The union selection's first Top-k has a row per query head (32 a request at the 8B shape, 4x
 # the programs): a block of 2,048 was 17% (128K, C = 20,968) and 31% (32K) faster than 4,096
 # there (lfps_topk_sweep_query_rows.json, H100, every setting checked equal to the reference).
@@ -127,6 +131,7 @@ def lfps_topk(
     num_warps: int | None = None,
     radix_bits: int = TOPK_RADIX_BITS,
     max_block: int = TOPK_MAX_BLOCK,
+    early_exit: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``min(params.budget_for(n - sink), k)`` largest finite ranks, in list order.
 
@@ -143,6 +148,8 @@ def lfps_topk(
         (up to ``max_block``, then held in registers) and a warp per 256 of it (4 to
         ``TOPK_WARPS``).
     radix_bits : key bits per pass (``cdiv(32, radix_bits)`` histogram passes, 1 to 8).
+    early_exit : stop the passes once the bin found holds exactly the keys still wanted
+        (default :data:`TOPK_EARLY_EXIT`); the same result.
 
     Returns
     -------
@@ -166,7 +173,7 @@ def lfps_topk(
         rank, seq_lens, budget, top_val, top_at, params.num_sink, k, C,
         rank.stride(0), rank.stride(1), top_val.stride(0), top_val.stride(1),
         BLOCK=block, ONE_BLOCK=block >= C, RADIX_BITS=radix_bits, FRACTION=fraction,
-        num_warps=num_warps,
+        EARLY_EXIT=TOPK_EARLY_EXIT if early_exit is None else early_exit, num_warps=num_warps,
     )  # fmt: skip
     return top_val, top_at
 

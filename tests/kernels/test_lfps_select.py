@@ -36,16 +36,17 @@ def ranks(B, Hs, C, seed):
     return r
 
 
+@pytest.mark.parametrize("early_exit", [False, True])
 @pytest.mark.parametrize("budget", [0.02, 0.1, 7, 1000])
 @pytest.mark.parametrize(
     "C,K,block,bits", [(60, 12, 16, 6), (60, 12, None, 8), (50, 50, 64, 5), (300, 40, 128, 3)]
 )  # one block (None: the default, 64 >= C), or several; 3 bits: the last pass overlaps
-def test_topk_matches_reference(budget, C, K, block, bits):
+def test_topk_matches_reference(budget, C, K, block, bits, early_exit):
     B, Hs = len(SEQ_LENS), 2
     rank = ranks(B, Hs, C, seed=C + K)
     seq = torch.tensor(SEQ_LENS)
     params = LfpsParams(budget=budget)
-    val, at = lfps_topk(rank, seq, params, K, block=block, radix_bits=bits)
+    val, at = lfps_topk(rank, seq, params, K, block=block, radix_bits=bits, early_exit=early_exit)
     want_val, want_at = rank_topk_in_list_order(rank, row_budgets(seq, params), K)
     assert torch.equal(val, want_val) and torch.equal(at, want_at)
     kept = torch.isfinite(val).sum(-1)

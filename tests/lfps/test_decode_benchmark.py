@@ -73,9 +73,10 @@ def test_candidate_sweep_checks_each_setting_against_the_default(tmp_path):
     # the mark kernel's shifts gathered from its window: the same lists as read again
     assert all(s["same_as_default"] and s["ms"] > 0 for s in row["settings"]), row["settings"]
     assert row["best"] in row["settings"] and row["ms_topk"] > 0
-    assert {(s["block"], s["radix_bits"]) for s in row["topk_settings"]} == {
-        (0, 0), (0, 8), (16, 0), (16, 8),
+    assert {(s["block"], s["radix_bits"], s["early_exit"]) for s in row["topk_settings"]} == {
+        (block, bits, early) for block in (0, 16) for bits in (0, 8) for early in (False, True)
     }  # fmt: skip
+    # the passes stopped early: the same set as the reference's
     assert all(s["same_as_reference"] and s["ms"] > 0 for s in row["topk_settings"])
 
 
@@ -91,23 +92,25 @@ def test_mark_gather_times_each_mark_kernel_after_checking_them_equal(tmp_path):
         assert row[f"speedup_{name}_kv_head"] == row["ms_full"] / row[f"ms_{name}_kv_head"]
 
 
-def test_mark_gather_variant_restores_the_setting_and_compares_results(monkeypatch):
-    """The variant compares what the two steps return (a differing output is reported unequal)
-    and restores ``MARK_GATHER`` to what it was, even when a step fails."""
+@pytest.mark.parametrize("switch", ["mark_gather", "topk_early_exit"])
+def test_switch_variants_restore_the_setting_and_compare_results(monkeypatch, switch):
+    """A two-way setting's variants compare what the two steps return (a differing output is
+    reported unequal) and restore the setting to what it was, even when a step fails."""
+    import importlib
     import importlib.util
 
     import torch
 
-    from redknot.kernels import lfps_index
-
     spec = importlib.util.spec_from_file_location("lfps_decode", ROOT / "benchmarks/lfps_decode.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    module_name, attr, (off, on), key = mod.SWITCHES[switch]
+    module = importlib.import_module(f"redknot.kernels.{module_name}")
 
     class Result:
-        def __init__(self, gather):
+        def __init__(self, setting):
             self.selected = torch.zeros(2, dtype=torch.int32)
-            self.output = torch.full((2,), 1.0 if gather else 0.0)
+            self.output = torch.full((2,), 1.0 if setting else 0.0)
 
     class State:
         def clone(self):
@@ -121,18 +124,30 @@ def test_mark_gather_variant_restores_the_setting_and_compares_results(monkeypat
             return 1.0, "cpu_wall"
 
     def call(state=None):
-        return Result(lfps_index.MARK_GATHER)
+        return Result(getattr(module, attr))
 
     def failing(state=None):
         raise RuntimeError("boom")
 
     for before in (False, True):
-        monkeypatch.setattr(lfps_index, "MARK_GATHER", before)
+        monkeypatch.setattr(module, attr, before)
         row = {}
-        mod.mark_gather_variant(row, "kv_head", call, State(), Timer(), "cpu", False)
-        assert row["gather_equal_kv_head"] is False
-        assert row["ms_lfps_loads_kv_head"] == row["ms_lfps_gather_kv_head"] == 1.0
-        assert lfps_index.MARK_GATHER is before
+        mod.switch_variants(row, "kv_head", call, State(), Timer(), "cpu", False, switch)
+        assert row[f"{key}_kv_head"] is False
+        assert row[f"ms_lfps_{off}_kv_head"] == row[f"ms_lfps_{on}_kv_head"] == 1.0
+        assert getattr(module, attr) is before
         with pytest.raises(RuntimeError, match="boom"):
-            mod.mark_gather_variant({}, "kv_head", failing, State(), Timer(), "cpu", False)
-        assert lfps_index.MARK_GATHER is before
+            mod.switch_variants({}, "kv_head", failing, State(), Timer(), "cpu", False, switch)
+        assert getattr(module, attr) is before
+
+
+def test_topk_early_exit_times_both_after_checking_them_equal(tmp_path):
+    """``--topk-early-exit`` times the step with the Top-k's passes run to the last and stopped
+    early, after their selections and outputs were compared."""
+    args = ("--topk-early-exit", "--lengths", "300", "--batches", "2", "--selections", "kv_head")
+    data = run_script("lfps_decode.py", tmp_path / "lfps_decode.json", *args)
+    row = data["rows"][0]
+    assert row["topk_early_equal_kv_head"] is True and not row.get("notes"), row.get("notes")
+    for name in ("lfps_topk_passes", "lfps_topk_early"):
+        assert row[f"ms_{name}_kv_head"] > 0
+        assert row[f"speedup_{name}_kv_head"] == row["ms_full"] / row[f"ms_{name}_kv_head"]

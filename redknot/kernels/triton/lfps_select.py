@@ -15,7 +15,9 @@ key ``> T`` and the first ``k - count(key > T)`` with key ``== T``, in list orde
 prefix count gives each its slot).
 
 The row is read in blocks of ``BLOCK``; with ``BLOCK >= C`` (``ONE_BLOCK``) the keys are loaded
-once and stay in registers for every pass.
+once and stay in registers for every pass. With ``EARLY_EXIT`` the passes stop at the first
+whose bin holds exactly the keys still wanted (all of them are taken, so the bits below do not
+matter): with distinct ranks that is after a few passes, where a bin holds one key or none.
 """
 
 from __future__ import annotations
@@ -47,6 +49,34 @@ def digit_histogram(key, prefix, known, shift, RADIX_BITS: tl.constexpr):
 
 
 @triton.jit
+def radix_pass(rank_row, row_keys, lanes, bins, capacity, prefix, known, want, shift,
+               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+               FIRST: tl.constexpr):  # fmt: skip
+    """One pass: the histogram of the next ``RADIX_BITS`` bits (at ``shift``) of the keys
+    that share ``prefix`` on the ``known`` bits, and the bin where the count from the top
+    reaches ``want``. Returns the new ``(prefix, known, want)``, the keys in that bin, and
+    the ``want`` the pass started from (the first pass cuts it to the finite keys)."""
+    if ONE_BLOCK:
+        hist = digit_histogram(row_keys, prefix, known, shift, RADIX_BITS)
+    else:
+        hist = tl.zeros([1 << RADIX_BITS], dtype=tl.int32)
+        for start in range(0, capacity, BLOCK):
+            i = start + lanes
+            key = order_keys(rank_row, i, i < capacity)
+            hist += digit_histogram(key, prefix, known, shift, RADIX_BITS)
+    total = tl.sum(hist, 0)
+    if FIRST:
+        want = tl.minimum(want, total)
+    above = total - tl.cumsum(hist, 0)  # keys in higher bins
+    cut = tl.max(tl.where(above + hist >= want, bins, 0), 0)
+    left = want - tl.sum(tl.where(bins == cut, above, 0), 0)
+    in_cut = tl.sum(tl.where(bins == cut, hist, 0), 0)
+    prefix = prefix | (cut.to(tl.uint32) << shift)
+    known = known | (tl.full([], (1 << RADIX_BITS) - 1, tl.uint32) << shift)
+    return prefix, known, left, in_cut, want
+
+
+@triton.jit
 def lfps_topk_kernel(
     Rank, Seq_lens, Budget, Top_val, Top_at,
     num_sink, width, capacity,
@@ -55,6 +85,7 @@ def lfps_topk_kernel(
     ONE_BLOCK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
     FRACTION: tl.constexpr,
+    EARLY_EXIT: tl.constexpr = False,
 ):  # fmt: skip
     hs = tl.program_id(0)
     b = tl.program_id(1)
@@ -65,34 +96,37 @@ def lfps_topk_kernel(
     bins = tl.arange(0, 1 << RADIX_BITS)
     if ONE_BLOCK:
         row_keys = order_keys(rank_row, lanes, lanes < capacity)
+    else:
+        row_keys = tl.zeros([BLOCK], dtype=tl.uint32)  # not read: every pass loads the row
 
     # the k-th largest key, RADIX_BITS a pass; ``want``: how many of the keys that share the
-    # bits found so far are still wanted (pass 0 counts the row's finite ranks)
+    # bits found so far are still wanted (pass 0 counts the row's finite ranks). With
+    # EARLY_EXIT the passes stop once every key of the bin found is wanted (the same set)
     want = tl.minimum(row_budget(Budget, n, num_sink, FRACTION), width)
-    wanted = want
     prefix = tl.sum(lanes * 0, 0).to(tl.uint32)
     known = tl.sum(lanes * 0, 0).to(tl.uint32)  # the bits found
-    for p in tl.static_range((32 + RADIX_BITS - 1) // RADIX_BITS):
+    prefix, known, want, in_cut, wanted = radix_pass(
+        rank_row, row_keys, lanes, bins, capacity, prefix, known, want, 32 - RADIX_BITS,
+        BLOCK, ONE_BLOCK, RADIX_BITS, True,
+    )  # fmt: skip
+    done = (want == in_cut).to(tl.int32)
+    for p in tl.static_range(1, (32 + RADIX_BITS - 1) // RADIX_BITS):
         shift = max(32 - RADIX_BITS * (p + 1), 0)  # the last pass may re-read known bits
-        if ONE_BLOCK:
-            hist = digit_histogram(row_keys, prefix, known, shift, RADIX_BITS)
+        if EARLY_EXIT:
+            if done == 0:
+                prefix, known, want, in_cut, _ = radix_pass(
+                    rank_row, row_keys, lanes, bins, capacity, prefix, known, want, shift,
+                    BLOCK, ONE_BLOCK, RADIX_BITS, False,
+                )  # fmt: skip
+                done = (want == in_cut).to(tl.int32)
         else:
-            hist = tl.zeros([1 << RADIX_BITS], dtype=tl.int32)
-            for start in range(0, capacity, BLOCK):
-                i = start + lanes
-                key = order_keys(rank_row, i, i < capacity)
-                hist += digit_histogram(key, prefix, known, shift, RADIX_BITS)
-        total = tl.sum(hist, 0)
-        if p == 0:
-            want = tl.minimum(want, total)
-            wanted = want
-        above = total - tl.cumsum(hist, 0)  # keys in higher bins
-        cut = tl.max(tl.where(above + hist >= want, bins, 0), 0)
-        want -= tl.sum(tl.where(bins == cut, above, 0), 0)
-        prefix = prefix | (cut.to(tl.uint32) << shift)
-        known = known | (tl.full([], (1 << RADIX_BITS) - 1, tl.uint32) << shift)
+            prefix, known, want, in_cut, _ = radix_pass(
+                rank_row, row_keys, lanes, bins, capacity, prefix, known, want, shift,
+                BLOCK, ONE_BLOCK, RADIX_BITS, False,
+            )  # fmt: skip
 
-    # the keys above ``prefix`` (the k-th largest), then the first ``want`` equal to it
+    # the keys above ``prefix`` (the k-th largest), then the first ``want`` equal to it (after
+    # an early exit ``prefix`` is the least key of its bin, every key of which is wanted)
     written = tl.sum(lanes * 0, 0)
     ties = tl.sum(lanes * 0, 0)
     for start in range(0, capacity, BLOCK):
