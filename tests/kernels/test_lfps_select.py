@@ -84,7 +84,8 @@ def test_reference_is_topk_without_ties():
 
 
 @pytest.mark.gpu
-def test_topk_gpu_8b_shape():
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_topk_gpu_8b_shape(early_exit):
     """C = 10,484 candidates and K = 2,621 per selection head (128K keys, 2%), 8 requests of
     which some are shorter (smaller budgets), logits with ties: equal to the reference."""
     B, Hs, C, K = 8, 8, 10484, 2621
@@ -92,7 +93,7 @@ def test_topk_gpu_8b_shape():
     rank[5] = torch.round(rank[5] * 4) / 4  # many ties at every cut
     seq = torch.tensor([131072, 4000, 100000, 131072, 20000, 131072, 7, 60000])
     params = LfpsParams(budget=0.02)
-    val, at = lfps_topk(rank.cuda(), seq.cuda(), params, K)
+    val, at = lfps_topk(rank.cuda(), seq.cuda(), params, K, early_exit=early_exit)
     want_val, want_at = rank_topk_in_list_order(rank, row_budgets(seq, params), K)
     assert torch.equal(val.cpu(), want_val) and torch.equal(at.cpu(), want_at)
 
