@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -19,18 +20,24 @@ LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_h
             "hidden_size": 4096, "head_dim": 128, "vocab_size": 128256}  # fmt: skip
 
 
+class Engine:
+    """Reports a pool of 1,000,000 token slots and 20 request slots; keeps each start's
+    arguments."""
+
+    started: ClassVar[list[dict]] = []
+
+    def __init__(self, **kwargs):
+        Engine.started.append(kwargs)
+
+    def get_server_info(self):
+        return {"max_total_num_tokens": 1_000_000,
+                "internal_states": [{"effective_max_running_requests_per_dp": 20}]}  # fmt: skip
+
+    def shutdown(self):
+        pass
+
+
 def test_child_reads_the_pools_the_scheduler_allocated(tmp_path, monkeypatch, capsys):
-    class Engine:
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-        def get_server_info(self):
-            return {"max_total_num_tokens": 1_000_000,
-                    "internal_states": [{"effective_max_running_requests_per_dp": 20}]}  # fmt: skip
-
-        def shutdown(self):
-            pass
-
     stand_in_engine(monkeypatch, tmp_path, Engine)
     model = model_dir(tmp_path, LLAMA_8B)
     argv = ["capacity.py", "--child", "redknot-g0.125", "--model", str(model), "--slots", "30"]
@@ -85,19 +92,7 @@ def test_kv_bytes_count_a_ring_for_local_heads():
 def test_the_variant_without_segments_turns_the_segment_region_off(tmp_path, monkeypatch, capsys):
     """``redknot-g0.125-noseg`` starts the tuned 1/8 map with ``--redknot-segment-fraction 0``;
     the other redknot variants keep the default region."""
-    started = []
-
-    class Engine:
-        def __init__(self, **kwargs):
-            started.append(kwargs)
-
-        def get_server_info(self):
-            return {"max_total_num_tokens": 1_000_000,
-                    "internal_states": [{"effective_max_running_requests_per_dp": 20}]}  # fmt: skip
-
-        def shutdown(self):
-            pass
-
+    monkeypatch.setattr(Engine, "started", [])
     stand_in_engine(monkeypatch, tmp_path, Engine)
     model = model_dir(tmp_path, LLAMA_8B)
     for name in ("redknot-g0.125-noseg", "redknot-g0.125"):
@@ -105,6 +100,6 @@ def test_the_variant_without_segments_turns_the_segment_region_off(tmp_path, mon
         monkeypatch.setattr(sys, "argv", argv)
         bench.main()
         child_result(capsys)
-    noseg, default = started
+    noseg, default = Engine.started
     assert noseg["redknot_segment_fraction"] == 0.0 and noseg["max_running_requests"] == 30
     assert "redknot_segment_fraction" not in default and default["attention_backend"] == "redknot"
