@@ -5,9 +5,9 @@ Each variant starts an ``sgl.Engine`` on the 8B shape with dummy weights and the
 request slots). A request of ``L`` prompt tokens and ``N`` new tokens needs ``L + N`` token slots
 and one request slot, so SGLang admits ``min(request_slots, token_slots // (L + N))`` of them at
 once (``redknot-g0.125-noseg``: the tuned 1/8 map without the segment region that segment
-reuse stores into, 5% of the KV budget by default). The memory-ratio ideal is the KV bytes of one such request under dense attention over
-its bytes under redknot (global heads for every token, a ring of sink + window for the local
-heads).
+reuse stores into, 5% of the KV budget by default). The memory-ratio ideal is the KV bytes of
+one such request under dense attention over its bytes under redknot (global heads for every
+token, a ring of sink + window for the local heads).
 
     python benchmarks/capacity.py --out benchmarks/results/capacity.json
 """
@@ -22,16 +22,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_common as common
 
-VARIANTS = {  # name -> (global fraction or None for the flashinfer backend, tune request slots)
-    "flashinfer": (None, False),
-    "redknot-g0.125-default": (0.125, False),
-    "redknot-g0.125": (0.125, True),
-    "redknot-g0.15-default": (0.15, False),
-    "redknot-g0.15": (0.15, True),
-    # without the segment region (--redknot-segment-fraction 0: a server that reuses nothing)
-    "redknot-g0.125-noseg": (0.125, True),
+VARIANTS = {  # name -> (global fraction or None for the flashinfer backend, tune request slots,
+    #                   keep the segment region: --redknot-segment-fraction 0 where not)
+    "flashinfer": (None, False, True),
+    "redknot-g0.125-default": (0.125, False, True),
+    "redknot-g0.125": (0.125, True, True),
+    "redknot-g0.15-default": (0.15, False, True),
+    "redknot-g0.15": (0.15, True, True),
+    "redknot-g0.125-noseg": (0.125, True, False),  # a server that reuses nothing
 }
-NO_SEGMENTS = {"redknot-g0.125-noseg"}
 
 
 def kv_bytes_per_request(fraction, length, shape, ring):
@@ -47,7 +46,7 @@ def kv_bytes_per_request(fraction, length, shape, ring):
 def child(args) -> None:
     import sglang as sgl
 
-    fraction, tune = VARIANTS[args.child]
+    fraction, tune, segments = VARIANTS[args.child]
     extra = {
         "mem_fraction_static": args.mem_fraction_static,
         "cuda_graph_max_bs_decode": 8,
@@ -60,7 +59,7 @@ def child(args) -> None:
         extra["redknot_head_map"] = common.synthetic_map_file(args.model, fraction, "/tmp")
         if tune:
             extra["max_running_requests"] = args.slots
-        if args.child in NO_SEGMENTS:
+        if not segments:
             extra["redknot_segment_fraction"] = 0.0
     engine = sgl.Engine(**common.engine_kwargs(args.model, args.prompt_len + 1024, **extra))
     try:
@@ -107,7 +106,7 @@ def main() -> None:
     base = common.forward_args(args, "model", "prompt_len", "new_tokens", "mem_fraction_static")
     results = {}
     for name in args.variants.split(","):
-        fraction, tune = VARIANTS[name]
+        fraction, tune, _ = VARIANTS[name]
         slots = args.slots
         if tune and not slots and "flashinfer" in results and "error" not in results["flashinfer"]:
             # What a user sizing for 32K requests would pass: the dense count times the ratio.
