@@ -325,10 +325,21 @@ def child(args) -> None:
         profile_points = {
             point_key(*p) for p in parse_points(args.profile_points, "--profile-points")
         }
+
+    def recompute(tokens: int, rep: int, samples: list[float]) -> None:
+        """One prompt of ``tokens`` fresh tokens, no marks, timed into ``samples`` (rep 0: the
+        warm-up, not timed)."""
+        fresh = rand(tokens)
+        t0 = time.perf_counter()
+        engine.generate(input_ids=fresh, sampling_params=dict(one))
+        if rep:
+            samples.append(time.perf_counter() - t0)
+
     out = {}
     try:
         for key, (length, segments) in zip(point_keys(points), points):
             docs = [rand(length // segments) for _ in range(segments)]
+            prompt_tokens = 1 + sum(map(len, docs)) + args.question  # as the marked prompts
             if reuse:
                 for doc in docs:
                     mark = SegmentMark(0, len(doc), "bench", segment_id("bench", doc))
@@ -339,8 +350,14 @@ def child(args) -> None:
                     )
                 before = store_counters()
             probed = [point_probe()] if args.probe_points else []  # the host's speed now
-            times, reports = [], []
+            times, reports, plain = [], [], []
+            # the same prompt shape, nothing stored: how this engine computes a prompt without
+            # reuse (what its gate compares reuse with), interleaved with the marked prompts so
+            # that a host whose speed drifts during the point moves both alike
+            own = args.own_recompute and reuse
             for rep in range(args.reps + 1):
+                if own and rep % 2:  # every other rep times its recompute first
+                    recompute(prompt_tokens, rep, plain)
                 ids, marks = [rand(1)[0]], []
                 for doc in docs:
                     marks.append(SegmentMark(len(ids), len(ids) + len(doc), "bench",
@@ -373,15 +390,8 @@ def child(args) -> None:
                             if n > compiled.get(k, 0)
                         }  # fmt: skip
                         compiled = now
-            plain = []
-            if args.own_recompute and reuse:  # the same prompt shape, nothing stored: how this
-                # engine computes a prompt without reuse (what its gate compares reuse with)
-                for rep in range(args.reps + 1):
-                    fresh = rand(len(ids))
-                    t0 = time.perf_counter()
-                    engine.generate(input_ids=fresh, sampling_params=dict(one))
-                    if rep:  # the first is a warm-up
-                        plain.append(time.perf_counter() - t0)
+                if own and not rep % 2:
+                    recompute(prompt_tokens, rep, plain)
             profile_point = profile_points is None or point_key(length, segments) in profile_points
             if args.profile_dir and not args.profile_warmup and profile_point:  # one more,
                 # under the profiler
@@ -404,6 +414,8 @@ def child(args) -> None:
             if plain:
                 row["own_recompute_ttft_s"] = statistics.median(plain)
                 row["own_recompute_samples_s"] = plain
+                # rep by rep (each pair timed back to back): recompute / reuse
+                row["own_recompute_paired"] = [a / b for a, b in zip(plain, times)]
             if args.compile_log:
                 row["triton_compiled_in_warmup"] = first_compiles
                 row["warmup_started_at"] = warmup_at
@@ -552,7 +564,8 @@ def main() -> None:
         action="store_true",
         help="also time, in each reusing engine, prompts of each point's shape with nothing "
         "stored (fresh tokens, no marks): that engine's own recompute, what its reuse gate "
-        "weighs reuse against, free of the engine-to-engine spread of small prompts",
+        "weighs reuse against, free of the engine-to-engine spread of small prompts; one per "
+        "marked prompt, timed back to back with it (every other pair recompute first)",
     )
     ap.add_argument(
         "--probe-points",
@@ -780,6 +793,11 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
             if "own_recompute_ttft_s" in row:  # the same engine without reuse
                 entry["own_recompute_ttft_s"] = row["own_recompute_ttft_s"]
                 entry["speedup_vs_own_recompute"] = row["own_recompute_ttft_s"] / row["ttft_s"]
+            if row.get("own_recompute_paired"):  # rep by rep, each pair back to back
+                paired = row["own_recompute_paired"]
+                entry["speedup_vs_own_recompute_paired"] = statistics.median(paired)
+                entry["pairs_slower_than_own_recompute"] = sum(r < 1 for r in paired)
+                entry["pairs"] = len(paired)
             if mine:
                 entry["ffn_token_layers_skipped"] = statistics.median(mine)
                 token_layers = n * cfg["num_hidden_layers"]

@@ -69,7 +69,14 @@ def test_summary_compares_reuse_with_the_same_engines_own_recompute():
         "flashinfer": {"points": {"2048x8": _row(2048, 8, 0.060)}},
         "sparsex": {
             "points": {
-                "2048x8": _row(2048, 8, 0.045, own_recompute_ttft_s=0.090, **gate),
+                "2048x8": _row(
+                    2048,
+                    8,
+                    0.045,
+                    own_recompute_ttft_s=0.090,
+                    own_recompute_paired=[2.1, 0.98, 1.9],
+                    **gate,
+                ),
                 "1024x8": _row(1024, 8, 0.040),  # run without --own-recompute
             }
         },
@@ -79,7 +86,11 @@ def test_summary_compares_reuse_with_the_same_engines_own_recompute():
     assert mine["speedup_vs_own_recompute"] == pytest.approx(2.0)  # 0.090 / 0.045
     assert mine["speedup_vs_flashinfer"] == pytest.approx(0.060 / 0.045)
     assert mine["own_recompute_ttft_s"] == 0.090 and mine["gate_host_scale"] == 1.27
+    # pair by pair: the median ratio, and how many pairs reuse lost
+    assert mine["speedup_vs_own_recompute_paired"] == pytest.approx(1.9)
+    assert mine["pairs_slower_than_own_recompute"] == 1 and mine["pairs"] == 3
     assert "speedup_vs_own_recompute" not in summary["sparsex"]["1024x8"]
+    assert "speedup_vs_own_recompute_paired" not in summary["sparsex"]["1024x8"]
     assert "own_recompute_ttft_s" not in summary["flashinfer"]["2048x8"]
 
 

@@ -23,13 +23,16 @@ class FakeEngine:
     server's stats do, and records profiler starts."""
 
     profiles: ClassVar[list] = []
+    prompts: ClassVar[list] = []  # "marked" / "plain", in the order sent (registrations left out)
 
     def __init__(self, **kwargs):
         self.kwargs, self.reused, self.recomputed = kwargs, 0, 0
 
     def generate(self, input_ids, sampling_params):
-        if "custom_params" in sampling_params and sampling_params.get("max_new_tokens") != 0:
-            self.reused += 1
+        if sampling_params.get("max_new_tokens") != 0:
+            FakeEngine.prompts.append("marked" if "custom_params" in sampling_params else "plain")
+            if "custom_params" in sampling_params:
+                self.reused += 1
         return {"meta_info": {}}
 
     def get_server_info(self):
@@ -52,7 +55,7 @@ class FakeEngine:
 def test_child_measures_every_point(variant, profile, tmp_path, monkeypatch, capsys):
     model = model_dir(tmp_path, {"vocab_size": 1000})
     stand_in_engine(monkeypatch, tmp_path, FakeEngine)
-    FakeEngine.profiles = []
+    FakeEngine.profiles, FakeEngine.prompts = [], []
     argv = ["ttft.py", "--child", variant, "--model", str(model), "--points", "512x2,1024x2",
             "--reps", "2", "--own-recompute"]  # fmt: skip
     if profile:
@@ -65,9 +68,15 @@ def test_child_measures_every_point(variant, profile, tmp_path, monkeypatch, cap
         assert len(row["ttft_samples_s"]) == 2 and row["ttft_s"] >= 0
         if variant == "cacheblend":  # marked prompts, and the engine's own recompute
             assert len(row["own_recompute_samples_s"]) == 2
+            assert len(row["own_recompute_paired"]) == 2
             profiled = key == profile  # one more prompt, under the profiler
             assert row["served"] == ["reuse"] * (3 + profiled) and row["every_segment_hit"]
     assert FakeEngine.profiles == ([f"{variant}-1024x2"] if profile else [])
+    if variant == "cacheblend":  # each rep's pair back to back, every other one recompute first
+        pairs = ["marked", "plain", "plain", "marked", "marked", "plain"]  # warm-up, reps 1, 2
+        profiled = [["marked"] * (profile == key) for key in ("512x2", "1024x2")]
+        # the server's warm-up prompt, then each point's pairs and profiled prompt
+        assert FakeEngine.prompts == ["plain"] + pairs + profiled[0] + pairs + profiled[1]
 
 
 class UngatedEngine(FakeEngine):
