@@ -97,6 +97,9 @@ def gate_of(meta: dict) -> str:
 
 
 UNMARKED = "-unmarked"  # row suffix: a redknot server's same prompt sent without markup
+PARAMS = "-params"  # row suffix: that unmarked prompt with a neutral ``custom_params``
+NEUTRAL_PARAMS = {"probe": 0}  # a key nothing reads: what carrying custom_params alone costs
+PROFILE_WARMUP = "-warmup"  # suffix of the directory of each server's discarded first profile
 
 
 def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
@@ -105,9 +108,15 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
 
     With ``args.unmarked_too`` every redknot server also answers each round's prompt unmarked
     (row ``NAME-unmarked``): the difference to its marked row is what the markup costs on that
-    server. With ``args.profile_dir``, after the rounds of each point of ``args.profile_points``
+    server. With ``args.params_too`` it also answers it unmarked with a neutral
+    ``custom_params`` (row ``NAME-params``, :data:`NEUTRAL_PARAMS`), the channel marks travel
+    in: what SGLang's handling of a request that carries them costs, apart from redknot's.
+    With ``args.profile_dir``, after the rounds of each point of ``args.profile_points``
     every row's server answers ``args.profile_requests`` more prompts under SGLang's torch
-    profiler, traces under ``profile_dir/ROW-POINT``."""
+    profiler, traces under ``profile_dir/ROW-POINT``. Before its first, each server runs one
+    prompt under the profiler, kept apart (``profile_dir-warmup/SERVER``, not summarised): a
+    process's first profile is slower throughout (the profiler's own start), which would
+    fall on whichever row it profiled first."""
     rng = random.Random(0)
 
     def rand(n: int) -> list[int]:
@@ -115,6 +124,7 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
 
     one = {"temperature": 0.0, "max_new_tokens": 1}
     profiled = set(filter(None, (getattr(args, "profile_points", "") or "").split(",")))
+    profiler_warm: set[str] = set()  # servers whose discarded first profile has run
     results = {}
     for length, count in parse_points(args.points):
         docs = [rand(length // count) for _ in range(count)]
@@ -133,12 +143,17 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
         entries = [(name, name, marked[name]) for name in names]
         if getattr(args, "unmarked_too", False):
             entries += [(name + UNMARKED, name, False) for name in names if marked[name]]
-            rows.update({row: {"samples": [], "gate": {}} for row, _, m in entries[len(names) :]})
+        if getattr(args, "params_too", False):
+            entries += [(name + PARAMS, name, PARAMS) for name in names if marked[name]]
+        rows.update({row: {"samples": [], "gate": {}} for row, _, _ in entries[len(names) :]})
 
-        def send(server: str, mark: bool, docs=docs) -> tuple[float, dict, float]:
+        def send(server: str, mark, docs=docs) -> tuple[float, dict, float]:
+            """``mark``: True (marked), False (unmarked) or PARAMS (unmarked, neutral params)."""
             ids, spans = common.reusing_prompt(rand(1), docs, rand(args.question), "bench")
             payload = {"input_ids": ids, "sampling_params": one}
-            if mark:
+            if mark == PARAMS:
+                payload["sampling_params"] = {**one, "custom_params": NEUTRAL_PARAMS}
+            elif mark:
                 payload["redknot_segments"] = spans
             sent = time.time()
             return (*stream_generate(urls[server], payload, timeout=300), sent)
@@ -156,6 +171,16 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                     gate[decision] = gate.get(decision, 0) + 1
         key = point_key(length, count)
         if key in profiled and args.profile_dir:
+            for server in dict.fromkeys(server for _, server, _ in entries):
+                if server in profiler_warm:
+                    continue
+                profiler_warm.add(server)
+                post(urls[server], "/start_profile", {
+                    "output_dir": str(Path(args.profile_dir + PROFILE_WARMUP, server)),
+                    "activities": ["CPU", "GPU"], "with_stack": False, "record_shapes": False,
+                })  # fmt: skip
+                send(server, False)
+                post(urls[server], "/stop_profile")
             for row, server, mark in entries:
                 where = Path(args.profile_dir, f"{row}-{key}")
                 post(urls[server], "/start_profile", {
@@ -211,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--unmarked-too", action="store_true",
         help="each redknot server also answers every round's prompt unmarked (row NAME-unmarked)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--params-too", action="store_true",
+        help="each redknot server also answers every round's prompt unmarked with a neutral "
+        "custom_params (row NAME-params): what carrying custom_params alone costs",
     )  # fmt: skip
     ap.add_argument(
         "--profile-dir", default="",
@@ -269,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                 servers={name: " ".join(flags) for name, flags in servers.items()},
                 server_flags=SERVER_FLAGS, mem_fraction_static=args.mem_fraction_static,
                 cores={"client": split[0], **cores} if split else None,
-                phases=args.phases, unmarked_too=args.unmarked_too, profile_points=args.profile_points,
+                phases=args.phases, unmarked_too=args.unmarked_too, params_too=args.params_too,
+                profile_points=args.profile_points,
                 profile_requests=args.profile_requests if args.profile_points else None,
                 served=served, summary=results,
             ))  # fmt: skip

@@ -58,7 +58,8 @@ class FakeServer:
                         return self.answer(400, b"no segment region")
                     return self.answer(200, json.dumps({"state": "ready"}).encode())
                 marked = bool(body.get("redknot_segments"))
-                fake.log.append((fake, "prompt", marked))
+                params = (body.get("sampling_params") or {}).get("custom_params")
+                fake.log.append((fake, "prompt", "params" if params else marked))
                 received = time.time()  # SGLang's --enable-metrics timestamps, as it names them
                 time.sleep(fake.delay)
                 meta = {
@@ -127,25 +128,33 @@ def test_unmarked_rows_and_profiled_prompts(servers, tmp_path):
     made, log = servers
     urls = {name: made[name].url for name in ("flashinfer", "cacheblend", "plain")}
     args = Namespace(
-        points="32x2,64x2", rounds=2, question=2, unmarked_too=True,
+        points="32x2,64x2", rounds=2, question=2, unmarked_too=True, params_too=True,
         profile_dir=str(tmp_path), profile_points="64x2", profile_requests=2,
     )  # fmt: skip
     out = sbs.measure(urls, args, vocab=1000)
     names = {s: n for n, s in made.items()}
     # a server that refused registrations has no marked row, so no unmarked one either
-    assert sorted(out["32x2"]) == ["cacheblend", "cacheblend-unmarked", "flashinfer", "plain"]
+    assert sorted(out["32x2"]) == [
+        "cacheblend", "cacheblend-params", "cacheblend-unmarked", "flashinfer", "plain"
+    ]  # fmt: skip
     row = out["32x2"]["cacheblend-unmarked"]
     assert row["gate"] == {"none": 2} and len(row["samples"]) == 2
     assert out["32x2"]["cacheblend"]["gate"] == {"recompute": 2}
-    # the same server answers both rows: 3 prompts a round per point over 3 rounds, marked
-    # and unmarked alike, then 2 per row of the profiled point under the profiler
+    assert len(out["32x2"]["cacheblend-params"]["samples"]) == 2
+    # the same server answers the three rows: a prompt each a round per point over 3 rounds,
+    # then 2 per row of the profiled point under the profiler, and one unmarked prompt under
+    # the profiler before those (the server's first profile, discarded)
     prompts = [marked for s, what, marked in log if what == "prompt" and names[s] == "cacheblend"]
-    assert prompts.count(True) == 3 + 3 + 2 and prompts.count(False) == 3 + 3 + 2
+    assert prompts.count(True) == 3 + 3 + 2 and prompts.count(False) == 3 + 3 + 2 + 1
+    assert prompts.count("params") == 3 + 3 + 2
     profiles = [(names[s], what, where) for s, what, where in log if what.endswith("_profile")]
-    starts = sorted(where for _, what, where in profiles if what == "/start_profile")
-    assert starts == [str(tmp_path / f"{row}-64x2") for row in
-                      ("cacheblend", "cacheblend-unmarked", "flashinfer", "plain")]  # fmt: skip
-    assert [what for _, what, _ in profiles].count("/stop_profile") == 4
+    starts = [where for _, what, where in profiles if what == "/start_profile"]
+    warmups = [str(Path(f"{tmp_path}-warmup", s)) for s in ("flashinfer", "cacheblend", "plain")]
+    assert starts[:3] == warmups  # each server's first profile, before any row's
+    assert sorted(starts[3:]) == [str(tmp_path / f"{row}-64x2") for row in (
+        "cacheblend", "cacheblend-params", "cacheblend-unmarked", "flashinfer", "plain"
+    )]  # fmt: skip
+    assert [what for _, what, _ in profiles].count("/stop_profile") == 3 + 5
     assert len(out["64x2"]["cacheblend-unmarked"]["profiled_ttft_s"]) == 2
     assert "profiled_ttft_s" not in out["32x2"]["flashinfer"]
     # each row's phases: the server's own timestamps between the client's send and first byte
