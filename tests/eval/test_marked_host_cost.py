@@ -40,3 +40,19 @@ def test_the_automatic_rewrite_is_timed_on_every_replayed_prompt(tmp_path):
     (row,) = data["rows"]
     assert row["workload"] == "rag" and row["auto_mode"] == "cdc-docs" and row["calls"] == 4
     assert 0 < row["rewrite_ms_p50"] <= row["rewrite_ms_p90"]
+
+
+def test_the_scheduler_start_of_a_marked_prompt_is_timed_against_an_unmarked_one(tmp_path):
+    """``benchmarks/reuse_start_cost.py``: every marked prompt finds its segments stored, and the
+    gate under the H200 record recomputes CacheBlend's 1K x 8 and reuses its 8K x 8 (the
+    decisions of ``tests/costmodel/test_gate.py``'s fitted points)."""
+    import reuse_start_cost
+
+    for length, decision in ((1024, "recompute"), (8192, "reuse")):
+        out = tmp_path / f"start_{length}.json"
+        argv = ["--length", str(length), "--reps", "3", "--out", str(out)]
+        assert reuse_start_cost.main(argv) == 0
+        data = json.loads(out.read_text())
+        assert {"device", "date", "commit", "command"} <= set(data)
+        assert data["segments_hit"] == [8] and data["gate_decisions"] == [decision]
+        assert data["start_ms_p50"]["marked"] > data["start_ms_p50"]["unmarked"] > 0
