@@ -34,7 +34,8 @@ Eq. 9 shifts (``redknot.kernels.lfps_index.MARK_GATHER``, gathered by default si
 shifts from the entries it read; ``gather_equal_<sel>`` says whether both gave the same
 selection and output first. (Results before 3fbbed5 have no ``lfps_loads_<sel>``: their
 ``lfps_<sel>`` was the loads step.) ``--topk-early-exit`` does the same for the Top-k's passes
-(``redknot.kernels.lfps_step.TOPK_EARLY_EXIT``): ``lfps_topk_passes_<sel>`` runs every pass,
+(``redknot.kernels.lfps_step.TOPK_EARLY_EXIT``, on by default since 031410b; ``lfps_<sel>`` of
+earlier results ran every pass): ``lfps_topk_passes_<sel>`` runs every pass,
 ``lfps_topk_early_<sel>`` stops once the bin found holds exactly the keys still wanted
 (``topk_early_equal_<sel>``).
 With ``--update-settings BLOCK:WARPS,...``, ``update_settings_kv_head`` times the ``kv_head``
