@@ -317,6 +317,26 @@ def child(args) -> None:
         counts["measured"] = gate.get("measured")  # the gate's measured correction
         return counts
 
+    def gc_total() -> float | None:
+        """The scheduler's garbage-collection pauses so far (ms, every generation); None where
+        the server does not count them (not a redknot scheduler)."""
+        state = engine.get_server_info()["internal_states"][0].get("redknot_process")
+        if state is None:
+            return None
+        return sum(gen["pause_ms"] for gen in state["gc"].values())
+
+    gc_seen = [gc_total() if args.gc_prompts else None]  # the last reading
+
+    def gc_after(kind: str, rep: int, row_gc: dict) -> None:
+        """With ``--gc-prompts``: the collector's pauses since the last reading, which ended the
+        prompt before, into ``row_gc[kind]`` (rep 0, the warm-up, is read and not kept)."""
+        if gc_seen[0] is None:
+            return
+        now = gc_total()
+        if rep:
+            row_gc.setdefault(kind, []).append(round(now - gc_seen[0], 4))
+        gc_seen[0] = now
+
     server_warmup_s = common.launch_server_warmup(engine)
     compiled_at_startup = compiled = triton_kernels() if args.compile_log else {}
     one = {"temperature": 0.0, "max_new_tokens": 1}
@@ -326,14 +346,16 @@ def child(args) -> None:
             point_key(*p) for p in parse_points(args.profile_points, "--profile-points")
         }
 
-    def recompute(tokens: int, rep: int, samples: list[float]) -> None:
+    def recompute(tokens: int, rep: int, samples: list[float], row_gc: dict) -> None:
         """One prompt of ``tokens`` fresh tokens, no marks, timed into ``samples`` (rep 0: the
         warm-up, not timed)."""
         fresh = rand(tokens)
         t0 = time.perf_counter()
         engine.generate(input_ids=fresh, sampling_params=dict(one))
+        took = time.perf_counter() - t0
+        gc_after("recompute", rep, row_gc)
         if rep:
-            samples.append(time.perf_counter() - t0)
+            samples.append(took)
 
     out = {}
     try:
@@ -351,13 +373,15 @@ def child(args) -> None:
                 before = store_counters()
             probed = [point_probe()] if args.probe_points else []  # the host's speed now
             times, reports, plain = [], [], []
+            row_gc: dict[str, list[float]] = {}  # --gc-prompts: the collector's ms per prompt
+            gc_after("before", 0, row_gc)  # registrations and probes are not a prompt's
             # the same prompt shape, nothing stored: how this engine computes a prompt without
             # reuse (what its gate compares reuse with), interleaved with the marked prompts so
             # that a host whose speed drifts during the point moves both alike
             own = args.own_recompute and reuse
             for rep in range(args.reps + 1):
                 if own and rep % 2:  # every other rep times its recompute first
-                    recompute(prompt_tokens, rep, plain)
+                    recompute(prompt_tokens, rep, plain, row_gc)
                 ids, marks = [rand(1)[0]], []
                 for doc in docs:
                     marks.append(SegmentMark(len(ids), len(ids) + len(doc), "bench",
@@ -372,14 +396,16 @@ def child(args) -> None:
                     start_profile(engine, Path(args.profile_dir, f"{args.child}-warmup"))
                 t0 = time.perf_counter()
                 answer = engine.generate(input_ids=ids, sampling_params=sampling)
+                took = time.perf_counter() - t0
+                gc_after("marked" if reuse else "prompt", rep, row_gc)
                 if rep:  # the first is a warm-up
-                    times.append(time.perf_counter() - t0)
+                    times.append(took)
                     if policy == "samkv":  # how the prompt was served (its reuse report)
                         reports.append(
                             (answer["meta_info"].get("redknot_reuse") or [{}])[0].get("samkv")
                         )
                 else:
-                    warmup_s = time.perf_counter() - t0
+                    warmup_s = took
                     warmup_at = time.time() - warmup_s  # wall clock, to match compile logs
                     if profiled:
                         engine.stop_profile()
@@ -391,7 +417,7 @@ def child(args) -> None:
                         }  # fmt: skip
                         compiled = now
                 if own and not rep % 2:
-                    recompute(prompt_tokens, rep, plain)
+                    recompute(prompt_tokens, rep, plain, row_gc)
             profile_point = profile_points is None or point_key(length, segments) in profile_points
             if args.profile_dir and not args.profile_warmup and profile_point:  # one more,
                 # under the profiler
@@ -411,6 +437,8 @@ def child(args) -> None:
                 row.update(samkv_row(reports, [len(d) for d in docs], args.question, knobs))
             if probed:  # and after the point's prompts (its own recompute's included)
                 row["host_probe_ms"] = probed + [point_probe()]
+            if row_gc:  # per timed prompt, in order
+                row["gc_pause_ms"] = row_gc
             if plain:
                 row["own_recompute_ttft_s"] = statistics.median(plain)
                 row["own_recompute_samples_s"] = plain
@@ -574,6 +602,13 @@ def main() -> None:
         "process before and after each point's prompts: host_probe_ms per point, to tell a "
         "slow host from a slow path",
     )
+    ap.add_argument(
+        "--gc-prompts",
+        action="store_true",
+        help="read the scheduler's garbage-collection pauses (redknot_process in server_info) "
+        "after every prompt: gc_pause_ms per point, per kind (marked, recompute, prompt), what "
+        "the collector took from each timed prompt",
+    )
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument(
         "--merge",
@@ -615,7 +650,7 @@ def main() -> None:
         "profile_points",
     ) + [
         f"--{flag}"
-        for flag in ("compile-log", "profile-warmup", "own-recompute", "probe-points")
+        for flag in ("compile-log", "profile-warmup", "own-recompute", "probe-points", "gc-prompts")
         if getattr(args, flag.replace("-", "_"))
     ]
     profiled = set(split_variants(args.profile_variants or args.variants))
@@ -788,6 +823,10 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
                 entry["served_recomputed"] = row["served"].count("recomputed")
             if "host_probe_ms" in row:  # the host's speed before and after the point
                 entry["host_probe_ms"] = row["host_probe_ms"]
+            if "gc_pause_ms" in row:  # the scheduler's collector, per timed prompt of each kind
+                entry["gc_pause_ms_mean"] = {
+                    kind: statistics.mean(ms) for kind, ms in row["gc_pause_ms"].items()
+                }
             if "gate_host_scale" in row:
                 entry["gate_host_scale"] = row["gate_host_scale"]
             if "own_recompute_ttft_s" in row:  # the same engine without reuse

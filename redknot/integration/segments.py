@@ -9,7 +9,9 @@
   ring snapshots, pending captures and segment reads/writes: ``RedknotRadixCache.pool_state``),
   so that a load test can show that an idle, flushed server holds nothing;
 - ``"redknot_config"``: the redknot options this server resolved at launch (head map path,
-  window, sink, dense layers, ...), so that a result taken from a server names its setting.
+  window, sink, dense layers, ...), so that a result taken from a server names its setting;
+- ``"redknot_process"``: the scheduler process's garbage collections so far, per generation
+  (count and summed pause, ``redknot.integration.gc_clock``), with or without a segment store.
 
 The hooks are registered and verified by ``redknot.integration.plugin`` with the others.
 """
@@ -25,6 +27,7 @@ STATS_KEY = "redknot_segments"
 POOL_KEY = "redknot_pool"
 CONFIG_KEY = "redknot_config"
 GATE_KEY = "redknot_reuse_gate"
+PROCESS_KEY = "redknot_process"
 
 
 def pool_state(scheduler: Any) -> dict[str, int]:
@@ -44,10 +47,15 @@ def pool_state(scheduler: Any) -> dict[str, int]:
 
 
 def _after_get_internal_state(result: Any, self: Any, recv_req: Any) -> Any:
+    from redknot.integration import gc_clock
+
+    counted = gc_clock.installed()  # in a redknot scheduler (its tree cache installed it)
+    if counted:
+        result.internal_state[PROCESS_KEY] = {"gc": gc_clock.snapshot()}
     cache = getattr(self, "tree_cache", None)
     store = getattr(cache, "segments", None)
     if store is None:
-        return None  # keep SGLang's result as is
+        return result if counted else None  # None: SGLang's result as it is
     result.internal_state[STATS_KEY] = store.stats()
     if hasattr(cache, "pool_state"):
         result.internal_state[POOL_KEY] = pool_state(self)

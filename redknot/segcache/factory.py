@@ -17,8 +17,11 @@ from typing import Any
 def create_tree_cache(ctx: Any):
     from sglang.srt.mem_cache.chunk_cache import ChunkCache
 
+    from redknot.integration import gc_clock
     from redknot.pool.kv_pool import RedknotKVPool
     from redknot.segcache.radix import RedknotRadixCache
+
+    gc_clock.install()  # this scheduler's collections, for /server_info (redknot_process)
 
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
         raise ValueError(

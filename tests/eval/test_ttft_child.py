@@ -138,3 +138,41 @@ def test_a_point_listed_again_is_measured_again_under_its_own_key(tmp_path, monk
     for key in ("512x2", "512x2#2"):
         assert points[key]["length"] == 512 and len(points[key]["ttft_samples_s"]) == 2
         assert points[key]["served"] == ["reuse"] * 3  # its own documents, each stored anew
+
+
+class CollectingEngine(FakeEngine):
+    """A scheduler whose collector pauses 1.5 ms in every marked prompt and 0.5 ms in every
+    unmarked one (registrations none), reported as a redknot server reports it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.pause_ms = 0.0
+
+    def generate(self, input_ids, sampling_params):
+        if sampling_params.get("max_new_tokens") != 0:
+            self.pause_ms += 1.5 if "custom_params" in sampling_params else 0.5
+        return super().generate(input_ids, sampling_params)
+
+    def get_server_info(self):
+        info = super().get_server_info()
+        gc = {"0": {"collections": 3, "pause_ms": self.pause_ms - 0.25}, "2": {"collections": 1,
+              "pause_ms": 0.25}}  # fmt: skip
+        info["internal_states"][0]["redknot_process"] = {"gc": gc}
+        return info
+
+
+def test_gc_prompts_give_each_timed_prompt_the_collectors_pauses(tmp_path, monkeypatch, capsys):
+    """``--gc-prompts``: the scheduler's collector pauses are read after every prompt, so each
+    timed prompt (marked, and its recompute) gets its own; the warm-ups are read, not kept."""
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, CollectingEngine)
+    argv = ["ttft.py", "--child", "cacheblend", "--model", str(model), "--points", "512x2",
+            "--reps", "3", "--own-recompute", "--gc-prompts"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    ttft.main()
+    row = child_result(capsys)["points"]["512x2"]
+    assert row["gc_pause_ms"] == {"marked": [1.5] * 3, "recompute": [0.5] * 3}
+    summary = ttft.summarize({"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+                              "num_key_value_heads": 2, "intermediate_size": 16},
+                             {"cacheblend": {"points": {"512x2": row}}}, reps=3)  # fmt: skip
+    assert summary["cacheblend"]["512x2"]["gc_pause_ms_mean"] == {"marked": 1.5, "recompute": 0.5}

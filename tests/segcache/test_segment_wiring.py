@@ -311,6 +311,9 @@ def test_get_internal_state_hook_adds_the_store_stats(sglang_plugins):
     assert measured["forwards"] == {"reuse": 3, "recompute": 0} and measured["dropped"] == 1
     assert measured["ratios"]["2048"] == (3.0, 1.0) and measured["ratios"]["8192"] == (1.0, 1.0)
     msgspec.msgpack.encode(out.internal_state)
-    # a tree cache without a store (SGLang's chunk cache) leaves the result alone
+    # a tree cache without a store (SGLang's chunk cache) adds nothing of the store (only the
+    # process's collections, once the scheduler counts them: test_gc_clock.py)
     chunk = SimpleNamespace(tree_cache=SimpleNamespace())
-    assert segments._after_get_internal_state(result, chunk, None) is None
+    fresh = GetInternalStateReqOutput(internal_state={"max_total_num_tokens": 10})
+    out = segments._after_get_internal_state(fresh, chunk, None) or fresh
+    assert set(out.internal_state) <= {"max_total_num_tokens", segments.PROCESS_KEY}
