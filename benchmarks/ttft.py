@@ -329,7 +329,8 @@ def child(args) -> None:
 
     def gc_after(kind: str, rep: int, row_gc: dict) -> None:
         """With ``--gc-prompts``: the collector's pauses since the last reading, which ended the
-        prompt before, into ``row_gc[kind]`` (rep 0, the warm-up, is read and not kept)."""
+        prompt before, into ``row_gc[kind]`` (rep 0, the warm-up, is read and not kept). A
+        collection the reading itself sets off counts toward the next prompt, of either kind."""
         if gc_seen[0] is None:
             return
         now = gc_total()
