@@ -339,6 +339,8 @@ def child(args) -> None:
         gc_seen[0] = now
 
     server_warmup_s = common.launch_server_warmup(engine)
+    if args.freeze_gc:  # SGLang's own advice against long collections, after its warm-up
+        engine.freeze_gc()
     compiled_at_startup = compiled = triton_kernels() if args.compile_log else {}
     one = {"temperature": 0.0, "max_new_tokens": 1}
     profile_points = None  # with --profile-points, the points profiled
@@ -610,6 +612,13 @@ def main() -> None:
         "after every prompt: gc_pause_ms per point, per kind (marked, recompute, prompt), what "
         "the collector took from each timed prompt",
     )
+    ap.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="after each engine's warm-up prompt, freeze its processes' garbage collectors "
+        "(SGLang's Engine.freeze_gc: every object alive then is never scanned again), to "
+        "compare with a run without it: the share of the collector in small prompts' TTFT",
+    )
     ap.add_argument("--out", default=str(common.ROOT / "benchmarks/results/ttft.json"))
     ap.add_argument(
         "--merge",
@@ -651,7 +660,14 @@ def main() -> None:
         "profile_points",
     ) + [
         f"--{flag}"
-        for flag in ("compile-log", "profile-warmup", "own-recompute", "probe-points", "gc-prompts")
+        for flag in (
+            "compile-log",
+            "profile-warmup",
+            "own-recompute",
+            "probe-points",
+            "gc-prompts",
+            "freeze-gc",
+        )
         if getattr(args, flag.replace("-", "_"))
     ]
     profiled = set(split_variants(args.profile_variants or args.variants))

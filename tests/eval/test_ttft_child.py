@@ -176,3 +176,26 @@ def test_gc_prompts_give_each_timed_prompt_the_collectors_pauses(tmp_path, monke
                               "num_key_value_heads": 2, "intermediate_size": 16},
                              {"cacheblend": {"points": {"512x2": row}}}, reps=3)  # fmt: skip
     assert summary["cacheblend"]["512x2"]["gc_pause_ms_mean"] == {"marked": 1.5, "recompute": 0.5}
+
+
+class FreezingEngine(FakeEngine):
+    """Counts SGLang's ``Engine.freeze_gc`` calls and the prompts sent before each."""
+
+    freezes: ClassVar[list] = []
+
+    def freeze_gc(self):
+        FreezingEngine.freezes.append(len(FakeEngine.prompts))
+
+
+def test_freeze_gc_freezes_each_engine_once_after_its_warm_up(tmp_path, monkeypatch, capsys):
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, FreezingEngine)
+    for freeze in (True, False):
+        FreezingEngine.freezes, FakeEngine.prompts = [], []
+        argv = ["ttft.py", "--child", "cacheblend", "--model", str(model), "--points", "512x2",
+                "--reps", "1"] + ["--freeze-gc"] * freeze  # fmt: skip
+        monkeypatch.setattr(sys, "argv", argv)
+        ttft.main()
+        child_result(capsys)
+        # after the server's warm-up prompt, before any point's
+        assert FreezingEngine.freezes == ([1] if freeze else [])
