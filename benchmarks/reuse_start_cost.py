@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import statistics
 import sys
@@ -87,8 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    logging.getLogger("redknot").setLevel(logging.WARNING)  # the per-request decision lines
+    # the per-request decision lines are written, as a server writes them, to nowhere
+    logger = logging.getLogger("redknot")
+    level, sink = logger.level, logging.StreamHandler(open(os.devnull, "w"))  # noqa: SIM115
+    logger.setLevel(logging.INFO)
+    logger.addHandler(sink)
+    try:
+        return measure(args)
+    finally:
+        logger.removeHandler(sink)
+        sink.stream.close()
+        logger.setLevel(level)
 
+
+def measure(args) -> int:
     from benchmarks.reuse_cost import variant_model
     from redknot.api.marks import SegmentMark, encode_marks
     from redknot.costmodel.gate import ReuseGate
