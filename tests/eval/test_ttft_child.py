@@ -69,13 +69,16 @@ def test_child_measures_every_point(variant, profile, tmp_path, monkeypatch, cap
         if variant == "cacheblend":  # marked prompts, and the engine's own recompute
             assert len(row["own_recompute_samples_s"]) == 2
             assert len(row["own_recompute_paired"]) == 2
-            profiled = key == profile  # one more prompt, under the profiler
+            # two more prompts under the profiler: the process's first profile (thrown away)
+            # and the point's
+            profiled = 2 * (key == profile)
             assert row["served"] == ["reuse"] * (3 + profiled) and row["every_segment_hit"]
-    assert FakeEngine.profiles == ([f"{variant}-1024x2"] if profile else [])
+    # the throwaway first profile under PROFILE_DIR-warmup/VARIANT, then the point's
+    assert FakeEngine.profiles == ([variant, f"{variant}-1024x2"] if profile else [])
     if variant == "cacheblend":  # each rep's pair back to back, every other one recompute first
         pairs = ["marked", "plain", "plain", "marked", "marked", "plain"]  # warm-up, reps 1, 2
-        profiled = [["marked"] * (profile == key) for key in ("512x2", "1024x2")]
-        # the server's warm-up prompt, then each point's pairs and profiled prompt
+        profiled = [["marked"] * 2 * (profile == key) for key in ("512x2", "1024x2")]
+        # the server's warm-up prompt, then each point's pairs and profiled prompts
         assert FakeEngine.prompts == ["plain"] + pairs + profiled[0] + pairs + profiled[1]
 
 
