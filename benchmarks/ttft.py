@@ -361,6 +361,14 @@ def child(args) -> None:
             samples.append(took)
 
     profiler_warm: list[bool] = []  # the throwaway first profile has run
+
+    def under_profiler(ids: list[int], sampling: dict, where: Path) -> None:
+        """The prompt ``ids`` with a first token no earlier prompt had, traced into ``where``."""
+        ids[0] = rand(1)[0]
+        start_profile(engine, where)
+        engine.generate(input_ids=ids, sampling_params=sampling)
+        engine.stop_profile()
+
     out = {}
     try:
         for key, (length, segments) in zip(point_keys(points), points):
@@ -427,15 +435,9 @@ def child(args) -> None:
                 # under the profiler
                 if not profiler_warm:  # the process's first profile is slower throughout: a
                     # throwaway one first, kept apart (not summarised)
-                    ids[0] = rand(1)[0]
-                    start_profile(engine, Path(f"{args.profile_dir}-warmup", args.child))
-                    engine.generate(input_ids=ids, sampling_params=sampling)
-                    engine.stop_profile()
                     profiler_warm.append(True)
-                ids[0] = rand(1)[0]  # a prefix no earlier prompt had
-                start_profile(engine, Path(args.profile_dir, f"{args.child}-{key}"))
-                engine.generate(input_ids=ids, sampling_params=sampling)
-                engine.stop_profile()
+                    under_profiler(ids, sampling, Path(f"{args.profile_dir}-warmup", args.child))
+                under_profiler(ids, sampling, Path(args.profile_dir, f"{args.child}-{key}"))
             row = {
                 "length": length,
                 "segments": segments,

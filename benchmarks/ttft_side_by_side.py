@@ -169,26 +169,28 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                         rows[row].setdefault("phase_samples", []).append(phases)
                     gate, decision = rows[row]["gate"], gate_of(meta)
                     gate[decision] = gate.get(decision, 0) + 1
+
+        def under_profiler(server: str, mark, where: Path, prompts: int) -> list[float]:
+            """TTFTs of ``prompts`` prompts to ``server`` traced into ``where``."""
+            post(urls[server], "/start_profile", {
+                "output_dir": str(where), "activities": ["CPU", "GPU"],
+                "with_stack": False, "record_shapes": False,
+            })  # fmt: skip
+            took = [send(server, mark)[0] for _ in range(prompts)]
+            post(urls[server], "/stop_profile")
+            return took
+
         key = point_key(length, count)
         if key in profiled and args.profile_dir:
             for server in dict.fromkeys(server for _, server, _ in entries):
-                if server in profiler_warm:
-                    continue
-                profiler_warm.add(server)
-                post(urls[server], "/start_profile", {
-                    "output_dir": str(Path(args.profile_dir + PROFILE_WARMUP, server)),
-                    "activities": ["CPU", "GPU"], "with_stack": False, "record_shapes": False,
-                })  # fmt: skip
-                send(server, False)
-                post(urls[server], "/stop_profile")
+                if server not in profiler_warm:
+                    profiler_warm.add(server)
+                    under_profiler(
+                        server, False, Path(args.profile_dir + PROFILE_WARMUP, server), 1
+                    )
             for row, server, mark in entries:
                 where = Path(args.profile_dir, f"{row}-{key}")
-                post(urls[server], "/start_profile", {
-                    "output_dir": str(where), "activities": ["CPU", "GPU"],
-                    "with_stack": False, "record_shapes": False,
-                })  # fmt: skip
-                took = [send(server, mark)[0] for _ in range(args.profile_requests)]
-                post(urls[server], "/stop_profile")
+                took = under_profiler(server, mark, where, args.profile_requests)
                 rows[row]["profiled_ttft_s"] = [round(t, 5) for t in took]
         base = rows[BASELINE]["samples"]
         for name, row in rows.items():
