@@ -506,10 +506,10 @@ def stage_times(call, device: str, calls: int = 10, top: int = 16) -> dict[str, 
 def summary(rows: list[dict], long: int, batch: int) -> dict:
     """The issue's target at (``long``, ``batch``) where that case ran."""
     out = {"target": TARGET}
+    names = [n for _, _, pair, _ in SWITCHES.values() for n in pair]
     for row in rows:
         if row["L"] == long and row["B"] == batch:
             for sel in ("kv_head", "kv_head_union", "query_head"):
-                names = [n for _, _, pair, _ in SWITCHES.values() for n in pair]
                 for name in [f"lfps_{sel}"] + [f"lfps_{n}_{sel}" for n in names]:
                     if row.get(f"speedup_{name}"):
                         out[f"speedup_{name}"] = round(row[f"speedup_{name}"], 2)
