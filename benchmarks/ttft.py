@@ -309,8 +309,8 @@ def child(args) -> None:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
     def store_counters() -> dict:
-        info = engine.get_server_info()["internal_states"][0].get("redknot_segments", {})
-        gate = engine.get_server_info()["internal_states"][0].get("redknot_reuse_gate", {})
+        state = engine.get_server_info()["internal_states"][0]
+        info, gate = state.get("redknot_segments", {}), state.get("redknot_reuse_gate", {})
         counts = {k: info.get(k, 0) for k in STORE_COUNTERS}
         counts.update({k: gate.get(k, 0) for k in GATE_COUNTERS})
         counts["host_scale"] = gate.get("host_scale")
