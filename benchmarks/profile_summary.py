@@ -17,7 +17,11 @@ reports, over the traced span:
 - ``layer_host``: inside the decoder-layer ranges (``redknot.decoder_layer.*``), the host
   operators (and Python functions, in a trace taken with stacks; ``trace_replay.py``'s are
   not) by count and inclusive time, and the ranges' median host time: two servers' summaries
-  side by side show which calls one of them adds per layer.
+  side by side show which calls one of them adds per layer;
+- ``python`` (a trace taken with stacks, e.g. ``ttft_side_by_side.py --profile-stack``): every
+  Python function of the traced span by inclusive host time and call count, over all threads
+  (a function that recurses counts its inner calls too): two rows' summaries side by side show
+  which functions one of them adds, and where a request's host time goes outside the layers.
 
     python benchmarks/profile_summary.py TRACE.json.gz [...] --out benchmarks/results/x.json
 """
@@ -124,6 +128,7 @@ def summarize(events: list[dict], top: int = 25) -> dict:
             for n, (c, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:top]
         ],
         "per_layer": per_layer,
+        "python": python_functions(events, 8 * top),
         "longest_host": [
             {"name": e.get("name", "")[:160], "cat": e.get("cat"), "ms": ms(e["dur"])}
             for e in sorted(
@@ -171,6 +176,18 @@ def layer_host(events: list[dict], top: int) -> dict:
             for (cat, name), (c, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])[: 4 * top]
         ],
     }
+
+
+def python_functions(events: list[dict], top: int) -> list[dict]:
+    """The ``top`` Python functions by inclusive host time (empty: no stacks in the trace)."""
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "python_function":
+            c = calls[e.get("name", "")[:160]]
+            c[0] += 1
+            c[1] += e.get("dur", 0.0)
+    ranked = sorted(calls.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": n, "count": c, "ms": round(t / 1e3, 4)} for n, (c, t) in ranked]
 
 
 def main() -> None:

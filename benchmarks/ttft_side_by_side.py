@@ -174,7 +174,7 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
             """TTFTs of ``prompts`` prompts to ``server`` traced into ``where``."""
             post(urls[server], "/start_profile", {
                 "output_dir": str(where), "activities": ["CPU", "GPU"],
-                "with_stack": False, "record_shapes": False,
+                "with_stack": bool(getattr(args, "profile_stack", False)), "record_shapes": False,
             })  # fmt: skip
             took = [send(server, mark)[0] for _ in range(prompts)]
             post(urls[server], "/stop_profile")
@@ -252,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-points", default="", help="points to profile, e.g. 512x4,4096x8")
     ap.add_argument("--profile-requests", type=int, default=1, help="prompts per profiled row")
     ap.add_argument(
+        "--profile-stack", action="store_true",
+        help="profile with Python stacks (the profiler's Python tracer: every function's host "
+        "time lands in the summary's python list; host time runs slower under it)",
+    )  # fmt: skip
+    ap.add_argument(
         "--phases", action="store_true",
         help="every server with SGLang's --enable-metrics: each row also gets the median time "
         "of each phase of a request (phases_ms: http_in, api_dispatch, to_forward, prefill, out)",
@@ -304,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 phases=args.phases, unmarked_too=args.unmarked_too, params_too=args.params_too,
                 profile_points=args.profile_points,
                 profile_requests=args.profile_requests if args.profile_points else None,
+                profile_stack=args.profile_stack,
                 served=served, summary=results,
             ))  # fmt: skip
 

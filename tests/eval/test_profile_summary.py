@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.profile_summary import layer_host, summarize
+from benchmarks.profile_summary import layer_host, python_functions, summarize
 
 
 def _ev(cat, name, ts, dur, tid=1):
@@ -40,3 +40,21 @@ def test_summary_splits_the_span_into_busy_and_idle_gpu_time():
     out = summarize(events, top=5)
     assert out["span_ms"] == 0.04 and out["gpu_busy_ms"] == 0.025 and out["gpu_idle_ms"] == 0.015
     assert [k["name"] for k in out["kernels"]] == ["a", "b", "c"]
+
+
+def test_python_functions_rank_by_inclusive_time_over_all_threads():
+    events = [
+        _ev("python_function", "scheduler.py(10): get_next_batch_to_run", 0, 400),
+        _ev("python_function", "reuse.py(117): start", 50, 150),
+        _ev("python_function", "reuse.py(117): start", 500, 50, tid=2),
+        _ev("cpu_op", "aten::copy_", 60, 300),  # an operator, not a Python function
+        _ev("kernel", "k", 0, 10, tid=7),
+    ]
+    out = python_functions(events, top=5)
+    assert out == [
+        {"name": "scheduler.py(10): get_next_batch_to_run", "count": 1, "ms": 0.4},
+        {"name": "reuse.py(117): start", "count": 2, "ms": 0.2},
+    ]
+    assert python_functions(events, top=1) == out[:1]
+    assert summarize(events, top=5)["python"] == out
+    assert python_functions([_ev("cpu_op", "aten::view", 0, 1)], top=5) == []

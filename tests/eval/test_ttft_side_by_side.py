@@ -31,6 +31,7 @@ class FakeServer:
 
     def __init__(self, delay: float, stores: bool, reuse: bool, log: list):
         self.delay, self.stores, self.reuse, self.log = delay, stores, reuse, log
+        self.stacks: list = []  # with_stack of each /start_profile
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,6 +52,8 @@ class FakeServer:
                     return self.answer(400, str(e).encode())
                 if self.path in ("/start_profile", "/stop_profile"):
                     fake.log.append((fake, self.path, body.get("output_dir")))
+                    if self.path == "/start_profile":
+                        fake.stacks.append(body.get("with_stack"))
                     return self.answer(200, b"ok")
                 if self.path == "/redknot/segments":
                     fake.log.append((fake, "register", True))
@@ -220,3 +223,16 @@ def test_a_pinned_server_command_runs_on_its_cores_only():
         text=True,
     )
     assert out.returncode == 0 and out.stdout.strip() == f"[{core}]"
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_profile_stack_asks_every_profile_for_python_stacks(servers, tmp_path, stack):
+    made, _ = servers
+    urls = {name: made[name].url for name in ("flashinfer", "cacheblend")}
+    args = Namespace(
+        points="32x2", rounds=1, question=2, profile_dir=str(tmp_path), profile_points="32x2",
+        profile_requests=1, profile_stack=stack,
+    )  # fmt: skip
+    sbs.measure(urls, args, vocab=1000)
+    for name in urls:  # the discarded first profile and the row's
+        assert made[name].stacks == [stack, stack]
