@@ -117,7 +117,7 @@ class ReuseGate:
         if work.reused == 0:
             return Decision(False, 0.0, 0.0, "no stored segment in the computed tokens")
         # one request: model.choose([work]) reduces to this comparison (two predictions)
-        reuse_ms = self.model.batch_ms([work], [True])
+        reuse_ms = self._reuse_ms(work)
         plain_ms = self._plain_ms(work.computed, work.prefix)  # hits change nothing without reuse
         said = ""
         if self.timer is not None:
@@ -217,6 +217,10 @@ class ReuseGate:
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (one gate per scheduler, kept for its life)
     def _plain_ms(self, computed: int, prefix_len: int) -> float:
         return self.model.batch_ms([PromptWork(computed, prefix_len)], [False])
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (prompts of one layout decide alike)
+    def _reuse_ms(self, work: PromptWork) -> float:
+        return self.model.batch_ms([work], [True])
 
     def min_segment_tokens(self, prompt_tokens: int = 8192, question: int = 64) -> int | None:
         """The shortest segment worth storing for prompts of ``prompt_tokens`` made of such

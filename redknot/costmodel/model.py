@@ -251,13 +251,19 @@ class ReuseCostModel:
         reused = sum(w.reused for w, layers in parts if layers and layers[0].kind != "plain")
         host = r.plan_ms + r.plan_ms_per_ktok * reused / 1024 if reused else 0.0
         gpu = host
+        # a layer's GPU time depends only on its global heads and its requests' work there:
+        # layers alike are computed once (a gate decides per request on the scheduler's host)
+        alike: dict[tuple, float] = {}
         for layer in range(self.costs.num_layers):
             works = [(w, layers[layer]) for w, layers in parts]
             kinds = {lw.kind for _, lw in works}
             kind = next(k for k in ("schedule", "held", "full", "plain") if k in kinds)
             start = max(gpu, host)
             host += r.host_ms[kind] + sum(r.choose_ms.get(lw.choose, 0.0) for _, lw in works)
-            gpu = max(start + self._gpu_ms(layer, works), host)
+            key = (self.costs.global_heads[layer], *(lw for _, lw in works))
+            if key not in alike:
+                alike[key] = self._gpu_ms(layer, works)
+            gpu = max(start + alike[key], host)
             if kind == "schedule" or any(lw.choose for _, lw in works):
                 host = max(host, gpu)  # the choice reads counts back: the host waits
         return max(host, gpu)

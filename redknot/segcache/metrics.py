@@ -46,6 +46,10 @@ class SegmentMetrics:
         self.labels = dict(labels)
         names = [*self.labels, "namespace"]
         self._named: set[str] = set()
+        # each metric's labelled child per namespace label, made once (prometheus_client's
+        # labels() takes a lock and builds the key on every call; a marked request looks up
+        # each of its segments on the scheduler's path to its prefill)
+        self._children: dict[tuple[int, str], Any] = {}
 
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, labelnames=names, registry=registry)
@@ -82,34 +86,39 @@ class SegmentMetrics:
             return namespace
         return OTHER_NAMESPACE
 
-    def _labels(self, namespace: str, claim: bool = False) -> dict[str, str]:
-        return {**self.labels, "namespace": self.namespace_label(namespace, claim=claim)}
+    def _child(self, metric: Any, label: str) -> Any:
+        """``metric`` labelled with this exporter's labels and namespace label ``label``."""
+        key = (id(metric), label)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self.labels, namespace=label)
+        return child
 
     # ---- SegmentObserver -----------------------------------------------------------------------
 
     def lookup(self, namespace: str, hit: bool, tokens: int, bytes_saved: int) -> None:
-        labels = self._labels(namespace)
+        label = self.namespace_label(namespace)
         if hit:
-            self.hits.labels(**labels).inc()
-            self.hit_tokens.labels(**labels).inc(tokens)
-            self.bytes_saved.labels(**labels).inc(bytes_saved)
+            self._child(self.hits, label).inc()
+            self._child(self.hit_tokens, label).inc(tokens)
+            self._child(self.bytes_saved, label).inc(bytes_saved)
         else:
-            self.misses.labels(**labels).inc()
+            self._child(self.misses, label).inc()
 
     def evicted(self, namespace: str) -> None:
-        self.evictions.labels(**self._labels(namespace)).inc()
+        self._child(self.evictions, self.namespace_label(namespace)).inc()
 
     def captured(self, namespace: str) -> None:
-        self.captures.labels(**self._labels(namespace, claim=True)).inc()
+        self._child(self.captures, self.namespace_label(namespace, claim=True)).inc()
 
     def usage(self, namespace: str, segments: int, pinned: int, bytes_used: int) -> None:
-        labels = self._labels(namespace, claim=segments > 0)
+        label = self.namespace_label(namespace, claim=segments > 0)
         if segments:
-            self.segments.labels(**labels).inc(segments)
+            self._child(self.segments, label).inc(segments)
         if pinned:
-            self.pinned.labels(**labels).inc(pinned)
+            self._child(self.pinned, label).inc(pinned)
         if bytes_used:
-            self.bytes_used.labels(**labels).inc(bytes_used)
+            self._child(self.bytes_used, label).inc(bytes_used)
 
 
 def scheduler_metrics(capacity_bytes: int) -> SegmentMetrics | None:

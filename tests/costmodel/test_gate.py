@@ -311,3 +311,45 @@ def test_the_h200_record_is_shipped_and_its_gate_chose_the_faster_way_where_meas
         segs = tuple((1 + i * per, per) for i in range(row["segments"]))
         work = PromptWork(row["prompt_tokens"], 0, segs)
         assert gate.decide(work).reuse == (d["gate"] == "reuse"), d
+
+
+def _forward_ms_layer_by_layer(model: ReuseCostModel, parts) -> float:
+    """:meth:`ReuseCostModel.forward_ms` as it reads, every layer's GPU time computed afresh."""
+    r = model.record
+    reused = sum(w.reused for w, layers in parts if layers and layers[0].kind != "plain")
+    host = r.plan_ms + r.plan_ms_per_ktok * reused / 1024 if reused else 0.0
+    gpu = host
+    for layer in range(model.costs.num_layers):
+        works = [(w, layers[layer]) for w, layers in parts]
+        kinds = {lw.kind for _, lw in works}
+        kind = next(k for k in ("schedule", "held", "full", "plain") if k in kinds)
+        start = max(gpu, host)
+        host += r.host_ms[kind] + sum(r.choose_ms.get(lw.choose, 0.0) for _, lw in works)
+        gpu = max(start + model._gpu_ms(layer, works), host)
+        if kind == "schedule" or any(lw.choose for _, lw in works):
+            host = max(host, gpu)
+    return max(host, gpu)
+
+
+@pytest.mark.parametrize("policy", ["redknot", "cacheblend", "epic", "sparsex"])
+def test_forward_time_with_alike_layers_computed_once_is_the_layer_by_layer_time(policy):
+    # a map whose global heads differ between layers, and a layer schedule: layers alike and not
+    from redknot.costmodel.model import layer_plan
+
+    shape = ModelShape.from_hf_config(CFG_8B)
+    layout = HeadLayout.from_head_map(synthetic_map(shape, 0.3, window=256, sink=64))
+    assert len({layout.num_global(i) for i in range(layout.num_layers)}) > 1
+    costs = ModelCosts.of(CFG_8B, layout)
+    model = ReuseCostModel(costs, Recovery(policy, shape.num_layers, 8), H100)
+    works = [prompt(512, 8), PromptWork(3000, 1000, ((0, 1000), (1500, 700))), PromptWork(700)]
+    for reuse in ([True, True, False], [False, False, False], [True, False, True]):
+        parts = [(w, layer_plan(model.recovery, w, u)) for w, u in zip(works, reuse)]
+        assert model.forward_ms(parts) == pytest.approx(_forward_ms_layer_by_layer(model, parts))
+
+
+def test_gate_remembers_a_layouts_reuse_time_and_decides_as_the_model():
+    gate = ReuseGate(model_of("cacheblend"))
+    work = prompt(128, 8)
+    first = gate.decide(work)
+    assert first.reuse_ms == pytest.approx(gate.model.batch_ms([work], [True]))
+    assert gate.decide(work) == first and gate._reuse_ms.cache_info().hits >= 1
