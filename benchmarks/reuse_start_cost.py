@@ -8,7 +8,9 @@ CPU pool with a segment region (the real store, no model) holds ``--segments`` s
 of ``--length / --segments`` tokens; a prompt of one fresh token, those segments and a
 ``--question`` is started ``--reps`` times marked and as many unmarked, with the gate of
 ``--policy`` under the shipped record of ``--device`` (the 8B shape), and the median of each is
-reported. No CUDA: the gate's correction by measured forward times is off.
+reported. A marked prompt is timed twice: with its layout's reuse time remembered by the gate
+(``marked``: a server's repeated prompt shape) and predicted afresh (``marked_new_layout``). No
+CUDA: the gate's correction by measured forward times is off.
 
     python benchmarks/reuse_start_cost.py --out benchmarks/results/reuse_start_cost.json
 """
@@ -128,11 +130,16 @@ def measure(args) -> int:
         return SimpleNamespace(origin_input_ids=ids, rid="r", prefix_indices=[], req_pool_idx=2,
                                sampling_params=SimpleNamespace(custom_params=params))  # fmt: skip
 
-    times: dict[str, list[float]] = {"marked": [], "unmarked": []}
+    # "marked": a layout the gate has seen (its reuse time remembered, as for a server's repeated
+    # prompt shapes); "marked_new_layout": one it has not (its reuse time predicted afresh)
+    times: dict[str, list[float]] = {"marked": [], "marked_new_layout": [], "unmarked": []}
     decisions, hits = set(), set()
+    gate = cache.pool.reuse_gate
     for rep in range(args.reps + 20):  # the first 20 of each warm up, not counted
         for kind, samples in times.items():
-            req = request(kind == "marked")
+            req = request(kind != "unmarked")
+            if kind == "marked_new_layout":
+                gate._reuse_ms.cache_clear()
             t0 = time.perf_counter()
             reuse.start(cache, req)
             took = time.perf_counter() - t0
@@ -142,7 +149,7 @@ def measure(args) -> int:
             decision = getattr(req, "redknot_reuse", None)
             if decision is not None:
                 decisions.add("reuse" if decision.reuse else "recompute")
-            if kind == "marked":  # the answer's report: every segment found stored
+            if kind != "unmarked":  # the answer's report: every segment found stored
                 hits.add(req.customized_info[reuse.REPORT_KEY][0]["segments_hit"])
     figures = {
         "start_ms_p50": {k: round(1e3 * statistics.median(v), 4) for k, v in times.items()},

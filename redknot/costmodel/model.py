@@ -251,21 +251,29 @@ class ReuseCostModel:
         reused = sum(w.reused for w, layers in parts if layers and layers[0].kind != "plain")
         host = r.plan_ms + r.plan_ms_per_ktok * reused / 1024 if reused else 0.0
         gpu = host
-        # a layer's GPU time depends only on its global heads and its requests' work there:
-        # layers alike are computed once (a gate decides per request on the scheduler's host)
-        alike: dict[tuple, float] = {}
+        # a layer's step depends only on its global heads and its requests' work there (the
+        # same LayerWork objects, layer_plan repeating them): layers alike are worked out once,
+        # as a gate decides per request on the scheduler's host
+        steps: dict[tuple, tuple[float, float, bool]] = {}
+        heads = self.costs.global_heads
         for layer in range(self.costs.num_layers):
-            works = [(w, layers[layer]) for w, layers in parts]
-            kinds = {lw.kind for _, lw in works}
-            kind = next(k for k in ("schedule", "held", "full", "plain") if k in kinds)
+            lws = tuple(layers[layer] for _, layers in parts)
+            key = (heads[layer], *map(id, lws))
+            step = steps.get(key)
+            if step is None:
+                kinds = {lw.kind for lw in lws}
+                kind = next(k for k in ("schedule", "held", "full", "plain") if k in kinds)
+                step = steps[key] = (
+                    r.host_ms[kind] + sum(r.choose_ms.get(lw.choose, 0.0) for lw in lws),
+                    self._gpu_ms(layer, [(w, lw) for (w, _), lw in zip(parts, lws)]),
+                    kind == "schedule" or any(lw.choose for lw in lws),  # host waits for GPU
+                )
+            host_ms, gpu_ms, waits = step
             start = max(gpu, host)
-            host += r.host_ms[kind] + sum(r.choose_ms.get(lw.choose, 0.0) for _, lw in works)
-            key = (self.costs.global_heads[layer], *(lw for _, lw in works))
-            if key not in alike:
-                alike[key] = self._gpu_ms(layer, works)
-            gpu = max(start + alike[key], host)
-            if kind == "schedule" or any(lw.choose for _, lw in works):
-                host = max(host, gpu)  # the choice reads counts back: the host waits
+            host += host_ms
+            gpu = max(start + gpu_ms, host)
+            if waits:  # the choice reads counts back: the host waits
+                host = max(host, gpu)
         return max(host, gpu)
 
     def batch_ms(self, works: Sequence[PromptWork], reuse: Sequence[bool]) -> float:
