@@ -352,4 +352,5 @@ def test_gate_remembers_a_layouts_reuse_time_and_decides_as_the_model():
     work = prompt(128, 8)
     first = gate.decide(work)
     assert first.reuse_ms == pytest.approx(gate.model.batch_ms([work], [True]))
-    assert gate.decide(work) == first and gate._reuse_ms.cache_info().hits >= 1
+    hits = gate._reuse_ms.cache_info().hits  # the cache is shared by every gate of the process
+    assert gate.decide(work) == first and gate._reuse_ms.cache_info().hits == hits + 1
