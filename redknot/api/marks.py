@@ -222,15 +222,23 @@ def decode_marks(
         prompt_len = len(input_ids)
     if prompt_len is not None:
         check_marks(marks, prompt_len=prompt_len)
-    if input_ids is not None and marks:
-        actual = segment_ids(input_ids, marks)
-        for i, (m, sid) in enumerate(zip(marks, actual)):
-            if sid != m.segment_id:
-                raise SegmentMarkError(
-                    f"segment {i} id {m.segment_id!r} is not the id of its tokens in namespace "
-                    f"{m.namespace!r}: build marks with redknot.api.marks.segment_id"
-                )
+    if input_ids is not None:
+        check_ids(input_ids, marks)
     return marks
+
+
+def check_ids(input_ids: Sequence[int], marks: Sequence[SegmentMark]) -> None:
+    """Raise :class:`SegmentMarkError` unless each mark's id is the id of its tokens in
+    ``input_ids`` (its ranges checked already)."""
+    if not marks:
+        return
+    actual = segment_ids(input_ids, marks)
+    for i, (m, sid) in enumerate(zip(marks, actual)):
+        if sid != m.segment_id:
+            raise SegmentMarkError(
+                f"segment {i} id {m.segment_id!r} is not the id of its tokens in namespace "
+                f"{m.namespace!r}: build marks with redknot.api.marks.segment_id"
+            )
 
 
 def segment_ids(input_ids: Sequence[int], marks: Sequence[SegmentMark]) -> list[str]:

@@ -174,6 +174,12 @@ class ReuseGate:
         """A request with segment hits that :meth:`hopeless` answered."""
         self.served_without_reuse += 1
 
+    def count_ignored(self) -> None:
+        """A request :meth:`decide` reused, served without reuse after all (its marks turned
+        out invalid)."""
+        self.served_with_reuse -= 1
+        self.served_without_reuse += 1
+
     def count_inert(self) -> None:
         """A marked request of a server whose markup is inert (its marks not looked up)."""
         self.served_inert += 1

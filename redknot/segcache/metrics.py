@@ -96,14 +96,14 @@ class SegmentMetrics:
 
     # ---- SegmentObserver -----------------------------------------------------------------------
 
-    def lookup(self, namespace: str, hit: bool, tokens: int, bytes_saved: int) -> None:
+    def lookup(self, namespace: str, hits: int, misses: int, tokens: int, bytes_saved: int) -> None:
         label = self.namespace_label(namespace)
-        if hit:
-            self._child(self.hits, label).inc()
+        if hits:
+            self._child(self.hits, label).inc(hits)
             self._child(self.hit_tokens, label).inc(tokens)
             self._child(self.bytes_saved, label).inc(bytes_saved)
-        else:
-            self._child(self.misses, label).inc()
+        if misses:
+            self._child(self.misses, label).inc(misses)
 
     def evicted(self, namespace: str) -> None:
         self._child(self.evictions, self.namespace_label(namespace)).inc()

@@ -30,9 +30,11 @@ segments (automatic chunks included):
 | ``samkv``         | ``--redknot-policy samkv``: the cut (``prompt_tokens``, ``served_tokens``, ``kept_blocks``, ``blocks``, ``sequence_ratio``, ``evicted``), or only the ``note`` saying why the prompt was computed in full |
 | ``stored``        | the missed segments this request's own prefill stores (``namespace``, ``start``): automatic chunks due for capture under ``--redknot-auto-capture-in-place`` (``redknot.segcache.registration.store_in_place``); absent when none |
 
-A prompt that no hit could make worth reusing (``ReuseGate.hopeless``: the cheapest reusing
-extend's host time exceeds recomputing it) is answered before its marks' ids are checked
-against its tokens: they are looked up and counted, never held. When that holds for every
+A request's marks' ids are checked against its tokens (which packs and hashes them all) only
+when it reads the K/V they name: a prompt served without reuse only looks them up, counts and
+reports them, and holds nothing. A prompt that no hit could make worth reusing
+(``ReuseGate.hopeless``: the cheapest reusing extend's host time exceeds recomputing it) is
+answered before the gate's decision. When that holds for every
 prompt the model takes, the HTTP side makes markup inert (``SegmentApi.learn_gate``): marks
 carry only their number (``redknot_seg_recomputed``), nothing is looked up or captured, and the
 report says ``segments_hit: null`` with the gate's reason.
@@ -57,7 +59,7 @@ from redknot.attention.ffn_schedule import SparseFfn
 from redknot.kernels.extend import to_device
 from redknot.recovery.samkv.served import ServedDoc
 from redknot.segcache import registration
-from redknot.segcache.entry import SegmentEntry
+from redknot.segcache.entry import SegmentEntry, SegmentError
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,7 @@ def start(cache: Any, req: Any) -> None:
     """``req`` got its request slot: find its stored segments and hold them while it runs."""
     from redknot.api.marks import (
         SegmentMarkError,
+        check_ids,
         recomputed_marks,
         registration_of,
         segments_of,
@@ -142,10 +145,11 @@ def start(cache: Any, req: Any) -> None:
     try:
         if registration_of(req) is not None:
             return
-        # a prompt that no hit could make worth reusing reads no K/V: its marks' ids are only
-        # counted and reported, not checked against its tokens (that packs and hashes them all)
         hopeless = None if gate is None else gate.hopeless(prompt_len, prefix)
-        marks = segments_of(req, verify=hopeless is None)
+        # the marks' ids are checked against the prompt's tokens (which packs and hashes them
+        # all) only where this request reads the K/V they name: a prompt served without reuse
+        # (no hit could make it pay, or the gate recomputes it) only counts and reports them
+        marks = segments_of(req, verify=False)
         due = stored_marks(req, marks)
     except SegmentMarkError as e:  # validated by the API; never fail the scheduler on it
         logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
@@ -154,10 +158,13 @@ def start(cache: Any, req: Any) -> None:
         _report(req, cache.pool, 0, 0, [])
         return
     store = cache.segments
-    found = [
-        (mark, store.lookup_id(mark.namespace, mark.segment_id, mark.num_tokens))
-        for mark in marks
-    ]  # fmt: skip
+    try:
+        found = list(zip(marks, store.lookup_ids(
+            [(mark.namespace, mark.segment_id, mark.num_tokens) for mark in marks]
+        )))  # fmt: skip
+    except SegmentError as e:  # a namespace the store refuses (marks set past the API)
+        logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
+        return
     hits = sum(1 for _, entry in found if entry)
     # a hit inside the exact-prefix hit reads nothing (SGLang's prefix cache serves those
     # tokens): not held, and the extend stays off the reuse kernels
@@ -175,13 +182,19 @@ def start(cache: Any, req: Any) -> None:
         if uses and getattr(cache.pool, "reuse_policy", None) == "samkv":
             _samkv_declined(req)  # served as a shorter prompt, or not reused at all
             uses = []
-        for use in uses:
-            store.acquire(use.entry)
         if uses and not _pays(cache, req, uses):
-            for use in uses:
-                store.release(use.entry)
             uses = []
         if uses:
+            try:  # this request reads their K/V: the ids must name its tokens
+                check_ids(req.origin_input_ids, marks)
+            except SegmentMarkError as e:
+                logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
+                if gate is not None:  # decided to reuse, served without
+                    gate.count_ignored()
+                req.redknot_reuse = None
+                return
+            for use in uses:
+                store.acquire(use.entry)
             cache.pool.segment_reads[req.req_pool_idx] = uses
     stored = []
     if due:  # after the reads are held: making room for these never evicts them

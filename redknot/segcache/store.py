@@ -73,7 +73,9 @@ MAX_FAILURES = 1024  # registration failures remembered for their answers
 class SegmentObserver(Protocol):
     """Receives the store's events (the Prometheus exporter of ``redknot.segcache.metrics``)."""
 
-    def lookup(self, namespace: str, hit: bool, tokens: int, bytes_saved: int) -> None: ...
+    def lookup(self, namespace: str, hits: int, misses: int, tokens: int, bytes_saved: int) -> None:
+        """Lookups in ``namespace``: ``hits`` found (``tokens``, ``bytes_saved`` served),
+        ``misses`` not."""
 
     def evicted(self, namespace: str) -> None: ...
 
@@ -185,9 +187,32 @@ class SegmentStore:
         tokens (``redknot.api.marks.segments_of``; the tokens are then neither packed nor
         hashed again, a content address of 128 bits naming one token sequence), or used only to
         count and report (no K/V read)."""
-        namespace = check_namespace(namespace)
-        rec = self._ready_record(namespace, segment_id, num_tokens)
-        return self._looked_up(namespace, rec, num_tokens)
+        return self.lookup_ids([(namespace, segment_id, num_tokens)])[0]
+
+    def lookup_ids(self, keys: Sequence[tuple[str, str, int]]) -> list[SegmentEntry | None]:
+        """:meth:`lookup_id` of each ``(namespace, segment_id, num_tokens)``, the lookups
+        counted once per namespace (a marked request looks its segments up on the scheduler's
+        path to its prefill, where a count per segment cost more than the lookup). A namespace
+        the store refuses raises ``SegmentError`` before anything is looked up or counted."""
+        namespaces = [check_namespace(namespace) for namespace, _, _ in keys]
+        out: list[SegmentEntry | None] = []
+        tally: dict[str, list[int]] = {}  # namespace -> [hits, misses, hit tokens]
+        for namespace, (_, segment_id, num_tokens) in zip(namespaces, keys, strict=True):
+            rec = self._ready_record(namespace, segment_id, num_tokens)
+            counts = tally.get(namespace)
+            if counts is None:
+                counts = tally[namespace] = [0, 0, 0]
+            if rec is None:
+                counts[1] += 1
+                out.append(None)
+                continue
+            counts[0] += 1
+            counts[2] += num_tokens
+            self._touch(rec)
+            out.append(self._entry(rec))
+        for namespace, (hits, misses, tokens) in tally.items():
+            self._count_lookups(namespace, hits, misses, tokens)
+        return out
 
     def is_ready(self, namespace: str, segment_id: str, num_tokens: int) -> bool:
         """Whether :meth:`lookup_id` would find the segment now; counts nothing (SamKV cuts a
@@ -203,22 +228,21 @@ class SegmentStore:
         return rec if hit else None
 
     def _looked_up(self, namespace: str, rec: _Record | None, tokens: int) -> SegmentEntry | None:
-        saved = tokens * self.bytes_per_token if rec is not None else 0
-        self._counters.add(
-            namespace,
-            hits=int(rec is not None),
-            misses=int(rec is None),
-            hit_tokens=tokens if rec is not None else 0,
-            bytes_saved=saved,
-        )
-        if self.observer is not None:
-            self.observer.lookup(
-                namespace, rec is not None, tokens if rec is not None else 0, saved
-            )
+        self._count_lookups(namespace, int(rec is not None), int(rec is None),
+                            tokens if rec is not None else 0)  # fmt: skip
         if rec is None:
             return None
         self._touch(rec)
         return self._entry(rec)
+
+    def _count_lookups(self, namespace: str, hits: int, misses: int, tokens: int) -> None:
+        """Count ``hits`` (serving ``tokens``) and ``misses`` of lookups in ``namespace``."""
+        saved = tokens * self.bytes_per_token
+        self._counters.add(
+            namespace, hits=hits, misses=misses, hit_tokens=tokens, bytes_saved=saved
+        )
+        if self.observer is not None:
+            self.observer.lookup(namespace, hits, misses, tokens, saved)
 
     def register(
         self, namespace: str, token_ids: Sequence[int], *, pin: bool, capture: bool = False

@@ -130,22 +130,28 @@ class _Gate:
     def count_recomputed(self):
         self.recomputed += 1
 
+    def count_ignored(self):
+        self.recomputed += 1
+
     def decide(self, work):
         self.seen.append(work)
         return Decision(self.reuse, 1.0, 2.0, "test")
 
 
-def _start(monkeypatch, gate, hit: bool = True, prefix: int = 0):
+def _start(monkeypatch, gate, hit: bool = True, prefix: int = 0, forged: bool = False):
     """``reuse.start`` of one request marking tokens [10, 110) against a fake store, after an
-    exact-prefix hit of ``prefix`` tokens; what it did: (cache, req, store calls, segments_of's
-    verify argument)."""
+    exact-prefix hit of ``prefix`` tokens (``forged``: the mark's id is not its tokens'); what
+    it did: (cache, req, store calls, whether each id check ran: segments_of's ``verify``
+    argument, then True for each ``check_ids``)."""
     from redknot.api import marks
     from redknot.segcache import reuse
 
     entry = SimpleNamespace(num_tokens=100, namespace="n")
     calls = []
     segments = SimpleNamespace(
-        lookup_id=lambda ns, sid, n: calls.append(("lookup", ns, sid, n)) or (entry if hit else None),
+        lookup_ids=lambda keys: [
+            calls.append(("lookup", *key)) or (entry if hit else None) for key in keys
+        ],
         acquire=lambda e: calls.append(("acquire", e)),
         release=lambda e: calls.append(("release", e)),
     )  # fmt: skip
@@ -154,29 +160,56 @@ def _start(monkeypatch, gate, hit: bool = True, prefix: int = 0):
     )
     mark = SimpleNamespace(namespace="n", start=10, end=110, num_tokens=100, segment_id="0" * 32)
     verified = []
+
+    def check_ids(ids, given):
+        verified.append(True)
+        if forged:
+            raise marks.SegmentMarkError("segment 0 id is not the id of its tokens")
+
     monkeypatch.setattr(marks, "registration_of", lambda req: None)
     monkeypatch.setattr(
         marks, "segments_of", lambda req, verify=True: verified.append(verify) or [mark]
     )
+    monkeypatch.setattr(marks, "check_ids", check_ids)
     req = SimpleNamespace(sampling_params=object(), origin_input_ids=list(range(300)), rid="r",
                           req_pool_idx=3, prefix_indices=range(prefix))  # fmt: skip
     reuse.start(cache, req)
-    (report,) = req.customized_info[reuse.REPORT_KEY]  # what the answer's meta_info says
+    report = req.customized_info[reuse.REPORT_KEY][0] if hasattr(req, "customized_info") else None
     return cache, report, calls, verified, entry
 
 
 @pytest.mark.parametrize("pays", [True, False])
 def test_start_applies_the_gate(monkeypatch, pays):
-    """A refused request holds no segment and reads none (computed as without reuse)."""
+    """A refused request holds no segment and reads none (computed as without reuse), and its
+    marks' ids are not hashed against its tokens; a reused one's are, before it holds them."""
     gate = _Gate(pays)
     cache, report, calls, verified, entry = _start(monkeypatch, gate)
-    assert verified == [True]  # its K/V may be read: the ids are checked against the tokens
+    assert verified == ([False, True] if pays else [False])
     assert gate.seen[0].segments == ((10, 100),) and gate.seen[0].computed == 300
     assert (3 in cache.pool.segment_reads) == pays
-    assert calls[:2] == [("lookup", "n", "0" * 32, 100), ("acquire", entry)]
-    assert calls[2:] == ([] if pays else [("release", entry)])
+    assert calls == [("lookup", "n", "0" * 32, 100)] + ([("acquire", entry)] if pays else [])
     assert report["gate"]["decision"] == ("reuse" if pays else "recompute")
     assert report["reused_tokens"] == (100 if pays else 0)
+    assert report["segments_hit"] == 1
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_a_forged_id_is_never_read(monkeypatch, caplog, pays):
+    """An id that is not its tokens' (set by an ``sgl.Engine`` caller, past the HTTP checks):
+    a request the gate would reuse ignores its marks (said in the log, no report, nothing held
+    or read, counted as served without reuse); one it recomputes reads nothing and reports its
+    lookups as any recomputed request (its ids are never checked)."""
+    gate = _Gate(pays)
+    with caplog.at_level("WARNING", logger="redknot"):
+        cache, report, calls, verified, _ = _start(monkeypatch, gate, forged=True)
+    assert not cache.pool.segment_reads
+    assert ("acquire" in {c[0] for c in calls}) is False
+    if pays:
+        assert verified == [False, True] and report is None and gate.recomputed == 1
+        assert "ignored" in caplog.text and "not the id of its tokens" in caplog.text
+    else:
+        assert verified == [False] and report["segments_hit"] == 1
+        assert report["gate"]["decision"] == "recompute" and "ignored" not in caplog.text
 
 
 @pytest.mark.parametrize("prefix, held", [(110, False), (200, False), (109, True)])

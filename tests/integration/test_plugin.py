@@ -133,3 +133,33 @@ def test_the_plugin_attaches_the_slots_of_the_batch_requests_in_order(sglang_plu
     fb = SimpleNamespace(req_pool_indices=torch.tensor([4, 1, 9]))
     assert _after_forward_batch_init(fb, ForwardBatch, batch, None) is None  # keeps the result
     assert fb.redknot_req_slots == [4, 1, 9] and request_slots(fb) == [4, 1, 9]
+
+
+def test_the_published_configuration_is_parsed_once_per_text(monkeypatch):
+    """The scheduler reads the configuration for every request it queues: the same published
+    text gives the same (frozen) configuration without parsing it again; a new text, its own."""
+    import dataclasses
+    import json
+
+    from redknot import envs
+    from redknot.config import RedknotConfig
+    from redknot.integration import server_args
+
+    parsed = []
+    real = RedknotConfig.from_json
+    monkeypatch.setattr(
+        RedknotConfig, "from_json", classmethod(lambda cls, t: parsed.append(t) or real(t))
+    )
+    server_args._parsed.cache_clear()
+    texts = [
+        json.dumps(dataclasses.asdict(RedknotConfig(policy=p, all_global=True)))
+        for p in ("cacheblend", "epic")
+    ]
+    try:
+        for text in (texts[0], texts[0], texts[1], texts[0]):
+            monkeypatch.setenv(envs.REDKNOT_RESOLVED_CONFIG.name, text)
+            config = server_args.published_config()
+            assert config == RedknotConfig.from_mapping(json.loads(text), source="test")
+        assert parsed == texts
+    finally:
+        server_args._parsed.cache_clear()

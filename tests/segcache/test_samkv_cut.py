@@ -31,6 +31,9 @@ class FakeStore:
             return None
         return SimpleNamespace(namespace=namespace, num_tokens=num_tokens, segment_id=seg_id)
 
+    def lookup_ids(self, keys):
+        return [self.lookup_id(*key) for key in keys]
+
     def acquire(self, entry):
         self.held.append(entry)
 

@@ -284,3 +284,52 @@ def test_lookup_by_a_verified_id_counts_as_a_lookup_by_content():
     assert store.lookup_id("ns", sid, 10).id == sid and store.lookup_id("ns", sid, 9) is None
     assert store.stats()["misses"] == 3
     store.check()
+
+
+def test_a_requests_lookups_find_what_each_lookup_finds_and_count_once_per_namespace():
+    """``lookup_ids`` (a marked request's lookups) returns what ``lookup_id`` returns key by
+    key, counts the same totals, touches the same segments, and reports to the observer once
+    per namespace with the namespace's sums."""
+    from redknot.segcache.entry import segment_id
+
+    class Observer:
+        def __init__(self):
+            self.calls = []
+
+        def lookup(self, ns, hits, misses, tokens, saved):
+            self.calls.append((ns, hits, misses, tokens, saved))
+
+        def usage(self, *args):
+            pass
+
+    def world():
+        store = SegmentStore(8, PAGE, BPT, clock=Clock(), observer=Observer())
+        docs = {(ns, n): list(range(n + ord(ns[0]), 2 * n + ord(ns[0]))) for ns, n in
+                (("a", 5), ("a", 7), ("b", 3))}  # fmt: skip
+        for (ns, _), toks in docs.items():
+            ready(store, ns, toks)
+        return store, docs
+
+    store, docs = world()
+    keys = [(ns, segment_id(ns, toks), len(toks)) for (ns, _), toks in docs.items()]
+    keys += [("a", segment_id("a", [9, 9]), 2), ("b", keys[0][1], 5), ("c", "0" * 32, 4)]
+    got = store.lookup_ids(keys)
+    one_by_one, _ = world()
+    want = [one_by_one.lookup_id(*key) for key in keys]
+    assert [e and e.id for e in got] == [e and e.id for e in want]
+    assert [e is not None for e in got] == [True, True, True, False, False, False]
+    assert store.stats() == one_by_one.stats()
+    for ns in "abc":
+        assert store.stats(ns) == one_by_one.stats(ns)
+    # the same segments touched in the same order (eviction's recency)
+    assert [e.last_used for e in got if e] == [e.last_used for e in want if e]
+    assert list(store._lru) == list(one_by_one._lru)
+    assert store.observer.calls == [("a", 2, 1, 12, 12 * BPT), ("b", 1, 1, 3, 3 * BPT),
+                                    ("c", 0, 1, 0, 0)]  # fmt: skip
+    assert len(one_by_one.observer.calls) == len(keys)
+    assert store.lookup_ids([]) == [] and store.observer.calls[-1][0] == "c"
+    before, order = store.stats(), list(store._lru)
+    with pytest.raises(SegmentError, match="at most 256"):  # nothing looked up or counted
+        store.lookup_ids([keys[0], ("x" * 300, "0" * 32, 4)])
+    assert store.stats() == before and list(store._lru) == order
+    store.check()
