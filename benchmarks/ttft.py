@@ -72,6 +72,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_common as common
+from serving_common import PHASES, phases_of
 
 SINK, WINDOW = 64, 256
 DENSE_LAYERS = 8  # a quarter of Llama-3.1-8B's 32 layers, the paper's proportion (20 of 80)
@@ -246,6 +247,23 @@ def parse_points(text: str, flag: str = "--points") -> list[tuple[int, int]]:
     return points
 
 
+def phases_summary(row_phases: dict[str, list[dict]]) -> dict:
+    """``phases_ms``: per kind of prompt, the median of each phase (ms); ``phases_paired_ms``
+    (marked and recompute prompts timed in pairs, in order): the median over pairs of the
+    marked prompt's phase minus its recompute's."""
+    ms = lambda xs: round(1e3 * statistics.median(xs), 3)
+    out = {"phases_ms": {
+        kind: {name: ms([p[name] for p in seen]) for name in PHASES}
+        for kind, seen in row_phases.items()
+    }}  # fmt: skip
+    marked, plain = row_phases.get("marked"), row_phases.get("recompute")
+    if marked and plain and len(marked) == len(plain):
+        out["phases_paired_ms"] = {
+            name: ms([m[name] - r[name] for m, r in zip(marked, plain)]) for name in PHASES
+        }
+    return out
+
+
 def point_key(length: int, segments: int) -> str:
     return f"{length}x{segments}"
 
@@ -301,6 +319,8 @@ def child(args) -> None:
     context = max(length for length, _ in points) + args.question + 64
     if args.compile_log:  # a cache of its own: every Triton kernel this engine uses compiles
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="redknot-triton-")
+    if args.phases:  # SGLang's per-request timestamps in each answer's meta_info
+        extra["enable_metrics"] = True
     engine = sgl.Engine(**common.engine_kwargs(args.model, context, **extra))
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
@@ -349,16 +369,28 @@ def child(args) -> None:
             point_key(*p) for p in parse_points(args.profile_points, "--profile-points")
         }
 
-    def recompute(tokens: int, rep: int, samples: list[float], row_gc: dict) -> None:
+    def phases_after(kind: str, answer: dict, sent: float, took: float, row_phases: dict):
+        """With ``--phases``: the timed prompt's phases (``serving_common.PHASES``, from
+        SGLang's timestamps; ``http_in`` is the engine's own entry here) into
+        ``row_phases[kind]``."""
+        if args.phases:
+            phases = phases_of(answer.get("meta_info") or {}, sent, took)
+            if phases is not None:
+                row_phases.setdefault(kind, []).append(phases)
+
+    def recompute(
+        tokens: int, rep: int, samples: list[float], row_gc: dict, row_phases: dict
+    ) -> None:
         """One prompt of ``tokens`` fresh tokens, no marks, timed into ``samples`` (rep 0: the
         warm-up, not timed)."""
         fresh = rand(tokens)
-        t0 = time.perf_counter()
-        engine.generate(input_ids=fresh, sampling_params=dict(one))
+        sent, t0 = time.time(), time.perf_counter()
+        answer = engine.generate(input_ids=fresh, sampling_params=dict(one))
         took = time.perf_counter() - t0
         gc_after("recompute", rep, row_gc)
         if rep:
             samples.append(took)
+            phases_after("recompute", answer, sent, took, row_phases)
 
     profiler_warm: list[bool] = []  # the throwaway first profile has run
 
@@ -386,6 +418,7 @@ def child(args) -> None:
             probed = [point_probe()] if args.probe_points else []  # the host's speed now
             times, reports, plain = [], [], []
             row_gc: dict[str, list[float]] = {}  # --gc-prompts: the collector's ms per prompt
+            row_phases: dict[str, list[dict]] = {}  # --phases: each timed prompt's phases
             gc_after("before", 0, row_gc)  # registrations and probes are not a prompt's
             # the same prompt shape, nothing stored: how this engine computes a prompt without
             # reuse (what its gate compares reuse with), interleaved with the marked prompts so
@@ -393,7 +426,7 @@ def child(args) -> None:
             own = args.own_recompute and reuse
             for rep in range(args.reps + 1):
                 if own and rep % 2:  # every other rep times its recompute first
-                    recompute(prompt_tokens, rep, plain, row_gc)
+                    recompute(prompt_tokens, rep, plain, row_gc, row_phases)
                 ids, marks = [rand(1)[0]], []
                 for doc in docs:
                     marks.append(SegmentMark(len(ids), len(ids) + len(doc), "bench",
@@ -406,12 +439,13 @@ def child(args) -> None:
                 profiled = args.profile_warmup and not rep and not out
                 if profiled:  # the engine's first prompt of this kind, under the profiler
                     start_profile(engine, Path(args.profile_dir, f"{args.child}-warmup"))
-                t0 = time.perf_counter()
+                sent, t0 = time.time(), time.perf_counter()
                 answer = engine.generate(input_ids=ids, sampling_params=sampling)
                 took = time.perf_counter() - t0
                 gc_after("marked" if reuse else "prompt", rep, row_gc)
                 if rep:  # the first is a warm-up
                     times.append(took)
+                    phases_after("marked" if reuse else "prompt", answer, sent, took, row_phases)
                     if policy == "samkv":  # how the prompt was served (its reuse report)
                         reports.append(
                             (answer["meta_info"].get("redknot_reuse") or [{}])[0].get("samkv")
@@ -429,7 +463,7 @@ def child(args) -> None:
                         }  # fmt: skip
                         compiled = now
                 if own and not rep % 2:
-                    recompute(prompt_tokens, rep, plain, row_gc)
+                    recompute(prompt_tokens, rep, plain, row_gc, row_phases)
             profile_point = profile_points is None or point_key(length, segments) in profile_points
             if args.profile_dir and not args.profile_warmup and profile_point:  # one more,
                 # under the profiler
@@ -452,6 +486,8 @@ def child(args) -> None:
                 row["host_probe_ms"] = probed + [point_probe()]
             if row_gc:  # per timed prompt, in order
                 row["gc_pause_ms"] = row_gc
+            if row_phases:  # per kind, each phase's median (ms)
+                row.update(phases_summary(row_phases))
             if plain:
                 row["own_recompute_ttft_s"] = statistics.median(plain)
                 row["own_recompute_samples_s"] = plain
@@ -623,6 +659,15 @@ def main() -> None:
         "the collector took from each timed prompt",
     )
     ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="start each engine with SGLang's metrics and split every timed prompt into the "
+        "phases of its timestamps (serving_common.PHASES: http_in is the engine's entry, "
+        "to_forward the scheduler's queue, prefill its forward and sample, out the answer's way "
+        "back): phases_ms per kind, and with --own-recompute phases_paired_ms, the median over "
+        "pairs of the marked prompt's phase minus its recompute's",
+    )
+    ap.add_argument(
         "--freeze-gc",
         action="store_true",
         help="after each engine's warm-up prompt, freeze its processes' garbage collectors "
@@ -676,6 +721,7 @@ def main() -> None:
             "own-recompute",
             "probe-points",
             "gc-prompts",
+            "phases",
             "freeze-gc",
         )
         if getattr(args, flag.replace("-", "_"))
@@ -854,6 +900,9 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
                 entry["gc_pause_ms_mean"] = {
                     kind: statistics.mean(ms) for kind, ms in row["gc_pause_ms"].items()
                 }
+            for k in ("phases_ms", "phases_paired_ms"):
+                if k in row:
+                    entry[k] = row[k]
             if "gate_host_scale" in row:
                 entry["gate_host_scale"] = row["gate_host_scale"]
             if "own_recompute_ttft_s" in row:  # the same engine without reuse

@@ -202,3 +202,57 @@ def test_freeze_gc_freezes_each_engine_once_after_its_warm_up(tmp_path, monkeypa
         child_result(capsys)
         # after the server's warm-up prompt, before any point's
         assert FreezingEngine.freezes == ([1] if freeze else [])
+
+
+class TimestampingEngine(FakeEngine):
+    """Answers with SGLang's request timestamps (wall clock): a marked prompt's ``prefill``
+    phase takes 2 ms more than its recompute's, every other phase the same; records whether
+    the engine was started with SGLang's metrics (which give these timestamps)."""
+
+    metrics: ClassVar[list] = []
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        TimestampingEngine.metrics.append(kwargs.get("enable_metrics", False))
+
+    def generate(self, input_ids, sampling_params):
+        import time
+
+        answer = super().generate(input_ids, sampling_params)
+        marked = "custom_params" in sampling_params
+        now = time.time()
+        at = {"request_received_ts": now, "api_server_dispatch_finish_ts": now + 0.001,
+              "forward_entry_time": now + 0.002,
+              "prefill_finished_time": now + (0.007 if marked else 0.005)}  # fmt: skip
+        answer["meta_info"].update(at)
+        return answer
+
+
+def test_phases_split_each_timed_prompt_and_pair_the_marked_with_its_recompute(
+    tmp_path, monkeypatch, capsys
+):
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, TimestampingEngine)
+    for phases in (True, False):
+        TimestampingEngine.metrics = []
+        argv = ["ttft.py", "--child", "cacheblend", "--model", str(model), "--points", "512x2",
+                "--reps", "3", "--own-recompute"] + ["--phases"] * phases  # fmt: skip
+        monkeypatch.setattr(sys, "argv", argv)
+        ttft.main()
+        row = child_result(capsys)["points"]["512x2"]
+        assert TimestampingEngine.metrics == [phases]
+        if not phases:
+            assert "phases_ms" not in row and "phases_paired_ms" not in row
+            continue
+        assert set(row["phases_ms"]) == {"marked", "recompute"}
+        assert row["phases_ms"]["marked"]["prefill"] == pytest.approx(5.0, abs=1e-3)
+        assert row["phases_ms"]["recompute"]["prefill"] == pytest.approx(3.0, abs=1e-3)
+        paired = row["phases_paired_ms"]
+        assert paired["prefill"] == pytest.approx(2.0, abs=1e-3)
+        assert paired["to_forward"] == pytest.approx(0.0, abs=1e-3)
+        assert set(paired) == set(ttft.PHASES)
+        summary = ttft.summarize({"num_hidden_layers": 2, "hidden_size": 8,
+                                  "num_attention_heads": 2, "num_key_value_heads": 2,
+                                  "intermediate_size": 16},
+                                 {"cacheblend": {"points": {"512x2": row}}}, reps=3)  # fmt: skip
+        assert summary["cacheblend"]["512x2"]["phases_paired_ms"] == paired
