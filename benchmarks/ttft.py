@@ -72,7 +72,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_common as common
-from serving_common import PHASES, phases_of
+from serving_common import phases_of
 
 SINK, WINDOW = 64, 256
 DENSE_LAYERS = 8  # a quarter of Llama-3.1-8B's 32 layers, the paper's proportion (20 of 80)
@@ -248,18 +248,27 @@ def parse_points(text: str, flag: str = "--points") -> list[tuple[int, int]]:
 
 
 def phases_summary(row_phases: dict[str, list[dict]]) -> dict:
-    """``phases_ms``: per kind of prompt, the median of each phase (ms); ``phases_paired_ms``
+    """``phases_ms``: per kind of prompt, the median of each phase (ms) (``to_queue`` and
+    ``queue`` split ``to_forward`` where SGLang reports the queue time); ``phase_samples_ms``:
+    every prompt's, in order; ``phases_paired_ms``
     (marked and recompute prompts timed in pairs, in order): the median over pairs of the
     marked prompt's phase minus its recompute's."""
     ms = lambda xs: round(1e3 * statistics.median(xs), 3)
-    out = {"phases_ms": {
-        kind: {name: ms([p[name] for p in seen]) for name in PHASES}
-        for kind, seen in row_phases.items()
-    }}  # fmt: skip
+    names = list(next(iter(row_phases.values()))[0])  # serving_common.PHASES, the queue's
+    out = {
+        "phases_ms": {
+            kind: {name: ms([p[name] for p in seen]) for name in names}
+            for kind, seen in row_phases.items()
+        },
+        "phase_samples_ms": {
+            kind: [{name: round(1e3 * p[name], 3) for name in names} for p in seen]
+            for kind, seen in row_phases.items()
+        },
+    }
     marked, plain = row_phases.get("marked"), row_phases.get("recompute")
     if marked and plain and len(marked) == len(plain):
         out["phases_paired_ms"] = {
-            name: ms([m[name] - r[name] for m, r in zip(marked, plain)]) for name in PHASES
+            name: ms([m[name] - r[name] for m, r in zip(marked, plain)]) for name in names
         }
     return out
 
@@ -374,8 +383,13 @@ def child(args) -> None:
         SGLang's timestamps; ``http_in`` is the engine's own entry here) into
         ``row_phases[kind]``."""
         if args.phases:
-            phases = phases_of(answer.get("meta_info") or {}, sent, took)
+            meta = answer.get("meta_info") or {}
+            phases = phases_of(meta, sent, took)
             if phases is not None:
+                queue = meta.get("queue_time")  # forward entry - entry into the waiting queue
+                if isinstance(queue, (int, float)):
+                    phases["to_queue"] = phases["to_forward"] - queue  # IPC, request handling
+                    phases["queue"] = queue
                 row_phases.setdefault(kind, []).append(phases)
 
     def recompute(

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import ttft
+from serving_common import PHASES
 
 from .standin import child_result, model_dir, stand_in_engine
 
@@ -223,7 +224,8 @@ class TimestampingEngine(FakeEngine):
         now = time.time()
         at = {"request_received_ts": now, "api_server_dispatch_finish_ts": now + 0.001,
               "forward_entry_time": now + 0.002,
-              "prefill_finished_time": now + (0.007 if marked else 0.005)}  # fmt: skip
+              "prefill_finished_time": now + (0.007 if marked else 0.005),
+              "queue_time": 0.0004 if marked else 0.0001}  # fmt: skip
         answer["meta_info"].update(at)
         return answer
 
@@ -250,7 +252,11 @@ def test_phases_split_each_timed_prompt_and_pair_the_marked_with_its_recompute(
         paired = row["phases_paired_ms"]
         assert paired["prefill"] == pytest.approx(2.0, abs=1e-3)
         assert paired["to_forward"] == pytest.approx(0.0, abs=1e-3)
-        assert set(paired) == set(ttft.PHASES)
+        # the queue's share of to_forward, where SGLang reports it
+        assert paired["queue"] == pytest.approx(0.3) and paired["to_queue"] == pytest.approx(-0.3)
+        assert set(paired) == set(PHASES) | {"queue", "to_queue"}
+        marked = row["phase_samples_ms"]["marked"]
+        assert len(marked) == 3 and marked[0]["prefill"] == pytest.approx(5.0, abs=1e-3)
         summary = ttft.summarize({"num_hidden_layers": 2, "hidden_size": 8,
                                   "num_attention_heads": 2, "num_key_value_heads": 2,
                                   "intermediate_size": 16},
