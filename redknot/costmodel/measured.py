@@ -15,8 +15,12 @@ start, to the forward's end; ``redknot.integration.plugin``) and keeps, per
 path, the ratio of the measured time to the record's prediction for that forward:
 ``reuse`` (every request of the batch reused its hits) and ``recompute`` (none had any). A
 decision for a prompt computing ``n`` tokens scales each path's prediction by the median ratio
-of that path's recent forwards of ``n / 2`` to ``2 n`` tokens (:data:`SPAN`), once there are
-:data:`MIN_SAMPLES` of them. A path without such forwards errs towards recomputing: an
+of that path's recent forwards of ``n / 1.25`` to ``1.25 n`` tokens (:data:`NEAR`), once there
+are :data:`MIN_SAMPLES` of them; without those, forwards of ``n / 2`` to ``2 n`` tokens
+(:data:`SPAN`) stand in only where they make the path look slower (reuse) or faster
+(recompute) than the record, because the ratio moves with size: on an H200, CacheBlend's reuse
+measured 0.77 of the record at 2K x 8 made the gate reuse 1K x 8 prompts, which then took 1.2x
+their recompute (``ttft_phases_queue_h200.json``). A path without such forwards errs towards recomputing: an
 unmeasured reuse is taken as slow as the record or as the measured recompute, whichever is
 slower, and an unmeasured recompute as fast as the record or as the measured reuse, whichever
 is faster. With neither the record is used as it is. The ratios stay
@@ -41,7 +45,8 @@ from typing import Any
 PATHS = ("reuse", "recompute")
 WINDOW = 64  # forwards kept per path (the newest)
 MIN_SAMPLES = 3  # forwards of similar size before a path's ratio is used
-SPAN = 2.0  # a sample counts for decisions within this factor of its computed tokens
+NEAR = 1.25  # a sample measures decisions within this factor of its computed tokens, ...
+SPAN = 2.0  # ... and, where there are none, stands in within this one on the safe side only
 RATIO_RANGE = (0.25, 8.0)  # ratios outside are dropped (a compile, a stall)
 MAX_PENDING = 64  # forwards timed and not yet read back (more: the oldest are dropped)
 
@@ -80,8 +85,20 @@ class MeasuredCorrection:
             self._samples[path].append(Sample(tokens, ratio))
 
     def _ratio(self, path: str, tokens: int) -> float | None:
-        near = [s.ratio for s in self._samples[path] if tokens / SPAN <= s.tokens <= tokens * SPAN]
-        return statistics.median(near) if len(near) >= MIN_SAMPLES else None
+        """The path's ratio at ``tokens``: the median of its forwards within :data:`NEAR` of
+        that size; failing those, of its forwards within :data:`SPAN`, taken only on the side
+        that recomputes more (a reuse no faster, a recompute no slower than the record): the
+        ratio moves with size (a reuse's fixed host cost weighs more in a smaller prompt), so
+        a reuse measured fast at 2K must not make a 1K prompt reuse."""
+        samples = self._samples[path]
+        near = [s.ratio for s in samples if tokens / NEAR <= s.tokens <= tokens * NEAR]
+        if len(near) >= MIN_SAMPLES:
+            return statistics.median(near)
+        wide = [s.ratio for s in samples if tokens / SPAN <= s.tokens <= tokens * SPAN]
+        if len(wide) < MIN_SAMPLES:
+            return None
+        ratio = statistics.median(wide)
+        return max(ratio, 1.0) if path == "reuse" else min(ratio, 1.0)
 
     def ratios(self, tokens: int) -> tuple[float, float]:
         """``(reuse, recompute)`` factors on the record's predictions for a prompt computing

@@ -13,6 +13,7 @@ from redknot.config import RedknotConfig
 from redknot.costmodel.gate import ReuseGate
 from redknot.costmodel.measured import (
     MIN_SAMPLES,
+    NEAR,
     RATIO_RANGE,
     ForwardTimer,
     MeasuredCorrection,
@@ -108,7 +109,10 @@ def test_ratios_are_local_in_size_and_need_a_few_samples():
     assert c.ratios(8000) == (1.0, 1.0)  # nothing within a factor of two of 8000 tokens
     for _ in range(MIN_SAMPLES):
         c.add("recompute", 1500, 11.0, 10.0)
-    assert c.ratios(2000) == pytest.approx((2.0, 1.1))
+    # recomputing measured slower at 1,500 tokens, outside NEAR of 2,000: not taken there (it
+    # would make reuse look better), but at its own size
+    assert c.ratios(2000) == pytest.approx((2.0, 1.0))
+    assert c.ratios(1500) == pytest.approx((2.0, 1.1))
     fast = warmed(("reuse", 2000), ("recompute", 8000))
     for _ in range(MIN_SAMPLES):
         fast.add("reuse", 2000, 5.0, 10.0)
@@ -118,6 +122,27 @@ def test_ratios_are_local_in_size_and_need_a_few_samples():
     _, hi = RATIO_RANGE
     c.add("recompute", 2000, 10.0 * hi * 2, 10.0)  # a compile, a stall: dropped
     assert c.dropped == 4 and c.counts() == {"reuse": MIN_SAMPLES, "recompute": MIN_SAMPLES}
+
+
+def test_a_ratio_from_another_size_stands_in_only_on_the_side_that_recomputes_more():
+    """CacheBlend on an H200 (``ttft_phases_queue_h200.json``): reuse measured at 0.77 of the
+    record at 2K x 8 (2,113 computed tokens) made 1K x 8 prompts (1,089) reuse, at 1.2x their
+    recompute. Forwards of another size within SPAN stand in only where they make reuse
+    slower or recomputing faster; forwards within NEAR of the size are taken as they are."""
+    c = warmed(("reuse", 2113), ("recompute", 1089), ("reuse", 1089))
+    for _ in range(MIN_SAMPLES):
+        c.add("reuse", 2113, 7.7, 10.0)
+        c.add("recompute", 1089, 9.0, 10.0)
+    assert c.ratios(2113) == pytest.approx((0.77, 0.9))  # reuse measured at its size
+    assert c.ratios(1089) == pytest.approx((1.0, 0.9))  # the 2K reuse does not stand in
+    assert c.ratios(1089 * NEAR) == pytest.approx((1.0, 0.9))
+    for _ in range(2 * MIN_SAMPLES):  # reuse measured slow at 2K (newest): stands in at 1K
+        c.add("reuse", 2113, 30.0, 10.0)
+    assert c.ratios(2113)[0] == pytest.approx(3.0) and c.ratios(1089)[0] == pytest.approx(3.0)
+    for _ in range(MIN_SAMPLES):  # and once 1K's own reuse forwards are measured, they count
+        c.add("reuse", 1089, 8.0, 10.0)
+        c.add("reuse", 1089, 8.0, 10.0)
+    assert c.ratios(1089) == pytest.approx((0.8, 0.9))
 
 
 def test_a_forward_is_read_back_only_once_reached_and_in_order():
