@@ -393,11 +393,10 @@ def child(args) -> None:
                 row_phases.setdefault(kind, []).append(phases)
 
     def recompute(
-        tokens: int, rep: int, samples: list[float], row_gc: dict, row_phases: dict
+        fresh: list[int], rep: int, samples: list[float], row_gc: dict, row_phases: dict
     ) -> None:
-        """One prompt of ``tokens`` fresh tokens, no marks, timed into ``samples`` (rep 0: the
+        """The prompt ``fresh`` (fresh tokens, no marks), timed into ``samples`` (rep 0: the
         warm-up, not timed)."""
-        fresh = rand(tokens)
         sent, t0 = time.time(), time.perf_counter()
         answer = engine.generate(input_ids=fresh, sampling_params=dict(one))
         took = time.perf_counter() - t0
@@ -439,8 +438,11 @@ def child(args) -> None:
             # that a host whose speed drifts during the point moves both alike
             own = args.own_recompute and reuse
             for rep in range(args.reps + 1):
-                if own and rep % 2:  # every other rep times its recompute first
-                    recompute(prompt_tokens, rep, plain, row_gc, row_phases)
+                # both prompts of a pair are built before either is sent, so that each leaves
+                # right after the answer before it: the scheduler works on for a few ms after
+                # an answer (SGLang's idle checks), and a prompt built in between (1,089 fresh
+                # tokens take ~0.5 ms) would wait less of that than one built before
+                fresh = rand(prompt_tokens) if own else None
                 ids, marks = [rand(1)[0]], []
                 for doc in docs:
                     marks.append(SegmentMark(len(ids), len(ids) + len(doc), "bench",
@@ -450,6 +452,8 @@ def child(args) -> None:
                 sampling = dict(one)
                 if reuse:
                     sampling["custom_params"] = encode_marks(marks)
+                if own and rep % 2:  # every other rep times its recompute first
+                    recompute(fresh, rep, plain, row_gc, row_phases)
                 profiled = args.profile_warmup and not rep and not out
                 if profiled:  # the engine's first prompt of this kind, under the profiler
                     start_profile(engine, Path(args.profile_dir, f"{args.child}-warmup"))
@@ -477,7 +481,7 @@ def child(args) -> None:
                         }  # fmt: skip
                         compiled = now
                 if own and not rep % 2:
-                    recompute(prompt_tokens, rep, plain, row_gc, row_phases)
+                    recompute(fresh, rep, plain, row_gc, row_phases)
             profile_point = profile_points is None or point_key(length, segments) in profile_points
             if args.profile_dir and not args.profile_warmup and profile_point:  # one more,
                 # under the profiler
