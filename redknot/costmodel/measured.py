@@ -20,10 +20,10 @@ are :data:`MIN_SAMPLES` of them; without those, forwards of ``n / 2`` to ``2 n``
 (:data:`SPAN`) stand in only where they make the path look slower (reuse) or faster
 (recompute) than the record, because the ratio moves with size: on an H200, CacheBlend's reuse
 measured 0.77 of the record at 2K x 8 made the gate reuse 1K x 8 prompts, which then took 1.2x
-their recompute (``ttft_phases_queue_h200.json``). A path without such forwards errs towards recomputing: an
-unmeasured reuse is taken as slow as the record or as the measured recompute, whichever is
-slower, and an unmeasured recompute as fast as the record or as the measured reuse, whichever
-is faster. With neither the record is used as it is. The ratios stay
+their recompute (``ttft_phases_queue_h200.json``). A path without such forwards errs towards
+recomputing: an unmeasured reuse is taken as slow as the record or as the measured recompute,
+whichever is slower, and an unmeasured recompute as fast as the record or as the measured
+reuse, whichever is faster. With neither the record is used as it is. The ratios stay
 local in size because the record's errors are not the same at every size. The first forward of
 each path in each power-of-two size class is not kept (first-use costs of a new shape).
 
