@@ -247,10 +247,14 @@ def parse_points(text: str, flag: str = "--points") -> list[tuple[int, int]]:
     return points
 
 
+NEUTRAL_PARAMS = {"probe": 0}  # a key nothing reads (as ttft_side_by_side.py)
+
+
 def phases_summary(row_phases: dict[str, list[dict]]) -> dict:
     """``phases_ms``: per kind of prompt, the median of each phase (ms) (``to_queue`` and
     ``queue`` split ``to_forward`` where SGLang reports the queue time); ``phase_samples_ms``:
-    every prompt's, in order; ``phases_paired_ms``
+    every prompt's, in order; ``phases_paired_params_ms`` (``--params-too``): the same against
+    the neutral-params prompt; ``phases_paired_ms``
     (marked and recompute prompts timed in pairs, in order): the median over pairs of the
     marked prompt's phase minus its recompute's."""
     ms = lambda xs: round(1e3 * statistics.median(xs), 3)
@@ -265,11 +269,13 @@ def phases_summary(row_phases: dict[str, list[dict]]) -> dict:
             for kind, seen in row_phases.items()
         },
     }
-    marked, plain = row_phases.get("marked"), row_phases.get("recompute")
-    if marked and plain and len(marked) == len(plain):
-        out["phases_paired_ms"] = {
-            name: ms([m[name] - r[name] for m, r in zip(marked, plain)]) for name in names
-        }
+    marked = row_phases.get("marked")
+    for kind, key in (("recompute", "phases_paired_ms"), ("params", "phases_paired_params_ms")):
+        other = row_phases.get(kind)
+        if marked and other and len(marked) == len(other):
+            out[key] = {
+                name: ms([m[name] - r[name] for m, r in zip(marked, other)]) for name in names
+            }
     return out
 
 
@@ -393,17 +399,21 @@ def child(args) -> None:
                 row_phases.setdefault(kind, []).append(phases)
 
     def recompute(
-        fresh: list[int], rep: int, samples: list[float], row_gc: dict, row_phases: dict
-    ) -> None:
+        fresh: list[int], rep: int, samples: list[float], row_gc: dict, row_phases: dict,
+        kind: str = "recompute",
+    ) -> None:  # fmt: skip
         """The prompt ``fresh`` (fresh tokens, no marks), timed into ``samples`` (rep 0: the
-        warm-up, not timed)."""
+        warm-up, not timed); ``kind`` "params": with a neutral ``custom_params``."""
+        sampling = dict(one)
+        if kind == "params":
+            sampling["custom_params"] = dict(NEUTRAL_PARAMS)
         sent, t0 = time.time(), time.perf_counter()
-        answer = engine.generate(input_ids=fresh, sampling_params=dict(one))
+        answer = engine.generate(input_ids=fresh, sampling_params=sampling)
         took = time.perf_counter() - t0
-        gc_after("recompute", rep, row_gc)
+        gc_after(kind, rep, row_gc)
         if rep:
             samples.append(took)
-            phases_after("recompute", answer, sent, took, row_phases)
+            phases_after(kind, answer, sent, took, row_phases)
 
     profiler_warm: list[bool] = []  # the throwaway first profile has run
 
@@ -429,7 +439,7 @@ def child(args) -> None:
                     )
                 before = store_counters()
             probed = [point_probe()] if args.probe_points else []  # the host's speed now
-            times, reports, plain = [], [], []
+            times, reports, plain, params = [], [], [], []
             row_gc: dict[str, list[float]] = {}  # --gc-prompts: the collector's ms per prompt
             row_phases: dict[str, list[dict]] = {}  # --phases: each timed prompt's phases
             gc_after("before", 0, row_gc)  # registrations and probes are not a prompt's
@@ -443,6 +453,7 @@ def child(args) -> None:
                 # an answer (SGLang's idle checks), and a prompt built in between (1,089 fresh
                 # tokens take ~0.5 ms) would wait less of that than one built before
                 fresh = rand(prompt_tokens) if own else None
+                neutral = rand(prompt_tokens) if own and args.params_too else None
                 ids, marks = [rand(1)[0]], []
                 for doc in docs:
                     marks.append(SegmentMark(len(ids), len(ids) + len(doc), "bench",
@@ -454,6 +465,8 @@ def child(args) -> None:
                     sampling["custom_params"] = encode_marks(marks)
                 if own and rep % 2:  # every other rep times its recompute first
                     recompute(fresh, rep, plain, row_gc, row_phases)
+                if neutral is not None:  # right before the marked prompt
+                    recompute(neutral, rep, params, row_gc, row_phases, "params")
                 profiled = args.profile_warmup and not rep and not out
                 if profiled:  # the engine's first prompt of this kind, under the profiler
                     start_profile(engine, Path(args.profile_dir, f"{args.child}-warmup"))
@@ -506,6 +519,10 @@ def child(args) -> None:
                 row["gc_pause_ms"] = row_gc
             if row_phases:  # per kind, each phase's median (ms)
                 row.update(phases_summary(row_phases))
+            if params:  # --params-too: fresh tokens with a neutral custom_params
+                row["params_ttft_s"] = statistics.median(params)
+                row["params_samples_s"] = params
+                row["params_paired"] = [a / b for a, b in zip(params, times)]
             if plain:
                 row["own_recompute_ttft_s"] = statistics.median(plain)
                 row["own_recompute_samples_s"] = plain
@@ -677,6 +694,14 @@ def main() -> None:
         "the collector took from each timed prompt",
     )
     ap.add_argument(
+        "--params-too",
+        action="store_true",
+        help="with --own-recompute: each rep also times a prompt of fresh tokens carrying a "
+        "neutral custom_params (what carrying custom_params alone costs, the channel the marks "
+        "travel in), between the marked prompt and its recompute: params_ttft_s, "
+        "speedup_vs_params_paired, and with --phases phases_paired_params_ms",
+    )
+    ap.add_argument(
         "--phases",
         action="store_true",
         help="start each engine with SGLang's metrics and split every timed prompt into the "
@@ -701,6 +726,8 @@ def main() -> None:
     )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.params_too and not args.own_recompute:
+        ap.error("--params-too times a third prompt next to each pair: give --own-recompute")
     if args.sweep:
         args.points = SWEEP
     parse_points(args.points)  # refuse a malformed list before any engine starts
@@ -739,6 +766,7 @@ def main() -> None:
             "own-recompute",
             "probe-points",
             "gc-prompts",
+            "params-too",
             "phases",
             "freeze-gc",
         )
@@ -918,11 +946,14 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
                 entry["gc_pause_ms_mean"] = {
                     kind: statistics.mean(ms) for kind, ms in row["gc_pause_ms"].items()
                 }
-            for k in ("phases_ms", "phases_paired_ms"):
+            for k in ("phases_ms", "phases_paired_ms", "phases_paired_params_ms"):
                 if k in row:
                     entry[k] = row[k]
             if "gate_host_scale" in row:
                 entry["gate_host_scale"] = row["gate_host_scale"]
+            if row.get("params_paired"):  # the same engine, fresh tokens with custom_params
+                entry["params_ttft_s"] = row["params_ttft_s"]
+                entry["speedup_vs_params_paired"] = statistics.median(row["params_paired"])
             if "own_recompute_ttft_s" in row:  # the same engine without reuse
                 entry["own_recompute_ttft_s"] = row["own_recompute_ttft_s"]
                 entry["speedup_vs_own_recompute"] = row["own_recompute_ttft_s"] / row["ttft_s"]

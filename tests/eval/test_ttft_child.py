@@ -262,3 +262,38 @@ def test_phases_split_each_timed_prompt_and_pair_the_marked_with_its_recompute(
                                   "intermediate_size": 16},
                                  {"cacheblend": {"points": {"512x2": row}}}, reps=3)  # fmt: skip
         assert summary["cacheblend"]["512x2"]["phases_paired_ms"] == paired
+
+
+def test_params_too_times_a_neutral_custom_params_prompt_next_to_each_pair(
+    tmp_path, monkeypatch, capsys
+):
+    """``--params-too``: each rep also sends fresh tokens carrying a neutral ``custom_params``,
+    right before the marked prompt; its phases are paired with the marked prompt's."""
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, TimestampingEngine)
+    FakeEngine.prompts = []
+    argv = ["ttft.py", "--child", "cacheblend", "--model", str(model), "--points", "512x2",
+            "--reps", "2", "--own-recompute", "--phases", "--params-too"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    ttft.main()
+    row = child_result(capsys)["points"]["512x2"]
+    # after the server's warm-up: rep 0 (warm-up) and 2 marked first, rep 1 its recompute first;
+    # the neutral prompt carries custom_params (counted "marked" by the fake engine)
+    sent = FakeEngine.prompts[1:]
+    params_first, recompute_first = ["marked", "marked", "plain"], ["plain", "marked", "marked"]
+    assert sent == params_first + recompute_first + params_first
+    assert len(row["params_samples_s"]) == 2 and len(row["params_paired"]) == 2
+    assert set(row["phases_ms"]) == {"marked", "recompute", "params"}
+    # the neutral prompt's prefill is the marked one's here (the fake engine times any
+    # custom_params alike): the marked minus params phase is 0, against its recompute 2 ms
+    assert row["phases_paired_params_ms"]["prefill"] == pytest.approx(0.0, abs=1e-3)
+    assert row["phases_paired_ms"]["prefill"] == pytest.approx(2.0, abs=1e-3)
+
+
+def test_params_too_needs_own_recompute(tmp_path, monkeypatch, capsys):
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    argv = ["ttft.py", "--model", str(model), "--points", "512x2", "--params-too"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        ttft.main()
+    assert "--own-recompute" in capsys.readouterr().err
