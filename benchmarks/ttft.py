@@ -253,10 +253,10 @@ NEUTRAL_PARAMS = {"probe": 0}  # a key nothing reads (as ttft_side_by_side.py)
 def phases_summary(row_phases: dict[str, list[dict]]) -> dict:
     """``phases_ms``: per kind of prompt, the median of each phase (ms) (``to_queue`` and
     ``queue`` split ``to_forward`` where SGLang reports the queue time); ``phase_samples_ms``:
-    every prompt's, in order; ``phases_paired_params_ms`` (``--params-too``): the same against
-    the neutral-params prompt; ``phases_paired_ms``
-    (marked and recompute prompts timed in pairs, in order): the median over pairs of the
-    marked prompt's phase minus its recompute's."""
+    every prompt's, in order; ``phases_paired_ms`` (marked and recompute prompts timed rep by
+    rep): the median over reps of the marked prompt's phase minus its recompute's;
+    ``phases_paired_params_ms`` (``--params-too``): the same against the neutral-params
+    prompt."""
     ms = lambda xs: round(1e3 * statistics.median(xs), 3)
     names = list(next(iter(row_phases.values()))[0])  # serving_common.PHASES, the queue's
     out = {
@@ -448,10 +448,9 @@ def child(args) -> None:
             # that a host whose speed drifts during the point moves both alike
             own = args.own_recompute and reuse
             for rep in range(args.reps + 1):
-                # both prompts of a pair are built before either is sent, so that each leaves
-                # right after the answer before it: the scheduler works on for a few ms after
-                # an answer (SGLang's idle checks), and a prompt built in between (1,089 fresh
-                # tokens take ~0.5 ms) would wait less of that than one built before
+                # every prompt of a rep is built before any is sent, so that each leaves right
+                # after the answer before it, whatever its kind (drawing 1,089 fresh tokens
+                # takes ~0.5 ms; the scheduler still works for a few ms after an answer)
                 fresh = rand(prompt_tokens) if own else None
                 neutral = rand(prompt_tokens) if own and args.params_too else None
                 ids, marks = [rand(1)[0]], []
@@ -698,7 +697,7 @@ def main() -> None:
         action="store_true",
         help="with --own-recompute: each rep also times a prompt of fresh tokens carrying a "
         "neutral custom_params (what carrying custom_params alone costs, the channel the marks "
-        "travel in), between the marked prompt and its recompute: params_ttft_s, "
+        "travel in), right before the marked prompt: params_ttft_s, "
         "speedup_vs_params_paired, and with --phases phases_paired_params_ms",
     )
     ap.add_argument(
