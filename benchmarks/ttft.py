@@ -47,7 +47,12 @@ host-bound, and a host's speed moves over a run (the host probe, ``redknot.costm
 went from 0.066 to 0.108 ms between the start and the end of one H200 run): ``--probe-points``
 probes it in each engine's process before and after each point (``host_probe_ms``). A point
 listed again is measured again later in the same engine, on new documents, as ``LxS#2``: the
-same work at another time, to tell a slow point from a slow state of the engine.
+same work at another time, to tell a slow point from a slow state of the engine. Every timed
+prompt is sent ``--settle-ms`` (10 ms) after the engine's last answer: the scheduler works on
+for a few ms after answering (an H200 at 1K tokens: ~3.5 ms), and a prompt sent at once waits
+for that, so prompts that followed different work or a different client-side pause were timed
+unequally (results before ``settle_ms`` was recorded sent each prompt at once);
+``--back-to-back N`` measures that wait per point.
 
     python benchmarks/ttft.py --out benchmarks/results/ttft.json
     python benchmarks/ttft.py --sweep --variants flashinfer,redknot-g0.125-reuse \\
@@ -369,9 +374,26 @@ def child(args) -> None:
         if gc_seen[0] is None:
             return
         now = gc_total()
+        answered[0] = time.perf_counter()  # the reading is an answer of the engine's too
         if rep:
             row_gc.setdefault(kind, []).append(round(now - gc_seen[0], 4))
         gc_seen[0] = now
+
+    answered = [time.perf_counter()]  # when the engine last answered
+
+    def timed(ids: list[int], sampling: dict, settle: bool = True) -> tuple[dict, float, float]:
+        """``engine.generate`` of one prompt, sent ``--settle-ms`` after the engine's last
+        answer (``settle``; else at once): (answer, wall-clock send time, seconds to answer).
+        The scheduler works on for a few ms after an answer, and a prompt that arrives then
+        waits for it: a fixed gap gives every kind of prompt the same wait."""
+        if settle:
+            wait = answered[0] + args.settle_ms / 1e3 - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+        sent, t0 = time.time(), time.perf_counter()
+        answer = engine.generate(input_ids=ids, sampling_params=sampling)
+        answered[0] = time.perf_counter()
+        return answer, sent, answered[0] - t0
 
     server_warmup_s = common.launch_server_warmup(engine)
     if args.freeze_gc:  # SGLang's own advice against long collections, after its warm-up
@@ -407,13 +429,40 @@ def child(args) -> None:
         sampling = dict(one)
         if kind == "params":
             sampling["custom_params"] = dict(NEUTRAL_PARAMS)
-        sent, t0 = time.time(), time.perf_counter()
-        answer = engine.generate(input_ids=fresh, sampling_params=sampling)
-        took = time.perf_counter() - t0
+        answer, sent, took = timed(fresh, sampling)
         gc_after(kind, rep, row_gc)
         if rep:
             samples.append(took)
             phases_after(kind, answer, sent, took, row_phases)
+
+    def back_to_back(prompt_tokens: int) -> dict:
+        """``--back-to-back N``: N pairs of prompts of fresh tokens (no marks), the first sent
+        ``--settle-ms`` after the engine's last answer, the second at once after the first's:
+        what a prompt that arrives while the scheduler still works on the answer before it
+        waits (``extra_ms``: the median over pairs of the second's TTFT minus the first's;
+        with ``--phases`` each one's ``to_queue``, the wait before the scheduler's queue)."""
+        settled, at_once, queues = [], [], {"settled": [], "back_to_back": []}
+        for _ in range(args.back_to_back):
+            first, second = rand(prompt_tokens), rand(prompt_tokens)  # both built before
+            for ids, settle, times, kind in (
+                (first, True, settled, "settled"), (second, False, at_once, "back_to_back")
+            ):  # fmt: skip
+                answer, sent, took = timed(ids, one, settle)
+                times.append(took)
+                phases = phases_of(answer.get("meta_info") or {}, sent, took)
+                queue = (answer.get("meta_info") or {}).get("queue_time")
+                if args.phases and phases is not None and isinstance(queue, (int, float)):
+                    queues[kind].append(phases["to_forward"] - queue)
+        ms = lambda xs: round(1e3 * statistics.median(xs), 3)
+        out = {
+            "pairs": args.back_to_back,
+            "settled_ttft_s": statistics.median(settled),
+            "back_to_back_ttft_s": statistics.median(at_once),
+            "extra_ms": ms([b - a for a, b in zip(settled, at_once)]),
+        }
+        if queues["settled"] and queues["back_to_back"]:
+            out["to_queue_ms"] = {kind: ms(xs) for kind, xs in queues.items()}
+        return out
 
     profiler_warm: list[bool] = []  # the throwaway first profile has run
 
@@ -437,6 +486,7 @@ def child(args) -> None:
                         input_ids=doc,
                         sampling_params={"max_new_tokens": 0, "custom_params": params},
                     )
+                answered[0] = time.perf_counter()
                 before = store_counters()
             probed = [point_probe()] if args.probe_points else []  # the host's speed now
             times, reports, plain, params = [], [], [], []
@@ -469,9 +519,7 @@ def child(args) -> None:
                 profiled = args.profile_warmup and not rep and not out
                 if profiled:  # the engine's first prompt of this kind, under the profiler
                     start_profile(engine, Path(args.profile_dir, f"{args.child}-warmup"))
-                sent, t0 = time.time(), time.perf_counter()
-                answer = engine.generate(input_ids=ids, sampling_params=sampling)
-                took = time.perf_counter() - t0
+                answer, sent, took = timed(ids, sampling)
                 gc_after("marked" if reuse else "prompt", rep, row_gc)
                 if rep:  # the first is a warm-up
                     times.append(took)
@@ -494,6 +542,7 @@ def child(args) -> None:
                         compiled = now
                 if own and not rep % 2:
                     recompute(fresh, rep, plain, row_gc, row_phases)
+            back = back_to_back(prompt_tokens) if args.back_to_back else None
             profile_point = profile_points is None or point_key(length, segments) in profile_points
             if args.profile_dir and not args.profile_warmup and profile_point:  # one more,
                 # under the profiler
@@ -516,6 +565,8 @@ def child(args) -> None:
                 row["host_probe_ms"] = probed + [point_probe()]
             if row_gc:  # per timed prompt, in order
                 row["gc_pause_ms"] = row_gc
+            if back is not None:
+                row["back_to_back"] = back
             if row_phases:  # per kind, each phase's median (ms)
                 row.update(phases_summary(row_phases))
             if params:  # --params-too: fresh tokens with a neutral custom_params
@@ -710,6 +761,23 @@ def main() -> None:
         "pairs of the marked prompt's phase minus its recompute's",
     )
     ap.add_argument(
+        "--settle-ms",
+        type=float,
+        default=10.0,
+        help="send every timed prompt this long after the engine's last answer (the scheduler "
+        "works on for a few ms after an answer; a prompt sent at once waits for that, so "
+        "prompts sent at once after different work would be timed unequally); 0: at once",
+    )
+    ap.add_argument(
+        "--back-to-back",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each point's reps, N pairs of fresh-token prompts, one sent --settle-ms "
+        "after the answer before it, one at once: back_to_back per point, what the scheduler's "
+        "work after an answer adds to a prompt that arrives during it",
+    )
+    ap.add_argument(
         "--freeze-gc",
         action="store_true",
         help="after each engine's warm-up prompt, freeze its processes' garbage collectors "
@@ -757,6 +825,8 @@ def main() -> None:
         "prefill_graph_tokens",
         "profile_dir",
         "profile_points",
+        "settle_ms",
+        "back_to_back",
     ) + [
         f"--{flag}"
         for flag in (
@@ -808,7 +878,8 @@ def main() -> None:
             host_probe_ms=statistics.median(probes) if None not in probes else None,
             host_probe_samples_ms=probes,
             model=args.model, load_format="dummy", points=args.points, question=args.question,
-            reps=args.reps, chunked_prefill_size=args.chunked_prefill_size,
+            reps=args.reps, settle_ms=args.settle_ms,
+            chunked_prefill_size=args.chunked_prefill_size,
             prefill_graph_tokens=args.prefill_graph_tokens,
             decode_cuda_graph_max_bs=DECODE_GRAPH_MAX_BS, sink=SINK, window=WINDOW,
             mem_fraction_static=args.mem_fraction_static,
@@ -829,7 +900,7 @@ def main() -> None:
 
 
 # What must be equal for runs to be compared as one (the device and commit above all).
-MERGE_KEYS = ("device", "commit", "model", "load_format", "question", "reps",
+MERGE_KEYS = ("device", "commit", "model", "load_format", "question", "reps", "settle_ms",
               "chunked_prefill_size", "prefill_graph_tokens", "decode_cuda_graph_max_bs",
               "sink", "window", "mem_fraction_static", "segment_fraction",
               "dense_layers_of_sparse_variant")  # fmt: skip
@@ -945,7 +1016,7 @@ def summarize(cfg: dict, results: dict, reps: int, baselines: dict | None = None
                 entry["gc_pause_ms_mean"] = {
                     kind: statistics.mean(ms) for kind, ms in row["gc_pause_ms"].items()
                 }
-            for k in ("phases_ms", "phases_paired_ms", "phases_paired_params_ms"):
+            for k in ("phases_ms", "phases_paired_ms", "phases_paired_params_ms", "back_to_back"):
                 if k in row:
                     entry[k] = row[k]
             if "gate_host_scale" in row:

@@ -297,3 +297,80 @@ def test_params_too_needs_own_recompute(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         ttft.main()
     assert "--own-recompute" in capsys.readouterr().err
+
+
+class GapEngine(TimestampingEngine):
+    """Records, for every prompt (registrations left out), how long after the engine's last
+    answer it arrived; a prompt that arrives within ``BUSY`` s of an answer reports 5 ms more
+    ``to_forward`` than one that arrives later (the scheduler still working on the answer)."""
+
+    BUSY = 0.008
+    gaps: ClassVar[list] = []
+    last: ClassVar[list] = []
+
+    def generate(self, input_ids, sampling_params):
+        import time
+
+        now = time.perf_counter()
+        gap = now - GapEngine.last[-1] if GapEngine.last else None
+        answer = super().generate(input_ids, sampling_params)
+        if sampling_params.get("max_new_tokens") != 0:
+            GapEngine.gaps.append(gap)
+            if gap is not None and gap < GapEngine.BUSY:
+                at = answer["meta_info"]
+                at["forward_entry_time"] += 0.005
+                at["prefill_finished_time"] += 0.005
+        GapEngine.last.append(time.perf_counter())
+        return answer
+
+    def get_server_info(self):
+        import time
+
+        info = super().get_server_info()
+        GapEngine.last.append(time.perf_counter())
+        return info
+
+
+def test_every_timed_prompt_is_sent_settle_ms_after_the_engines_last_answer(
+    tmp_path, monkeypatch, capsys
+):
+    """A fixed gap after each answer for the marked prompts and their recomputes alike (the
+    scheduler's work after an answer would otherwise fall on whichever prompt follows at once)."""
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, GapEngine)
+    GapEngine.gaps, GapEngine.last = [], []
+    argv = ["ttft.py", "--child", "cacheblend", "--model", str(model), "--points", "512x2",
+            "--reps", "3", "--own-recompute", "--params-too", "--settle-ms", "30"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    ttft.main()
+    child_result(capsys)
+    timed = GapEngine.gaps[1:]  # after the server's warm-up request
+    assert len(timed) == 4 * 3  # reps 0-3, three prompts each
+    assert all(gap >= 0.030 for gap in timed), timed
+
+
+def test_back_to_back_pairs_time_the_wait_after_an_answer(tmp_path, monkeypatch, capsys):
+    """``--back-to-back N``: after the reps, N pairs of fresh prompts, the first sent
+    ``--settle-ms`` after an answer, the second at once; a scheduler busy for a while after
+    each answer shows as the second's longer wait before the queue."""
+    model = model_dir(tmp_path, {"vocab_size": 1000})
+    stand_in_engine(monkeypatch, tmp_path, GapEngine)
+    GapEngine.gaps, GapEngine.last = [], []
+    argv = ["ttft.py", "--child", "flashinfer", "--model", str(model), "--points", "512x2",
+            "--reps", "2", "--phases", "--settle-ms", "20", "--back-to-back", "3"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    ttft.main()
+    row = child_result(capsys)["points"]["512x2"]
+    back = row["back_to_back"]
+    assert back["pairs"] == 3
+    # settled: 1 ms to_forward, 0.1 ms of it queued; at once: 5 ms more before the queue
+    assert back["to_queue_ms"]["settled"] == pytest.approx(0.9, abs=1e-3)
+    assert back["to_queue_ms"]["back_to_back"] == pytest.approx(5.9, abs=1e-3)
+    pairs = GapEngine.gaps[-6:]
+    assert all(gap >= 0.020 for gap in pairs[0::2]) and all(g < 0.008 for g in pairs[1::2])
+    assert "extra_ms" in back and back["settled_ttft_s"] > 0 and back["back_to_back_ttft_s"] > 0
+    summary = ttft.summarize({"num_hidden_layers": 2, "hidden_size": 8,
+                              "num_attention_heads": 2, "num_key_value_heads": 2,
+                              "intermediate_size": 16},
+                             {"flashinfer": {"points": {"512x2": row}}}, reps=2)  # fmt: skip
+    assert summary["flashinfer"]["512x2"]["back_to_back"] == back
