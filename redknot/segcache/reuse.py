@@ -312,7 +312,7 @@ def _pays(cache: Any, req: Any, uses: list[SegmentUse]) -> bool:
 def _recomputed(req: Any, decision: Any) -> None:
     """``req`` has segment hits and is served without them: say why (log, answer)."""
     req.redknot_reuse = decision
-    logger.info("redknot: request %s served without segment reuse: %s", req.rid, decision.reason)
+    logger.debug("redknot: request %s served without segment reuse: %s", req.rid, decision.reason)
 
 
 def plan_reads(
