@@ -244,6 +244,17 @@ class ReuseCostModel:
             max(matmul, weights) + attn / (r.attn_tflops * 1e9) + cached / (r.bandwidth_gbs * 1e6)
         )
 
+    def layer_host_ms(self, kind: str) -> float:
+        """Host time to issue one layer of ``kind`` (the record's ``host_ms``), where a ``full``
+        layer never takes less than a ``plain`` one: it runs the plain layer's code on every row
+        and re-rotates the reused K/V in. A fit whose small plain prompts were GPU-bound can put
+        the GPU's time into the plain layer's host constant (the H200 record fitted before this
+        rule: 0.744 ms against 0.269 for ``full``); scaled up on a slower host, that made recomputing look slower than
+        a reuse that computes every row (the 1/8 map without dense layers, reused at 1K at
+        0.76-1.0x its recompute, ``ttft_settled_policies_h200.json``)."""
+        host = self.record.host_ms
+        return max(host["full"], host["plain"]) if kind == "full" else host[kind]
+
     def forward_ms(self, parts: Sequence[tuple[PromptWork, list[LayerWork]]]) -> float:
         """One forward of the given requests (each with its layers' work): host and GPU as a
         pipeline, a choosing layer making the host wait for the GPU."""
@@ -264,7 +275,7 @@ class ReuseCostModel:
                 kinds = {lw.kind for lw in lws}
                 kind = next(k for k in ("schedule", "held", "full", "plain") if k in kinds)
                 step = steps[key] = (
-                    r.host_ms[kind] + sum(r.choose_ms.get(lw.choose, 0.0) for lw in lws),
+                    self.layer_host_ms(kind) + sum(r.choose_ms.get(lw.choose, 0.0) for lw in lws),
                     self._gpu_ms(layer, [(w, lw) for (w, _), lw in zip(parts, lws)]),
                     kind == "schedule" or any(lw.choose for lw in lws),  # host waits for GPU
                 )
@@ -317,7 +328,7 @@ class ReuseCostModel:
         (:meth:`forward_ms` never ends before its host part; a chunked prompt has at least one
         such extend)."""
         r = self.record
-        return r.plan_ms + self.costs.num_layers * min(r.host_ms[k] for k in REUSE_KINDS)
+        return r.plan_ms + self.costs.num_layers * min(self.layer_host_ms(k) for k in REUSE_KINDS)
 
     def pays(self, work: PromptWork) -> bool:
         """Whether a request alone in its batch is served with reuse."""

@@ -357,7 +357,7 @@ def _forward_ms_layer_by_layer(model: ReuseCostModel, parts) -> float:
         kinds = {lw.kind for _, lw in works}
         kind = next(k for k in ("schedule", "held", "full", "plain") if k in kinds)
         start = max(gpu, host)
-        host += r.host_ms[kind] + sum(r.choose_ms.get(lw.choose, 0.0) for _, lw in works)
+        host += model.layer_host_ms(kind) + sum(r.choose_ms.get(lw.choose, 0.0) for _, lw in works)
         gpu = max(start + model._gpu_ms(layer, works), host)
         if kind == "schedule" or any(lw.choose for _, lw in works):
             host = max(host, gpu)
@@ -387,3 +387,22 @@ def test_gate_remembers_a_layouts_reuse_time_and_decides_as_the_model():
     assert first.reuse_ms == pytest.approx(gate.model.batch_ms([work], [True]))
     hits = gate._reuse_ms.cache_info().hits  # the cache is shared by every gate of the process
     assert gate.decide(work) == first and gate._reuse_ms.cache_info().hits == hits + 1
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.24, 2.0])
+def test_a_reuse_that_computes_every_row_is_never_predicted_faster_than_recomputing(scale):
+    """A record that puts more host time in a plain layer than in a ``full`` one (a fit whose
+    small plain prompts were GPU-bound: the H200's, 0.744 against 0.269 ms before its refit)
+    must not make a reuse that computes every row look faster than recomputing: a ``full``
+    layer issues at least a plain layer's work. With the record scaled to a slower host, the
+    1/8 map with every layer dense (each one ``full``) was predicted faster at small prompts."""
+    from redknot.costmodel.model import layer_plan
+
+    skewed = replace(H100, host_ms={**H100.host_ms, "plain": 0.75, "full": 0.27}).scaled(scale)
+    model = model_of("redknot", skewed)
+    assert {lw.kind for lw in layer_plan(model.recovery, GRID[0], True)} == {"full"}
+    assert model.layer_host_ms("full") == pytest.approx(0.75 * scale)
+    assert model.layer_host_ms("held") == skewed.host_ms["held"]  # other paths as recorded
+    for work in GRID:
+        assert model.batch_ms([work], [True]) >= model.batch_ms([work], [False]), work
+        assert not ReuseGate(model).decide(work).reuse
