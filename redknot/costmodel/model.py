@@ -249,9 +249,9 @@ class ReuseCostModel:
         layer never takes less than a ``plain`` one: it runs the plain layer's code on every row
         and re-rotates the reused K/V in. A fit whose small plain prompts were GPU-bound can put
         the GPU's time into the plain layer's host constant (the H200 record fitted before this
-        rule: 0.744 ms against 0.269 for ``full``); scaled up on a slower host, that made recomputing look slower than
-        a reuse that computes every row (the 1/8 map without dense layers, reused at 1K at
-        0.76-1.0x its recompute, ``ttft_settled_policies_h200.json``)."""
+        rule: 0.744 ms against 0.269 for ``full``); scaled up on a slower host, that made
+        recomputing look slower than a reuse that computes every row (the 1/8 map without dense
+        layers, reused at 1K at 0.76-1.0x its recompute, ``ttft_settled_policies_h200.json``)."""
         host = self.record.host_ms
         return max(host["full"], host["plain"]) if kind == "full" else host[kind]
 
