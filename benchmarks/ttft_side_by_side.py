@@ -7,7 +7,10 @@ way round). Here every server runs for the whole measurement and they take turns
 sends one prompt per point to every server, the order of the servers rotating from round to
 round, so a slow spell of the machine falls on all of them alike, and each server's TTFT is
 compared with flashinfer's of the same round (``paired_speedup``: the median over rounds of
-flashinfer's TTFT over the server's).
+flashinfer's TTFT over the server's). A prompt leaves at least ``--settle-ms`` (10 ms) after
+its server's last answer: a server works on for a few ms after answering (SGLang's scheduler
+after a one-token prompt), and rows of one server that follow each other in a round (its
+``-unmarked`` and ``-params`` rows) would otherwise wait for it unequally.
 
 Servers are ``sglang.launch_server`` processes with the given flags and SGLang's defaults
 otherwise (the prefill CUDA graph included), dummy weights, token ids in. A prompt is one
@@ -98,6 +101,7 @@ def gate_of(meta: dict) -> str:
 
 UNMARKED = "-unmarked"  # row suffix: a redknot server's same prompt sent without markup
 PARAMS = "-params"  # row suffix: that unmarked prompt with a neutral ``custom_params``
+SETTLE_MS = 10.0  # a prompt leaves at least this long after its server's last answer
 NEUTRAL_PARAMS = {"probe": 0}  # a key nothing reads: what carrying custom_params alone costs
 PROFILE_WARMUP = "-warmup"  # suffix of the directory of each server's discarded first profile
 
@@ -123,6 +127,8 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
     one = {"temperature": 0.0, "max_new_tokens": 1}
+    settle = getattr(args, "settle_ms", SETTLE_MS) / 1e3
+    answered: dict[str, float] = {}  # server -> when it last answered (perf_counter)
     profiled = set(filter(None, (getattr(args, "profile_points", "") or "").split(",")))
     profiler_warm: set[str] = set()  # servers whose discarded first profile has run
     results = {}
@@ -155,8 +161,13 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                 payload["sampling_params"] = {**one, "custom_params": NEUTRAL_PARAMS}
             elif mark:
                 payload["redknot_segments"] = spans
+            wait = answered.get(server, 0.0) + settle - time.perf_counter()
+            if wait > 0:  # the same gap after this server's last answer for every row
+                time.sleep(wait)
             sent = time.time()
-            return (*stream_generate(urls[server], payload, timeout=300), sent)
+            out = stream_generate(urls[server], payload, timeout=300)
+            answered[server] = time.perf_counter()
+            return (*out, sent)
 
         for rnd in range(args.rounds + 1):  # round 0 warms every server up, not counted
             shift = rnd % len(entries)
@@ -221,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", default=DEFAULT_SERVERS, help="NAME=FLAGS;... (one flashinfer)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--question", type=int, default=64)
+    ap.add_argument(
+        "--settle-ms", type=float, default=SETTLE_MS,
+        help="send each prompt at least this long after its server's last answer (a server "
+        "works on for a few ms after answering, and a prompt that arrives then waits: two rows "
+        "of one server sent back to back would be timed unequally); 0: at once",
+    )  # fmt: skip
     ap.add_argument(
         "--mem-fraction-static", type=float, default=0.2,
         help="per server, of the GPU memory free when it starts",
@@ -302,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                 served[name] = [x for x in log.splitlines() if "redknot: serv" in x][:3]
             common.write_json(args.out, common.record(
                 model=args.model, points=args.points, rounds=args.rounds,
-                question=args.question, complete=complete,
+                question=args.question, settle_ms=args.settle_ms, complete=complete,
                 servers={name: " ".join(flags) for name, flags in servers.items()},
                 server_flags=SERVER_FLAGS, mem_fraction_static=args.mem_fraction_static,
                 cores={"client": split[0], **cores} if split else None,

@@ -32,6 +32,8 @@ class FakeServer:
     def __init__(self, delay: float, stores: bool, reuse: bool, log: list):
         self.delay, self.stores, self.reuse, self.log = delay, stores, reuse, log
         self.stacks: list = []  # with_stack of each /start_profile
+        self.gaps: list = []  # per prompt: seconds since this server's last answer (None: first)
+        self.answered: float | None = None
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -63,6 +65,8 @@ class FakeServer:
                 marked = bool(body.get("redknot_segments"))
                 params = (body.get("sampling_params") or {}).get("custom_params")
                 fake.log.append((fake, "prompt", "params" if params else marked))
+                now = time.perf_counter()
+                fake.gaps.append(None if fake.answered is None else now - fake.answered)
                 received = time.time()  # SGLang's --enable-metrics timestamps, as it names them
                 time.sleep(fake.delay)
                 meta = {
@@ -83,6 +87,8 @@ class FakeServer:
                     self.wfile.write(b"data: [DONE]\n\n")
                 else:
                     self.wfile.write(json.dumps(chunk).encode())
+                self.wfile.flush()
+                fake.answered = time.perf_counter()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -236,3 +242,17 @@ def test_profile_stack_asks_every_profile_for_python_stacks(servers, tmp_path, s
     sbs.measure(urls, args, vocab=1000)
     for name in urls:  # the discarded first profile and the row's
         assert made[name].stacks == [stack, stack]
+
+
+def test_a_prompt_leaves_settle_ms_after_its_servers_last_answer(servers):
+    """Rows of one server that follow each other in a round (marked, then unmarked) are sent
+    ``--settle-ms`` apart, not at once: a server still working after its answer would
+    otherwise make the second wait."""
+    made, _ = servers
+    urls = {name: made[name].url for name in ("flashinfer", "cacheblend")}
+    args = Namespace(points="32x2", rounds=3, question=2, unmarked_too=True, settle_ms=40)
+    sbs.measure(urls, args, vocab=1000)
+    gaps = [g for g in made["cacheblend"].gaps if g is not None]
+    assert len(gaps) == 2 * 4 - 1  # marked and unmarked, warm-up round and 3 measured
+    # the server's own answer is a little later than the client's read of it: 35 of 40 ms
+    assert all(g >= 0.035 for g in gaps), gaps
