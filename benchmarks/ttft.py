@@ -255,6 +255,24 @@ def parse_points(text: str, flag: str = "--points") -> list[tuple[int, int]]:
 NEUTRAL_PARAMS = {"probe": 0}  # a key nothing reads (as ttft_side_by_side.py)
 
 
+def median_ms(seconds: list[float]) -> float:
+    return round(1e3 * statistics.median(seconds), 3)
+
+
+def queue_phases(answer: dict, sent: float, took: float) -> dict[str, float] | None:
+    """A prompt's phases (``serving_common.PHASES`` from SGLang's timestamps; ``http_in`` is
+    the engine's own entry here), with ``to_forward`` split at the waiting queue where SGLang
+    reports the queue time (``to_queue``: IPC and the request's handling; ``queue``); None
+    without the timestamps."""
+    meta = answer.get("meta_info") or {}
+    phases = phases_of(meta, sent, took)
+    queue = meta.get("queue_time")  # forward entry - entry into the waiting queue
+    if phases is not None and isinstance(queue, (int, float)):
+        phases["to_queue"] = phases["to_forward"] - queue
+        phases["queue"] = queue
+    return phases
+
+
 def phases_summary(row_phases: dict[str, list[dict]]) -> dict:
     """``phases_ms``: per kind of prompt, the median of each phase (ms) (``to_queue`` and
     ``queue`` split ``to_forward`` where SGLang reports the queue time); ``phase_samples_ms``:
@@ -262,11 +280,10 @@ def phases_summary(row_phases: dict[str, list[dict]]) -> dict:
     rep): the median over reps of the marked prompt's phase minus its recompute's;
     ``phases_paired_params_ms`` (``--params-too``): the same against the neutral-params
     prompt."""
-    ms = lambda xs: round(1e3 * statistics.median(xs), 3)
     names = list(next(iter(row_phases.values()))[0])  # serving_common.PHASES, the queue's
     out = {
         "phases_ms": {
-            kind: {name: ms([p[name] for p in seen]) for name in names}
+            kind: {name: median_ms([p[name] for p in seen]) for name in names}
             for kind, seen in row_phases.items()
         },
         "phase_samples_ms": {
@@ -279,7 +296,8 @@ def phases_summary(row_phases: dict[str, list[dict]]) -> dict:
         other = row_phases.get(kind)
         if marked and other and len(marked) == len(other):
             out[key] = {
-                name: ms([m[name] - r[name] for m, r in zip(marked, other)]) for name in names
+                name: median_ms([m[name] - r[name] for m, r in zip(marked, other)])
+                for name in names
             }
     return out
 
@@ -407,17 +425,11 @@ def child(args) -> None:
         }
 
     def phases_after(kind: str, answer: dict, sent: float, took: float, row_phases: dict):
-        """With ``--phases``: the timed prompt's phases (``serving_common.PHASES``, from
-        SGLang's timestamps; ``http_in`` is the engine's own entry here) into
+        """With ``--phases``: the timed prompt's phases (:func:`queue_phases`) into
         ``row_phases[kind]``."""
         if args.phases:
-            meta = answer.get("meta_info") or {}
-            phases = phases_of(meta, sent, took)
+            phases = queue_phases(answer, sent, took)
             if phases is not None:
-                queue = meta.get("queue_time")  # forward entry - entry into the waiting queue
-                if isinstance(queue, (int, float)):
-                    phases["to_queue"] = phases["to_forward"] - queue  # IPC, request handling
-                    phases["queue"] = queue
                 row_phases.setdefault(kind, []).append(phases)
 
     def recompute(
@@ -449,19 +461,17 @@ def child(args) -> None:
             ):  # fmt: skip
                 answer, sent, took = timed(ids, one, settle)
                 times.append(took)
-                phases = phases_of(answer.get("meta_info") or {}, sent, took)
-                queue = (answer.get("meta_info") or {}).get("queue_time")
-                if args.phases and phases is not None and isinstance(queue, (int, float)):
-                    queues[kind].append(phases["to_forward"] - queue)
-        ms = lambda xs: round(1e3 * statistics.median(xs), 3)
+                phases = queue_phases(answer, sent, took) if args.phases else None
+                if phases is not None and "to_queue" in phases:
+                    queues[kind].append(phases["to_queue"])
         out = {
             "pairs": args.back_to_back,
             "settled_ttft_s": statistics.median(settled),
             "back_to_back_ttft_s": statistics.median(at_once),
-            "extra_ms": ms([b - a for a, b in zip(settled, at_once)]),
+            "extra_ms": median_ms([b - a for a, b in zip(settled, at_once)]),
         }
         if queues["settled"] and queues["back_to_back"]:
-            out["to_queue_ms"] = {kind: ms(xs) for kind, xs in queues.items()}
+            out["to_queue_ms"] = {kind: median_ms(xs) for kind, xs in queues.items()}
         return out
 
     profiler_warm: list[bool] = []  # the throwaway first profile has run
