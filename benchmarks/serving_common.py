@@ -196,6 +196,15 @@ PHASES = {
 }
 
 
+def settle(last_answer: float, settle_ms: float) -> None:
+    """Sleep until ``settle_ms`` after ``last_answer`` (``time.perf_counter``): a server works on
+    for a few ms after it answers, and a prompt sent meanwhile waits for that, so TTFT scripts
+    send every timed prompt the same gap after the answer before it."""
+    wait = last_answer + settle_ms / 1e3 - time.perf_counter()
+    if wait > 0:
+        time.sleep(wait)
+
+
 def phases_of(meta: dict, sent: float, ttft: float) -> dict[str, float] | None:
     """Seconds per phase of :data:`PHASES`; None without SGLang's timestamps."""
     at = dict(meta, sent=sent, first_token=sent + ttft)

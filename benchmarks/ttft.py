@@ -405,9 +405,7 @@ def child(args) -> None:
         The scheduler works on for a few ms after an answer, and a prompt that arrives then
         waits for it: a fixed gap gives every kind of prompt the same wait."""
         if settle:
-            wait = answered[0] + args.settle_ms / 1e3 - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
+            common.settle(answered[0], args.settle_ms)
         sent, t0 = time.time(), time.perf_counter()
         answer = engine.generate(input_ids=ids, sampling_params=sampling)
         answered[0] = time.perf_counter()

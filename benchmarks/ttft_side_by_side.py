@@ -127,7 +127,7 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
     one = {"temperature": 0.0, "max_new_tokens": 1}
-    settle = getattr(args, "settle_ms", SETTLE_MS) / 1e3
+    settle_ms = getattr(args, "settle_ms", SETTLE_MS)
     answered: dict[str, float] = {}  # server -> when it last answered (perf_counter)
     profiled = set(filter(None, (getattr(args, "profile_points", "") or "").split(",")))
     profiler_warm: set[str] = set()  # servers whose discarded first profile has run
@@ -161,9 +161,7 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                 payload["sampling_params"] = {**one, "custom_params": NEUTRAL_PARAMS}
             elif mark:
                 payload["redknot_segments"] = spans
-            wait = answered.get(server, 0.0) + settle - time.perf_counter()
-            if wait > 0:  # the same gap after this server's last answer for every row
-                time.sleep(wait)
+            common.settle(answered.get(server, 0.0), settle_ms)  # after this server's answer
             sent = time.time()
             out = stream_generate(urls[server], payload, timeout=300)
             answered[server] = time.perf_counter()
