@@ -9,8 +9,11 @@ of ``--length / --segments`` tokens; a prompt of one fresh token, those segments
 ``--question`` is started ``--reps`` times marked and as many unmarked, with the gate of
 ``--policy`` under the shipped record of ``--device`` (the 8B shape), and the median of each is
 reported. A marked prompt is timed twice: with its layout's reuse time remembered by the gate
-(``marked``: a server's repeated prompt shape) and predicted afresh (``marked_new_layout``). No
-CUDA: the gate's correction by measured forward times is off.
+(``marked``: a server's repeated prompt shape) and predicted afresh (``marked_new_layout``).
+With ``--measured`` the gate's correction by measured forward times is on, as under
+``--redknot-reuse-gate auto`` on one GPU: its windows full of forwards of the prompt's size,
+and before every prompt one more forward read back the way the server does once a batch's
+answers are out (not timed; stand-in clock markers, no CUDA).
 
     python benchmarks/reuse_start_cost.py --out benchmarks/results/reuse_start_cost.json
 """
@@ -80,6 +83,52 @@ def world(doc_tokens: int, segments: int):
     return cache, docs
 
 
+class _Marker:
+    """A stand-in for the gate's CUDA event: reached at once, ``at`` ms."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_ms(self, end: _Marker) -> float:
+        return end.at - self.at
+
+
+def measured_forwards(gate, computed: int, rng: random.Random):
+    """Turn ``gate``'s correction on with its windows full of recomputing and reusing forwards
+    of ``computed`` tokens (0.9-1.1x the record); the callable returned times one more
+    recomputing forward and reads it back as the server does after a batch's answers
+    (``harvest(warm=True)`` where the timer has it)."""
+    import inspect
+
+    from redknot.costmodel.measured import WINDOW, ForwardTimer, MeasuredCorrection, TimedForward
+    from redknot.costmodel.model import PromptWork
+
+    now = [0.0]
+    timer = gate.timer = ForwardTimer(MeasuredCorrection(), gate.predict, lambda: _Marker(now[0]))
+    warm = "warm" in inspect.signature(timer.harvest).parameters
+    plain = TimedForward("recompute", (PromptWork(computed),), computed)
+    reused = TimedForward("reuse", (PromptWork(computed, 0, ((1, computed - 1),)),), computed)
+
+    def forward(timed) -> None:
+        begin = timer.start()
+        now[0] += gate.predict(timed) * rng.uniform(0.9, 1.1)
+        timer.finish(begin, timed)
+
+    for timed in (plain, reused):
+        for _ in range(WINDOW + 1):  # the first of a size is dropped
+            forward(timed)
+    timer.harvest()
+
+    def between() -> None:
+        forward(plain)
+        timer.harvest(warm=True) if warm else timer.harvest()
+
+    return between
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--length", type=int, default=1024, help="segment tokens in the prompt")
@@ -88,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="cacheblend")
     ap.add_argument("--device", default="NVIDIA H200", help="whose shipped cost record")
     ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument(
+        "--measured",
+        action="store_true",
+        help="the gate's correction by measured forwards on (module docstring)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     # the per-request decision lines are written, as a server writes them, to nowhere
@@ -118,6 +172,8 @@ def measure(args) -> int:
     cache.pool.reuse_gate = ReuseGate(ReuseCostModel(costs, recovery, record))
     cache.pool.reuse_policy = args.policy
     rng = random.Random(1)
+    between = measured_forwards(cache.pool.reuse_gate, 1 + args.length + args.question, rng) if (
+        args.measured) else (lambda: None)  # fmt: skip
 
     def request(marked: bool):
         ids, marks = [rng.randrange(100, 120000)], []
@@ -140,6 +196,7 @@ def measure(args) -> int:
             req = request(kind != "unmarked")
             if kind == "marked_new_layout":
                 gate._reuse_ms.cache_clear()
+            between()
             t0 = time.perf_counter()
             reuse.start(cache, req)
             took = time.perf_counter() - t0
@@ -158,7 +215,7 @@ def measure(args) -> int:
     }
     common.write_json(args.out, common.record(
         length=args.length, segments=args.segments, question=args.question, policy=args.policy,
-        cost_record=args.device, reps=args.reps, **figures,
+        cost_record=args.device, reps=args.reps, measured=args.measured, **figures,
     ))  # fmt: skip
     print(figures)
     return 0

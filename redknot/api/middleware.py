@@ -54,6 +54,14 @@ ALLOWED = {"/v1/chat/completions": (NAMESPACE_KEY, CAPTURE_FIELD, AUTO_FIELD)}
 _TRIGGERS = (RESERVED_PREFIX.encode(), "\U000f0000".encode()[:3], b"\\u")
 
 
+def _may_mark(body: bytes) -> bool:
+    """Whether ``body`` holds one of :data:`_TRIGGERS`. A pattern is looked for only when its
+    first byte occurs: CPython finds one byte with ``memchr`` and a longer pattern far slower,
+    and every unmarked body is scanned (a body of 6K token ids, 35 KB: 0.084 ms for the three
+    patterns on a CPU development machine, 0.020 ms so)."""
+    return any(t[:1] in body and t in body for t in _TRIGGERS)
+
+
 def error_body(message: str, status: int = 400) -> bytes:
     return orjson.dumps(
         {"error": {"message": message, "type": "invalid_request_error", "code": status}}
@@ -93,7 +101,7 @@ class SegmentMarkupMiddleware:
     async def _serve(self, scope, receive, send, body: bytes, api, pending: list) -> None:
         path = scope.get("path")
         auto = api is not None and api.auto.enabled
-        triggered = api is not None and any(t in body for t in _TRIGGERS)
+        triggered = api is not None and _may_mark(body)
         if api is not None and (auto or triggered or api.chat.enabled):
             try:
                 await api.learn_gate()  # once per server

@@ -66,6 +66,10 @@ class MeasuredCorrection:
         self._seen: set[tuple[str, int]] = set()  # (path, size class) with a forward before
         self._lock = threading.Lock()
         self.dropped = 0  # first forwards of a size class, and ratios outside RATIO_RANGE
+        # ratios(tokens) since the last sample kept: a decision is on the marked request's way
+        # to its prefill, where filtering both windows took ~35 us of host (ForwardTimer.harvest
+        # fills this for the sizes it reads back, off that way)
+        self._memo: dict[int, tuple[float, float]] = {}
 
     def add(self, path: str, tokens: int, measured_ms: float, predicted_ms: float) -> None:
         """One forward's time. The first of each path in each size class (a power of two of
@@ -83,6 +87,7 @@ class MeasuredCorrection:
                 self.dropped += 1
                 return
             self._samples[path].append(Sample(tokens, ratio))
+            self._memo.clear()
 
     def _ratio(self, path: str, tokens: int) -> float | None:
         """The path's ratio at ``tokens``: the median of its forwards within :data:`NEAR` of
@@ -104,7 +109,13 @@ class MeasuredCorrection:
         """``(reuse, recompute)`` factors on the record's predictions for a prompt computing
         ``tokens`` tokens (1.0 each while nothing of that size was measured)."""
         with self._lock:
-            reuse, plain = self._ratio("reuse", tokens), self._ratio("recompute", tokens)
+            known = self._memo.get(tokens)
+            if known is None:
+                known = self._memo[tokens] = self._ratios(tokens)
+        return known
+
+    def _ratios(self, tokens: int) -> tuple[float, float]:
+        reuse, plain = self._ratio("reuse", tokens), self._ratio("recompute", tokens)
         if reuse is None and plain is None:
             return 1.0, 1.0
         # a way not measured at this size errs towards recomputing: reuse at least as slow as
@@ -153,12 +164,14 @@ class ForwardTimer:
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
 
-    def harvest(self) -> int:
+    def harvest(self, *, warm: bool = False) -> int:
         """Read back every finished forward, oldest first; the number read (0 also while another
-        thread reads them)."""
+        thread reads them). ``warm``: then work out the correction's ratios at each read
+        forward's size, so that a decision for a prompt of that size finds them (called so
+        after a batch's answers are out: ``redknot.integration.plugin``)."""
         if not self._harvesting.acquire(blocking=False):
             return 0
-        n = 0
+        read = []
         try:
             while self._pending:
                 begin, end, forward = self._pending[0]
@@ -167,10 +180,13 @@ class ForwardTimer:
                 self._pending.popleft()
                 ms = begin.elapsed_ms(end)
                 self.correction.add(forward.path, forward.tokens, ms, self.predict(forward))
-                n += 1
+                read.append(forward.tokens)
         finally:
             self._harvesting.release()
-        return n
+        if warm:
+            for tokens in set(read):
+                self.correction.ratios(tokens)
+        return len(read)
 
 
 class _CudaMarker:

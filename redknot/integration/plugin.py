@@ -162,6 +162,20 @@ def _around_model_forward(original, self, forward_batch, *args, **kwargs):
     return result
 
 
+def _after_batch_result(result, self, batch, *args, **kwargs):
+    """A prefill batch's answers are out: the reuse gate reads its forwards' times back now and
+    works out its correction at their sizes (:meth:`ForwardTimer.harvest` with ``warm``), so
+    that the next marked request of a size served before finds them instead of computing them
+    on its way to its prefill."""
+    mode = getattr(batch, "forward_mode", None)
+    if mode is None or not mode.is_extend():
+        return
+    gate = getattr(getattr(getattr(self, "tree_cache", None), "pool", None), "reuse_gate", None)
+    timer = getattr(gate, "timer", None)
+    if timer is not None:
+        timer.harvest(warm=True)
+
+
 def _after_forward_batch_init(result, cls, batch, *args, **kwargs):
     """Every forward batch carries its requests' slots on the host (``redknot_req_slots``, read
     by :func:`redknot.attention.slots.request_slots`): the backend plans a batch's segment work
@@ -205,6 +219,9 @@ HOOKS: tuple[Hook, ...] = (
         "sglang.srt.model_executor.model_runner.ModelRunner.forward",
         "AROUND",
         _around_model_forward,
+    ),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.process_batch_result", "AFTER", _after_batch_result
     ),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", "AROUND", _around_req_slot_alloc),
     Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free", "AFTER", _after_req_slot_free),

@@ -158,47 +158,41 @@ def start(cache: Any, req: Any) -> None:
         _report(req, cache.pool, 0, 0, [])
         return
     store = cache.segments
-    try:
-        found = list(zip(marks, store.lookup_ids(
+    try:  # each hit's serial: its entry is made only if the request reads it
+        found = list(zip(marks, store.find_ids(
             [(mark.namespace, mark.segment_id, mark.num_tokens) for mark in marks]
         )))  # fmt: skip
     except SegmentError as e:  # a namespace the store refuses (marks set past the API)
         logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
         return
-    hits = sum(1 for _, entry in found if entry)
+    hits = sum(1 for _, serial in found if serial is not None)
     # a hit inside the exact-prefix hit reads nothing (SGLang's prefix cache serves those
-    # tokens): not held, and the extend stays off the reuse kernels
-    uses = [
-        SegmentUse(mark.start, entry, prompt_len)
-        for mark, entry in found
-        if entry and mark.start + entry.num_tokens > prefix
-    ]  # fmt: skip
+    # tokens): not held, and the extend stays off the reuse kernels (a hit is as long as its
+    # mark: the lookup matched the length)
+    held = [(mark, serial) for mark, serial in found if serial is not None and mark.end > prefix]
+    uses: list[SegmentUse] = []
     if hopeless is not None:
-        if uses:
+        if held:
             gate.count_recomputed()
             _recomputed(req, hopeless)
-        uses = []
-    else:
-        if uses and getattr(cache.pool, "reuse_policy", None) == "samkv":
-            _samkv_declined(req)  # served as a shorter prompt, or not reused at all
-            uses = []
-        if uses and not _pays(cache, req, uses):
-            uses = []
-        if uses:
-            try:  # this request reads their K/V: the ids must name its tokens
-                check_ids(req.origin_input_ids, marks)
-            except SegmentMarkError as e:
-                logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
-                if gate is not None:  # decided to reuse, served without
-                    gate.count_ignored()
-                req.redknot_reuse = None
-                return
-            for use in uses:
-                store.acquire(use.entry)
-            cache.pool.segment_reads[req.req_pool_idx] = uses
+    elif held and getattr(cache.pool, "reuse_policy", None) == "samkv":
+        _samkv_declined(req)  # served as a shorter prompt, or not reused at all
+    elif held and _pays(cache, req, [(mark.start, mark.num_tokens) for mark, _ in held]):
+        try:  # this request reads their K/V: the ids must name its tokens
+            check_ids(req.origin_input_ids, marks)
+        except SegmentMarkError as e:
+            logger.warning("redknot: segment marks of request %s ignored: %s", req.rid, e)
+            if gate is not None:  # decided to reuse, served without
+                gate.count_ignored()
+            req.redknot_reuse = None
+            return
+        uses = [SegmentUse(mark.start, store.entry_of(serial), prompt_len) for mark, serial in held]
+        for use in uses:
+            store.acquire(use.entry)
+        cache.pool.segment_reads[req.req_pool_idx] = uses
     stored = []
     if due:  # after the reads are held: making room for these never evicts them
-        missed = {mark.start for mark, entry in found if entry is None}
+        missed = {mark.start for mark, serial in found if serial is None}
         due = [mark for mark in due if mark.start in missed]
         stored = registration.store_in_place(cache, req, due, prefix)
     _report(req, cache.pool, len(marks), hits, uses, stored)
@@ -291,16 +285,16 @@ def _prefix_len(req: Any) -> int:
     return 0 if indices is None else len(indices)
 
 
-def _pays(cache: Any, req: Any, uses: list[SegmentUse]) -> bool:
-    """The reuse gate's decision for ``req`` (``redknot.costmodel.gate``; no gate: reuse). A
-    request served without reuse is logged with the reason and marked ``redknot_reuse``."""
+def _pays(cache: Any, req: Any, hits: list[tuple[int, int]]) -> bool:
+    """The reuse gate's decision for ``req`` with its segment ``hits`` (start in the prompt,
+    tokens) (``redknot.costmodel.gate``; no gate: reuse). A request served without reuse is
+    logged with the reason and marked ``redknot_reuse``."""
     gate = getattr(cache.pool, "reuse_gate", None)
     if gate is None:
         return True
     from redknot.costmodel.gate import work_of
 
     prompt_len = len(req.origin_input_ids)
-    hits = [(u.start, u.entry.num_tokens) for u in uses]
     decision = gate.decide(work_of(prompt_len, len(req.prefix_indices), hits))
     if not decision.reuse:
         _recomputed(req, decision)

@@ -96,6 +96,26 @@ def test_escaped_markup_is_read(make_api, client, bpe_tokenizer, raw, message):
     assert len(api.tokenizer_manager.received) == before
 
 
+def test_the_byte_scan_finds_each_spelling_of_markup_and_nothing_else():
+    """The scan that decides whether a body is parsed: each trigger alone is found wherever it
+    lies, and a body holding only a trigger's first byte (a backslash escape, an "r", another
+    four-byte character) is not."""
+    from redknot.api.middleware import _TRIGGERS, _may_mark
+
+    ids = b'{"input_ids": [' + b", ".join(str(i).encode() for i in range(2000)) + b"]"
+    for trigger in _TRIGGERS:
+        for body in (trigger + ids + b"}", ids + b', "k": "' + trigger + b'"}'):
+            assert _may_mark(body), (trigger, body[-40:])
+    for near in (
+        b'"a\\nb\\"',
+        b'"return_logprob": true',
+        "\U000f1000".encode(),
+        "\U00010000".encode(),
+    ):
+        assert not _may_mark(ids + b', "k": ' + near + b"}"), near
+    assert _may_mark(ids + b', "text": "a\\u00e9"}')
+
+
 @pytest.mark.parametrize(
     "content_type", ["application/vnd.api+json", "application/merge-patch+json", "APPLICATION/JSON"]
 )

@@ -149,9 +149,10 @@ def _start(monkeypatch, gate, hit: bool = True, prefix: int = 0, forged: bool = 
     entry = SimpleNamespace(num_tokens=100, namespace="n")
     calls = []
     segments = SimpleNamespace(
-        lookup_ids=lambda keys: [
-            calls.append(("lookup", *key)) or (entry if hit else None) for key in keys
+        find_ids=lambda keys: [
+            calls.append(("lookup", *key)) or (7 if hit else None) for key in keys
         ],
+        entry_of=lambda serial: calls.append(("entry", serial)) or entry,
         acquire=lambda e: calls.append(("acquire", e)),
         release=lambda e: calls.append(("release", e)),
     )  # fmt: skip
@@ -187,7 +188,9 @@ def test_start_applies_the_gate(monkeypatch, pays):
     assert verified == ([False, True] if pays else [False])
     assert gate.seen[0].segments == ((10, 100),) and gate.seen[0].computed == 300
     assert (3 in cache.pool.segment_reads) == pays
-    assert calls == [("lookup", "n", "0" * 32, 100)] + ([("acquire", entry)] if pays else [])
+    # a refused request's hit is looked up, never made into an entry
+    read = [("entry", 7), ("acquire", entry)]
+    assert calls == [("lookup", "n", "0" * 32, 100)] + (read if pays else [])
     assert report["gate"]["decision"] == ("reuse" if pays else "recompute")
     assert report["reused_tokens"] == (100 if pays else 0)
     assert report["segments_hit"] == 1
@@ -221,7 +224,8 @@ def test_a_segment_inside_the_exact_prefix_hit_is_not_held(monkeypatch, prefix, 
     cache, report, calls, _, entry = _start(monkeypatch, gate, prefix=prefix)
     assert report["segments_hit"] == 1
     assert (3 in cache.pool.segment_reads) == held
-    assert calls == [("lookup", "n", "0" * 32, 100)] + ([("acquire", entry)] if held else [])
+    read = [("entry", 7), ("acquire", entry)]
+    assert calls == [("lookup", "n", "0" * 32, 100)] + (read if held else [])
     assert len(gate.seen) == int(held)
     assert report["reused_tokens"] == (110 - prefix if held else 0)
     assert report["segments"] == ([{"namespace": "n", "start": 10, "tokens": 100}] if held else [])

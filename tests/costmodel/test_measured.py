@@ -161,6 +161,35 @@ def test_a_forward_is_read_back_only_once_reached_and_in_order():
     assert timer.harvest() == 0
 
 
+def test_a_warm_harvest_works_the_ratios_out_before_a_decision_asks():
+    """After a batch's answers the timer reads its forwards back and works out the ratios at
+    their sizes (``warm``): a decision for that size then filters no window. A forward read
+    back later drops what was worked out, so no decision takes a stale ratio."""
+    clock = Clock()
+    correction = warmed(("reuse", 1089), ("recompute", 1089))
+    for _ in range(MIN_SAMPLES):
+        correction.add("recompute", 1089, 9.0, 10.0)
+    worked = []
+    original = correction._ratios
+    correction._ratios = lambda tokens: worked.append(tokens) or original(tokens)
+    timer = ForwardTimer(correction, lambda f: 10.0, clock)
+
+    def forward(path: str, ms: float, work: PromptWork) -> None:
+        begin = timer.start()
+        clock.now += ms
+        timer.finish(begin, TimedForward(path, (work,), 1089))
+        clock.reach_all()
+
+    forward("recompute", 9.0, PromptWork(1089))
+    assert timer.harvest(warm=True) == 1 and worked == [1089]
+    assert correction.ratios(1089) == pytest.approx((1.0, 0.9)) and worked == [1089]
+    assert correction.ratios(8000) == (1.0, 1.0) and worked == [1089, 8000]
+    for _ in range(MIN_SAMPLES):  # reuse measured slow at this size: the next ask sees it
+        forward("reuse", 30.0, prompt(128))
+        timer.harvest()
+    assert correction.ratios(1089) == pytest.approx((3.0, 0.9)) and worked[-1] == 1089
+
+
 def test_measured_slow_reuse_turns_a_reuse_decision_into_recompute(tmp_path):
     """EPIC at 2K x 8 on the 8B shape: the record reuses it. Forwards of that size measured
     twice the record's prediction when reusing and as predicted when recomputing: the gate
@@ -329,3 +358,27 @@ def test_cuda_markers_time_work_on_the_current_stream():
     torch.cuda.synchronize()
     assert begin.query() and end.query()
     assert begin.elapsed_ms(end) > 0.0
+
+
+def test_the_batch_result_hook_reads_the_forward_back_and_warms_its_size(tmp_path):
+    """Once a prefill batch's answers are out the scheduler's hook reads its timed forward
+    back and works out the ratios at its size; after a decode batch it does nothing."""
+    from redknot.integration.plugin import _after_batch_result, _around_model_forward
+
+    clock, gate, pool, runner = _served(tmp_path)
+
+    def forward(self, batch, **kwargs):
+        clock.now += 40.0
+        return "logits"
+
+    extend = _batch("EXTEND", [3], [0], [265])
+    _around_model_forward(forward, runner, extend)
+    clock.reach_all()
+    scheduler = SimpleNamespace(tree_cache=SimpleNamespace(pool=pool))
+    assert _after_batch_result(None, scheduler, _batch("DECODE", [3], [0], [1]), None) is None
+    assert len(gate.timer._pending) == 1 and not gate.timer.correction._memo
+    assert _after_batch_result(None, scheduler, extend, None) is None
+    assert not gate.timer._pending and gate.timer.correction.counts()["reuse"] == 1
+    assert list(gate.timer.correction._memo) == [265]
+    idle = SimpleNamespace(tree_cache=SimpleNamespace(pool=SimpleNamespace(reuse_gate=None)))
+    assert _after_batch_result(None, idle, extend, None) is None

@@ -328,6 +328,16 @@ def test_a_requests_lookups_find_what_each_lookup_finds_and_count_once_per_names
                                     ("c", 0, 1, 0, 0)]  # fmt: skip
     assert len(one_by_one.observer.calls) == len(keys)
     assert store.lookup_ids([]) == [] and store.observer.calls[-1][0] == "c"
+    # find_ids (the scheduler's lookups before the gate decides): the same lookups, counts and
+    # recency, each hit's entry made on demand
+    by_serial, _ = world()
+    serials = by_serial.find_ids(keys)
+    assert [s is not None for s in serials] == [True, True, True, False, False, False]
+    made = [by_serial.entry_of(s) for s in serials if s is not None]
+    assert [e.id for e in made] == [e.id for e in want if e]
+    assert [e.num_tokens for e in made] == [e.num_tokens for e in want if e]
+    assert by_serial.stats() == one_by_one.stats() and list(by_serial._lru) == list(store._lru)
+    assert by_serial.observer.calls == store.observer.calls[:3]
     before, order = store.stats(), list(store._lru)
     with pytest.raises(SegmentError, match="at most 256"):  # nothing looked up or counted
         store.lookup_ids([keys[0], ("x" * 300, "0" * 32, 4)])
