@@ -11,8 +11,9 @@ server recomputes faster.
 Under ``--redknot-reuse-gate auto`` (the default) the server times every extend forward it runs
 (CUDA events read back when reached, never waited for: from the allocation of the request's
 slot, where its segments are looked up, for a request's first extend, else from the forward's
-start, to the forward's end; ``redknot.integration.plugin``) and keeps, per
-path, the ratio of the measured time to the record's prediction for that forward:
+start, to the forward's end; ``redknot.integration.plugin``; read back after each prefill
+batch's answers are out, and at the next forward or decision) and keeps, per path, the ratio of
+the measured time to the record's prediction for that forward:
 ``reuse`` (every request of the batch reused its hits) and ``recompute`` (none had any). A
 decision for a prompt computing ``n`` tokens scales each path's prediction by the median ratio
 of that path's recent forwards of ``n / 1.25`` to ``1.25 n`` tokens (:data:`NEAR`), once there
