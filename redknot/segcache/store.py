@@ -197,9 +197,10 @@ class SegmentStore:
         return [None if s is None else self.entry_of(s) for s in self.find_ids(keys)]
 
     def find_ids(self, keys: Sequence[tuple[str, str, int]]) -> list[int | None]:
-        """:meth:`lookup_ids` giving each hit's serial (:meth:`entry_of` makes its entry, while
-        nothing ran on the store since) instead of its entry: a request the reuse gate serves
-        without its hits needs no entry, and making them cost ~2 us each."""
+        """:meth:`lookup_ids` giving each hit's serial instead of its entry (:meth:`entry_of`
+        makes the entry, as long as nothing has run on the store since): a request the reuse
+        gate serves without its hits needs none, and making eight took an eighth of the host time
+        of its lookups and decision (``benchmarks/reuse_start_cost.py``)."""
         namespaces = [check_namespace(namespace) for namespace, _, _ in keys]
         out: list[int | None] = []
         tally: dict[str, list[int]] = {}  # namespace -> [hits, misses, hit tokens]
