@@ -30,6 +30,9 @@ RECALL = {  # selection -> result of benchmarks/lfps_recall.py on SmolLM2's atte
 DECODE = {  # result of benchmarks/lfps_decode.py -> the selections taken from it
     "lfps_decode.json": ("kv_head", "query_head"),
     "lfps_decode_union.json": ("kv_head_union",),
+    # an H200's, timing the Top-K's early exit (TOPK_EARLY_EXIT), on by default since that run:
+    # its LFPS figures are the step with it (ms_lfps_topk_early_*)
+    "lfps_decode_topk_early_h200.json": ("kv_head",),
 }
 SERVE = ("lfps_serve.json", "lfps_serve_union.json", "lfps_serve_union_t32k.json")
 HOST = "lfps_decode_host.json"
@@ -75,13 +78,17 @@ def decode(results: Path, sources: dict) -> tuple[dict, dict]:
             point = table.setdefault(name, {}).setdefault(f"{r['L']}x{r['B']}", {})
             point["full"] = round(r["ms_full"], 4)
             for sel in selections:
-                for method in ("topk", "lfps"):
-                    ms = r.get(f"ms_{method}_{sel}")
+                # the default step: with the Top-K's early exit where the run timed it apart
+                lfps = "lfps_topk_early" if f"ms_lfps_topk_early_{sel}" in r else "lfps"
+                for method, key in (("topk", "topk"), ("lfps", lfps)):
+                    ms = r.get(f"ms_{key}_{sel}")
                     if ms is not None:
                         point[f"{method}_{sel}"] = round(ms, 4)
-                if r["L"] == LONG and r["B"] == BATCH and r.get(f"speedup_lfps_{sel}"):
-                    speedup = r[f"speedup_lfps_{sel}"]
-                    verdict[sel] = {"speedup": round(speedup, 2), "source": name,
+                if r["L"] == LONG and r["B"] == BATCH and r.get(f"speedup_{lfps}_{sel}"):
+                    speedup = r[f"speedup_{lfps}_{sel}"]
+                    # one entry per selection and device (the first device's named plainly)
+                    key = sel if sel not in verdict else f"{sel} ({data['device']})"
+                    verdict[key] = {"speedup": round(speedup, 2), "source": name,
                                     "met": speedup >= SPEEDUP_TARGET,
                                     "device": data["device"]}  # fmt: skip
     return table, verdict

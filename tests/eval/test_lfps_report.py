@@ -24,6 +24,16 @@ def test_the_report_copies_each_figure_from_its_source():
     assert report["decode_attention_ms"]["lfps_decode_union.json"]["131072x8"][
         "lfps_kv_head_union"
     ] == round(row["ms_lfps_kv_head_union"], 4)
+    h200 = json.loads((lfps_report.RESULTS / "lfps_decode_topk_early_h200.json").read_text())
+    row = next(r for r in h200["rows"] if (r["L"], r["B"]) == (131072, 8))
+    # the H200's figure is the default step's, with the Top-K's early exit
+    assert targets[1]["kv_head (NVIDIA H200)"] == {
+        "speedup": round(row["speedup_lfps_topk_early_kv_head"], 2), "met": False,
+        "source": "lfps_decode_topk_early_h200.json", "device": "NVIDIA H200"}  # fmt: skip
+    assert targets[1]["kv_head"]["device"] == "NVIDIA H100 80GB HBM3"
+    assert report["decode_attention_ms"]["lfps_decode_topk_early_h200.json"]["131072x8"] == {
+        "full": round(row["ms_full"], 4), "topk_kv_head": round(row["ms_topk_kv_head"], 4),
+        "lfps_kv_head": round(row["ms_lfps_topk_early_kv_head"], 4)}  # fmt: skip
     recall = json.loads((lfps_report.RESULTS / "lfps_recall_kv_head.json").read_text())
     worst = min(r["recall"] for r in recall["rows"] if r["data"] != "synthetic")
     assert targets[0]["kv_head"] == {"worst": round(worst, 4), "met": worst >= 0.85,
