@@ -30,8 +30,8 @@ RECALL = {  # selection -> result of benchmarks/lfps_recall.py on SmolLM2's atte
 DECODE = {  # result of benchmarks/lfps_decode.py -> the selections taken from it
     "lfps_decode.json": ("kv_head", "query_head"),
     "lfps_decode_union.json": ("kv_head_union",),
-    # an H200's, timing the Top-K's early exit (TOPK_EARLY_EXIT), on by default since that run:
-    # its LFPS figures are the step with it (ms_lfps_topk_early_*)
+    # an H200 run that timed the Top-K's early exit apart (TOPK_EARLY_EXIT, on by default
+    # since): its LFPS figures are the step with the early exit (ms_lfps_topk_early_*)
     "lfps_decode_topk_early_h200.json": ("kv_head",),
 }
 SERVE = ("lfps_serve.json", "lfps_serve_union.json", "lfps_serve_union_t32k.json")
