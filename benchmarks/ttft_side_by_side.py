@@ -311,10 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
 
         def write(results: dict, complete: bool = False) -> None:
-            served = {}  # what each redknot server said it serves, and why (its startup log)
-            for name in servers:
+            served = {}  # what each redknot server said it serves and why, and what its reuse
+            for name in servers:  # gate measured at startup (its log)
                 log = (gm.OUT / f"server_{gm.plain(name)}.log").read_text(errors="replace")
-                served[name] = [x for x in log.splitlines() if "redknot: serv" in x][:3]
+                said = ("redknot: serv", "reuse gate calibrat", "gate is not calibrated")
+                served[name] = [x for x in log.splitlines() if any(s in x for s in said)][:4]
             common.write_json(args.out, common.record(
                 model=args.model, points=args.points, rounds=args.rounds,
                 question=args.question, settle_ms=args.settle_ms, complete=complete,

@@ -356,12 +356,22 @@ def _hash(ids: Sequence[int]) -> int:
 def gate_state(scheduler: Any) -> dict[str, Any]:
     """Scheduler side of control op ``gate``: whether the segment store holds anything, whether
     a reuse gate decides, its break-even (``None``: no segment length pays at
-    ``prompt_tokens``, or no gate), and the longest prompt it recomputes whatever it hits
-    (``recompute_up_to``, at most the model's ``context_len``; 0 without a gate)."""
+    ``prompt_tokens``, or no gate), the longest prompt it recomputes whatever it hits
+    (``recompute_up_to``, at most the model's ``context_len``; 0 without a gate), and its
+    startup calibration (:meth:`redknot.costmodel.gate.ReuseGate.calibration_plan`, up to the
+    context and the prefill chunk)."""
     cache = getattr(scheduler, "tree_cache", None)
     store = getattr(cache, "segments", None)
     gate = getattr(getattr(cache, "pool", None), "reuse_gate", None)
     context = getattr(getattr(scheduler, "model_config", None), "context_len", None)
+    limit = max(0, (context or 0) - 1)
+    chunk = getattr(getattr(scheduler, "server_args", None), "chunked_prefill_size", None)
+    if chunk and chunk > 0:  # a longer prompt runs in chunks, each timed as its own forward
+        limit = min(limit, chunk)
+    plan = gate.calibration_plan(limit) if gate is not None and limit else []
+    timer = getattr(gate, "timer", None)
+    if timer is not None:
+        timer.harvest()  # forwards reached since the last batch's answers
     return {
         "store_enabled": bool(getattr(store, "enabled", False)),
         "gate": gate is not None,
@@ -371,6 +381,12 @@ def gate_state(scheduler: Any) -> dict[str, Any]:
         "prompt_tokens": GATE_PROMPT_TOKENS,
         "recompute_up_to": 0 if gate is None or not context else gate.recomputed_up_to(context),
         "context_len": context,
+        # startup calibration (redknot.api.gate_warmup): prompts to recompute, and the
+        # recompute ratio measured at each of their sizes so far (None: not yet)
+        "calibrate": plan,
+        "recompute_ratios": [
+            [n, timer.correction.measured("recompute", n)] for n, _ in plan if timer is not None
+        ],
     }
 
 

@@ -94,3 +94,6 @@ def before_setup_http_server(server_args: Any, tokenizer_manager: Any, *args: An
         logger.info("redknot: segment request API installed (%s, /generate markup)", PREFIX)
         if not api.auto.enabled:
             logger.info(AUTO_OFF)
+        from redknot.api import gate_warmup
+
+        gate_warmup.install(server_args)

@@ -24,11 +24,26 @@ from typing import Any
 import torch
 
 from redknot.costmodel.host_probe import host_scale
-from redknot.costmodel.measured import ForwardTimer, MeasuredCorrection, TimedForward, cuda_marker
+from redknot.costmodel.measured import (
+    MIN_SAMPLES,
+    NEAR,
+    RATIO_RANGE,
+    ForwardTimer,
+    MeasuredCorrection,
+    TimedForward,
+    cuda_marker,
+)
 from redknot.costmodel.model import ModelCosts, PromptWork, Recovery, ReuseCostModel
 from redknot.costmodel.record import record_for
 
 logger = logging.getLogger(__name__)
+
+# Startup calibration (ReuseGate.calibration_plan): prompts of these sizes are recomputed once
+# the server is up, before it listens, so that the correction holds this server's recompute
+# time where a decision could turn on it. The largest size bounds the startup cost (~2 s for an
+# 8B model on an H100); longer prompts are corrected from the forwards they serve.
+CALIBRATION_TOKENS = (256, 8192)
+CALIBRATION_QUESTION = 64  # tokens of the best-case reusing prompt that are not reused
 
 
 @dataclass(frozen=True)
@@ -169,6 +184,47 @@ class ReuseGate:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.hopeless(mid) is not None else (lo, mid)
         return lo
+
+    def calibration_plan(self, limit: int) -> list[tuple[int, int]]:
+        """``(prompt tokens, how many)`` prompts to recompute at startup (no stored segment, no
+        prefix) so that the measured correction holds this server's recompute time before the
+        first marked request: none without a timer (``--redknot-reuse-gate record``, tensor
+        parallelism, no GPU). The sizes step by ``NEAR ** 2`` from the shortest prompt a hit
+        could make worth reusing up to ``min(limit, CALIBRATION_TOKENS[1])`` (the last step
+        shorter), so that every prompt between them is within ``NEAR`` of one (its ratio then
+        comes from those forwards, not from wider ones). A size is kept only where a measured
+        recompute could turn a decision: where the best-case reuse (all but a short question
+        reused, in one segment), at that size or at ``size / NEAR``, would be recomputed if
+        recomputing measured the lowest ratio the correction keeps (``RATIO_RANGE[0]`` of the
+        record). Each size gets ``MIN_SAMPLES`` forwards, one more
+        where it opens a size class (whose first forward the correction drops).
+
+        Why: the record can be far off for a model it was not fitted on. On SmolLM2's shape the
+        H200 record predicts recomputing 577 tokens in 22.4 ms where a server on SGLang's
+        prefill graph took 10.5, and the gate reused such prompts at 1.75-1.9x their recompute
+        until served recomputes corrected it (docs/performance.md)."""
+        if self.timer is None:
+            return []
+        lo, hi = CALIBRATION_TOKENS
+        hi = min(limit, hi)
+        n = max(lo, self.recomputed_up_to(hi) + 1)
+        floor = (1 - self.model.record.margin) * RATIO_RANGE[0]
+        plan, classes = [], set()
+
+        def turns(m: int) -> bool:
+            best = self._reuse_ms(work_of(m, 0, [(0, m - CALIBRATION_QUESTION)]))
+            return best > floor * self._plain_ms(m, 0)
+
+        while n <= hi:
+            # a size measures the prompts within NEAR of it: kept if its lower edge may turn
+            if turns(n) or turns(max(lo, int(n / NEAR))):
+                opens = n.bit_length() not in classes
+                classes.add(n.bit_length())
+                plan.append((n, MIN_SAMPLES + opens))
+            if n == hi:
+                break
+            n = min(hi, max(n + 1, int(n * NEAR * NEAR)))  # the last step ends at hi
+        return plan
 
     def count_recomputed(self) -> None:
         """A request with segment hits that :meth:`hopeless` answered."""

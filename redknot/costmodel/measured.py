@@ -127,6 +127,12 @@ class MeasuredCorrection:
             return max(plain, 1.0), plain
         return reuse, plain
 
+    def measured(self, path: str, tokens: int) -> float | None:
+        """The path's own ratio at ``tokens`` (as :meth:`ratios` finds it before the other
+        path stands in), None while too few of its forwards are near that size."""
+        with self._lock:
+            return self._ratio(path, tokens)
+
     def counts(self) -> dict[str, int]:
         with self._lock:
             return {path: len(s) for path, s in self._samples.items()}

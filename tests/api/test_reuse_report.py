@@ -170,6 +170,9 @@ class _HopelessGate:
     def min_segment_tokens(self, prompt_tokens=8192, question=64):
         return None
 
+    def calibration_plan(self, limit):  # no timer (as the record alone): nothing to measure
+        return []
+
     def count_recomputed(self):
         pass
 
