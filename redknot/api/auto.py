@@ -364,7 +364,9 @@ def gate_state(scheduler: Any) -> dict[str, Any]:
     store = getattr(cache, "segments", None)
     gate = getattr(getattr(cache, "pool", None), "reuse_gate", None)
     context = getattr(getattr(scheduler, "model_config", None), "context_len", None)
-    limit = max(0, (context or 0) - 1)
+    # the longest prompt SGLang takes (its scheduler refuses max_req_input_len tokens and more)
+    longest = getattr(scheduler, "max_req_input_len", None) or context or 0
+    limit = max(0, min(longest, context or longest) - 1)
     chunk = getattr(getattr(scheduler, "server_args", None), "chunked_prefill_size", None)
     if chunk and chunk > 0:  # a longer prompt runs in chunks, each timed as its own forward
         limit = min(limit, chunk)

@@ -16,8 +16,8 @@ ratios the gate measured. The scheduler times them like any other forward; nothi
 them is special, and their tokens stay in the radix cache as evictable leaves.
 
 It is added to the server's warmups (:func:`install`) unless ``--skip-server-warmup`` is given,
-or the server has several data-parallel ranks or tokenizer workers (each would calibrate its own
-share), or runs disaggregated. A plan can be empty: a gate that decides by the record alone, or
+or the server has several data-parallel ranks (each would measure a share of the prompts), or
+runs disaggregated (redknot refuses several tokenizer workers at startup). A plan can be empty: a gate that decides by the record alone, or
 one that recomputes every size the calibration would measure.
 """
 
@@ -43,13 +43,9 @@ def skip_reason(server_args: Any) -> str | None:
         return "--skip-server-warmup"
     if getattr(server_args, "disaggregation_mode", "null") != "null":
         return "a disaggregated server"
-    for name, flag in (
-        ("dp_size", "--dp-size"),
-        ("tokenizer_worker_num", "--tokenizer-worker-num"),
-    ):
-        value = getattr(server_args, name, 1) or 1
-        if value > 1:
-            return f"{flag} {value}"
+    dp_size = getattr(server_args, "dp_size", 1) or 1
+    if dp_size > 1:  # each rank would get a share of the prompts (and has no control path)
+        return f"--dp-size {dp_size}"
     return None
 
 
@@ -88,23 +84,34 @@ async def _calibrate(tokenizer_manager: Any) -> None:
 
     state = await control.call(tokenizer_manager, "gate")
     plan = [(int(n), int(k)) for n, k in state.get("calibrate") or ()]
+    longest = getattr(tokenizer_manager, "max_req_input_len", None)
+    if longest:  # SGLang refuses prompts of max_req_input_len tokens and more
+        plan = [(n, k) for n, k in plan if n < longest]
     if not plan:
         return
     vocab = int(tokenizer_manager.model_config.vocab_size)
     rng = np.random.default_rng(SEED)
-    began = time.perf_counter()
+    began, refused = time.perf_counter(), []
     for tokens, count in plan:
         for _ in range(count):
             req = GenerateReqInput(
                 input_ids=rng.integers(0, vocab, size=tokens).tolist(),
                 sampling_params={"max_new_tokens": 1, "temperature": 0.0},
             )
-            async for _ in tokenizer_manager.generate_request(req, None):
-                pass
+            try:
+                async for _ in tokenizer_manager.generate_request(req, None):
+                    pass
+            except ValueError as e:  # refused by SGLang: the other sizes are still measured
+                refused.append(f"{tokens} tokens: {e}")
     took = time.perf_counter() - began
+    if refused:
+        logger.warning(
+            "redknot: reuse gate calibration: %d of its prompts refused (first: %s)",
+            len(refused), refused[0],
+        )  # fmt: skip
     measured = (await control.call(tokenizer_manager, "gate")).get("recompute_ratios") or []
     ratios = [r for _, r in measured if r is not None]
-    sent = sum(k for _, k in plan)
+    sent = sum(k for _, k in plan) - len(refused)
     if not ratios:
         logger.warning(
             "redknot: reuse gate calibration: %d prompts of %d-%d tokens recomputed in %.1f s, "

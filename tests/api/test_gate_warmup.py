@@ -20,7 +20,13 @@ class CalibratedServer:
     record) and runs each prompt as one recompute forward timed at ``ratio`` of the record,
     as redknot's forward hook times it; records every request and how many ran at once."""
 
-    def __init__(self, ratio: float, context_len: int = 8192, chunk: int = 8192):
+    def __init__(
+        self,
+        ratio: float,
+        context_len: int = 8192,
+        chunk: int = 8192,
+        max_req_input_len: int | None = None,
+    ):
         self.gate, self.clock = timed_gate(SMOLLM2, "epic", "NVIDIA H200", chunk)
         self.ratio = ratio
         self.model_config = types.SimpleNamespace(vocab_size=49152)
@@ -34,6 +40,10 @@ class CalibratedServer:
             model_config=types.SimpleNamespace(context_len=context_len),
             server_args=types.SimpleNamespace(chunked_prefill_size=chunk),
         )
+        # SGLang's scheduler refuses prompts of max_req_input_len tokens and more
+        self.refuses_from = max_req_input_len or context_len
+        if max_req_input_len is not None:
+            scheduler.max_req_input_len = self.max_req_input_len = max_req_input_len
         self.received, self.running, self.most_at_once = [], 0, 0
 
         async def communicator(req):
@@ -43,6 +53,11 @@ class CalibratedServer:
 
     async def generate_request(self, obj, request=None):
         self.received.append(obj)
+        if len(obj.input_ids) >= self.refuses_from:  # as SGLang's validate_input_length
+            raise ValueError(
+                f"Input length ({len(obj.input_ids)} tokens) exceeds the maximum allowed "
+                f"length ({self.refuses_from} tokens)."
+            )
         self.running += 1
         self.most_at_once = max(self.most_at_once, self.running)
         await asyncio.sleep(0)  # another request could start here if the caller let it
@@ -139,3 +154,25 @@ def test_a_users_own_warmups_are_kept(sglang_plugins, model_dir, given, caplog):
     assert (
         skip.warmups is None and "not calibrated at startup (--skip-server-warmup)" in caplog.text
     )
+
+
+def test_the_calibration_stays_below_the_longest_prompt_sglang_takes(caplog):
+    """SGLang refuses prompts of ``max_req_input_len`` tokens and more, a few below the context
+    (2170 of 2176 on an H200 run, where the plan's last size, 2175 tokens, was refused and the
+    calibration was said to have failed): the plan stops below it, and a refused prompt costs
+    only its own size."""
+    server = CalibratedServer(ratio=0.5, context_len=2176, max_req_input_len=2170)
+    with caplog.at_level(logging.INFO):
+        asyncio.run(gate_warmup.calibrate("null", server))
+    sizes = {len(r.input_ids) for r in server.received}
+    assert max(sizes) == 2169 and "refused" not in caplog.text
+    assert "reuse gate calibrated" in caplog.text
+    # a scheduler that does not say its limit: the plan reaches the context, the tokenizer's
+    # limit (or SGLang's refusal) keeps the longest out, and the rest is measured
+    blind = CalibratedServer(ratio=0.5, context_len=2176)
+    blind.refuses_from = 2170
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        asyncio.run(gate_warmup.calibrate("null", blind))
+    assert "prompts refused (first: 2175 tokens" in caplog.text
+    assert "reuse gate calibrated" in caplog.text and "failed" not in caplog.text
