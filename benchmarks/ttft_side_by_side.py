@@ -99,6 +99,13 @@ def gate_of(meta: dict) -> str:
     return (report.get("gate") or {}).get("decision", "none")
 
 
+def gate_reason(meta: dict) -> str | None:
+    """The gate's reason in the answer's report (its predictions and measured factors), None
+    without a gate decision."""
+    report = reuse_report(meta)
+    return ((report or {}).get("gate") or {}).get("reason")
+
+
 UNMARKED = "-unmarked"  # row suffix: a redknot server's same prompt sent without markup
 PARAMS = "-params"  # row suffix: that unmarked prompt with a neutral ``custom_params``
 SETTLE_MS = 10.0  # a prompt leaves at least this long after its server's last answer
@@ -178,6 +185,9 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                         rows[row].setdefault("phase_samples", []).append(phases)
                     gate, decision = rows[row]["gate"], gate_of(meta)
                     gate[decision] = gate.get(decision, 0) + 1
+                    reason = gate_reason(meta)  # what the gate predicted, per sample
+                    if reason is not None:
+                        rows[row].setdefault("gate_reasons", []).append(reason)
 
         def under_profiler(server: str, mark, where: Path, prompts: int) -> list[float]:
             """TTFTs of ``prompts`` prompts to ``server`` traced into ``where``."""

@@ -77,7 +77,7 @@ class FakeServer:
                 }
                 if marked:
                     reused = 10 if fake.reuse else 0
-                    gate = None if fake.reuse else {"decision": "recompute"}
+                    gate = None if fake.reuse else {"decision": "recompute", "reason": "slower"}
                     meta["redknot_reuse"] = [{"reused_tokens": reused, "gate": gate}]
                 self.send_response(200)
                 self.end_headers()
@@ -126,6 +126,8 @@ def test_servers_take_turns_and_are_compared_round_by_round(servers):
     assert all(marked == (n in ("cacheblend", "epic")) for n, marked in prompts)
     assert "registration refused" in rows["plain"]["unmarked"]
     assert rows["cacheblend"]["gate"] == {"recompute": 4}
+    assert rows["cacheblend"]["gate_reasons"] == ["slower"] * 4  # each sample's, as reported
+    assert "gate_reasons" not in rows["epic"]
     assert rows["epic"]["gate"] == {"reuse": 4} and rows["flashinfer"]["gate"] == {"none": 4}
     assert len(rows["epic"]["samples"]) == 4
     assert rows["flashinfer"]["paired_speedup"] == 1.0
