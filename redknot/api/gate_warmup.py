@@ -17,8 +17,9 @@ them is special, and their tokens stay in the radix cache as evictable leaves.
 
 It is added to the server's warmups (:func:`install`) unless ``--skip-server-warmup`` is given,
 or the server has several data-parallel ranks (each would measure a share of the prompts), or
-runs disaggregated (redknot refuses several tokenizer workers at startup). A plan can be empty: a gate that decides by the record alone, or
-one that recomputes every size the calibration would measure.
+runs disaggregated (redknot refuses several tokenizer workers at startup). A plan can be empty:
+a gate that decides by the record alone, or one that recomputes every size the calibration
+would measure.
 """
 
 from __future__ import annotations

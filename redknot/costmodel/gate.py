@@ -196,8 +196,8 @@ class ReuseGate:
         recompute could turn a decision: where the best-case reuse (all but a short question
         reused, in one segment), at that size or at ``size / NEAR``, would be recomputed if
         recomputing measured the lowest ratio the correction keeps (``RATIO_RANGE[0]`` of the
-        record). Each size gets ``MIN_SAMPLES`` forwards, one more
-        where it opens a size class (whose first forward the correction drops).
+        record). Each size gets ``MIN_SAMPLES`` forwards, one more where it opens a size class
+        (whose first forward the correction drops).
 
         Why: the record can be far off for a model it was not fitted on. On SmolLM2's shape the
         H200 record predicts recomputing 577 tokens in 22.4 ms where a server on SGLang's

@@ -11,8 +11,9 @@ import types
 import pytest
 
 from redknot.api import control, gate_warmup
+from redknot.costmodel.measured import TimedForward
 from redknot.costmodel.model import PromptWork
-from tests.costmodel.test_calibration import SMOLLM2, TimedForward, timed_gate
+from tests.costmodel.test_calibration import SMOLLM2, timed_gate
 
 
 class CalibratedServer:
