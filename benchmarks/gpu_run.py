@@ -104,10 +104,11 @@ def bench_once(a, tree, env, suffix: str = "", runner_tree: Path | None = None) 
         summarise = tools / "scripts/diag_site/layer_timeline_summary.py"
         summary = py(summarise, timeline, "--out", gm.OUT / f"layer_timeline{suffix}.json")
         rc |= gm.run(summary, tree, env, f"layer_timeline{suffix}.log")
-    if "--profile-dir" in args:
-        for trace in sorted(Path(args[args.index("--profile-dir") + 1]).glob("*/*.trace.json.gz")):
-            out = gm.OUT / f"profile_{gm.plain(trace.parent.name)}{suffix}.json"
-            cmd = py(tools / "benchmarks/profile_summary.py", trace, "--top", "25", "--out", out)
+    if "--profile-dir" in args:  # one summary of every trace (the device returns 8 files)
+        traces = sorted(Path(args[args.index("--profile-dir") + 1]).glob("*/*.trace.json.gz"))
+        if traces:
+            out = gm.OUT / f"profile_{a.name}{suffix}.json"
+            cmd = py(tools / "benchmarks/profile_summary.py", *traces, "--top", "25", "--out", out)
             rc |= gm.run(cmd, tree, env, f"profile_summary{suffix}.log")
     return rc
 

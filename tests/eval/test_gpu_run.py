@@ -136,3 +136,33 @@ def test_the_first_half_of_an_ab_on_a_fresh_machine_gets_room_to_compile(tmp_pat
     limits.clear()
     gpu_run.job_ab(a, tmp_path, {})
     assert limits == [100, 100]
+
+
+def test_a_bench_jobs_profiles_are_summarised_into_one_file(tmp_path, monkeypatch):
+    """The traces a script left under its ``--profile-dir`` (one folder per row and point) come
+    back as one summary, keyed by folder and file: the device returns at most 8 files, and a
+    profiled side-by-side run with three servers' logs wrote 12 (its TTFT JSON was lost)."""
+    import gzip
+
+    script = tmp_path / "fake_bench.py"
+    script.write_text("import sys\n")  # the script's own work is not the point here
+    profiles = tmp_path / "prof"
+    for row in ("epic-512x4", "flashinfer-512x4"):
+        (profiles / row).mkdir(parents=True)
+        events = [{"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 10, "tid": 7}]
+        with gzip.open(profiles / row / "1-TP-0.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+    out = tmp_path / "out"
+    monkeypatch.setattr(gm, "OUT", out)
+    monkeypatch.setattr(gm, "unpack", lambda: (ROOT, {"PATH": "/usr/bin:/bin"}))
+    monkeypatch.setattr(gm, "script", lambda tree, name: script)
+    argv = ["bench", "fake_bench", "--profile-dir", str(profiles)]
+    assert gpu_run.main(argv) == 0
+    summaries = sorted(p.name for p in out.glob("profile_*.json"))
+    assert summaries == ["profile_fake_bench.json"]
+    traces = json.loads((out / "profile_fake_bench.json").read_text())["traces"]
+    assert set(traces) == {
+        "epic-512x4/1-TP-0.trace.json.gz",
+        "flashinfer-512x4/1-TP-0.trace.json.gz",
+    }
+    assert all(t["gpu_busy_ms"] == 0.01 for t in traces.values())
