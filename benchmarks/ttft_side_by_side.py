@@ -99,6 +99,18 @@ def gate_of(meta: dict) -> str:
     return (report.get("gate") or {}).get("decision", "none")
 
 
+def gate_state(url: str) -> dict | None:
+    """The server's ``redknot_reuse_gate`` in ``GET /server_info`` (decisions counted, the host
+    scale, the measured correction's forwards and factors), None where it has none."""
+    try:
+        with urllib.request.urlopen(url + "/server_info", timeout=60) as resp:
+            info = json.loads(resp.read())
+    except (urllib.error.URLError, ValueError):
+        return None
+    states = info.get("internal_states") or [{}]
+    return states[0].get("redknot_reuse_gate")
+
+
 def gate_reason(meta: dict) -> str | None:
     """The gate's reason in the answer's report (its predictions and measured factors), None
     without a gate decision."""
@@ -225,6 +237,9 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                     name: round(1e3 * statistics.median(p[name] for p in seen), 3)
                     for name in PHASES
                 }
+        for name in names:  # what each redknot server's gate holds after the point
+            if marked[name]:
+                rows[name]["gate_state"] = gate_state(urls[name])
         results[key] = rows
         print(key, {n: (round(r["ttft_s"] * 1e3, 1), r["paired_speedup"], r["gate"])
                     for n, r in rows.items()}, flush=True)  # fmt: skip

@@ -45,6 +45,12 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def do_GET(self):  # only a server that reuses has a gate to report
+                if self.path != "/server_info" or fake.reuse:
+                    return self.answer(404, b"")
+                state = {"redknot_reuse_gate": {"served_without_reuse": len(fake.gaps)}}
+                self.answer(200, json.dumps({"internal_states": [state]}).encode())
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 try:
@@ -128,6 +134,9 @@ def test_servers_take_turns_and_are_compared_round_by_round(servers):
     assert rows["cacheblend"]["gate"] == {"recompute": 4}
     assert rows["cacheblend"]["gate_reasons"] == ["slower"] * 4  # each sample's, as reported
     assert "gate_reasons" not in rows["epic"]
+    # each marked server's gate as /server_info says it after the point (none: not answered)
+    assert rows["cacheblend"]["gate_state"] == {"served_without_reuse": 5}
+    assert rows["epic"]["gate_state"] is None and "gate_state" not in rows["flashinfer"]
     assert rows["epic"]["gate"] == {"reuse": 4} and rows["flashinfer"]["gate"] == {"none": 4}
     assert len(rows["epic"]["samples"]) == 4
     assert rows["flashinfer"]["paired_speedup"] == 1.0
