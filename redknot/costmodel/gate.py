@@ -152,37 +152,55 @@ class ReuseGate:
         self.served_without_reuse += 1
         return Decision(False, reuse_ms, plain_ms, told + ": recomputed")
 
-    def hopeless(self, prompt_len: int, prefix_len: int = 0) -> Decision | None:
+    def hopeless(
+        self, prompt_len: int, prefix_len: int = 0, *, measured: bool = True
+    ) -> Decision | None:
         """The recompute decision for any request of ``prompt_len`` tokens after an exact-prefix
         hit of ``prefix_len``, when no segment hit can change it: even the cheapest reusing
         extend (:meth:`ReuseCostModel.reuse_floor_ms`) is predicted over ``1 - margin`` of
         recomputing. None when hits might pay (then :meth:`decide` on the request's hits).
         Found without looking a segment up, so a request it answers reads no K/V and its
         marks' ids need no checking. Not counted: the caller counts a request that had hits
-        (:meth:`count_recomputed`)."""
+        (:meth:`count_recomputed`).
+
+        ``measured`` (with a timer): both sides scaled by the factors :meth:`decide` puts on
+        its predictions at this size (the measured correction), so that a size where this
+        server measured recomputing faster than the record (its startup calibration, say) is
+        answered here as :meth:`decide` would answer any of its hit sets; the floor stays a
+        lower bound of every reusing prediction, both scaled alike. Without it, by the record
+        alone: :meth:`recomputed_up_to` needs an answer that only grows with the size."""
         computed = prompt_len - prefix_len
         if computed <= 0:
             return None
         floor = self.model.reuse_floor_ms()
         plain_ms = self._plain_ms(computed, prefix_len)
+        said = ""
+        if measured and self.timer is not None:
+            r_reuse, r_plain = self.timer.correction.ratios(computed)
+            if (r_reuse, r_plain) != (1.0, 1.0):
+                floor, plain_ms = floor * r_reuse, plain_ms * r_plain
+                said = f", the record's x{r_reuse:.2f} and x{r_plain:.2f} as measured here"
         if floor <= (1 - self.model.record.margin) * plain_ms:
             return None
         return Decision(
             False, floor, plain_ms,
-            f"reuse takes at least {floor:.1f} ms (its host path alone) vs {plain_ms:.1f} ms "
-            f"recomputing {computed} tokens, whatever it hits: recomputed",
+            f"reuse takes at least {floor:.1f} ms (its host path alone{said}) vs "
+            f"{plain_ms:.1f} ms recomputing {computed} tokens, whatever it hits: recomputed",
         )  # fmt: skip
 
     def recomputed_up_to(self, limit: int) -> int:
         """The longest prompt, at most ``limit`` tokens, that :meth:`hopeless` recomputes from
-        scratch (0: none); every shorter prompt is recomputed too, whatever its exact-prefix
-        hit (recomputing fewer tokens after a prefix costs no more than the whole prompt)."""
+        scratch by the record alone (0: none); every shorter prompt is recomputed too, whatever
+        its exact-prefix hit (recomputing fewer tokens after a prefix costs no more than the
+        whole prompt). The measured factors differ by size, so with them no shorter prompt
+        would be sure to follow: what is built on this (markup made inert for a server's life,
+        the calibration's first size) keeps to the record."""
         lo, hi = 0, limit  # hopeless(lo) holds (or lo == 0); find the last n that holds
-        if self.hopeless(hi) is not None:
+        if self.hopeless(hi, measured=False) is not None:
             return hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.hopeless(mid) is not None else (lo, mid)
+            lo, hi = (mid, hi) if self.hopeless(mid, measured=False) is not None else (lo, mid)
         return lo
 
     def calibration_plan(self, limit: int) -> list[tuple[int, int]]:

@@ -160,7 +160,7 @@ class _HopelessGate:
         self.up_to, self.asked, self.decided, self.inert = up_to, [], 0, 0
         self.answer = Decision(False, 30.0, 10.0, "no hit pays at this size")
 
-    def hopeless(self, prompt_len, prefix_len=0):
+    def hopeless(self, prompt_len, prefix_len=0, *, measured=True):
         self.asked.append((prompt_len, prefix_len))
         return self.answer if prompt_len <= self.up_to else None
 

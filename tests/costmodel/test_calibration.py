@@ -164,3 +164,38 @@ def test_the_gate_control_op_carries_the_plan_and_what_was_measured():
     assert gate_state(scheduler)["calibrate"][-1][0] == min(8191, CALIBRATION_TOKENS[1])
     gate.timer = None
     assert gate_state(scheduler)["calibrate"] == []
+
+
+def test_a_prompt_recomputing_measured_too_fast_for_any_reuse_is_answered_before_lookups():
+    """After the calibration measured SmolLM2's recompute at 10.5 / 22.4 of the H200 record,
+    even the cheapest reusing extend (15.2 ms of host) is slower than recomputing: ``hopeless``
+    answers the 577-token prompt as ``decide`` answers each of its hit sets, so the scheduler
+    neither makes entries for its hits nor decides. The record-only answer, on which markup
+    made inert for good and the calibration's first size rest, does not move."""
+    gate, clock = timed_gate(SMOLLM2, "epic", "NVIDIA H200")
+    upto = gate.recomputed_up_to(8191)
+    assert gate.hopeless(577) is None and gate.hopeless(577, measured=False) is None
+    calibrate(gate, clock, gate.calibration_plan(8191), 10.5 / 22.4)
+    answer = gate.hopeless(577)
+    assert answer is not None and not answer.reuse and "as measured here" in answer.reason
+    assert answer.plain_ms == pytest.approx(10.5, abs=0.1)
+    assert gate.hopeless(577, measured=False) is None
+    assert gate.recomputed_up_to(8191) == upto
+    segments = tuple((1 + i * 64, 64) for i in range(8))
+    for k in range(1, 9):  # every hit set: recomputed by the decision too
+        assert not gate.decide(PromptWork(577, 0, segments[:k])).reuse
+    assert gate.hopeless(577, 256) is not None  # after an exact-prefix hit: fewer tokens
+
+
+def test_a_server_measured_slower_than_the_record_keeps_the_records_answer():
+    """Recomputing measured at twice the record: an unmeasured reuse is taken as at least as
+    slow, so both sides double and ``hopeless`` answers as the record does, where the record
+    calls a size hopeless (SmolLM2 on the H100 record) and where it does not (the 8B)."""
+    for cfg, device, hopeless in ((SMOLLM2, "NVIDIA H100 80GB HBM3", True),
+                                  (CFG_8B, "NVIDIA H200", False)):  # fmt: skip
+        gate, clock = timed_gate(cfg, "cacheblend", device)
+        sizes = (300, 1000, 4000)
+        assert all((gate.hopeless(n) is not None) == hopeless for n in sizes)
+        calibrate(gate, clock, [(n, 4) for n in sizes], 2.0)
+        assert gate.timer.correction.ratios(1000) == pytest.approx((2.0, 2.0))
+        assert all((gate.hopeless(n) is not None) == hopeless for n in sizes)
