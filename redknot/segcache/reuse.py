@@ -35,9 +35,10 @@ when it reads the K/V they name: a prompt served without reuse only looks them u
 reports them, and holds nothing. A prompt that no hit could make worth reusing
 (``ReuseGate.hopeless``: the cheapest reusing extend's host time exceeds recomputing it, both
 as this server measured them) is answered before the gate's decision. When that holds by the
-record alone for every prompt the model takes, the HTTP side makes markup inert (``SegmentApi.learn_gate``): marks carry only their number
-(``redknot_seg_recomputed``), nothing is looked up or captured, and the report says
-``segments_hit: null`` with the gate's reason.
+record alone for every prompt the model takes, the HTTP side makes markup inert
+(``SegmentApi.learn_gate``): marks carry only their number (``redknot_seg_recomputed``),
+nothing is looked up or captured, and the report says ``segments_hit: null`` with the gate's
+reason.
 
 The extend that completes a reusing request's prompt also carries its sparse-FFN inputs (the
 probed newest tokens and the candidate segment tokens; ``redknot.attention.ffn_schedule``).
