@@ -134,13 +134,11 @@ class ReuseGate:
         # one request: model.choose([work]) reduces to this comparison (two predictions)
         reuse_ms = self._reuse_ms(work)
         plain_ms = self._plain_ms(work.computed, work.prefix)  # hits change nothing without reuse
-        said = ""
         if self.timer is not None:
             self.timer.harvest()
-            r_reuse, r_plain = self.timer.correction.ratios(work.computed)
-            if (r_reuse, r_plain) != (1.0, 1.0):
-                said = f"; the record's x{r_reuse:.2f} and x{r_plain:.2f} as measured here"
-            reuse_ms, plain_ms = reuse_ms * r_reuse, plain_ms * r_plain
+        r_reuse, r_plain, said = self._factors(work.computed)
+        reuse_ms, plain_ms = reuse_ms * r_reuse, plain_ms * r_plain
+        said = f"; {said}" if said else ""
         told = (
             f"reuse predicted {reuse_ms:.1f} ms vs {plain_ms:.1f} ms recomputing "
             f"({work.reused} reused of {work.computed} computed tokens, {len(work.segments)} "
@@ -175,11 +173,10 @@ class ReuseGate:
         floor = self.model.reuse_floor_ms()
         plain_ms = self._plain_ms(computed, prefix_len)
         said = ""
-        if measured and self.timer is not None:
-            r_reuse, r_plain = self.timer.correction.ratios(computed)
-            if (r_reuse, r_plain) != (1.0, 1.0):
-                floor, plain_ms = floor * r_reuse, plain_ms * r_plain
-                said = f", the record's x{r_reuse:.2f} and x{r_plain:.2f} as measured here"
+        if measured:
+            r_reuse, r_plain, said = self._factors(computed)
+            floor, plain_ms = floor * r_reuse, plain_ms * r_plain
+            said = f", {said}" if said else ""
         if floor <= (1 - self.model.record.margin) * plain_ms:
             return None
         return Decision(
@@ -187,6 +184,17 @@ class ReuseGate:
             f"reuse takes at least {floor:.1f} ms (its host path alone{said}) vs "
             f"{plain_ms:.1f} ms recomputing {computed} tokens, whatever it hits: recomputed",
         )  # fmt: skip
+
+    def _factors(self, computed: int) -> tuple[float, float, str]:
+        """The measured correction's ``(reuse, recompute)`` factors on the record's predictions
+        for a prompt computing ``computed`` tokens, and how a reason says them ("" when there
+        are none: no timer, or nothing measured near that size)."""
+        if self.timer is None:
+            return 1.0, 1.0, ""
+        r_reuse, r_plain = self.timer.correction.ratios(computed)
+        if (r_reuse, r_plain) == (1.0, 1.0):
+            return 1.0, 1.0, ""
+        return r_reuse, r_plain, f"the record's x{r_reuse:.2f} and x{r_plain:.2f} as measured here"
 
     def recomputed_up_to(self, limit: int) -> int:
         """The longest prompt, at most ``limit`` tokens, that :meth:`hopeless` recomputes from
@@ -226,12 +234,12 @@ class ReuseGate:
         lo, hi = CALIBRATION_TOKENS
         hi = min(limit, hi)
         n = max(lo, self.recomputed_up_to(hi) + 1)
-        floor = (1 - self.model.record.margin) * RATIO_RANGE[0]
+        fastest = (1 - self.model.record.margin) * RATIO_RANGE[0]  # of the record's recompute
         plan, classes = [], set()
 
         def turns(m: int) -> bool:
             best = self._reuse_ms(work_of(m, 0, [(0, m - CALIBRATION_QUESTION)]))
-            return best > floor * self._plain_ms(m, 0)
+            return best > fastest * self._plain_ms(m, 0)
 
         while n <= hi:
             # a size measures the prompts within NEAR of it: kept if its lower edge may turn
