@@ -84,10 +84,8 @@ async def _calibrate(tokenizer_manager: Any) -> None:
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     state = await control.call(tokenizer_manager, "gate")
+    # sized by the scheduler, below the longest prompt SGLang takes (its max_req_input_len)
     plan = [(int(n), int(k)) for n, k in state.get("calibrate") or ()]
-    longest = getattr(tokenizer_manager, "max_req_input_len", None)
-    if longest:  # SGLang refuses prompts of max_req_input_len tokens and more
-        plan = [(n, k) for n, k in plan if n < longest]
     if not plan:
         return
     vocab = int(tokenizer_manager.model_config.vocab_size)

@@ -168,8 +168,8 @@ def test_the_calibration_stays_below_the_longest_prompt_sglang_takes(caplog):
     sizes = {len(r.input_ids) for r in server.received}
     assert max(sizes) == 2169 and "refused" not in caplog.text
     assert "reuse gate calibrated" in caplog.text
-    # a scheduler that does not say its limit: the plan reaches the context, the tokenizer's
-    # limit (or SGLang's refusal) keeps the longest out, and the rest is measured
+    # a scheduler that does not say its limit: the plan reaches the context, SGLang refuses
+    # the longest, and the rest is measured
     blind = CalibratedServer(ratio=0.5, context_len=2176)
     blind.refuses_from = 2170
     caplog.clear()
