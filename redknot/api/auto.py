@@ -145,6 +145,8 @@ class AutoSegments:
                 "the segment store is off (--redknot-segment-fraction 0, as under a calibrated "
                 "default that computes every prompt in full)"
             )
+        elif gate.get("inert"):
+            self.idle = gate["inert"]
         elif gate.get("gate") and self.gate_min_tokens is None:
             self.idle = (
                 "the reuse gate says that no segment length pays in a "
@@ -356,8 +358,11 @@ def _hash(ids: Sequence[int]) -> int:
 def gate_state(scheduler: Any) -> dict[str, Any]:
     """Scheduler side of control op ``gate``: whether the segment store holds anything, whether
     a reuse gate decides, its break-even (``None``: no segment length pays at
-    ``prompt_tokens``, or no gate), the longest prompt it recomputes whatever it hits
-    (``recompute_up_to``, at most the model's ``context_len``; 0 without a gate), and its
+    ``prompt_tokens``, or no gate), the longest prompt it recomputes whatever it hits by its
+    record (``recompute_up_to``, at most the model's ``context_len``; 0 without a gate), why
+    it recomputes every prompt up to the context, by the record or as this server measured
+    (``inert``, :meth:`redknot.costmodel.gate.ReuseGate.recomputes_all`; None: some may
+    reuse), and its
     startup calibration (:meth:`redknot.costmodel.gate.ReuseGate.calibration_plan`, up to the
     context and the prefill chunk)."""
     cache = getattr(scheduler, "tree_cache", None)
@@ -383,6 +388,8 @@ def gate_state(scheduler: Any) -> dict[str, Any]:
         "prompt_tokens": GATE_PROMPT_TOKENS,
         "recompute_up_to": 0 if gate is None or not context else gate.recomputed_up_to(context),
         "context_len": context,
+        # why every prompt up to the context is recomputed whatever it hits (markup inert)
+        "inert": None if gate is None or not context else gate.recomputes_all(context),
         # startup calibration (redknot.api.gate_warmup): prompts to recompute, and the
         # recompute ratio measured at each of their sizes so far (None: not yet)
         "calibrate": plan,

@@ -108,7 +108,8 @@ async def _calibrate(tokenizer_manager: Any) -> None:
             "redknot: reuse gate calibration: %d of its prompts refused (first: %s)",
             len(refused), refused[0],
         )  # fmt: skip
-    measured = (await control.call(tokenizer_manager, "gate")).get("recompute_ratios") or []
+    after = await control.call(tokenizer_manager, "gate")
+    measured = after.get("recompute_ratios") or []
     ratios = [r for _, r in measured if r is not None]
     sent = sum(k for _, k in plan) - len(refused)
     if not ratios:
@@ -118,8 +119,10 @@ async def _calibrate(tokenizer_manager: Any) -> None:
             sent, plan[0][0], plan[-1][0], took,
         )  # fmt: skip
         return
+    inert = after.get("inert")
     logger.info(
         "redknot: reuse gate calibrated: %d prompts of %d-%d tokens recomputed in %.1f s, "
-        "recomputing measured at x%.2f-x%.2f of the device record (%d of %d sizes)",
+        "recomputing measured at x%.2f-x%.2f of the device record (%d of %d sizes)%s",
         sent, plan[0][0], plan[-1][0], took, min(ratios), max(ratios), len(ratios), len(plan),
+        f"; {inert}: segment markup will be inert" if inert else "",
     )  # fmt: skip

@@ -163,10 +163,14 @@ class SegmentApi:
 
     async def learn_gate(self) -> None:
         """Ask the scheduler's reuse gate once (control op ``gate``; never raises). When it
-        recomputes every prompt this model takes whatever the prompt hits, markup is
-        :attr:`inert`: marks are checked but carry no ids, nothing is looked up or captured,
-        and a marked prompt costs what it costs unmarked. Requests that arrive while the first
-        one waits for the answer are served as before."""
+        recomputes every prompt this model takes whatever the prompt hits (by its device
+        record, or by the recompute times this server measured, its startup calibration among
+        them: ``ReuseGate.recomputes_all``), markup is :attr:`inert` for the server's life:
+        marks are checked but carry no ids, nothing is looked up or captured, and a marked
+        prompt costs what it costs unmarked. Asked at the first request that may mark
+        segments, after the calibration (which runs before the server listens); an inert
+        server measures no reuse afterwards, so nothing it learns later could turn it back.
+        Requests that arrive while the first one waits for the answer are served as before."""
         if self._gate_asked:
             return
         self._gate_asked = True
@@ -176,12 +180,8 @@ class SegmentApi:
             self.auto.use_gate(None, str(e))
             return
         self.auto.use_gate(gate)
-        upto, context = gate.get("recompute_up_to") or 0, gate.get("context_len")
-        if gate.get("gate") and context and upto >= context:
-            self.inert = (
-                f"the reuse gate recomputes every prompt this model takes (up to {context} "
-                "tokens) whatever it hits, on this device"
-            )
+        if gate.get("gate") and gate.get("inert"):
+            self.inert = str(gate["inert"])
             logger.info(
                 "redknot: segment markup is inert: %s; marked prompts are served as unmarked "
                 "ones (their answers report the marks), without lookups or captures",

@@ -28,6 +28,7 @@ from redknot.costmodel.measured import (
     MIN_SAMPLES,
     NEAR,
     RATIO_RANGE,
+    SPAN,
     ForwardTimer,
     MeasuredCorrection,
     TimedForward,
@@ -136,7 +137,7 @@ class ReuseGate:
         plain_ms = self._plain_ms(work.computed, work.prefix)  # hits change nothing without reuse
         if self.timer is not None:
             self.timer.harvest()
-        r_reuse, r_plain, said = self._factors(work.computed)
+        r_reuse, r_plain, said = self._factors(work.computed, work.prefix)
         reuse_ms, plain_ms = reuse_ms * r_reuse, plain_ms * r_plain
         said = f"; {said}" if said else ""
         told = (
@@ -174,7 +175,7 @@ class ReuseGate:
         plain_ms = self._plain_ms(computed, prefix_len)
         said = ""
         if measured:
-            r_reuse, r_plain, said = self._factors(computed)
+            r_reuse, r_plain, said = self._factors(computed, prefix_len)
             floor, plain_ms = floor * r_reuse, plain_ms * r_plain
             said = f", {said}" if said else ""
         if floor <= (1 - self.model.record.margin) * plain_ms:
@@ -185,13 +186,24 @@ class ReuseGate:
             f"{plain_ms:.1f} ms recomputing {computed} tokens, whatever it hits: recomputed",
         )  # fmt: skip
 
-    def _factors(self, computed: int) -> tuple[float, float, str]:
+    def _factors(self, computed: int, prefix: int = 0) -> tuple[float, float, str]:
         """The measured correction's ``(reuse, recompute)`` factors on the record's predictions
-        for a prompt computing ``computed`` tokens, and how a reason says them ("" when there
-        are none: no timer, or nothing measured near that size)."""
+        for a prompt computing ``computed`` tokens after an exact-prefix hit of ``prefix``, and
+        how a reason says them ("" when there are none: no timer, or nothing measured near that
+        size). Where recomputing was not measured near that size, a longer prompt's measured
+        recompute time (:meth:`MeasuredCorrection.caps`) bounds it: a server whose startup
+        calibration measured recomputing 256 tokens at half the record's time is not taken to
+        recompute 100 tokens slower than that."""
         if self.timer is None:
             return 1.0, 1.0, ""
-        r_reuse, r_plain = self.timer.correction.ratios(computed)
+        correction = self.timer.correction
+        r_reuse, r_plain = correction.ratios(computed)
+        caps = correction.caps(computed, computed + prefix)
+        if caps:
+            plain = self._plain_ms(computed, prefix)
+            cap = min(r * self._plain_ms(n, 0) for n, r in caps)
+            if plain > 0 and cap < r_plain * plain:
+                r_plain = cap / plain
         if (r_reuse, r_plain) == (1.0, 1.0):
             return 1.0, 1.0, ""
         return r_reuse, r_plain, f"the record's x{r_reuse:.2f} and x{r_plain:.2f} as measured here"
@@ -210,6 +222,53 @@ class ReuseGate:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.hopeless(mid, measured=False) is not None else (lo, mid)
         return lo
+
+    def recomputes_all(self, limit: int) -> str | None:
+        """Why no request of up to ``limit`` tokens is served faster by reusing what it hits
+        than by recomputing it (the ground for making markup inert for the server's life:
+        ``SegmentApi.learn_gate``), or None when some hit set might be.
+
+        By the record alone when :meth:`recomputed_up_to` reaches ``limit``. Otherwise by this
+        server's measured forwards (its startup calibration), only while no reuse was measured
+        anywhere (an unmeasured reuse is taken as slow as the record's floor or slower) and
+        :meth:`hopeless` holds, measured, for a prompt of every length up to ``limit`` from
+        scratch. A request after an exact-prefix hit recomputes no more than its whole prompt
+        from scratch, so the same floor is over its recompute too. The lengths are checked at
+        finitely many points: the factors on the record change with the length only at the
+        edges of the measured forwards' windows (``NEAR``, ``SPAN``) and at the measured sizes
+        (:meth:`MeasuredCorrection.caps`); between two edges the floor is one constant and the
+        corrected recompute time does not fall as the length grows, so the last length before
+        each edge is the hardest."""
+        if limit <= 0:
+            return None
+        if self.recomputed_up_to(limit) >= limit:
+            return (
+                f"the reuse gate recomputes every prompt this model takes (up to {limit} tokens) "
+                "whatever it hits, on this device"
+            )
+        if self.timer is None:
+            return None
+        self.timer.harvest()
+        correction = self.timer.correction
+        sizes = correction.sizes("recompute")
+        if not sizes or correction.counts()["reuse"]:
+            return None
+        edges = {limit}
+        for s in sizes:  # the last length inside each window, the last before it, the size
+            for e in (
+                s,
+                *(int(s * w) for w in (NEAR, SPAN)),
+                *(-(-s // w) - 1 for w in (NEAR, SPAN)),
+            ):
+                edges.update((int(e) - 1, int(e), int(e) + 1))
+        for n in sorted(e for e in edges if 0 < e <= limit):
+            if self.hopeless(n, measured=True) is None:
+                return None
+        return (
+            f"no segment hit can make a prompt of up to {limit} tokens faster to serve than "
+            f"recomputing it, by this server's measured recompute times ({len(sizes)} sizes) "
+            "against the cheapest reuse"
+        )
 
     def calibration_plan(self, limit: int) -> list[tuple[int, int]]:
         """``(prompt tokens, how many)`` prompts to recompute at startup (no stored segment, no

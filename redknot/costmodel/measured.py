@@ -71,6 +71,7 @@ class MeasuredCorrection:
         # to its prefill, where filtering both windows took ~35 us of host (ForwardTimer.harvest
         # fills this for the sizes it reads back, off that way)
         self._memo: dict[int, tuple[float, float]] = {}
+        self._caps: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}  # caps(), alike
 
     def add(self, path: str, tokens: int, measured_ms: float, predicted_ms: float) -> None:
         """One forward's time. The first of each path in each size class (a power of two of
@@ -89,6 +90,7 @@ class MeasuredCorrection:
                 return
             self._samples[path].append(Sample(tokens, ratio))
             self._memo.clear()
+            self._caps.clear()
 
     def _ratio(self, path: str, tokens: int) -> float | None:
         """The path's ratio at ``tokens``: the median of its forwards within :data:`NEAR` of
@@ -132,6 +134,32 @@ class MeasuredCorrection:
         path stands in), None while too few of its forwards are near that size."""
         with self._lock:
             return self._ratio(path, tokens)
+
+    def caps(self, tokens: int, prompt: int) -> tuple[tuple[int, float], ...]:
+        """Where recomputing ``tokens`` has no ratio of its own (:meth:`measured`): each larger
+        recompute size measured, at least ``prompt`` tokens (the whole prompt those tokens end,
+        a prefix included), with its ratio. Recomputing a prompt takes no longer than
+        recomputing a longer one from scratch, so each bounds this size's recompute time from
+        above (:meth:`redknot.costmodel.gate.ReuseGate._factors`). Empty where the size has a
+        ratio of its own, or no larger size has one."""
+        with self._lock:
+            key = (tokens, prompt)
+            known = self._caps.get(key)
+            if known is None:
+                known = ()
+                if self._ratio("recompute", tokens) is None:
+                    sizes = sorted({s.tokens for s in self._samples["recompute"]})
+                    ratios = ((n, self._ratio("recompute", n)) for n in sizes if n >= prompt)
+                    known = tuple((n, r) for n, r in ratios if r is not None)
+                self._caps[key] = known
+        return known
+
+    def sizes(self, path: str) -> list[int]:
+        """The distinct sizes (computed tokens) of the path's kept forwards, ascending: where
+        its ratio can change with the size (the edges of their :data:`NEAR` and :data:`SPAN`
+        windows)."""
+        with self._lock:
+            return sorted({s.tokens for s in self._samples[path]})
 
     def counts(self) -> dict[str, int]:
         with self._lock:

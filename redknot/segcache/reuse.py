@@ -34,8 +34,9 @@ A request's marks' ids are checked against its tokens (which packs and hashes th
 when it reads the K/V they name: a prompt served without reuse only looks them up, counts and
 reports them, and holds nothing. A prompt that no hit could make worth reusing
 (``ReuseGate.hopeless``: the cheapest reusing extend's host time exceeds recomputing it, both
-as this server measured them) is answered before the gate's decision. When that holds by the
-record alone for every prompt the model takes, the HTTP side makes markup inert
+as this server measured them) is answered before the gate's decision. When that holds for
+every prompt the model takes, by the record alone or by this server's measured recompute times
+with no reuse measured (``ReuseGate.recomputes_all``), the HTTP side makes markup inert
 (``SegmentApi.learn_gate``): marks carry only their number (``redknot_seg_recomputed``),
 nothing is looked up or captured, and the report says ``segments_hit: null`` with the gate's
 reason.
@@ -139,7 +140,8 @@ def start(cache: Any, req: Any) -> None:
     inert = recomputed_marks(req)
     if inert:  # marked on a server whose gate recomputes every prompt: nothing to look up
         if gate is not None:  # why, for the answer (no log line: the server said it once)
-            req.redknot_reuse = gate.hopeless(prompt_len, prefix, measured=False)
+            # the whole prompt's recompute bounds one after a prefix (ReuseGate.recomputes_all)
+            req.redknot_reuse = gate.hopeless(prompt_len, prefix) or gate.hopeless(prompt_len)
             gate.count_inert()
         _report(req, cache.pool, inert, None, [])
         return

@@ -308,6 +308,26 @@ def test_chunks_below_the_reuse_gate_break_even_are_not_segments(
         assert not captures(server) and server.store.stats("auto")["misses"] == 0
 
 
+def test_no_chunk_is_a_segment_where_the_gate_measured_that_no_hit_pays(make_server, client):
+    """A gate whose record lets segments pay but whose server measured that no hit can
+    (``ReuseGate.recomputes_all``, after the startup calibration): unmarked prompts get no
+    automatic segments, and the reason is the gate's."""
+    server = make_server()
+    why = "no segment hit can make a prompt of up to 4096 tokens faster (measured)"
+    server.scheduler.model_config = types.SimpleNamespace(context_len=4096)
+    server.scheduler.pool.reuse_gate = types.SimpleNamespace(
+        min_segment_tokens=lambda prompt_tokens=8192, question=64: 20,
+        recomputed_up_to=lambda limit: 0,
+        recomputes_all=lambda limit: why,
+        calibration_plan=lambda limit: [],
+        hopeless=lambda prompt_len, prefix_len: None,
+    )
+    generate(client, rag_prompt("Hi.", [0, 1, 2], "Why?"))
+    assert not marks_of(server.tm.last) and not captures(server)
+    auto = client.get("/redknot/stats").json()["auto"]
+    assert auto["idle"] == why and auto["requests"] == 0
+
+
 def test_prompts_sglang_refuses_are_left_to_it(make_server, client):
     server = make_server(context_len=256)
     r = client.post("/generate", json={"text": " ".join(DOCS)})  # longer than the context

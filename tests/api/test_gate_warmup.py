@@ -92,9 +92,14 @@ def test_the_calibration_sends_the_plan_and_the_gate_then_recomputes(caplog):
         assert not getattr(r, "custom_params", None) and r.text is None
     assert not server.gate.decide(work).reuse
     assert "reuse gate calibrated" in caplog.text and "x0.47-x0.47" in caplog.text
+    # at 0.47 of the record no hit can pay at any length: the log says markup will be inert
+    assert "segment markup will be inert" in caplog.text
+    caplog.clear()
     again = CalibratedServer(ratio=1.0)
-    asyncio.run(gate_warmup.calibrate("null", again))
+    with caplog.at_level(logging.INFO):
+        asyncio.run(gate_warmup.calibrate("null", again))
     assert [r.input_ids for r in again.received] == [r.input_ids for r in server.received]
+    assert "reuse gate calibrated" in caplog.text and "inert" not in caplog.text
 
 
 def test_a_calibration_that_fails_or_keeps_nothing_says_so_and_the_server_comes_up(caplog):

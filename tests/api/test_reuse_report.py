@@ -167,6 +167,9 @@ class _HopelessGate:
     def recomputed_up_to(self, limit):
         return min(limit, self.up_to)
 
+    def recomputes_all(self, limit):
+        return "every prompt is recomputed" if self.up_to >= limit else None
+
     def min_segment_tokens(self, prompt_tokens=8192, question=64):
         return None
 

@@ -199,3 +199,101 @@ def test_a_server_measured_slower_than_the_record_keeps_the_records_answer():
         calibrate(gate, clock, [(n, 4) for n in sizes], 2.0)
         assert gate.timer.correction.ratios(1000) == pytest.approx((2.0, 2.0))
         assert all((gate.hopeless(n) is not None) == hopeless for n in sizes)
+
+
+def test_a_size_below_every_measured_one_is_bounded_by_the_smallest_measured_recompute():
+    """A prompt shorter than the calibration's first size has no ratio of its own; recomputing
+    it takes no longer than the shortest measured size took, so the gate does not take it to
+    be slower (on the record, SmolLM2's H200 gate would reuse a 100-token prompt at any
+    length, the record's recompute being mostly fixed host time)."""
+    gate, clock = timed_gate(SMOLLM2, "epic", "NVIDIA H200")
+    work = PromptWork(100, 0, ((4, 90),))
+    assert gate.decide(work).reuse  # by the record
+    plan = gate.calibration_plan(8191)
+    assert plan[0][0] == CALIBRATION_TOKENS[0]
+    ratio = 10.5 / 22.4
+    calibrate(gate, clock, plan, ratio)
+    smallest = ratio * gate._plain_ms(plan[0][0], 0)
+    after = gate.decide(work)
+    assert not after.reuse and after.plain_ms == pytest.approx(smallest, rel=1e-6)
+    # after a prefix the bound is the whole prompt's: no measured size as long, no bound
+    long_prefix = PromptWork(90, 8500, ((0, 80),))
+    assert gate._factors(90, 8500)[1] == gate.timer.correction.ratios(90)[1]
+    assert gate.decide(long_prefix).plain_ms == pytest.approx(gate._plain_ms(90, 8500) * 1.0)
+
+
+@pytest.mark.parametrize("variant", ["epic", "cacheblend"])
+def test_every_prompt_is_recomputed_where_the_calibration_measured_no_hit_can_pay(variant):
+    """``recomputes_all`` (what makes markup inert): SmolLM2 on the H200 record, whose cheapest
+    reuse is 0.717 of the record's recompute at every length. Calibrated at 0.47 (measured) no
+    length up to the context is worth reusing, which a scan of every length confirms; at 0.75
+    some length is, and the scan finds one; a reuse measured anywhere, or no calibration, and
+    it is not claimed. The 8B shape never: long prompts pay."""
+    limit = 8192
+    gate, clock = timed_gate(SMOLLM2, variant, "NVIDIA H200")
+    assert gate.recomputes_all(limit) is None  # the record alone: every length may pay
+    calibrate(gate, clock, gate.calibration_plan(limit - 1), 0.47)
+    why = gate.recomputes_all(limit)
+    assert why is not None and "measured recompute times" in why
+    lengths = [*range(1, 600), *range(600, limit + 1, 11), limit]
+    assert all(gate.hopeless(n) is not None for n in lengths)
+    for n in (300, 1000, 4000, limit):  # whatever the hits, from scratch
+        for segments in (1, 4, 8):
+            per = (n - 8) // segments
+            hits = tuple((4 + i * per, per) for i in range(segments))
+            assert not gate.decide(PromptWork(n, 0, hits)).reuse, (n, segments)
+    # a reuse measured somewhere: the floor is no longer known to hold there
+    gate.timer.correction.add("reuse", 3000, 5.0, 10.0)
+    gate.timer.correction.add("reuse", 3000, 5.0, 10.0)
+    assert gate.timer.correction.counts()["reuse"] == 1
+    assert gate.recomputes_all(limit) is None
+
+    slow, clock = timed_gate(SMOLLM2, variant, "NVIDIA H200")
+    calibrate(slow, clock, slow.calibration_plan(limit - 1), 0.75)
+    assert slow.recomputes_all(limit) is None
+    assert any(slow.hopeless(n) is None for n in lengths)
+
+    big, clock = timed_gate(CFG_8B, variant, "NVIDIA H200")
+    calibrate(big, clock, big.calibration_plan(8191), 0.3)
+    assert big.recomputes_all(131072) is None
+
+
+def test_one_length_that_could_pay_is_found_between_the_measured_sizes():
+    """The check is made at the edges of the measured sizes' windows only: a calibration fast
+    everywhere but at one size (measured slower there, 0.9 of the record) is not claimed, and
+    a scan of every length finds the lengths it leaves worth reusing."""
+    limit = 8192
+    gate, clock = timed_gate(SMOLLM2, "epic", "NVIDIA H200")
+    plan = gate.calibration_plan(limit - 1)
+    odd = plan[len(plan) // 2][0]
+    for size, count in plan:
+        calibrate(gate, clock, [(size, count)], 0.9 if size == odd else 0.47)
+    assert gate.recomputes_all(limit) is None
+    open_lengths = [n for n in range(1, limit + 1, 3) if gate.hopeless(n) is None]
+    assert open_lengths and all(odd / 1.25 <= n <= odd * 1.25 for n in open_lengths)
+    fast, clock = timed_gate(SMOLLM2, "epic", "NVIDIA H200")
+    calibrate(fast, clock, plan, 0.47)
+    assert fast.recomputes_all(limit) is not None
+
+
+def test_recomputing_costs_no_less_for_more_tokens_or_a_longer_prefix():
+    """What ``recomputes_all`` and ``recomputed_up_to`` rest on, for every shipped record and
+    the two model shapes: the record's recompute time does not fall as the computed tokens or
+    the exact-prefix hit grow, and a prompt after a prefix costs no more than the whole prompt
+    from scratch."""
+    from redknot.costmodel.record import RECORDS_DIR
+
+    devices = [json.loads(p.read_text())["device"] for p in RECORDS_DIR.glob("*.json")]
+    assert len(devices) >= 2
+    for device in devices:
+        for cfg in (SMOLLM2, CFG_8B):
+            gate, _ = timed_gate(cfg, "epic", device)
+            sizes = [1, 2, 7, 64, 255, 256, 1000, 4096, 8191, 8192, 8193, 20000, 65536, 131072]
+            for p in (0, 100, 5000, 60000):
+                times = [gate._plain_ms(n, p) for n in sizes]
+                assert times == sorted(times), (device, p)
+            for n in (1, 300, 5000):
+                times = [gate._plain_ms(n, p) for p in (0, 1, 100, 5000, 60000)]
+                assert times == sorted(times), (device, n)
+                for p in (1, 100, 5000):
+                    assert gate._plain_ms(n, p) <= gate._plain_ms(n + p, 0) + 1e-9, (device, n, p)
