@@ -36,6 +36,8 @@ class NamespaceRegistry:
     def require(self, name: object, *, where: str = "namespace") -> str:
         """``name`` if requests may use it (created on first use when the set is open), else a
         400 saying what is allowed."""
+        if isinstance(name, str) and name in self._known:  # checked when it became known
+            return name  # (a set's membership test needs no lock; every marked span asks)
         try:
             check_namespace_name(name, where=where)
         except ValueError as e:
