@@ -7,7 +7,9 @@ way round). Here every server runs for the whole measurement and they take turns
 sends one prompt per point to every server, the order of the servers rotating from round to
 round, so a slow spell of the machine falls on all of them alike, and each server's TTFT is
 compared with flashinfer's of the same round (``paired_speedup``: the median over rounds of
-flashinfer's TTFT over the server's). A prompt leaves at least ``--settle-ms`` (10 ms) after
+flashinfer's TTFT over the server's; ``over_unmarked``, with ``--unmarked-too``: the same
+against the server's own TTFT of the same prompt unmarked, which the host speed of whole server
+processes, different from one to the next, does not move). A prompt leaves at least ``--settle-ms`` (10 ms) after
 its server's last answer: a server works on for a few ms after answering (SGLang's scheduler
 after a one-token prompt), and rows of one server that follow each other in a round (its
 ``-unmarked`` and ``-params`` rows) would otherwise wait for it unequally.
@@ -237,6 +239,12 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                     name: round(1e3 * statistics.median(p[name] for p in seen), 3)
                     for name in PHASES
                 }
+        for name, row in list(rows.items()):  # a marked row against its own server unmarked
+            plain = rows.get(f"{name}{UNMARKED}")
+            if plain is not None:
+                row["over_unmarked"] = round(statistics.median(
+                    u / m for u, m in zip(plain["samples"], row["samples"])
+                ), 3)  # fmt: skip
         for name in names:  # what each redknot server's gate holds after the point
             if marked[name]:
                 rows[name]["gate_state"] = gate_state(urls[name])

@@ -31,6 +31,7 @@ class FakeServer:
 
     def __init__(self, delay: float, stores: bool, reuse: bool, log: list):
         self.delay, self.stores, self.reuse, self.log = delay, stores, reuse, log
+        self.marked_extra = 0.0  # seconds more for a marked prompt
         self.stacks: list = []  # with_stack of each /start_profile
         self.gaps: list = []  # per prompt: seconds since this server's last answer (None: first)
         self.answered: float | None = None
@@ -74,7 +75,7 @@ class FakeServer:
                 now = time.perf_counter()
                 fake.gaps.append(None if fake.answered is None else now - fake.answered)
                 received = time.time()  # SGLang's --enable-metrics timestamps, as it names them
-                time.sleep(fake.delay)
+                time.sleep(fake.delay + (fake.marked_extra if marked else 0.0))
                 meta = {
                     "request_received_ts": received,
                     "api_server_dispatch_finish_ts": received + 0.001,
@@ -146,6 +147,7 @@ def test_servers_take_turns_and_are_compared_round_by_round(servers):
 
 def test_unmarked_rows_and_profiled_prompts(servers, tmp_path):
     made, log = servers
+    made["cacheblend"].marked_extra = 0.01  # a marked prompt twice as long as unmarked
     urls = {name: made[name].url for name in ("flashinfer", "cacheblend", "plain")}
     args = Namespace(
         points="32x2,64x2", rounds=2, question=2, unmarked_too=True, params_too=True,
@@ -159,6 +161,9 @@ def test_unmarked_rows_and_profiled_prompts(servers, tmp_path):
     ]  # fmt: skip
     row = out["32x2"]["cacheblend-unmarked"]
     assert row["gate"] == {"none": 2} and len(row["samples"]) == 2
+    # the marked row against its own server unmarked, round by round: 10 ms against 20 ms
+    assert 0.35 < out["32x2"]["cacheblend"]["over_unmarked"] < 0.7
+    assert "over_unmarked" not in row and "over_unmarked" not in out["32x2"]["flashinfer"]
     assert out["32x2"]["cacheblend"]["gate"] == {"recompute": 2}
     assert len(out["32x2"]["cacheblend-params"]["samples"]) == 2
     # the same server answers the three rows: a prompt each a round per point over 3 rounds,
