@@ -168,8 +168,9 @@ class SegmentApi:
         them: ``ReuseGate.recomputes_all``), markup is :attr:`inert` for the server's life:
         marks are checked but carry no ids, nothing is looked up or captured, and a marked
         prompt costs what it costs unmarked. Asked at the first request that may mark
-        segments, after the calibration (which runs before the server listens); an inert
-        server measures no reuse afterwards, so nothing it learns later could turn it back.
+        segments, after the calibration (which runs before the server listens), and not asked
+        again: an inert server measures no reuse, and the recompute times it measures later
+        do not turn it back.
         Requests that arrive while the first one waits for the answer are served as before."""
         if self._gate_asked:
             return
