@@ -59,16 +59,21 @@ DEFAULT_SERVERS = (
 )
 
 
-def parse_servers(text: str) -> dict[str, list[str]]:
-    """``"name=flags;name=flags"`` -> ``{name: flags}``; flashinfer (the baseline) must be one."""
+def parse_servers(text: str, own_recompute: bool = False) -> dict[str, list[str]]:
+    """``"name=flags;name=flags"`` -> ``{name: flags}``; flashinfer (the baseline) must be one,
+    unless ``own_recompute`` (``--unmarked-too``: each server is compared with itself,
+    ``over_unmarked``)."""
     servers = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         name, sep, flags = item.partition("=")
         if not sep or not name.strip():
             raise SystemExit(f"--servers: {item!r} is not NAME=FLAGS")
         servers[name.strip()] = flags.split()
-    if BASELINE not in servers:
-        raise SystemExit(f"--servers: one server must be named {BASELINE!r} (the baseline)")
+    if BASELINE not in servers and not own_recompute:
+        raise SystemExit(
+            f"--servers: one server must be named {BASELINE!r} (the baseline), or give "
+            "--unmarked-too to compare each server with its own unmarked prompts"
+        )
     return servers
 
 
@@ -225,14 +230,15 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                 where = Path(args.profile_dir, f"{row}-{key}")
                 took = under_profiler(server, mark, where, args.profile_requests)
                 rows[row]["profiled_ttft_s"] = [round(t, 5) for t in took]
-        base = rows[BASELINE]["samples"]
+        base = rows[BASELINE]["samples"] if BASELINE in rows else None
         for name, row in rows.items():
             row["ttft_s"] = statistics.median(row["samples"])
             row["p90_s"] = sorted(row["samples"])[int(0.9 * (len(row["samples"]) - 1))]
-            row["speedup_vs_flashinfer"] = round(statistics.median(base) / row["ttft_s"], 3)
-            row["paired_speedup"] = round(
-                statistics.median(b / s for b, s in zip(base, row["samples"])), 3
-            )
+            if base is not None:
+                row["speedup_vs_flashinfer"] = round(statistics.median(base) / row["ttft_s"], 3)
+                row["paired_speedup"] = round(
+                    statistics.median(b / s for b, s in zip(base, row["samples"])), 3
+                )
             seen = row.pop("phase_samples", None)
             if seen:  # the median of each phase over the rounds, ms
                 row["phases_ms"] = {
@@ -249,7 +255,8 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
             if marked[name]:
                 rows[name]["gate_state"] = gate_state(urls[name])
         results[key] = rows
-        print(key, {n: (round(r["ttft_s"] * 1e3, 1), r["paired_speedup"], r["gate"])
+        print(key, {n: (round(r["ttft_s"] * 1e3, 1),
+                        r.get("paired_speedup", r.get("over_unmarked")), r["gate"])
                     for n, r in rows.items()}, flush=True)  # fmt: skip
         if on_point is not None:
             on_point(results)
@@ -311,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    servers = parse_servers(args.servers)
+    servers = parse_servers(args.servers, own_recompute=args.unmarked_too)
     split = None
     if args.pin_cores:
         split = split_cores(list(os.sched_getaffinity(0)), len(servers))
@@ -347,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             served = {}  # what each redknot server said it serves and why, and what its reuse
             for name in servers:  # gate measured at startup (its log)
                 log = (gm.OUT / f"server_{gm.plain(name)}.log").read_text(errors="replace")
-                said = ("redknot: serv", "reuse gate calibrat", "gate is not calibrated")
-                served[name] = [x for x in log.splitlines() if any(s in x for s in said)][:4]
+                said = ("redknot: serv", "reuse gate calibrat", "gate is not calibrated",
+                        "markup is inert")  # fmt: skip
+                served[name] = [x for x in log.splitlines() if any(s in x for s in said)][:6]
             common.write_json(args.out, common.record(
                 model=args.model, points=args.points, rounds=args.rounds,
                 question=args.question, settle_ms=args.settle_ms, complete=complete,

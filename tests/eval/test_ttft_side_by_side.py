@@ -272,3 +272,21 @@ def test_a_prompt_leaves_settle_ms_after_its_servers_last_answer(servers):
     assert len(gaps) == 2 * 4 - 1  # marked and unmarked, warm-up round and 3 measured
     # the server's own answer is a little later than the client's read of it: 35 of 40 ms
     assert all(g >= 0.035 for g in gaps), gaps
+
+
+def test_without_a_flashinfer_server_each_server_is_compared_with_itself(servers):
+    """With ``--unmarked-too`` a run needs no flashinfer server: every server is marked, and
+    its marked row is compared with its own unmarked prompts (``over_unmarked``), which the
+    host speed of another server process does not move; without it, a flashinfer server is
+    still required."""
+    made, _ = servers
+    made["cacheblend"].marked_extra = 0.01
+    with pytest.raises(SystemExit, match="--unmarked-too"):
+        sbs.parse_servers("cacheblend=--attention-backend redknot")
+    assert sbs.parse_servers("cacheblend=-x", own_recompute=True) == {"cacheblend": ["-x"]}
+    args = Namespace(points="32x2", rounds=3, question=2, unmarked_too=True)
+    rows = sbs.measure({"cacheblend": made["cacheblend"].url}, args, vocab=1000)["32x2"]
+    assert sorted(rows) == ["cacheblend", "cacheblend-unmarked"]
+    assert rows["cacheblend"]["gate"] == {"recompute": 3}  # marked: registered and reported
+    assert 0.35 < rows["cacheblend"]["over_unmarked"] < 0.7  # 20 ms marked, 10 ms unmarked
+    assert "paired_speedup" not in rows["cacheblend"]
