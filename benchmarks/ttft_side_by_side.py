@@ -8,7 +8,8 @@ sends one prompt per point to every server, the order of the servers rotating fr
 round, so a slow spell of the machine falls on all of them alike, and each server's TTFT is
 compared with flashinfer's of the same round (``paired_speedup``: the median over rounds of
 flashinfer's TTFT over the server's; ``over_unmarked``, with ``--unmarked-too``: the same
-against the server's own TTFT of the same prompt unmarked, which the host speed of whole server
+against the server's own TTFT of the same prompt unmarked (the same documents, with a first
+token and a question of its own like every prompt here), which the host speed of whole server
 processes, different from one to the next, does not move). A prompt leaves at least ``--settle-ms`` (10 ms) after
 its server's last answer: a server works on for a few ms after answering (SGLang's scheduler
 after a one-token prompt), and rows of one server that follow each other in a round (its
