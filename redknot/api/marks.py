@@ -113,23 +113,30 @@ def check_marks(
 ) -> None:
     """Raise :class:`SegmentMarkError` unless ``marks`` are ascending, disjoint, inside the
     prompt and each no longer than the context."""
-    prev: SegmentMark | None = None
-    for i, m in enumerate(marks):
-        if m.end > prompt_len:
+    check_ranges([(m.start, m.end) for m in marks], prompt_len=prompt_len, context_len=context_len)
+
+
+def check_ranges(
+    ranges: Sequence[tuple[int, int]], *, prompt_len: int, context_len: int | None = None
+) -> None:
+    """:func:`check_marks` on ``(start, end)`` token ranges (each non-empty already)."""
+    prev: tuple[int, int] | None = None
+    for i, (start, end) in enumerate(ranges):
+        if end > prompt_len:
             raise SegmentMarkError(
-                f"segment {i} [{m.start}, {m.end}) ends after the prompt ({prompt_len} tokens)"
+                f"segment {i} [{start}, {end}) ends after the prompt ({prompt_len} tokens)"
             )
-        if context_len is not None and m.num_tokens > context_len:
+        if context_len is not None and end - start > context_len:
             raise SegmentMarkError(
-                f"segment {i} has {m.num_tokens} tokens, more than the model's context "
+                f"segment {i} has {end - start} tokens, more than the model's context "
                 f"({context_len} tokens): split it into smaller segments"
             )
-        if prev is not None and m.start < prev.end:
+        if prev is not None and start < prev[1]:
             raise SegmentMarkError(
-                f"segments {i - 1} [{prev.start}, {prev.end}) and {i} [{m.start}, {m.end}) "
+                f"segments {i - 1} [{prev[0]}, {prev[1]}) and {i} [{start}, {end}) "
                 "overlap or are out of order"
             )
-        prev = m
+        prev = (start, end)
 
 
 def encode_marks(
@@ -244,11 +251,17 @@ def check_ids(input_ids: Sequence[int], marks: Sequence[SegmentMark]) -> None:
 def segment_ids(input_ids: Sequence[int], marks: Sequence[SegmentMark]) -> list[str]:
     """The content address of each mark's tokens in ``input_ids`` (the prompt packed once);
     what :func:`segment_id` gives for each, with its errors."""
+    return range_ids(input_ids, [(m.namespace, m.start, m.end) for m in marks])
+
+
+def range_ids(input_ids: Sequence[int], ranges: Sequence[tuple[str, int, int]]) -> list[str]:
+    """:func:`segment_ids` of ``(namespace, start, end)`` ranges of ``input_ids`` (checked
+    already: :func:`check_ranges`)."""
     from redknot.segcache.entry import SegmentError
     from redknot.segcache.entry import segment_ids as store_segment_ids
 
     try:
-        return store_segment_ids(input_ids, [(m.namespace, m.start, m.end) for m in marks])
+        return store_segment_ids(input_ids, ranges)
     except SegmentError as e:
         raise SegmentMarkError(str(e)) from None
 

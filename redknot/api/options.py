@@ -8,6 +8,7 @@ into content-defined chunks and make unmarked chat messages segments (see ``auto
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -104,9 +105,16 @@ class AutoSegmentsOption:
         )
 
 
+@functools.lru_cache(maxsize=1024)
+def valid_namespace_name(name: str) -> bool:
+    """Whether the string ``name`` is a valid namespace name (remembered: every marked span
+    names one, and a server sees few)."""
+    return NAMESPACE_PATTERN.fullmatch(name) is not None
+
+
 def check_namespace_name(name: object, *, where: str = "namespace") -> str:
     """``name`` if it is a valid namespace name, else ValueError saying what is allowed."""
-    if not (isinstance(name, str) and NAMESPACE_PATTERN.fullmatch(name)):
+    if not (isinstance(name, str) and valid_namespace_name(name)):
         raise ValueError(
             f"{where} {name!r} is not a valid namespace name: use a string of 1 to 64 "
             "characters from letters, digits and _ . : / -, starting with a letter or digit"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from redknot.api import control
@@ -20,9 +20,9 @@ from redknot.api.marks import (
     KEY_RECOMPUTED,
     SegmentMark,
     SegmentMarkError,
-    check_marks,
+    check_ranges,
     encode_marks,
-    segment_ids,
+    range_ids,
 )
 from redknot.api.namespaces import NamespaceRegistry
 from redknot.api.options import AutoSegmentsOption, ChatSegments
@@ -139,19 +139,20 @@ class SegmentApi:
         where: str,
     ) -> list[SegmentMark]:
         """Validated marks of one prompt from its token spans (sorted, disjoint)."""
-        marks = []
+        ranges = []
         for i, ((start, end), ns) in enumerate(zip(token_spans, namespaces, strict=True)):
             self.namespaces.require(ns, where=f"{where} segment {i} namespace")
             if end <= start:
                 raise SegmentMarkError(
                     f"{where} segment {i} has no tokens: its text tokenises to nothing"
                 )
-            marks.append(SegmentMark(start, end, ns, ""))
-        check_marks(marks, prompt_len=len(input_ids), context_len=self.context_len)
-        if not marks or self.inert is not None:  # inert: no id is ever looked up
-            return marks
-        ids = segment_ids(input_ids, marks)  # the prompt packed once for all its segments
-        return [replace(m, segment_id=sid) for m, sid in zip(marks, ids, strict=True)]
+            ranges.append((ns, start, end))
+        check_ranges(
+            [r[1:] for r in ranges], prompt_len=len(input_ids), context_len=self.context_len
+        )
+        # the prompt packed once for all its segments; inert: no id is ever looked up
+        ids = range_ids(input_ids, ranges) if ranges and self.inert is None else [""] * len(ranges)
+        return [SegmentMark(a, b, ns, sid) for (ns, a, b), sid in zip(ranges, ids, strict=True)]
 
     def encode(self, marks: Sequence[SegmentMark], store: Sequence[int] = ()) -> dict[str, Any]:
         """The ``custom_params`` entries that carry one prompt's ``marks`` to the scheduler

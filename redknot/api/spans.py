@@ -14,7 +14,7 @@ from itertools import pairwise
 from typing import Any
 
 from redknot.api.marks import SegmentMarkError
-from redknot.api.options import DEFAULT_NAMESPACE, check_namespace_name
+from redknot.api.options import DEFAULT_NAMESPACE, check_namespace_name, valid_namespace_name
 
 FIELD = "redknot_segments"
 _KEYS = {"start", "end", "namespace"}
@@ -35,6 +35,32 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+def _checked(item: Any, at: str, length: int, unit: str) -> Span:
+    """One span ``item`` at ``at``, checked in order, with what is wrong said first."""
+    if not isinstance(item, dict):
+        raise SegmentMarkError(
+            f"{at} must be an object {{start, end, namespace}}, got {type(item).__name__}"
+        )
+    if sorted(set(item) - _KEYS) or "start" not in item or "end" not in item:
+        raise SegmentMarkError(
+            f"{at} needs 'start' and 'end' (optional 'namespace'), got keys {sorted(item)}"
+        )
+    start, end = _int(item["start"], f"{at}.start"), _int(item["end"], f"{at}.end")
+    try:
+        ns = check_namespace_name(item.get("namespace", DEFAULT_NAMESPACE), where=f"{at}.namespace")
+    except ValueError as e:
+        raise SegmentMarkError(str(e)) from None
+    if start < 0 or end < 0:
+        raise SegmentMarkError(f"{at} [{start}, {end}) has a negative offset: offsets start at 0")
+    if end <= start:
+        raise SegmentMarkError(f"{at} [{start}, {end}) is empty: end must be greater than start")
+    if end > length:
+        raise SegmentMarkError(
+            f"{at} [{start}, {end}) is out of range: the prompt has {length} {unit}s"
+        )
+    return Span(start, end, ns)
+
+
 def parse_spans(value: Any, *, unit: str, length: int, where: str = FIELD) -> list[Span]:
     """Validated spans of one prompt of ``length`` ``unit`` s, sorted by start."""
     if not isinstance(value, list):
@@ -44,36 +70,20 @@ def parse_spans(value: Any, *, unit: str, length: int, where: str = FIELD) -> li
         )
     spans = []
     for i, item in enumerate(value):
-        at = f"{where}[{i}]"
-        if not isinstance(item, dict):
-            raise SegmentMarkError(
-                f"{at} must be an object {{start, end, namespace}}, got {type(item).__name__}"
-            )
-        unknown = sorted(set(item) - _KEYS)
-        if unknown or "start" not in item or "end" not in item:
-            raise SegmentMarkError(
-                f"{at} needs 'start' and 'end' (optional 'namespace'), got keys {sorted(item)}"
-            )
-        start, end = _int(item["start"], f"{at}.start"), _int(item["end"], f"{at}.end")
-        try:
-            ns = check_namespace_name(
-                item.get("namespace", DEFAULT_NAMESPACE), where=f"{at}.namespace"
-            )
-        except ValueError as e:
-            raise SegmentMarkError(str(e)) from None
-        if start < 0 or end < 0:
-            raise SegmentMarkError(
-                f"{at} [{start}, {end}) has a negative offset: offsets start at 0"
-            )
-        if end <= start:
-            raise SegmentMarkError(
-                f"{at} [{start}, {end}) is empty: end must be greater than start"
-            )
-        if end > length:
-            raise SegmentMarkError(
-                f"{at} [{start}, {end}) is out of range: the prompt has {length} {unit}s"
-            )
-        spans.append((i, Span(start, end, ns)))
+        if type(item) is dict:  # the usual span, checked without building its messages
+            start, end = item.get("start"), item.get("end")
+            ns = item.get("namespace", DEFAULT_NAMESPACE)
+            if (
+                type(start) is int  # not bool, whose type is not int
+                and type(end) is int
+                and 0 <= start < end <= length
+                and type(ns) is str
+                and valid_namespace_name(ns)
+                and len(item) == 2 + ("namespace" in item)  # no other key
+            ):
+                spans.append((i, Span(start, end, ns)))
+                continue
+        spans.append((i, _checked(item, f"{where}[{i}]", length, unit)))  # raises what is wrong
     spans.sort(key=lambda t: t[1].start)
     for (i, a), (j, b) in pairwise(spans):
         if b.start < a.end:
