@@ -10,10 +10,10 @@ compared with flashinfer's of the same round (``paired_speedup``: the median ove
 flashinfer's TTFT over the server's; ``over_unmarked``, with ``--unmarked-too``: the same
 against the server's own TTFT of the same prompt unmarked (the same documents, with a first
 token and a question of its own like every prompt here), which the host speed of whole server
-processes, different from one to the next, does not move). A prompt leaves at least ``--settle-ms`` (10 ms) after
-its server's last answer: a server works on for a few ms after answering (SGLang's scheduler
-after a one-token prompt), and rows of one server that follow each other in a round (its
-``-unmarked`` and ``-params`` rows) would otherwise wait for it unequally.
+processes, different from one to the next, does not move). A prompt leaves at least
+``--settle-ms`` (10 ms) after its server's last answer: a server works on for a few ms after
+answering (SGLang's scheduler after a one-token prompt), and rows of one server that follow each
+other in a round (its ``-unmarked`` and ``-params`` rows) would otherwise wait for it unequally.
 
 Servers are ``sglang.launch_server`` processes with the given flags and SGLang's defaults
 otherwise (the prefill CUDA graph included), dummy weights, token ids in. A prompt is one
@@ -246,7 +246,7 @@ def measure(urls: dict[str, str], args, vocab: int, on_point=None) -> dict:
                     name: round(1e3 * statistics.median(p[name] for p in seen), 3)
                     for name in PHASES
                 }
-        for name, row in list(rows.items()):  # a marked row against its own server unmarked
+        for name, row in rows.items():  # a marked row against its own server unmarked
             plain = rows.get(f"{name}{UNMARKED}")
             if plain is not None:
                 row["over_unmarked"] = round(statistics.median(

@@ -41,7 +41,7 @@ def _checked(item: Any, at: str, length: int, unit: str) -> Span:
         raise SegmentMarkError(
             f"{at} must be an object {{start, end, namespace}}, got {type(item).__name__}"
         )
-    if sorted(set(item) - _KEYS) or "start" not in item or "end" not in item:
+    if set(item) - _KEYS or "start" not in item or "end" not in item:
         raise SegmentMarkError(
             f"{at} needs 'start' and 'end' (optional 'namespace'), got keys {sorted(item)}"
         )

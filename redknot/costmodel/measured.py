@@ -148,7 +148,7 @@ class MeasuredCorrection:
             if known is None:
                 known = ()
                 if self._ratio("recompute", tokens) is None:
-                    sizes = sorted({s.tokens for s in self._samples["recompute"]})
+                    sizes = self._sizes("recompute")
                     ratios = ((n, self._ratio("recompute", n)) for n in sizes if n >= prompt)
                     known = tuple((n, r) for n, r in ratios if r is not None)
                 self._caps[key] = known
@@ -159,7 +159,10 @@ class MeasuredCorrection:
         its ratio can change with the size (the edges of their :data:`NEAR` and :data:`SPAN`
         windows)."""
         with self._lock:
-            return sorted({s.tokens for s in self._samples[path]})
+            return self._sizes(path)
+
+    def _sizes(self, path: str) -> list[int]:
+        return sorted({s.tokens for s in self._samples[path]})
 
     def counts(self) -> dict[str, int]:
         with self._lock:
